@@ -1,0 +1,160 @@
+package storage
+
+import (
+	"bytes"
+	"time"
+)
+
+// This file is the registry's state machine. Each Decide function takes the
+// store's clock reading, the stored record (nil when absent) and the request,
+// and returns what the store must answer and, when write is true, the record
+// it must store in place of cur. The embedded store executes these functions
+// under its per-key serialisation; the SQL store expresses the same
+// predicates in its conditional statements and runs these functions on the
+// record it read to classify every answer it did not write. The conformance
+// suite (storage/storagetest) holds both to the same table.
+
+// Live reports whether r counts as present at now: a record whose ExpiresAt
+// has passed is absent, whether or not it was swept yet.
+func (r *Record) Live(now time.Time) bool { return r != nil && now.Before(r.ExpiresAt) }
+
+// LeaseLive reports whether r's lease is still running at now.
+func (r *Record) LeaseLive(now time.Time) bool { return now.Before(r.LeaseExpiresAt) }
+
+// FingerprintsConflict reports whether a stored and a given fingerprint
+// disagree. An empty fingerprint on either side matches anything.
+func FingerprintsConflict(stored, given []byte) bool {
+	return len(stored) > 0 && len(given) > 0 && !bytes.Equal(stored, given)
+}
+
+// NextToken is the token issued after prev at now: greater than prev, and
+// never below the clock in microseconds. Taking the clock into account keeps
+// tokens increasing after a record expired and was deleted: a deleted record
+// expired at least its retention after its last token was issued, so the
+// clock has moved past every token it ever held.
+func NextToken(prev int64, now time.Time) int64 {
+	return max(prev+1, now.UnixMicro())
+}
+
+// DecideClaim decides a Claim. On acquisition it returns the new record with
+// write set. Otherwise cur is unchanged and the result describes it.
+func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, write bool, err error) {
+	if !cur.Live(now) {
+		var prev int64
+		if cur != nil {
+			prev = cur.Token
+		}
+		rec := Record{
+			Key:            p.Key,
+			State:          StateInProgress,
+			Fingerprint:    p.Fingerprint,
+			Token:          NextToken(prev, now),
+			Attempt:        1,
+			Holder:         p.Holder,
+			CreatedAt:      now,
+			LeaseExpiresAt: now.Add(p.Lease),
+			ExpiresAt:      now.Add(p.Lease + p.Retention),
+			Retention:      p.Retention,
+		}
+		return ClaimResult{Outcome: OutcomeAcquired, Record: rec}, true, nil
+	}
+	if FingerprintsConflict(cur.Fingerprint, p.Fingerprint) {
+		return ClaimResult{}, false, ErrFingerprintMismatch
+	}
+	switch {
+	case cur.State == StateCompleted:
+		return ClaimResult{Outcome: OutcomeCompleted, Record: *cur}, false, nil
+	case cur.LeaseLive(now):
+		return ClaimResult{Outcome: OutcomeInProgress, Record: *cur, RetryAfter: cur.LeaseExpiresAt.Sub(now)}, false, nil
+	}
+	// Takeover of an expired lease.
+	rec := *cur
+	if len(rec.Fingerprint) == 0 {
+		rec.Fingerprint = p.Fingerprint
+	}
+	rec.Token = NextToken(cur.Token, now)
+	rec.Attempt = cur.Attempt + 1
+	rec.Holder = p.Holder
+	rec.LeaseExpiresAt = now.Add(p.Lease)
+	rec.ExpiresAt = now.Add(p.Lease + p.Retention)
+	rec.Retention = p.Retention
+	return ClaimResult{Outcome: OutcomeAcquired, Record: rec}, true, nil
+}
+
+// fenced checks the token of a Complete, Release or Extend.
+func fenced(now time.Time, cur *Record, token int64) error {
+	if !cur.Live(now) {
+		return ErrNotFound
+	}
+	if cur.Token != token {
+		return ErrLeaseLost
+	}
+	return nil
+}
+
+// DecideComplete decides a Complete. The current token may complete even
+// after its lease ran out, as long as nobody took over. Completing an
+// already completed record with its token is a success without a write, so
+// a caller whose reply was lost can retry; the first result stays.
+func DecideComplete(now time.Time, cur *Record, p CompleteParams) (rec Record, write bool, err error) {
+	if err := fenced(now, cur, p.Token); err != nil {
+		return Record{}, false, err
+	}
+	if cur.State == StateCompleted {
+		return *cur, false, nil
+	}
+	rec = *cur
+	rec.State = StateCompleted
+	rec.Result = p.Result
+	rec.CompletedAt = now
+	rec.ExpiresAt = now.Add(cur.Retention)
+	return rec, true, nil
+}
+
+// DecideRelease decides a Release: the lease ends now so the next Claim
+// acquires at once. Releasing a lease that already ended is a success
+// without a write.
+func DecideRelease(now time.Time, cur *Record, p ReleaseParams) (rec Record, write bool, err error) {
+	if err := fenced(now, cur, p.Token); err != nil {
+		return Record{}, false, err
+	}
+	if cur.State == StateCompleted {
+		return Record{}, false, ErrAlreadyCompleted
+	}
+	if !cur.LeaseLive(now) {
+		return *cur, false, nil
+	}
+	rec = *cur
+	rec.LeaseExpiresAt = now
+	return rec, true, nil
+}
+
+// DecideExtend decides an Extend: the lease runs for p.Lease from now, and
+// the record is kept at least its retention after the new lease ends.
+func DecideExtend(now time.Time, cur *Record, p ExtendParams) (rec Record, write bool, err error) {
+	if err := fenced(now, cur, p.Token); err != nil {
+		return Record{}, false, err
+	}
+	if cur.State == StateCompleted {
+		return Record{}, false, ErrAlreadyCompleted
+	}
+	rec = *cur
+	rec.LeaseExpiresAt = now.Add(p.Lease)
+	rec.ExpiresAt = maxTime(cur.ExpiresAt, rec.LeaseExpiresAt.Add(cur.Retention))
+	return rec, true, nil
+}
+
+// DecideLookup decides a Lookup.
+func DecideLookup(now time.Time, cur *Record) (Record, error) {
+	if !cur.Live(now) {
+		return Record{}, ErrNotFound
+	}
+	return *cur, nil
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}

@@ -1,0 +1,162 @@
+// Package storage defines what idemreg keeps and the rules it keeps it by.
+//
+// It owns the record types, the Store interface every backend implements,
+// the errors a Store returns, and the registry's state machine (rules.go):
+// the one description of what Claim, Complete, Release, Extend and Lookup
+// decide for a given stored record at a given instant of the store's clock.
+// Backends execute those decisions atomically; they do not invent their own.
+//
+// storage imports no gRPC: the server translates these errors to statuses.
+package storage
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Kind says what a key names.
+type Kind uint8
+
+const (
+	// KindMessage is a broker message id de-duplicated by an inbox-style consumer.
+	KindMessage Kind = 1
+	// KindOperation is an idempotency key for an operation, such as an external call.
+	KindOperation Kind = 2
+)
+
+// Valid reports whether k is a known kind.
+func (k Kind) Valid() bool { return k == KindMessage || k == KindOperation }
+
+// State is the state of a stored record.
+type State uint8
+
+const (
+	// StateInProgress: the holder of the current token is working on the key.
+	StateInProgress State = 1
+	// StateCompleted: the record holds the result to replay.
+	StateCompleted State = 2
+)
+
+// Outcome is the answer to a Claim.
+type Outcome uint8
+
+const (
+	// OutcomeAcquired: the caller owns the key with the record's token.
+	OutcomeAcquired Outcome = 1
+	// OutcomeInProgress: another holder's lease is live.
+	OutcomeInProgress Outcome = 2
+	// OutcomeCompleted: the record holds the result to replay.
+	OutcomeCompleted Outcome = 3
+)
+
+// Key identifies a record.
+type Key struct {
+	Consumer string
+	Kind     Kind
+	Key      string
+}
+
+// Record is a stored key. Times are the store's clock.
+type Record struct {
+	Key
+	State State
+	// Fingerprint is empty when none was given.
+	Fingerprint []byte
+	// Token is the current fencing token; tokens of one key strictly increase.
+	Token int64
+	// Attempt counts acquisitions since the record was created.
+	Attempt        int64
+	Holder         string
+	CreatedAt      time.Time
+	LeaseExpiresAt time.Time
+	// CompletedAt is zero while in progress.
+	CompletedAt time.Time
+	// ExpiresAt is when the record starts to count as absent.
+	ExpiresAt time.Time
+	// Retention is how long the record is kept after its lease or its
+	// completion; Complete applies it.
+	Retention time.Duration
+	// Result is the encoded result, opaque to storage; set when completed.
+	Result []byte
+}
+
+// ClaimParams are the arguments of Store.Claim. Lease and Retention are
+// positive; the server applies defaults and bounds before calling.
+type ClaimParams struct {
+	Key
+	Fingerprint []byte
+	Lease       time.Duration
+	Retention   time.Duration
+	Holder      string
+}
+
+// ClaimResult is the answer of Store.Claim.
+type ClaimResult struct {
+	Outcome Outcome
+	// Record is the record after the claim: the caller's own when acquired,
+	// the other holder's when in progress, the completed one when completed.
+	Record Record
+	// RetryAfter is what is left of the holder's lease when in progress.
+	RetryAfter time.Duration
+}
+
+// CompleteParams are the arguments of Store.Complete.
+type CompleteParams struct {
+	Key
+	Token  int64
+	Result []byte
+}
+
+// ReleaseParams are the arguments of Store.Release.
+type ReleaseParams struct {
+	Key
+	Token int64
+}
+
+// ExtendParams are the arguments of Store.Extend. Lease is positive.
+type ExtendParams struct {
+	Key
+	Token int64
+	Lease time.Duration
+}
+
+// Store keeps records. Every method is atomic per key and safe for
+// concurrent use by many processes sharing the same backend. Every time
+// comparison uses the store's clock.
+type Store interface {
+	// Claim decides by DecideClaim. Errors: ErrFingerprintMismatch, ErrUnavailable.
+	Claim(ctx context.Context, p ClaimParams) (ClaimResult, error)
+	// Complete decides by DecideComplete and returns the stored record.
+	// Errors: ErrNotFound, ErrLeaseLost, ErrUnavailable.
+	Complete(ctx context.Context, p CompleteParams) (Record, error)
+	// Release decides by DecideRelease. Errors: ErrNotFound, ErrLeaseLost,
+	// ErrAlreadyCompleted, ErrUnavailable.
+	Release(ctx context.Context, p ReleaseParams) (Record, error)
+	// Extend decides by DecideExtend. Errors: ErrNotFound, ErrLeaseLost,
+	// ErrAlreadyCompleted, ErrUnavailable.
+	Extend(ctx context.Context, p ExtendParams) (Record, error)
+	// Lookup returns the live record. Errors: ErrNotFound, ErrUnavailable.
+	Lookup(ctx context.Context, k Key) (Record, error)
+	// Ping reports whether the store can serve requests.
+	Ping(ctx context.Context) error
+	// Close releases the store's resources.
+	Close() error
+}
+
+// Errors returned by a Store. Backends wrap driver errors in ErrUnavailable
+// (with %w, so the cause stays inspectable for logs) and return the others
+// as they are.
+var (
+	// ErrNotFound: no live record (absent, or expired whether swept or not).
+	ErrNotFound = errors.New("record not found")
+	// ErrLeaseLost: the token is not the record's current token.
+	ErrLeaseLost = errors.New("lease lost: token is not current")
+	// ErrAlreadyCompleted: Release or Extend of a completed record.
+	ErrAlreadyCompleted = errors.New("record already completed")
+	// ErrFingerprintMismatch: the key is live with another fingerprint.
+	ErrFingerprintMismatch = errors.New("fingerprint mismatch")
+	// ErrUnavailable: the store could not answer (down, or conflicts
+	// outlasted the retries). Safe to retry.
+	ErrUnavailable = errors.New("store unavailable")
+)
