@@ -160,3 +160,25 @@ var (
 	// outlasted the retries). Safe to retry.
 	ErrUnavailable = errors.New("store unavailable")
 )
+
+// Sweeper is implemented by stores that can delete expired records in
+// bounded batches; the retention package drives it.
+type Sweeper interface {
+	// SweepExpired deletes at most limit records whose ExpiresAt has passed
+	// by the store's clock, oldest expiry first, in one short atomic unit.
+	// The delete re-checks expiry, so a record extended or re-claimed
+	// meanwhile is kept. It never deletes a live record.
+	SweepExpired(ctx context.Context, limit int) (SweepResult, error)
+	// OldestExpiry reports the earliest ExpiresAt among stored records,
+	// expired or not, and the store's clock reading; ok is false when the
+	// store holds no record.
+	OldestExpiry(ctx context.Context) (oldest, now time.Time, ok bool, err error)
+}
+
+// SweepResult is the answer of Sweeper.SweepExpired.
+type SweepResult struct {
+	// Deleted is how many records were deleted.
+	Deleted int
+	// Now is the store's clock reading used as the horizon.
+	Now time.Time
+}
