@@ -1,0 +1,52 @@
+package server
+
+import (
+	"fmt"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/storage"
+)
+
+func kindName(k storage.Kind) string { return idemregv1.Kind(k).String() }
+
+func timestamp(t time.Time) *timestamppb.Timestamp {
+	if t.IsZero() {
+		return nil
+	}
+	return timestamppb.New(t)
+}
+
+// toRecord converts a stored record for a response. The token of another
+// holder's live claim is withheld: tokens reach only the caller that
+// acquired them, so nobody completes or releases someone else's work by
+// copying a token out of a response.
+func toRecord(r storage.Record, withToken bool) (*idemregv1.Record, error) {
+	out := &idemregv1.Record{
+		Consumer:       r.Consumer,
+		Kind:           idemregv1.Kind(r.Kind),
+		Key:            r.Key.Key,
+		State:          idemregv1.State(r.State),
+		Fingerprint:    r.Fingerprint,
+		Attempt:        r.Attempt,
+		Holder:         r.Holder,
+		CreatedAt:      timestamp(r.CreatedAt),
+		LeaseExpiresAt: timestamp(r.LeaseExpiresAt),
+		CompletedAt:    timestamp(r.CompletedAt),
+		ExpiresAt:      timestamp(r.ExpiresAt),
+	}
+	if withToken || r.State == storage.StateCompleted {
+		out.Token = r.Token
+	}
+	if len(r.Result) > 0 {
+		var res idemregv1.Result
+		if err := proto.Unmarshal(r.Result, &res); err != nil {
+			return nil, fmt.Errorf("decoding stored result of %s/%s: %w", r.Consumer, r.Key.Key, err)
+		}
+		out.Result = &res
+	}
+	return out, nil
+}

@@ -1,0 +1,96 @@
+// Package server implements the idemreg.v1.RegistryService on top of a
+// storage.Store: it validates requests against Limits, applies defaults,
+// encodes results, and translates storage errors to gRPC statuses (once, in
+// status.go). server.go builds the grpc.Server with its middleware chain,
+// health and reflection.
+package server
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/idemreg/idemreg/storage"
+)
+
+// Limits are the bounds a request must respect and the defaults it gets.
+type Limits struct {
+	// DefaultLease applies when a Claim or Extend gives none.
+	DefaultLease time.Duration
+	// MinLease and MaxLease bound a requested lease.
+	MinLease, MaxLease time.Duration
+	// DefaultMessageRetention and DefaultOperationRetention apply when a
+	// Claim gives none, by kind.
+	DefaultMessageRetention, DefaultOperationRetention time.Duration
+	// MinRetention and MaxRetention bound a requested retention.
+	MinRetention, MaxRetention time.Duration
+	// MaxResultBytes bounds the encoded size of a stored result.
+	MaxResultBytes int
+}
+
+// Default limits, documented in docs/semantics.md.
+const (
+	DefaultLease              = 30 * time.Second
+	DefaultMinLease           = time.Second
+	DefaultMaxLease           = time.Hour
+	DefaultMessageRetention   = 7 * 24 * time.Hour
+	DefaultOperationRetention = 24 * time.Hour
+	// DefaultMinRetention keeps every record far longer than any plausible
+	// clock skew between store nodes, which token monotonicity after expiry
+	// relies on (see storage.NextToken).
+	DefaultMinRetention   = time.Minute
+	DefaultMaxRetention   = 30 * 24 * time.Hour
+	DefaultMaxResultBytes = 1 << 20
+)
+
+// Fixed limits of the API, documented in the proto.
+const (
+	MaxConsumerBytes    = 128
+	MaxKeyBytes         = 256
+	MaxFingerprintBytes = 64
+	MaxHolderBytes      = 128
+)
+
+// DefaultLimits returns the limits used when none are configured.
+func DefaultLimits() Limits {
+	return Limits{
+		DefaultLease:              DefaultLease,
+		MinLease:                  DefaultMinLease,
+		MaxLease:                  DefaultMaxLease,
+		DefaultMessageRetention:   DefaultMessageRetention,
+		DefaultOperationRetention: DefaultOperationRetention,
+		MinRetention:              DefaultMinRetention,
+		MaxRetention:              DefaultMaxRetention,
+		MaxResultBytes:            DefaultMaxResultBytes,
+	}
+}
+
+// Validate reports limits that contradict each other.
+func (l Limits) Validate() error {
+	var errs []error
+	if l.MinLease <= 0 || l.MinLease > l.MaxLease {
+		errs = append(errs, fmt.Errorf("lease bounds: need 0 < min (%v) <= max (%v)", l.MinLease, l.MaxLease))
+	}
+	if l.DefaultLease < l.MinLease || l.DefaultLease > l.MaxLease {
+		errs = append(errs, fmt.Errorf("default lease %v outside [%v, %v]", l.DefaultLease, l.MinLease, l.MaxLease))
+	}
+	if l.MinRetention <= 0 || l.MinRetention > l.MaxRetention {
+		errs = append(errs, fmt.Errorf("retention bounds: need 0 < min (%v) <= max (%v)", l.MinRetention, l.MaxRetention))
+	}
+	for _, d := range []time.Duration{l.DefaultMessageRetention, l.DefaultOperationRetention} {
+		if d < l.MinRetention || d > l.MaxRetention {
+			errs = append(errs, fmt.Errorf("default retention %v outside [%v, %v]", d, l.MinRetention, l.MaxRetention))
+		}
+	}
+	if l.MaxResultBytes <= 0 {
+		errs = append(errs, fmt.Errorf("max result bytes must be positive, got %d", l.MaxResultBytes))
+	}
+	return errors.Join(errs...)
+}
+
+func (l Limits) defaultRetention(k storage.Kind) time.Duration {
+	if k == storage.KindMessage {
+		return l.DefaultMessageRetention
+	}
+	return l.DefaultOperationRetention
+}

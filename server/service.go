@@ -1,0 +1,126 @@
+package server
+
+import (
+	"context"
+	"log/slog"
+
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// Service implements idemregv1.RegistryServiceServer on a storage.Store.
+type Service struct {
+	idemregv1.UnimplementedRegistryServiceServer
+	store  storage.Store
+	limits Limits
+	logger *slog.Logger
+}
+
+// NewService returns the registry service. It fails when limits contradict
+// each other.
+func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Service, error) {
+	if err := limits.Validate(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	return &Service{store: store, limits: limits, logger: logger}, nil
+}
+
+// Claim implements RegistryServiceServer.
+func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idemregv1.ClaimResponse, error) {
+	p, err := s.validateClaim(req)
+	if err != nil {
+		return nil, err
+	}
+	res, err := s.store.Claim(ctx, p)
+	if err != nil {
+		return nil, s.toStatus(ctx, "Claim", p.Key, err)
+	}
+	acquired := res.Outcome == storage.OutcomeAcquired
+	rec, err := toRecord(res.Record, acquired)
+	if err != nil {
+		return nil, s.toStatus(ctx, "Claim", p.Key, err)
+	}
+	out := &idemregv1.ClaimResponse{Outcome: idemregv1.Outcome(res.Outcome), Record: rec}
+	switch res.Outcome {
+	case storage.OutcomeAcquired:
+		out.Token = res.Record.Token
+	case storage.OutcomeInProgress:
+		out.RetryAfter = durationpb.New(res.RetryAfter)
+	}
+	return out, nil
+}
+
+// Complete implements RegistryServiceServer.
+func (s *Service) Complete(ctx context.Context, req *idemregv1.CompleteRequest) (*idemregv1.CompleteResponse, error) {
+	p, err := s.validateComplete(req)
+	if err != nil {
+		return nil, err
+	}
+	rec, err := s.fenced(ctx, "Complete", p.Key, func() (storage.Record, error) { return s.store.Complete(ctx, p) })
+	if err != nil {
+		return nil, err
+	}
+	return &idemregv1.CompleteResponse{Record: rec}, nil
+}
+
+// Release implements RegistryServiceServer.
+func (s *Service) Release(ctx context.Context, req *idemregv1.ReleaseRequest) (*idemregv1.ReleaseResponse, error) {
+	p, err := s.validateRelease(req)
+	if err != nil {
+		return nil, err
+	}
+	rec, err := s.fenced(ctx, "Release", p.Key, func() (storage.Record, error) { return s.store.Release(ctx, p) })
+	if err != nil {
+		return nil, err
+	}
+	return &idemregv1.ReleaseResponse{Record: rec}, nil
+}
+
+// Extend implements RegistryServiceServer.
+func (s *Service) Extend(ctx context.Context, req *idemregv1.ExtendRequest) (*idemregv1.ExtendResponse, error) {
+	p, err := s.validateExtend(req)
+	if err != nil {
+		return nil, err
+	}
+	rec, err := s.fenced(ctx, "Extend", p.Key, func() (storage.Record, error) { return s.store.Extend(ctx, p) })
+	if err != nil {
+		return nil, err
+	}
+	return &idemregv1.ExtendResponse{Record: rec}, nil
+}
+
+// Lookup implements RegistryServiceServer.
+func (s *Service) Lookup(ctx context.Context, req *idemregv1.LookupRequest) (*idemregv1.LookupResponse, error) {
+	k, err := s.validateLookup(req)
+	if err != nil {
+		return nil, err
+	}
+	got, err := s.store.Lookup(ctx, k)
+	if err != nil {
+		return nil, s.toStatus(ctx, "Lookup", k, err)
+	}
+	rec, err := toRecord(got, false)
+	if err != nil {
+		return nil, s.toStatus(ctx, "Lookup", k, err)
+	}
+	return &idemregv1.LookupResponse{Record: rec}, nil
+}
+
+// fenced runs a token-fenced store call; the caller proved it holds the
+// token, so the record comes back with it.
+func (s *Service) fenced(ctx context.Context, method string, k storage.Key, call func() (storage.Record, error)) (*idemregv1.Record, error) {
+	got, err := call()
+	if err != nil {
+		return nil, s.toStatus(ctx, method, k, err)
+	}
+	rec, err := toRecord(got, true)
+	if err != nil {
+		return nil, s.toStatus(ctx, method, k, err)
+	}
+	return rec, nil
+}

@@ -1,0 +1,83 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/protoadapt"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/idemreg/idemreg/storage"
+)
+
+// ErrorDomain is the ErrorInfo domain of every idemreg error.
+const ErrorDomain = "idemreg"
+
+// Reasons carried in ErrorInfo.Reason; the proto documents each.
+const (
+	ReasonInvalidArgument     = "INVALID_ARGUMENT"
+	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
+	ReasonLeaseLost           = "LEASE_LOST"
+	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
+	ReasonNotFound            = "NOT_FOUND"
+	ReasonStoreUnavailable    = "STORE_UNAVAILABLE"
+	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
+	ReasonCanceled            = "CANCELED"
+	ReasonInternal            = "INTERNAL"
+)
+
+// unavailableRetryAfter is the RetryInfo delay suggested when the store is
+// unavailable.
+const unavailableRetryAfter = time.Second
+
+func newStatus(code codes.Code, reason, msg string, meta map[string]string, extra ...protoadapt.MessageV1) error {
+	st := status.New(code, msg)
+	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain, Metadata: meta}}, extra...)
+	if withDetails, err := st.WithDetails(details...); err == nil {
+		st = withDetails
+	}
+	return st.Err()
+}
+
+func invalidArgument(v violations) error {
+	return newStatus(codes.InvalidArgument, ReasonInvalidArgument, "invalid request: "+v[0].Field+": "+v[0].Description,
+		nil, &errdetails.BadRequest{FieldViolations: v})
+}
+
+func keyMeta(k storage.Key) map[string]string {
+	return map[string]string{"consumer": k.Consumer, "kind": kindName(k.Kind), "key": k.Key}
+}
+
+// toStatus translates an error from the store into the status the client
+// sees. It is the only place where storage errors meet gRPC codes. Causes of
+// internal and unavailable errors are logged, never sent.
+func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, err error) error {
+	meta := keyMeta(k)
+	switch {
+	case errors.Is(err, storage.ErrFingerprintMismatch):
+		return newStatus(codes.FailedPrecondition, ReasonFingerprintMismatch,
+			"the key is live with a different fingerprint: the same key was used with different parameters", meta)
+	case errors.Is(err, storage.ErrLeaseLost):
+		return newStatus(codes.FailedPrecondition, ReasonLeaseLost,
+			"the token is not the record's current token: another holder took over the key", meta)
+	case errors.Is(err, storage.ErrAlreadyCompleted):
+		return newStatus(codes.FailedPrecondition, ReasonAlreadyCompleted, "the record is already completed", meta)
+	case errors.Is(err, storage.ErrNotFound):
+		return newStatus(codes.NotFound, ReasonNotFound, "no live record for the key (absent or expired)", meta)
+	case errors.Is(err, context.DeadlineExceeded):
+		return newStatus(codes.DeadlineExceeded, ReasonDeadlineExceeded, "the deadline ran out before the store answered", meta)
+	case errors.Is(err, context.Canceled):
+		return newStatus(codes.Canceled, ReasonCanceled, "the request was cancelled", meta)
+	case errors.Is(err, storage.ErrUnavailable):
+		s.logger.WarnContext(ctx, "store unavailable", "method", method, "consumer", k.Consumer, "error", err)
+		return newStatus(codes.Unavailable, ReasonStoreUnavailable, "the store is unavailable; retry later", meta,
+			&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
+	default:
+		s.logger.ErrorContext(ctx, "internal error", "method", method, "consumer", k.Consumer, "error", err)
+		return newStatus(codes.Internal, ReasonInternal, "internal error", meta)
+	}
+}

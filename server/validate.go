@@ -1,0 +1,177 @@
+package server
+
+import (
+	"fmt"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// violations collects the invalid fields of one request.
+type violations []*errdetails.BadRequest_FieldViolation
+
+func (v *violations) add(field, format string, args ...any) {
+	*v = append(*v, &errdetails.BadRequest_FieldViolation{Field: field, Description: fmt.Sprintf(format, args...)})
+}
+
+// err returns the INVALID_ARGUMENT status for the collected violations, or
+// nil when there are none.
+func (v violations) err() error {
+	if len(v) == 0 {
+		return nil
+	}
+	return invalidArgument(v)
+}
+
+func consumerByteOK(c byte) bool {
+	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
+		c == '.' || c == '_' || c == ':' || c == '/' || c == '-'
+}
+
+// key validates the (consumer, kind, key) triple shared by every request.
+func (v *violations) key(consumer string, kind idemregv1.Kind, key string) storage.Key {
+	switch {
+	case consumer == "":
+		v.add("consumer", "required")
+	case len(consumer) > MaxConsumerBytes:
+		v.add("consumer", "must be at most %d bytes, got %d", MaxConsumerBytes, len(consumer))
+	default:
+		for i := 0; i < len(consumer); i++ {
+			if !consumerByteOK(consumer[i]) {
+				v.add("consumer", "must contain only [A-Za-z0-9._:/-], found %q at byte %d", consumer[i], i)
+				break
+			}
+		}
+	}
+	k := storage.Kind(kind)
+	if kind != idemregv1.Kind_KIND_MESSAGE && kind != idemregv1.Kind_KIND_OPERATION {
+		v.add("kind", "must be KIND_MESSAGE or KIND_OPERATION, got %v", kind)
+	}
+	switch {
+	case key == "":
+		v.add("key", "required")
+	case len(key) > MaxKeyBytes:
+		v.add("key", "must be at most %d bytes, got %d", MaxKeyBytes, len(key))
+	case !utf8.ValidString(key):
+		v.add("key", "must be valid UTF-8")
+	default:
+		for i, r := range key {
+			if !unicode.IsPrint(r) {
+				v.add("key", "must be printable, found U+%04X at byte %d", r, i)
+				break
+			}
+		}
+	}
+	return storage.Key{Consumer: consumer, Kind: k, Key: key}
+}
+
+// duration validates an optional duration against bounds and returns def
+// when it is unset.
+func (v *violations) duration(field string, d *durationpb.Duration, def, lo, hi time.Duration) time.Duration {
+	if d == nil {
+		return def
+	}
+	if err := d.CheckValid(); err != nil {
+		v.add(field, "invalid duration: %v", err)
+		return 0
+	}
+	got := d.AsDuration()
+	if got < lo || got > hi {
+		v.add(field, "must be between %v and %v, got %v", lo, hi, got)
+	}
+	// Stores keep microseconds; both backends must see the same value.
+	return got.Truncate(time.Microsecond)
+}
+
+func (v *violations) token(t int64) {
+	if t <= 0 {
+		v.add("token", "required: the positive token returned by Claim")
+	}
+}
+
+func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams, error) {
+	var v violations
+	k := v.key(r.GetConsumer(), r.GetKind(), r.GetKey())
+	if n := len(r.GetFingerprint()); n > MaxFingerprintBytes {
+		v.add("fingerprint", "must be at most %d bytes, got %d", MaxFingerprintBytes, n)
+	}
+	switch h := r.GetHolder(); {
+	case len(h) > MaxHolderBytes:
+		v.add("holder", "must be at most %d bytes, got %d", MaxHolderBytes, len(h))
+	case !utf8.ValidString(h):
+		v.add("holder", "must be valid UTF-8")
+	}
+	l := s.limits
+	p := storage.ClaimParams{
+		Key:         k,
+		Fingerprint: r.GetFingerprint(),
+		Lease:       v.duration("lease", r.GetLease(), l.DefaultLease, l.MinLease, l.MaxLease),
+		Retention:   v.duration("retention", r.GetRetention(), l.defaultRetention(k.Kind), l.MinRetention, l.MaxRetention),
+		Holder:      r.GetHolder(),
+	}
+	return p, v.err()
+}
+
+func (s *Service) validateComplete(r *idemregv1.CompleteRequest) (storage.CompleteParams, error) {
+	var v violations
+	p := storage.CompleteParams{Key: v.key(r.GetConsumer(), r.GetKind(), r.GetKey()), Token: r.GetToken()}
+	v.token(r.GetToken())
+	res := r.GetResult()
+	switch o := res.GetOutcome().(type) {
+	case nil:
+		v.add("result", "required: a response or a failure")
+	case *idemregv1.Result_Failure:
+		if c := o.Failure.GetCode(); c <= 0 || c > 16 {
+			v.add("result.failure.code", "must be a google.rpc.Code other than OK (1-16), got %d", c)
+		}
+		if !utf8.ValidString(o.Failure.GetMessage()) {
+			v.add("result.failure.message", "must be valid UTF-8")
+		}
+	case *idemregv1.Result_Response:
+		if !utf8.ValidString(o.Response.GetType()) {
+			v.add("result.response.type", "must be valid UTF-8")
+		}
+	}
+	if res.GetOutcome() != nil {
+		if n := proto.Size(res); n > s.limits.MaxResultBytes {
+			v.add("result", "encoded result must be at most %d bytes, got %d", s.limits.MaxResultBytes, n)
+		} else if b, err := (proto.MarshalOptions{Deterministic: true}).Marshal(res); err != nil {
+			v.add("result", "cannot be encoded: %v", err)
+		} else {
+			p.Result = b
+		}
+	}
+	return p, v.err()
+}
+
+func (s *Service) validateRelease(r *idemregv1.ReleaseRequest) (storage.ReleaseParams, error) {
+	var v violations
+	p := storage.ReleaseParams{Key: v.key(r.GetConsumer(), r.GetKind(), r.GetKey()), Token: r.GetToken()}
+	v.token(r.GetToken())
+	return p, v.err()
+}
+
+func (s *Service) validateExtend(r *idemregv1.ExtendRequest) (storage.ExtendParams, error) {
+	var v violations
+	l := s.limits
+	p := storage.ExtendParams{
+		Key:   v.key(r.GetConsumer(), r.GetKind(), r.GetKey()),
+		Token: r.GetToken(),
+		Lease: v.duration("lease", r.GetLease(), l.DefaultLease, l.MinLease, l.MaxLease),
+	}
+	v.token(r.GetToken())
+	return p, v.err()
+}
+
+func (s *Service) validateLookup(r *idemregv1.LookupRequest) (storage.Key, error) {
+	var v violations
+	k := v.key(r.GetConsumer(), r.GetKind(), r.GetKey())
+	return k, v.err()
+}
