@@ -1,0 +1,26 @@
+# The developers' entry point. `make test` is the README's test command.
+BUF := go tool -modfile=proto/tools/go.mod buf
+
+.PHONY: run test generate lint breaking bench build
+
+run: ## run the service on the embedded store
+	go run ./cmd/idemreg serve
+
+build:
+	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/idemreg ./cmd/idemreg
+
+test: ## the whole suite; starts PostgreSQL if it is down
+	.ci/test
+
+generate: ## regenerate Go code from proto/
+	$(BUF) generate --template proto/buf.gen.yaml
+
+lint:
+	$(BUF) lint
+	go vet ./...
+
+breaking: ## compare the API with main
+	$(BUF) breaking --against '.git#branch=main'
+
+bench:
+	go test -run '^$$' -bench . -benchmem ./...
