@@ -1,0 +1,58 @@
+// Command idemreg runs the idempotency-key registry.
+//
+//	idemreg serve     run the gRPC service
+//	idemreg migrate   apply the SQL schema to --database-url
+//
+// Every flag can also be set by an IDEMREG_* environment variable named
+// after it (--database-url is IDEMREG_DATABASE_URL); flags win.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+const usage = `idemreg: an idempotency-key registry
+
+Usage:
+  idemreg serve   [flags]   run the gRPC service
+  idemreg migrate [flags]   apply the SQL schema to --database-url
+
+Run "idemreg <command> -h" for the flags of a command.
+`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
+		if !errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintln(os.Stderr, "idemreg:", err)
+		}
+		os.Exit(2)
+	}
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return errors.New("no command given")
+	}
+	switch args[0] {
+	case "serve":
+		return serve(ctx, args[1:], stderr)
+	case "migrate":
+		return migrate(ctx, args[1:], stdout, stderr)
+	case "-h", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return nil
+	default:
+		fmt.Fprint(stderr, usage)
+		return fmt.Errorf("unknown command %q", args[0])
+	}
+}
