@@ -1,0 +1,61 @@
+// Package pebble is idemreg's embedded durable store: `idemreg serve` with
+// a data directory and nothing else to set up. It keeps records in a Pebble
+// database in that directory and decides every call with the registry's
+// state machine (storage.DecideClaim and the others), so it answers exactly
+// as the SQL store does.
+//
+// # Decisions and durability
+//
+// A call takes its key's lock (one of a fixed array of mutexes, hashed by
+// key), reads the record, decides with the clock reading and, when the
+// decision writes, commits the new record in a batch synced to the WAL before
+// it returns: whatever a call reported is on disk. Calls on different keys
+// never wait for each other's sync; Pebble's WAL gathers the syncs of
+// concurrent batches into one fsync (group commit), which is where the
+// throughput comes from. Times are kept in UTC, truncated to microseconds,
+// as a SQL store returns them.
+//
+// # Key layout
+//
+//	0x00 "format"             layout version (1)
+//	0x00 "token-floor"        greatest token of any record the sweeper deleted
+//	0x01 consumer 0x00 0x01 kind key
+//	                          a record; 0x00 in the consumer is written
+//	                          0x00 0xFF, so the key is unambiguous and sorts
+//	                          by (consumer, kind, key)
+//	0x02 expires_at record-key
+//	                          the expiry index: expires_at in big-endian
+//	                          microseconds, one entry per record
+//
+// A record value is a version byte followed by a compact binary encoding
+// (varints, length-prefixed bytes, the result last). Every write moves the
+// record's index entry in the same batch, so SweepExpired walks expiries
+// oldest first, touching only what it may delete, and OldestExpiry reads a
+// single entry.
+//
+// # Tokens
+//
+// storage.NextToken keeps a key's tokens increasing across the deletion of
+// its record by never issuing a token below the clock, which holds as long
+// as the clock does not step back by more than the shortest retention. This
+// store does not rely on that: each sweep raises a persisted token floor to
+// the greatest token it deleted, and a claim of a key with no record presents
+// the floor to DecideClaim as the expired record's token, so tokens keep
+// increasing across deletions and restarts whatever the wall clock does. It
+// costs nothing on the hot path.
+//
+// # The directory lock
+//
+// Open takes an exclusive flock on idemreg.lock in the directory and fails
+// with ErrLocked, naming the directory, while another Store holds it. Pebble's
+// own LOCK is an fcntl lock, which does not conflict within one process; the
+// flock does, and the kernel drops it when its process dies.
+//
+// # Why Pebble
+//
+// Pebble is the storage engine of CockroachDB: an LSM tree written in pure
+// Go (no cgo, so the binary stays static and cross-compiles), heavily tested
+// for crash safety, with a WAL that group-commits concurrent synced batches.
+// A registry's load is many small durable writes from many callers at once,
+// which is what that WAL is built for.
+package pebble
