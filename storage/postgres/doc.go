@@ -1,0 +1,3 @@
+// Package postgres is the SQL storage backend, for PostgreSQL and
+// CockroachDB.
+package postgres

@@ -1,0 +1,4 @@
+package postgres
+
+// ClaimSQL is the Claim statement, for the plan test.
+var ClaimSQL = claimSQL

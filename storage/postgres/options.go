@@ -1,0 +1,76 @@
+package postgres
+
+import (
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// DefaultMaxRetries is how many times a statement is retried after a
+// serialization failure or a deadlock before the call fails with
+// storage.ErrUnavailable.
+const DefaultMaxRetries = 10
+
+// Backoff between retries: exponential from retryBaseDelay, capped at
+// retryMaxDelay, with half of each delay drawn at random so that the
+// transactions that just conflicted do not collide again in step.
+const (
+	retryBaseDelay = 2 * time.Millisecond
+	retryMaxDelay  = 200 * time.Millisecond
+)
+
+// Option configures a Store.
+type Option func(*options)
+
+type options struct {
+	clockOffset func() time.Duration
+	maxRetries  int
+	logger      *slog.Logger
+	tracer      pgx.QueryTracer
+	poolConfig  func(*pgxpool.Config)
+}
+
+func defaultOptions() options {
+	return options{
+		clockOffset: func() time.Duration { return 0 },
+		maxRetries:  DefaultMaxRetries,
+		logger:      slog.Default(),
+	}
+}
+
+// WithClockOffset adds offset() to the database clock in every statement.
+// Tests move the store's clock forward with it; the default is zero. The
+// offset is applied in microseconds, the database's precision.
+func WithClockOffset(offset func() time.Duration) Option {
+	return func(o *options) { o.clockOffset = offset }
+}
+
+// WithMaxRetries sets how many times a statement is retried after a
+// serialization failure or deadlock (default DefaultMaxRetries). Zero means
+// one attempt and no retry.
+func WithMaxRetries(n int) Option {
+	return func(o *options) { o.maxRetries = max(n, 0) }
+}
+
+// WithLogger sets the logger for retries and internal inconsistencies
+// (default slog.Default()). Stored results are never logged.
+func WithLogger(l *slog.Logger) Option {
+	return func(o *options) { o.logger = l }
+}
+
+// WithTracer sets a pgx query tracer on every connection, for metrics or
+// tracing. pgx's multitracer combines several.
+func WithTracer(t pgx.QueryTracer) Option {
+	return func(o *options) { o.tracer = t }
+}
+
+// WithPoolConfig lets the caller adjust the pool configuration (pool sizes,
+// connection lifetimes, the ping of idle connections). Two settings are the
+// store's and are applied after fn: SERIALIZABLE as the default isolation,
+// and the preparation of the store's statements, which runs after any
+// AfterConnect that fn sets.
+func WithPoolConfig(fn func(*pgxpool.Config)) Option {
+	return func(o *options) { o.poolConfig = fn }
+}

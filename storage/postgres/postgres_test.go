@@ -1,0 +1,351 @@
+package postgres_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemreg/idemreg/storage"
+	"github.com/idemreg/idemreg/storage/postgres"
+	"github.com/idemreg/idemreg/storage/postgres/pgtest"
+	"github.com/idemreg/idemreg/storage/storagetest"
+)
+
+const envCockroachURL = "IDEMREG_TEST_COCKROACH_URL"
+
+func openStore(t *testing.T, databaseURL string, opts ...postgres.Option) *postgres.Store {
+	t.Helper()
+	s, err := postgres.Open(t.Context(), databaseURL, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, s.Close()) })
+	return s
+}
+
+// sharedDatabase serves every case of storagetest.Run: its keys are unique.
+func sharedDatabase(databaseURL string) storagetest.Factory {
+	return func(t *testing.T, c *storagetest.Clock) storage.Store {
+		return openStore(t, databaseURL, postgres.WithClockOffset(c.Offset))
+	}
+}
+
+// freshDatabases gives every case a database of its own, for
+// storagetest.RunSweeper, whose cases count deletions.
+func freshDatabases(serverURL string) storagetest.Factory {
+	return func(t *testing.T, c *storagetest.Clock) storage.Store {
+		return openStore(t, pgtest.NewDatabaseAt(t, serverURL), postgres.WithClockOffset(c.Offset))
+	}
+}
+
+func TestConformance(t *testing.T) {
+	storagetest.Run(t, sharedDatabase(pgtest.NewDatabase(t)))
+}
+
+func TestSweeperConformance(t *testing.T) {
+	storagetest.RunSweeper(t, freshDatabases(pgtest.ServerURL()))
+}
+
+func TestCockroach(t *testing.T) {
+	serverURL := os.Getenv(envCockroachURL)
+	if serverURL == "" {
+		t.Skip(envCockroachURL + " not set: CockroachDB conformance not run (no cluster on this machine)")
+	}
+	t.Run("Conformance", func(t *testing.T) {
+		storagetest.Run(t, sharedDatabase(pgtest.NewDatabaseAt(t, serverURL)))
+	})
+	t.Run("Sweeper", func(t *testing.T) {
+		storagetest.RunSweeper(t, freshDatabases(serverURL))
+	})
+}
+
+func isCockroach(t *testing.T, databaseURL string) bool {
+	t.Helper()
+	conn, err := pgx.Connect(t.Context(), databaseURL)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	var version string
+	require.NoError(t, conn.QueryRow(t.Context(), `SELECT version()`).Scan(&version))
+	return strings.Contains(version, "CockroachDB")
+}
+
+// queryCounter counts the statements pgx sends.
+type queryCounter struct{ n atomic.Int64 }
+
+func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+
+func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// writeCountingConn counts the writes to the server: pgx sends everything a
+// statement needs in one write, so a second write would be a second round
+// trip (a Parse/Describe before the execution, say).
+type writeCountingConn struct {
+	net.Conn
+	n *atomic.Int64
+}
+
+func (c writeCountingConn) Write(b []byte) (int, error) {
+	c.n.Add(1)
+	return c.Conn.Write(b)
+}
+
+// TestOneRoundTripPerCall counts statements (with a pgx tracer) and writes
+// on the connection for each kind of call: each is one statement, sent in
+// one write, from its first use on a connection.
+func TestOneRoundTripPerCall(t *testing.T) {
+	var (
+		queries queryCounter
+		writes  atomic.Int64
+		clock   storagetest.Clock
+	)
+	s := openStore(t, pgtest.NewDatabase(t),
+		postgres.WithClockOffset(clock.Offset),
+		postgres.WithTracer(&queries),
+		postgres.WithPoolConfig(func(cfg *pgxpool.Config) {
+			cfg.MaxConns = 1
+			// pgxpool pings a connection idle for over a second before
+			// handing it out; a slow machine must not make that count.
+			cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+			var d net.Dialer
+			cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+				conn, err := d.DialContext(ctx, network, addr)
+				if err != nil {
+					return nil, err
+				}
+				return writeCountingConn{Conn: conn, n: &writes}, nil
+			}
+		}))
+	require.NoError(t, s.Ping(t.Context())) // connects and prepares
+
+	ctx := t.Context()
+	k := storage.Key{Consumer: "roundtrip", Kind: storage.KindOperation, Key: "k-1"}
+	p := storage.ClaimParams{Key: k, Fingerprint: []byte("fp"), Lease: 10 * time.Second, Retention: time.Hour, Holder: "a"}
+	var token int64
+	cases := []struct {
+		name string
+		call func() error
+	}{
+		{"ClaimNewKey", func() error {
+			res, err := s.Claim(ctx, p)
+			token = res.Record.Token
+			return expectOutcome(res, err, storage.OutcomeAcquired)
+		}},
+		{"ClaimInProgress", func() error {
+			res, err := s.Claim(ctx, p)
+			return expectOutcome(res, err, storage.OutcomeInProgress)
+		}},
+		{"Extend", func() error {
+			_, err := s.Extend(ctx, storage.ExtendParams{Key: k, Token: token, Lease: time.Minute})
+			return err
+		}},
+		{"Release", func() error {
+			_, err := s.Release(ctx, storage.ReleaseParams{Key: k, Token: token})
+			return err
+		}},
+		{"ClaimTakeover", func() error {
+			res, err := s.Claim(ctx, p)
+			token = res.Record.Token
+			return expectOutcome(res, err, storage.OutcomeAcquired)
+		}},
+		{"Complete", func() error {
+			_, err := s.Complete(ctx, storage.CompleteParams{Key: k, Token: token, Result: []byte("r")})
+			return err
+		}},
+		{"CompleteRepeated", func() error {
+			_, err := s.Complete(ctx, storage.CompleteParams{Key: k, Token: token, Result: []byte("r")})
+			return err
+		}},
+		{"ClaimReplay", func() error {
+			res, err := s.Claim(ctx, p)
+			return expectOutcome(res, err, storage.OutcomeCompleted)
+		}},
+		{"Lookup", func() error {
+			_, err := s.Lookup(ctx, k)
+			return err
+		}},
+		{"OldestExpiry", func() error {
+			_, _, _, err := s.OldestExpiry(ctx)
+			return err
+		}},
+		{"SweepExpired", func() error {
+			_, err := s.SweepExpired(ctx, 100)
+			return err
+		}},
+	}
+	for _, tc := range cases {
+		q0, w0 := queries.n.Load(), writes.Load()
+		require.NoError(t, tc.call(), tc.name)
+		q, w := queries.n.Load()-q0, writes.Load()-w0
+		t.Logf("%-16s statements=%d writes=%d", tc.name, q, w)
+		require.EqualValues(t, 1, q, "%s: statements sent", tc.name)
+		require.EqualValues(t, 1, w, "%s: writes to the server", tc.name)
+	}
+}
+
+func expectOutcome(res storage.ClaimResult, err error, want storage.Outcome) error {
+	if err != nil {
+		return err
+	}
+	if res.Outcome != want {
+		return fmt.Errorf("outcome %v, want %v", res.Outcome, want)
+	}
+	return nil
+}
+
+// TestClaimFallbackNotExecutedWhenWritten reads PostgreSQL's plan of the
+// Claim statement: the pre-image scan sits under a one-time filter and is
+// not executed when the insert wrote.
+func TestClaimFallbackNotExecutedWhenWritten(t *testing.T) {
+	databaseURL := pgtest.NewDatabase(t)
+	if isCockroach(t, databaseURL) {
+		t.Skip("reads PostgreSQL's EXPLAIN output")
+	}
+	conn, err := pgx.Connect(t.Context(), databaseURL)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+
+	preImageLoops := func() float64 {
+		var plan []map[string]any
+		err := conn.QueryRow(t.Context(), `EXPLAIN (ANALYZE, FORMAT JSON) `+postgres.ClaimSQL,
+			"plan", int16(storage.KindMessage), "k", []byte{}, "h", int64(10_000_000), int64(3_600_000_000), int64(0),
+		).Scan(&plan)
+		require.NoError(t, err)
+		var loops []float64
+		var walk func(node map[string]any)
+		walk = func(node map[string]any) {
+			if node["Relation Name"] == "idemreg_records" && strings.Contains(fmt.Sprint(node["Node Type"]), "Scan") {
+				loops = append(loops, node["Actual Loops"].(float64))
+			}
+			children, _ := node["Plans"].([]any)
+			for _, c := range children {
+				walk(c.(map[string]any))
+			}
+		}
+		walk(plan[0]["Plan"].(map[string]any))
+		require.Len(t, loops, 1, "one scan of the table: the pre-image")
+		return loops[0]
+	}
+	require.Zero(t, preImageLoops(), "a new key: the insert wrote, the pre-image scan did not run")
+	require.EqualValues(t, 1, preImageLoops(), "an in-progress key: nothing written, the pre-image was read")
+}
+
+func TestMigrateTwiceIsNoOp(t *testing.T) {
+	databaseURL := pgtest.NewDatabase(t) // migrated once
+	conn, err := pgx.Connect(t.Context(), databaseURL)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+
+	type row struct {
+		Name      string
+		Variant   string
+		AppliedAt time.Time
+	}
+	applied := func() []row {
+		rows, err := conn.Query(t.Context(), `SELECT name, variant, applied_at FROM idemreg_schema_migrations ORDER BY name`)
+		require.NoError(t, err)
+		out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[row])
+		require.NoError(t, err)
+		return out
+	}
+	first := applied()
+	require.Len(t, first, 2)
+	require.Equal(t, "0001_records.sql", first[0].Name)
+	require.Equal(t, "0002_expires_at_index.sql", first[1].Name)
+
+	require.NoError(t, postgres.Migrate(t.Context(), databaseURL))
+	require.Equal(t, first, applied(), "a second Migrate applies nothing")
+
+	// A crash between a migration and its bookkeeping runs it again.
+	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_schema_migrations`)
+	require.NoError(t, err)
+	require.NoError(t, postgres.Migrate(t.Context(), databaseURL), "migrations are safe to repeat")
+	require.Len(t, applied(), 2)
+}
+
+// closedPortURL is a database URL nothing listens at.
+func closedPortURL(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	return "postgres://idemreg:secret@" + addr + "/idemreg?sslmode=disable"
+}
+
+func TestUnreachableDatabase(t *testing.T) {
+	s := openStore(t, closedPortURL(t))
+	// Far more than a refused connection takes; reaching it would mean the
+	// store waited instead of failing.
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	k := storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: "k"}
+	calls := []struct {
+		name string
+		call func() error
+	}{
+		{"Ping", func() error { return s.Ping(ctx) }},
+		{"Claim", func() error {
+			_, err := s.Claim(ctx, storage.ClaimParams{Key: k, Lease: time.Second, Retention: time.Hour})
+			return err
+		}},
+		{"Complete", func() error {
+			_, err := s.Complete(ctx, storage.CompleteParams{Key: k, Token: 1, Result: []byte("r")})
+			return err
+		}},
+		{"Lookup", func() error { _, err := s.Lookup(ctx, k); return err }},
+		{"SweepExpired", func() error { _, err := s.SweepExpired(ctx, 10); return err }},
+	}
+	for _, tc := range calls {
+		err := tc.call()
+		require.ErrorIs(t, err, storage.ErrUnavailable, tc.name)
+		require.NotErrorIs(t, err, context.DeadlineExceeded, tc.name)
+		require.NotContains(t, err.Error(), "secret", "%s: the password stays out of errors", tc.name)
+		require.NotContains(t, err.Error(), "idemreg_records", "%s: SQL stays out of errors", tc.name)
+	}
+}
+
+func TestContextErrors(t *testing.T) {
+	databaseURL := pgtest.NewDatabase(t)
+	s := openStore(t, databaseURL)
+	k := storage.Key{Consumer: "ctx", Kind: storage.KindOperation, Key: "k"}
+	p := storage.ClaimParams{Key: k, Lease: time.Minute, Retention: time.Hour, Holder: "a"}
+
+	cancelled, cancel := context.WithCancel(t.Context())
+	cancel()
+	_, err := s.Claim(cancelled, p)
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotErrorIs(t, err, storage.ErrUnavailable)
+
+	res, err := s.Claim(t.Context(), p)
+	require.NoError(t, err)
+
+	// Another session holds the row, so Complete waits until its deadline.
+	conn, err := pgx.Connect(t.Context(), databaseURL)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	tx, err := conn.Begin(t.Context())
+	require.NoError(t, err)
+	defer tx.Rollback(context.Background()) //nolint:errcheck // the lock's only purpose
+	_, err = tx.Exec(t.Context(), `SELECT 1 FROM idemreg_records WHERE consumer = $1 AND key = $2 FOR UPDATE`, k.Consumer, k.Key)
+	require.NoError(t, err)
+
+	short, cancelShort := context.WithTimeout(t.Context(), 300*time.Millisecond)
+	defer cancelShort()
+	_, err = s.Complete(short, storage.CompleteParams{Key: k, Token: res.Record.Token, Result: []byte("r")})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, storage.ErrUnavailable)
+
+	require.NoError(t, tx.Rollback(t.Context()))
+	_, err = s.Complete(t.Context(), storage.CompleteParams{Key: k, Token: res.Record.Token, Result: []byte("r")})
+	require.NoError(t, err, "the store recovers once the row is free")
+}

@@ -1,0 +1,239 @@
+package postgres
+
+// The statements below are the whole of the store's SQL. Each RPC runs one
+// of them as one implicit transaction: the conditional write and the read of
+// the record it did not write travel together, so there is no window between
+// a read and a write, and the database's clock is the only clock.
+//
+// Shape of the writing statements:
+//
+//	WITH clock AS (SELECT now() + offset AS now),
+//	     w     AS (<conditional INSERT or UPDATE> RETURNING <record>)
+//	SELECT true,  clock.now, <record> FROM w
+//	UNION ALL
+//	SELECT false, clock.now, <record> FROM idemreg_records WHERE <pk> AND NOT EXISTS (SELECT 1 FROM w)
+//
+// The second branch is the pre-image: the row as the statement's snapshot
+// saw it, read only when w wrote nothing (PostgreSQL plans NOT EXISTS over an
+// uncorrelated CTE as a one-time filter, so the scan is not executed when w
+// returned a row). The Go side hands the pre-image to the storage.Decide*
+// function, which classifies the answer; if that function says it would have
+// written, the SQL and the rules disagree, and the call fails loudly.
+//
+// Every predicate that decides a write carries a comment naming the rule in
+// storage/rules.go it mirrors. Durations travel as microsecond BIGINTs and
+// are turned into intervals by multiplying INTERVAL '1 microsecond', which
+// both PostgreSQL and CockroachDB accept; timestamps are microsecond-precise
+// on both, so the arithmetic is exact.
+
+// recordColumns is the column list every statement returns, in scan order.
+const recordColumns = `consumer, kind, key, state, fingerprint, token, attempt, holder,
+    created_at, lease_expires_at, completed_at, expires_at, retention_us, result`
+
+// claimSQL: $1 consumer, $2 kind, $3 key, $4 fingerprint, $5 holder,
+// $6 lease µs, $7 retention µs, $8 clock offset µs.
+//
+// The INSERT proposes a fresh record (DecideClaim on an absent key). On a
+// conflict, excluded.created_at is the statement's clock reading, and the
+// UPDATE's WHERE is DecideClaim's write condition: the stored record is not
+// live, or it is an in-progress record whose lease ran out and whose
+// fingerprint does not conflict (a takeover).
+var claimSQL = `
+WITH clock AS (
+    SELECT now() + CAST($8 AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+w AS (
+    INSERT INTO idemreg_records AS r (` + recordColumns + `)
+    SELECT CAST($1 AS TEXT), CAST($2 AS SMALLINT), CAST($3 AS TEXT),
+        1,                                                  -- StateInProgress
+        CAST($4 AS BYTEA),
+        CAST(extract(epoch FROM c.now) * 1000000 AS BIGINT),  -- NextToken(0, now): now in µs
+        1,                                                  -- Attempt
+        CAST($5 AS TEXT),
+        c.now,                                              -- CreatedAt
+        c.now + CAST($6 AS BIGINT) * INTERVAL '1 microsecond',  -- now + Lease
+        NULL,
+        c.now + (CAST($6 AS BIGINT) + CAST($7 AS BIGINT)) * INTERVAL '1 microsecond',  -- now + Lease + Retention
+        CAST($7 AS BIGINT),
+        NULL
+    FROM clock c
+    ON CONFLICT (consumer, kind, key) DO UPDATE SET
+        -- "r.expires_at <= excluded.created_at" is !cur.Live(now): the record
+        -- counts as absent and is replaced by a fresh one; otherwise this is
+        -- the takeover, which keeps the record and hands it to the caller.
+        state            = excluded.state,
+        -- takeover: "if len(rec.Fingerprint) == 0 { rec.Fingerprint = p.Fingerprint }"
+        fingerprint      = CASE WHEN r.expires_at <= excluded.created_at OR octet_length(r.fingerprint) = 0
+                                THEN excluded.fingerprint ELSE r.fingerprint END,
+        -- NextToken(cur.Token, now) = max(prev+1, now in µs), for both cases
+        token            = GREATEST(r.token + 1, excluded.token),
+        -- takeover: Attempt = cur.Attempt + 1
+        attempt          = CASE WHEN r.expires_at <= excluded.created_at THEN 1 ELSE r.attempt + 1 END,
+        holder           = excluded.holder,
+        -- a takeover keeps CreatedAt
+        created_at       = CASE WHEN r.expires_at <= excluded.created_at THEN excluded.created_at ELSE r.created_at END,
+        lease_expires_at = excluded.lease_expires_at,
+        completed_at     = CASE WHEN r.expires_at <= excluded.created_at THEN NULL ELSE r.completed_at END,
+        expires_at       = excluded.expires_at,
+        retention_us     = excluded.retention_us,
+        result           = CASE WHEN r.expires_at <= excluded.created_at THEN NULL ELSE r.result END
+    WHERE r.expires_at <= excluded.created_at                   -- !cur.Live(now)
+       OR (r.state = 1                                         -- cur.State != StateCompleted
+           AND r.lease_expires_at <= excluded.created_at       -- !cur.LeaseLive(now)
+           AND NOT (octet_length(r.fingerprint) > 0            -- !FingerprintsConflict(cur.Fingerprint, p.Fingerprint)
+                    AND octet_length(excluded.fingerprint) > 0
+                    AND r.fingerprint <> excluded.fingerprint))
+    RETURNING ` + recordColumnsOf("r") + `
+)
+SELECT true, c.now, ` + recordColumnsOf("w") + `
+FROM w CROSS JOIN clock c
+UNION ALL
+SELECT false, c.now, ` + recordColumnsOf("r") + `
+FROM idemreg_records r CROSS JOIN clock c
+WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+  AND NOT EXISTS (SELECT 1 FROM w)`
+
+// completeSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 result,
+// $6 clock offset µs.
+//
+// The written branch returns no result: the caller sent it, and keeping the
+// answer small keeps CockroachDB able to retry the statement server-side. A
+// repeated Complete is answered from the pre-image, which carries the stored
+// result (the first result stays).
+var completeSQL = `
+WITH clock AS (
+    SELECT now() + CAST($6 AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+w AS (
+    UPDATE idemreg_records AS r SET
+        state        = 2,                                                -- StateCompleted
+        result       = $5,
+        completed_at = c.now,
+        expires_at   = c.now + r.retention_us * INTERVAL '1 microsecond'  -- now + cur.Retention
+    FROM clock c
+    WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+      AND r.expires_at > c.now   -- fenced: cur.Live(now)
+      AND r.token = $4           -- fenced: cur.Token == p.Token
+      AND r.state = 1            -- cur.State != StateCompleted (a repeat is not written)
+    RETURNING ` + recordColumnsNoResultOf("r") + `
+)
+SELECT true, c.now, ` + recordColumnsOf("w") + `
+FROM w CROSS JOIN clock c
+UNION ALL
+SELECT false, c.now, ` + recordColumnsOf("r") + `
+FROM idemreg_records r CROSS JOIN clock c
+WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+  AND NOT EXISTS (SELECT 1 FROM w)`
+
+// releaseSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 clock offset µs.
+var releaseSQL = `
+WITH clock AS (
+    SELECT now() + CAST($5 AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+w AS (
+    UPDATE idemreg_records AS r SET
+        lease_expires_at = c.now
+    FROM clock c
+    WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+      AND r.expires_at > c.now         -- fenced: cur.Live(now)
+      AND r.token = $4                 -- fenced: cur.Token == p.Token
+      AND r.state = 1                  -- cur.State != StateCompleted
+      AND r.lease_expires_at > c.now   -- cur.LeaseLive(now): an ended lease is not written
+    RETURNING ` + recordColumnsNoResultOf("r") + `
+)
+SELECT true, c.now, ` + recordColumnsOf("w") + `
+FROM w CROSS JOIN clock c
+UNION ALL
+SELECT false, c.now, ` + recordColumnsNoResultOf("r") + `
+FROM idemreg_records r CROSS JOIN clock c
+WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+  AND NOT EXISTS (SELECT 1 FROM w)`
+
+// extendSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 lease µs,
+// $6 clock offset µs.
+var extendSQL = `
+WITH clock AS (
+    SELECT now() + CAST($6 AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+w AS (
+    UPDATE idemreg_records AS r SET
+        -- LeaseExpiresAt = now + p.Lease
+        lease_expires_at = c.now + CAST($5 AS BIGINT) * INTERVAL '1 microsecond',
+        -- ExpiresAt = max(cur.ExpiresAt, now + p.Lease + cur.Retention)
+        expires_at       = GREATEST(r.expires_at,
+                                    c.now + (CAST($5 AS BIGINT) + r.retention_us) * INTERVAL '1 microsecond')
+    FROM clock c
+    WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+      AND r.expires_at > c.now   -- fenced: cur.Live(now)
+      AND r.token = $4           -- fenced: cur.Token == p.Token
+      AND r.state = 1            -- cur.State != StateCompleted
+    RETURNING ` + recordColumnsNoResultOf("r") + `
+)
+SELECT true, c.now, ` + recordColumnsOf("w") + `
+FROM w CROSS JOIN clock c
+UNION ALL
+SELECT false, c.now, ` + recordColumnsNoResultOf("r") + `
+FROM idemreg_records r CROSS JOIN clock c
+WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+  AND NOT EXISTS (SELECT 1 FROM w)`
+
+// lookupSQL: $1 consumer, $2 kind, $3 key, $4 clock offset µs. Expired rows
+// stay until swept, so DecideLookup checks expiry on what this returns.
+var lookupSQL = `
+WITH clock AS (
+    SELECT now() + CAST($4 AS BIGINT) * INTERVAL '1 microsecond' AS now
+)
+SELECT false, c.now, ` + recordColumnsOf("r") + `
+FROM idemreg_records r CROSS JOIN clock c
+WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3`
+
+// sweepSQL: $1 limit, $2 clock offset µs. The outer expiry predicate repeats
+// the inner one so that a record re-claimed after the inner select read it
+// is kept (at SERIALIZABLE such a race aborts with 40001 and is retried).
+// Expired is !Live: expires_at <= now.
+const sweepSQL = `
+WITH clock AS (
+    SELECT now() + CAST($2 AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+d AS (
+    DELETE FROM idemreg_records
+    WHERE (consumer, kind, key) IN (
+            SELECT consumer, kind, key FROM idemreg_records
+            WHERE expires_at <= (SELECT now FROM clock)
+            ORDER BY expires_at
+            LIMIT $1)
+      AND expires_at <= (SELECT now FROM clock)
+    RETURNING 1
+)
+SELECT c.now, (SELECT count(*) FROM d) FROM clock c`
+
+// oldestExpirySQL: $1 clock offset µs.
+const oldestExpirySQL = `
+SELECT min(expires_at), now() + CAST($1 AS BIGINT) * INTERVAL '1 microsecond'
+FROM idemreg_records`
+
+// pingSQL is what Ping runs.
+const pingSQL = `SELECT 1`
+
+// preparedStatements are prepared on every new connection, so that each
+// call is a single Bind/Execute round trip from its first use.
+var preparedStatements = []string{
+	claimSQL, completeSQL, releaseSQL, extendSQL, lookupSQL, sweepSQL, oldestExpirySQL,
+}
+
+func recordColumnsOf(alias string) string {
+	return alias + ".consumer, " + alias + ".kind, " + alias + ".key, " + alias + ".state, " +
+		alias + ".fingerprint, " + alias + ".token, " + alias + ".attempt, " + alias + ".holder, " +
+		alias + ".created_at, " + alias + ".lease_expires_at, " + alias + ".completed_at, " +
+		alias + ".expires_at, " + alias + ".retention_us, " + alias + ".result"
+}
+
+// recordColumnsNoResultOf is recordColumnsOf with a NULL result, for answers
+// that need no result: in-progress records have none, and a written Complete
+// knows it.
+func recordColumnsNoResultOf(alias string) string {
+	return alias + ".consumer, " + alias + ".kind, " + alias + ".key, " + alias + ".state, " +
+		alias + ".fingerprint, " + alias + ".token, " + alias + ".attempt, " + alias + ".holder, " +
+		alias + ".created_at, " + alias + ".lease_expires_at, " + alias + ".completed_at, " +
+		alias + ".expires_at, " + alias + ".retention_us, CAST(NULL AS BYTEA) AS result"
+}
