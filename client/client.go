@@ -1,0 +1,174 @@
+package client
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+)
+
+// Client is the typed client of the registry. It is safe for concurrent use.
+type Client struct {
+	rpc    idemregv1.RegistryServiceClient
+	holder string
+	logger *slog.Logger
+}
+
+// ClientOption configures New.
+type ClientOption func(*Client)
+
+// WithHolder names this process in the records it claims, for diagnostics
+// (at most 128 bytes). The default is DefaultHolder().
+func WithHolder(name string) ClientOption { return func(c *Client) { c.holder = name } }
+
+// WithLogger receives the warnings of Once and the interceptors about
+// bookkeeping that failed after the work was done (a Complete or Release
+// the registry did not take). Messages are constant and fields never hold
+// results or payloads. The default discards them.
+func WithLogger(l *slog.Logger) ClientOption { return func(c *Client) { c.logger = l } }
+
+// DefaultHolder is "hostname/pid", the default holder name.
+func DefaultHolder() string {
+	host, err := os.Hostname()
+	if err != nil {
+		host = "unknown"
+	}
+	h := fmt.Sprintf("%s/%d", host, os.Getpid())
+	if len(h) > 128 {
+		h = h[len(h)-128:]
+	}
+	return h
+}
+
+// New returns a client of the registry reachable through conn.
+func New(conn grpc.ClientConnInterface, opts ...ClientOption) *Client {
+	c := &Client{rpc: idemregv1.NewRegistryServiceClient(conn), holder: DefaultHolder()}
+	for _, o := range opts {
+		o(c)
+	}
+	if c.logger == nil {
+		c.logger = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+// API returns the generated stub, for what the typed client does not cover.
+// Its errors are plain statuses; FromError types them.
+func (c *Client) API() idemregv1.RegistryServiceClient { return c.rpc }
+
+// ClaimParams are the arguments of Claim.
+type ClaimParams struct {
+	Key
+	// Fingerprint is an optional hash of the parameters, at most 64 bytes. A
+	// live record with another fingerprint answers ErrFingerprintMismatch.
+	Fingerprint []byte
+	// Lease is how long the claim is held; zero takes the registry default.
+	Lease time.Duration
+	// Retention is how long the record is kept after its last lease or its
+	// completion; zero takes the registry default for the kind.
+	Retention time.Duration
+	// Holder overrides the client's holder name for this claim.
+	Holder string
+}
+
+// Claim is the answer to a Claim.
+type Claim struct {
+	Outcome Outcome
+	// Token is the fencing token; set when acquired.
+	Token int64
+	// RetryAfter is what is left of the holder's lease; set when in progress.
+	RetryAfter time.Duration
+	// Record is the stored record: the caller's own when acquired, the other
+	// holder's (without its token) when in progress, the completed one with
+	// its Result when completed.
+	Record Record
+}
+
+func optDuration(d time.Duration) *durationpb.Duration {
+	if d == 0 {
+		return nil
+	}
+	return durationpb.New(d)
+}
+
+// Claim records the key for the caller, or reports who has it and what it
+// produced. Errors: ErrInvalidArgument, ErrFingerprintMismatch,
+// ErrUnavailable (an *UnavailableError), ErrDeadlineExceeded, ErrCanceled.
+func (c *Client) Claim(ctx context.Context, p ClaimParams) (Claim, error) {
+	holder := p.Holder
+	if holder == "" {
+		holder = c.holder
+	}
+	consumer, kind, key := p.proto()
+	res, err := c.rpc.Claim(ctx, &idemregv1.ClaimRequest{
+		Consumer: consumer, Kind: kind, Key: key,
+		Fingerprint: p.Fingerprint,
+		Lease:       optDuration(p.Lease),
+		Retention:   optDuration(p.Retention),
+		Holder:      holder,
+	})
+	if err != nil {
+		return Claim{}, FromError(err)
+	}
+	return Claim{
+		Outcome:    Outcome(res.GetOutcome()),
+		Token:      res.GetToken(),
+		RetryAfter: res.GetRetryAfter().AsDuration(),
+		Record:     recordFromProto(res.GetRecord()),
+	}, nil
+}
+
+// Complete stores the result under the caller's token and returns the
+// stored record. Repeating a successful Complete with the same token
+// returns the record unchanged (the first result stays), so a caller whose
+// reply was lost may retry. Errors: ErrInvalidArgument, ErrLeaseLost,
+// ErrNotFound, ErrUnavailable.
+func (c *Client) Complete(ctx context.Context, k Key, token int64, r Result) (Record, error) {
+	consumer, kind, key := k.proto()
+	res, err := c.rpc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: token, Result: r.proto()})
+	if err != nil {
+		return Record{}, FromError(err)
+	}
+	return recordFromProto(res.GetRecord()), nil
+}
+
+// Release gives up an in-progress claim without a result: nothing happened,
+// and the next Claim acquires at once. Errors: ErrInvalidArgument,
+// ErrLeaseLost, ErrAlreadyCompleted, ErrNotFound, ErrUnavailable.
+func (c *Client) Release(ctx context.Context, k Key, token int64) (Record, error) {
+	consumer, kind, key := k.proto()
+	res, err := c.rpc.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: key, Token: token})
+	if err != nil {
+		return Record{}, FromError(err)
+	}
+	return recordFromProto(res.GetRecord()), nil
+}
+
+// Extend renews the lease of an in-progress claim for lease from now (zero
+// takes the registry default). Errors: ErrInvalidArgument, ErrLeaseLost,
+// ErrAlreadyCompleted, ErrNotFound, ErrUnavailable.
+func (c *Client) Extend(ctx context.Context, k Key, token int64, lease time.Duration) (Record, error) {
+	consumer, kind, key := k.proto()
+	res, err := c.rpc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: key, Token: token, Lease: optDuration(lease)})
+	if err != nil {
+		return Record{}, FromError(err)
+	}
+	return recordFromProto(res.GetRecord()), nil
+}
+
+// Lookup returns the live record. Errors: ErrInvalidArgument, ErrNotFound,
+// ErrUnavailable.
+func (c *Client) Lookup(ctx context.Context, k Key) (Record, error) {
+	consumer, kind, key := k.proto()
+	res, err := c.rpc.Lookup(ctx, &idemregv1.LookupRequest{Consumer: consumer, Kind: kind, Key: key})
+	if err != nil {
+		return Record{}, FromError(err)
+	}
+	return recordFromProto(res.GetRecord()), nil
+}

@@ -1,0 +1,34 @@
+// Package client is the Go client of the idemreg registry. It owns three
+// things:
+//
+//   - a typed client ([New]) over the generated RegistryService stub whose
+//     errors are rebuilt from the status details, so callers write
+//     errors.Is(err, client.ErrFingerprintMismatch) or
+//     errors.As(err, &unavailable) instead of parsing codes;
+//   - [Client.Once], the helper for inbox-style message consumers: claim the
+//     message id, run the handler with the fencing token, record the outcome,
+//     replay it to every duplicate;
+//   - [UnaryClientInterceptor] and [UnaryServerInterceptor], which make an
+//     outgoing call, or a service's own RPC, run once per idempotency key.
+//
+// The package imports gRPC, protobuf, the genproto error details and the
+// generated idemreg API, and nothing else outside the standard library: a
+// service that adds the interceptor pulls in no database driver and none of
+// the registry's server code. (Tests that need a running registry use the
+// opt-in package client/registrytest.)
+//
+// # What the registry does and does not guarantee
+//
+// The registry gives each key one owner at a time and replays the stored
+// outcome of a completed key for its retention. It makes duplicates visible;
+// it prevents a duplicate effect only where the handler cooperates: fence
+// writes with the token, forward the idempotency key to a provider that
+// honours it, or record the message id in the same local transaction as the
+// effect. docs/client.md says how to choose keys and what each helper
+// guarantees.
+//
+// # Streaming
+//
+// The interceptors are unary. Streaming RPCs do not pass through them at all
+// and are never claimed, replayed or de-duplicated.
+package client

@@ -1,0 +1,285 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/protoadapt"
+	"google.golang.org/protobuf/types/known/durationpb"
+)
+
+// ErrorDomain is the google.rpc.ErrorInfo domain of every idemreg error,
+// the registry's and the interceptors'.
+const ErrorDomain = "idemreg"
+
+// Reasons carried in ErrorInfo.Reason. The registry's are documented in
+// docs/semantics.md and the proto; the interceptors add their own.
+const (
+	ReasonInvalidArgument     = "INVALID_ARGUMENT"
+	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
+	ReasonLeaseLost           = "LEASE_LOST"
+	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
+	ReasonNotFound            = "NOT_FOUND"
+	ReasonStoreUnavailable    = "STORE_UNAVAILABLE"
+	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
+	ReasonCanceled            = "CANCELED"
+	ReasonInternal            = "INTERNAL"
+
+	// ReasonInProgress (code ABORTED, with RetryInfo) is the interceptors'
+	// answer to a duplicate that arrives while the first call still runs.
+	ReasonInProgress = "IN_PROGRESS"
+	// ReasonMissingKey (code INVALID_ARGUMENT) is the interceptors' answer to
+	// a selected call without an idempotency key when the policy requires one.
+	ReasonMissingKey = "IDEMPOTENCY_KEY_MISSING"
+	// ReasonRegistryUnavailable (code UNAVAILABLE, with RetryInfo) is the
+	// server interceptor's answer when it cannot reach the registry and fails
+	// closed.
+	ReasonRegistryUnavailable = "REGISTRY_UNAVAILABLE"
+)
+
+// Sentinels for errors.Is. Every error of the typed client, Once and the
+// interceptors that comes from the registry matches exactly one of them (or
+// none, for a status that is not the registry's, such as UNIMPLEMENTED from
+// a wrong address).
+var (
+	ErrInvalidArgument     = errors.New("idemreg: invalid argument")
+	ErrFingerprintMismatch = errors.New("idemreg: fingerprint mismatch: the key was used with different parameters")
+	ErrLeaseLost           = errors.New("idemreg: lease lost: another holder took over the key")
+	ErrAlreadyCompleted    = errors.New("idemreg: the key is already completed")
+	ErrNotFound            = errors.New("idemreg: no live record for the key")
+	// ErrUnavailable: the registry or its store cannot answer now. The error
+	// is an *UnavailableError carrying the suggested retry delay.
+	ErrUnavailable      = errors.New("idemreg: registry unavailable")
+	ErrDeadlineExceeded = errors.New("idemreg: deadline exceeded")
+	ErrCanceled         = errors.New("idemreg: canceled")
+	ErrInternal         = errors.New("idemreg: internal error")
+
+	// ErrInProgress: another holder is working on the key. The error is an
+	// *InProgressError carrying the time left on its lease.
+	ErrInProgress = errors.New("idemreg: the key is in progress elsewhere")
+	// ErrMissingKey: a selected call carried no idempotency key.
+	ErrMissingKey = errors.New("idemreg: no idempotency key")
+)
+
+var sentinelByReason = map[string]error{
+	ReasonInvalidArgument:     ErrInvalidArgument,
+	ReasonFingerprintMismatch: ErrFingerprintMismatch,
+	ReasonLeaseLost:           ErrLeaseLost,
+	ReasonAlreadyCompleted:    ErrAlreadyCompleted,
+	ReasonNotFound:            ErrNotFound,
+	ReasonStoreUnavailable:    ErrUnavailable,
+	ReasonRegistryUnavailable: ErrUnavailable,
+	ReasonDeadlineExceeded:    ErrDeadlineExceeded,
+	ReasonCanceled:            ErrCanceled,
+	ReasonInternal:            ErrInternal,
+	ReasonInProgress:          ErrInProgress,
+	ReasonMissingKey:          ErrMissingKey,
+}
+
+// Statuses without an idemreg ErrorInfo come from the transport: the
+// registry is down, or the caller's own deadline or cancellation hit first.
+var sentinelByCode = map[codes.Code]error{
+	codes.Unavailable:      ErrUnavailable,
+	codes.DeadlineExceeded: ErrDeadlineExceeded,
+	codes.Canceled:         ErrCanceled,
+}
+
+// Error is an error status of the registry (or of the interceptors), with
+// its details decoded. It unwraps to one of the Err* sentinels, and a
+// deadline or cancellation also matches context.DeadlineExceeded or
+// context.Canceled. GRPCStatus returns the original status, so status.Code
+// and status.Convert keep working on it.
+type Error struct {
+	Code codes.Code
+	// Reason is the ErrorInfo reason, empty when the status carried none
+	// (a transport error such as a refused connection).
+	Reason  string
+	Message string
+	// Metadata is the ErrorInfo metadata, such as consumer, kind and key.
+	Metadata map[string]string
+	// FieldViolations lists the invalid fields of an INVALID_ARGUMENT.
+	FieldViolations []FieldViolation
+
+	sentinel error
+	st       *status.Status
+}
+
+// FieldViolation is one invalid field of a request.
+type FieldViolation struct {
+	Field, Description string
+}
+
+func (e *Error) Error() string {
+	label := e.Reason
+	if label == "" {
+		label = e.Code.String()
+	}
+	return fmt.Sprintf("idemreg: %s: %s", label, e.Message)
+}
+
+// Unwrap returns the sentinel the error matches, if any.
+func (e *Error) Unwrap() error { return e.sentinel }
+
+// Is matches context.DeadlineExceeded and context.Canceled for deadline and
+// cancellation statuses, besides the sentinel.
+func (e *Error) Is(target error) bool {
+	switch target {
+	case context.DeadlineExceeded:
+		return e.Code == codes.DeadlineExceeded
+	case context.Canceled:
+		return e.Code == codes.Canceled
+	}
+	return false
+}
+
+// GRPCStatus returns the status the error was built from.
+func (e *Error) GRPCStatus() *status.Status { return e.st }
+
+// UnavailableError says the registry (or its store) could not answer. Retry
+// after RetryAfter; it is zero when the status suggested no delay, as when
+// the connection itself failed. It unwraps to the *Error and so to
+// ErrUnavailable.
+type UnavailableError struct {
+	RetryAfter time.Duration
+	Err        *Error
+}
+
+func (e *UnavailableError) Error() string { return e.Err.Error() }
+
+// Unwrap returns the underlying *Error.
+func (e *UnavailableError) Unwrap() error { return e.Err }
+
+// GRPCStatus returns the status the error was built from.
+func (e *UnavailableError) GRPCStatus() *status.Status { return e.Err.GRPCStatus() }
+
+// InProgressError says another holder has a live claim on the key: the
+// work may be running now. Retry after RetryAfter, the time left on the
+// holder's lease (by then the work is done or the key can be taken over).
+// Its status is ABORTED with a RetryInfo, which is what the interceptors
+// return to their callers.
+type InProgressError struct {
+	RetryAfter time.Duration
+}
+
+func (e *InProgressError) Error() string {
+	return fmt.Sprintf("idemreg: %s: the key is in progress elsewhere; retry after %v", ReasonInProgress, e.RetryAfter)
+}
+
+// Is matches ErrInProgress.
+func (e *InProgressError) Is(target error) bool { return target == ErrInProgress }
+
+// GRPCStatus is ABORTED with ErrorInfo reason IN_PROGRESS and a RetryInfo.
+func (e *InProgressError) GRPCStatus() *status.Status {
+	return newStatus(codes.Aborted, ReasonInProgress,
+		"a request with this idempotency key is in progress; retry after the delay in RetryInfo",
+		&errdetails.RetryInfo{RetryDelay: durationpb.New(e.RetryAfter)})
+}
+
+func newStatus(code codes.Code, reason, msg string, extra ...protoadapt.MessageV1) *status.Status {
+	st := status.New(code, msg)
+	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain}}, extra...)
+	if withDetails, err := st.WithDetails(details...); err == nil {
+		return withDetails
+	}
+	return st
+}
+
+// FromError rebuilds the typed error of a status error: an *Error, an
+// *UnavailableError or an *InProgressError. Errors the typed client, Once
+// and the interceptors return are converted already; use FromError on an
+// error from a service that uses UnaryServerInterceptor, to match its
+// IN_PROGRESS and FINGERPRINT_MISMATCH answers with errors.Is. An error that
+// carries no status is returned unchanged, and nil stays nil.
+func FromError(err error) error {
+	if err == nil {
+		return nil
+	}
+	var (
+		e  *Error
+		ue *UnavailableError
+		ie *InProgressError
+	)
+	if errors.As(err, &e) || errors.As(err, &ue) || errors.As(err, &ie) {
+		return err
+	}
+	st, ok := status.FromError(err)
+	if !ok {
+		return err
+	}
+	return FromStatus(st)
+}
+
+// FromStatus rebuilds the typed error of a status; nil for OK.
+func FromStatus(st *status.Status) error {
+	if st.Code() == codes.OK {
+		return nil
+	}
+	e := &Error{Code: st.Code(), Message: st.Message(), st: st}
+	var retryAfter time.Duration
+	for _, d := range st.Details() {
+		switch d := d.(type) {
+		case *errdetails.ErrorInfo:
+			if d.GetDomain() == ErrorDomain {
+				e.Reason, e.Metadata = d.GetReason(), d.GetMetadata()
+			}
+		case *errdetails.RetryInfo:
+			retryAfter = d.GetRetryDelay().AsDuration()
+		case *errdetails.BadRequest:
+			for _, v := range d.GetFieldViolations() {
+				e.FieldViolations = append(e.FieldViolations, FieldViolation{Field: v.GetField(), Description: v.GetDescription()})
+			}
+		}
+	}
+	if e.Reason != "" {
+		e.sentinel = sentinelByReason[e.Reason]
+	} else {
+		e.sentinel = sentinelByCode[e.Code]
+	}
+	switch e.sentinel {
+	case ErrUnavailable:
+		return &UnavailableError{RetryAfter: retryAfter, Err: e}
+	case ErrInProgress:
+		return &InProgressError{RetryAfter: retryAfter}
+	}
+	return e
+}
+
+// Final marks err as a final failure: Once stores it and replays it to
+// every duplicate instead of releasing the key for a retry. Use it for an
+// outcome that no retry can change, such as a declined card or a message
+// that fails validation. A gRPC status inside err is stored as it is (code,
+// message, details); any other error is stored as UNKNOWN with its text.
+// Final(nil) is nil.
+func Final(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &finalError{err: err}
+}
+
+// IsFinal reports whether err was marked with Final. The stored failure Once
+// replays to a duplicate is final too, so a consumer acknowledges a message
+// exactly when err == nil || IsFinal(err).
+func IsFinal(err error) bool {
+	var f *finalError
+	return errors.As(err, &f)
+}
+
+type finalError struct{ err error }
+
+func (f *finalError) Error() string { return f.err.Error() }
+func (f *finalError) Unwrap() error { return f.err }
+
+// GRPCStatus keeps the wrapped status intact (status.FromError would
+// otherwise rewrite its message).
+func (f *finalError) GRPCStatus() *status.Status {
+	if st, ok := status.FromError(f.err); ok {
+		return st
+	}
+	return nil
+}

@@ -1,0 +1,162 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Handler does the work of one message for Once. It gets the fencing token
+// of its claim in a: make the effect conditional on it (a write fenced with
+// "WHERE token < $token", a version check, or the message id recorded in
+// the same transaction as the effect), because a holder whose lease ran out
+// may still be running when another one takes over.
+//
+// Return nil (and optionally data, at most about 1 MiB, replayed to
+// duplicates) on success, an error marked with Final for an outcome no
+// retry can change, and any other error to let the message be retried.
+type Handler func(ctx context.Context, a Attempt) (data []byte, err error)
+
+// Attempt is the claim a Handler runs under.
+type Attempt struct {
+	Key Key
+	// Token is the fencing token: larger than the token of every earlier
+	// holder of the key.
+	Token int64
+	// Attempt is 1 for the first holder. Above 1 an earlier holder's lease
+	// ran out or was released: it may have done part of the work.
+	Attempt int64
+}
+
+// OnceResult says what Once did.
+type OnceResult struct {
+	// Ran: the handler ran in this call.
+	Ran bool
+	// Replayed: the key was already completed; the stored outcome was
+	// returned (its data here, or its failure as the error) and the handler
+	// did not run.
+	Replayed bool
+	// Data is what the handler returned, or what the completed key stored.
+	Data []byte
+	// Record is the registry's record after the call, when known.
+	Record Record
+}
+
+// Once runs fn at most once to completion per message id of consumer, and
+// gives every duplicate the stored outcome:
+//
+//   - It claims (consumer, KindMessage, messageID). When acquired it runs fn
+//     with the fencing token and extends the lease every half lease while fn
+//     runs. Should the registry report that another holder took over, fn's
+//     context is cancelled with an error matching ErrLeaseLost as cause.
+//   - fn returns nil: the outcome (with fn's data) is stored; Ran is true.
+//   - fn returns an error marked with Final: the failure is stored and
+//     replayed to duplicates; the error is returned.
+//   - fn returns any other error (or panics): the claim is released so a
+//     redelivery can run fn again; the error is returned (the panic goes on).
+//   - The key is already completed: fn does not run; Replayed is true and the
+//     stored data is in the result, or the stored failure is the error
+//     (IsFinal reports true for it).
+//   - Another holder is working on the key: an *InProgressError (ErrInProgress)
+//     with the time left on its lease, without running fn; with
+//     WithWaitInProgress, Once waits instead for the outcome (or for a
+//     takeover when the holder's lease runs out).
+//
+// A consumer acknowledges its message when err == nil || IsFinal(err), and
+// asks for a redelivery otherwise (after InProgressError.RetryAfter for an
+// in-progress key).
+//
+// When fn succeeded but the outcome could not be stored (the registry was
+// unreachable for the whole bookkeeping timeout, or another holder took
+// over), Ran is true and the error says so: the effect happened, and a
+// redelivery after the lease will run fn again with a larger token and an
+// Attempt above 1.
+//
+// Options: WithLease, WithRetention, WithWaitInProgress,
+// WithBookkeepingTimeout, WithKind, WithMessageFingerprint.
+func (c *Client) Once(ctx context.Context, consumer, messageID string, fn Handler, opts ...Option) (OnceResult, error) {
+	s := newSettings(DefaultClientMissingKey, opts)
+	k := Key{Consumer: consumer, Kind: s.kind, Key: messageID}
+	cl, err := c.claim(ctx, ClaimParams{Key: k, Fingerprint: s.messageFingerprint, Lease: s.lease, Retention: s.retention}, s.wait)
+	if err != nil {
+		return OnceResult{Record: cl.Record}, err
+	}
+	switch cl.Outcome {
+	case OutcomeCompleted:
+		return replayOnce(cl.Record)
+	case OutcomeAcquired:
+		return c.runOnce(ctx, k, cl, fn, s)
+	default:
+		return OnceResult{Record: cl.Record}, fmt.Errorf("idemreg: unexpected claim outcome %v", cl.Outcome)
+	}
+}
+
+func replayOnce(rec Record) (OnceResult, error) {
+	res := OnceResult{Replayed: true, Record: rec}
+	switch r := rec.Result; {
+	case r == nil:
+		return res, fmt.Errorf("%w: completed record without a result", ErrInternal)
+	case r.Failure != nil:
+		return res, Final(r.Failure.Err())
+	default:
+		res.Data = r.Response.Data
+		return res, nil
+	}
+}
+
+func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *settings) (res OnceResult, err error) {
+	token := cl.Token
+	res = OnceResult{Ran: true, Record: cl.Record}
+	fnCtx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	hb := c.startHeartbeat(ctx, k, token, s.lease, func(err error) { cancel(err) })
+
+	panicked := true
+	defer func() {
+		if panicked {
+			_ = hb.stop()
+			c.releaseAfterPanic(ctx, s, k, token)
+		}
+	}()
+	data, fnErr := fn(fnCtx, Attempt{Key: k, Token: token, Attempt: cl.Record.Attempt})
+	panicked = false
+	lostErr := hb.stop()
+	res.Data = data
+
+	bctx, bcancel := s.bookkeeping(ctx)
+	defer bcancel()
+	bctx = registryContext(bctx)
+	switch {
+	case fnErr == nil:
+		rec, cerr := c.complete(bctx, k, token, ResponseResult("", data))
+		if cerr != nil {
+			return res, fmt.Errorf("idemreg: the handler succeeded but its outcome was not recorded: %w", cerr)
+		}
+		res.Record = rec
+		return res, nil
+	case IsFinal(fnErr):
+		st, ok := status.FromError(fnErr)
+		if !ok {
+			st = status.New(codes.Unknown, fnErr.Error())
+		}
+		rec, cerr := c.complete(bctx, k, token, FailureResult(st))
+		if cerr != nil {
+			return res, errors.Join(fnErr, fmt.Errorf("idemreg: the final failure was not recorded: %w", cerr))
+		}
+		res.Record = rec
+		return res, fnErr
+	default:
+		if lostErr != nil {
+			// Nothing to release: the key is someone else's now.
+			return res, errors.Join(fnErr, lostErr)
+		}
+		if _, rerr := c.Release(bctx, k, token); rerr != nil {
+			c.logger.WarnContext(ctx, "idemreg: release after a retryable error failed; the key frees when its lease ends",
+				"consumer", k.Consumer, "error", rerr)
+		}
+		return res, fnErr
+	}
+}

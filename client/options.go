@@ -1,0 +1,223 @@
+package client
+
+import (
+	"context"
+	"math/rand/v2"
+	"time"
+
+	"google.golang.org/grpc/metadata"
+)
+
+// Option configures Once, UnaryClientInterceptor and UnaryServerInterceptor.
+// Each option says which of them it applies to; the others ignore it.
+type Option func(*settings)
+
+// Defaults of the options.
+const (
+	// DefaultLease is the lease Once and the interceptors claim with. The
+	// lease is extended every half lease while the work runs, so it bounds
+	// how long a crashed holder blocks its key, not how long work may take.
+	DefaultLease = 30 * time.Second
+	// DefaultBookkeepingTimeout bounds the Complete or Release that follows
+	// the work. It runs even when the caller's context has ended, so that a
+	// call that succeeded just before its deadline is still recorded.
+	DefaultBookkeepingTimeout = 5 * time.Second
+	// DefaultClientMissingKey: UnaryClientInterceptor refuses a selected call
+	// without a key.
+	DefaultClientMissingKey = MissingKeyReject
+	// DefaultServerMissingKey: UnaryServerInterceptor runs a request without
+	// a key as it is (idempotency is the caller's choice, as with Stripe).
+	DefaultServerMissingKey = MissingKeyPassThrough
+	// DefaultRegistryUnavailable: when the registry cannot be reached the
+	// work is not done.
+	DefaultRegistryUnavailable = FailClosed
+)
+
+// DefaultBackoff is the backoff of WithWaitInProgress when its fields are
+// zero: 50ms doubling up to 1s, with ±20% jitter, never past the holder's
+// lease.
+var DefaultBackoff = Backoff{Initial: 50 * time.Millisecond, Max: time.Second}
+
+// Backoff is the schedule of polls while waiting for another holder.
+type Backoff struct {
+	// Initial is the first delay; each next one doubles, up to Max.
+	Initial, Max time.Duration
+}
+
+func (b Backoff) withDefaults() Backoff {
+	if b.Initial <= 0 {
+		b.Initial = DefaultBackoff.Initial
+	}
+	if b.Max <= 0 {
+		b.Max = max(DefaultBackoff.Max, b.Initial)
+	}
+	return b
+}
+
+// MissingKeyPolicy says what an interceptor does with a selected call that
+// carries no idempotency key.
+type MissingKeyPolicy int
+
+const (
+	// MissingKeyReject fails the call with INVALID_ARGUMENT (reason
+	// IDEMPOTENCY_KEY_MISSING, matching ErrMissingKey) without running it.
+	MissingKeyReject MissingKeyPolicy = iota + 1
+	// MissingKeyPassThrough runs the call as if the interceptor were absent.
+	MissingKeyPassThrough
+)
+
+// UnavailablePolicy says what an interceptor does when the registry cannot
+// answer its Claim (the registry or its store is down).
+type UnavailablePolicy int
+
+const (
+	// FailClosed does not run the work: the caller gets UNAVAILABLE (an
+	// *UnavailableError from UnaryClientInterceptor; reason
+	// REGISTRY_UNAVAILABLE with a RetryInfo from UnaryServerInterceptor).
+	FailClosed UnavailablePolicy = iota + 1
+	// FailOpen runs the work without the registry: nothing is recorded and
+	// duplicates are not detected, but the idempotency key is still
+	// forwarded, so a downstream that honours it de-duplicates on its own.
+	FailOpen
+)
+
+type settings struct {
+	lease              time.Duration
+	retention          time.Duration
+	wait               *Backoff
+	bookkeepingTimeout time.Duration
+
+	// Once.
+	kind               Kind
+	messageFingerprint []byte
+
+	// Interceptors.
+	consumer    string
+	selected    func(fullMethod string) bool
+	fingerprint FingerprintFunc
+	retryable   func(error) bool
+	missingKey  MissingKeyPolicy
+	unavailable UnavailablePolicy
+}
+
+func newSettings(missingKey MissingKeyPolicy, opts []Option) *settings {
+	s := &settings{
+		lease:              DefaultLease,
+		bookkeepingTimeout: DefaultBookkeepingTimeout,
+		kind:               KindMessage,
+		selected:           func(string) bool { return true },
+		fingerprint:        DefaultFingerprint,
+		retryable:          DefaultRetryable,
+		missingKey:         missingKey,
+		unavailable:        DefaultRegistryUnavailable,
+	}
+	for _, o := range opts {
+		o(s)
+	}
+	return s
+}
+
+// WithLease sets the lease to claim with and to extend by (default
+// DefaultLease). Once and both interceptors.
+func WithLease(d time.Duration) Option { return func(s *settings) { s.lease = d } }
+
+// WithRetention sets how long a record is kept after its completion (or
+// its last lease); zero, the default, takes the registry's default for the
+// kind: 7 days for messages, 24 hours for operations. Pick it longer than
+// your broker can redeliver and your callers can retry. Once and both
+// interceptors.
+func WithRetention(d time.Duration) Option { return func(s *settings) { s.retention = d } }
+
+// WithWaitInProgress makes a duplicate wait, polling with b, while another
+// holder works on the key, until the key is completed (the duplicate gets
+// the replay), taken over after the holder's lease ran out (the duplicate
+// runs the work), or the context ends. Without it a duplicate fails at once
+// with an *InProgressError (ABORTED with RetryInfo from the interceptors).
+// Zero fields of b take DefaultBackoff's. Once and both interceptors.
+func WithWaitInProgress(b Backoff) Option {
+	return func(s *settings) { b = b.withDefaults(); s.wait = &b }
+}
+
+// WithBookkeepingTimeout bounds the Complete or Release after the work
+// (default DefaultBookkeepingTimeout). Once and both interceptors.
+func WithBookkeepingTimeout(d time.Duration) Option {
+	return func(s *settings) { s.bookkeepingTimeout = d }
+}
+
+// WithKind sets the kind of key Once claims (default KindMessage). Once only:
+// the interceptors always claim operation keys.
+func WithKind(k Kind) Option { return func(s *settings) { s.kind = k } }
+
+// WithMessageFingerprint claims the key with fp, a hash of the message
+// content (at most 64 bytes): a redelivery with the same id but other
+// content fails with ErrFingerprintMismatch instead of replaying. Once only.
+func WithMessageFingerprint(fp []byte) Option {
+	return func(s *settings) { s.messageFingerprint = fp }
+}
+
+// WithConsumer sets the registry consumer the interceptor claims keys
+// under. The default is derived from the method: "call:" + the full method
+// name without its leading slash for UnaryClientInterceptor, "rpc:" + the
+// same for UnaryServerInterceptor, so every method has its own key space.
+// A fixed consumer shares one key space between the selected methods (the
+// default fingerprint, which covers the method name, keeps them apart).
+// Interceptors only.
+func WithConsumer(name string) Option { return func(s *settings) { s.consumer = name } }
+
+// WithMethods selects the methods the interceptor applies to, by full name
+// ("/payments.v1.PaymentService/Charge"); the others pass through. By
+// default every unary method is selected. Interceptors only.
+func WithMethods(fullMethods ...string) Option {
+	set := make(map[string]bool, len(fullMethods))
+	for _, m := range fullMethods {
+		set[m] = true
+	}
+	return func(s *settings) { s.selected = func(m string) bool { return set[m] } }
+}
+
+// WithMethodFilter selects the methods the interceptor applies to with a
+// function of the full method name. Interceptors only.
+func WithMethodFilter(selected func(fullMethod string) bool) Option {
+	return func(s *settings) { s.selected = selected }
+}
+
+// WithFingerprint replaces DefaultFingerprint, for instance to fingerprint
+// only some fields of the request. Interceptors only.
+func WithFingerprint(f FingerprintFunc) Option { return func(s *settings) { s.fingerprint = f } }
+
+// WithRetryable replaces DefaultRetryable, the classifier that decides
+// which errors of the call release the key for a retry (true) and which are
+// stored as final and replayed to every retry (false). Interceptors only.
+func WithRetryable(retryable func(err error) bool) Option {
+	return func(s *settings) { s.retryable = retryable }
+}
+
+// WithMissingKey sets the policy for a selected call without a key
+// (DefaultClientMissingKey, DefaultServerMissingKey). Interceptors only.
+func WithMissingKey(p MissingKeyPolicy) Option { return func(s *settings) { s.missingKey = p } }
+
+// WithRegistryUnavailable sets what happens when the registry cannot answer
+// (default DefaultRegistryUnavailable: fail closed). Interceptors only.
+func WithRegistryUnavailable(p UnavailablePolicy) Option {
+	return func(s *settings) { s.unavailable = p }
+}
+
+// bookkeeping is the context of the Complete or Release after the work: it
+// keeps ctx's values but not its deadline or cancellation.
+func (s *settings) bookkeeping(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), s.bookkeepingTimeout)
+}
+
+// registryContext strips the outgoing metadata of ctx: headers meant for the
+// downstream (credentials among them) must not reach the registry.
+func registryContext(ctx context.Context) context.Context {
+	if _, ok := metadata.FromOutgoingContext(ctx); !ok {
+		return ctx
+	}
+	return metadata.NewOutgoingContext(ctx, metadata.MD{})
+}
+
+// jitter spreads d by ±20%.
+func jitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}

@@ -1,0 +1,121 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/status"
+)
+
+// claim claims p. While another holder has the key it returns an
+// *InProgressError, or, with a wait backoff, polls until the key is
+// completed or acquired or ctx ends.
+func (c *Client) claim(ctx context.Context, p ClaimParams, wait *Backoff) (Claim, error) {
+	var delay time.Duration
+	if wait != nil {
+		delay = wait.Initial
+	}
+	for {
+		cl, err := c.Claim(ctx, p)
+		if err != nil || cl.Outcome != OutcomeInProgress {
+			return cl, err
+		}
+		if wait == nil {
+			return cl, &InProgressError{RetryAfter: cl.RetryAfter}
+		}
+		// Never sleep past the holder's lease: a crashed holder's key can be
+		// taken over from then on.
+		sleep := jitter(delay)
+		if cl.RetryAfter > 0 && cl.RetryAfter < sleep {
+			sleep = cl.RetryAfter
+		}
+		t := time.NewTimer(sleep)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return cl, FromStatus(status.FromContextError(ctx.Err()))
+		case <-t.C:
+		}
+		delay = min(2*delay, wait.Max)
+	}
+}
+
+// heartbeat extends a claim every half lease until stopped. When the
+// registry says the claim is gone (another holder took over, or the record
+// expired or was completed), it calls lost once and stops. Other failures
+// (the registry briefly unreachable) are retried on the next beat: the lease
+// still has half its length to run.
+type heartbeat struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+	mu     sync.Mutex
+	err    error
+}
+
+func (c *Client) startHeartbeat(ctx context.Context, k Key, token int64, lease time.Duration, lost func(error)) *heartbeat {
+	ctx, cancel := context.WithCancel(context.WithoutCancel(registryContext(ctx)))
+	h := &heartbeat{cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(h.done)
+		t := time.NewTicker(lease / 2)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			ectx, ecancel := context.WithTimeout(ctx, lease/2)
+			_, err := c.Extend(ectx, k, token, lease)
+			ecancel()
+			if errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrNotFound) || errors.Is(err, ErrAlreadyCompleted) {
+				h.mu.Lock()
+				h.err = err
+				h.mu.Unlock()
+				if lost != nil {
+					lost(err)
+				}
+				return
+			}
+			if err != nil && ctx.Err() == nil {
+				c.logger.WarnContext(ctx, "idemreg: lease extension failed; retrying at the next beat",
+					"consumer", k.Consumer, "error", err)
+			}
+		}
+	}()
+	return h
+}
+
+// stop ends the heartbeat and returns the error that ended the claim, if the
+// registry reported one.
+func (h *heartbeat) stop() error {
+	h.cancel()
+	<-h.done
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.err
+}
+
+// complete stores r, retrying while the registry is unavailable: repeating
+// a Complete with the same token is safe, and the work it records is done.
+func (c *Client) complete(ctx context.Context, k Key, token int64, r Result) (Record, error) {
+	delay := DefaultBackoff.Initial
+	for {
+		rec, err := c.Complete(ctx, k, token, r)
+		var ue *UnavailableError
+		if err == nil || !errors.As(err, &ue) {
+			return rec, err
+		}
+		wait := max(jitter(delay), ue.RetryAfter)
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return rec, err
+		case <-t.C:
+		}
+		delay = min(2*delay, DefaultBackoff.Max)
+	}
+}
