@@ -1,3 +1,72 @@
-// Package postgres is the SQL storage backend, for PostgreSQL and
-// CockroachDB.
+// Package postgres is the SQL storage backend: storage.Store and
+// storage.Sweeper on PostgreSQL or CockroachDB, through pgx, with the
+// schema and its migrations (Migrate).
+//
+// # One statement per call
+//
+// Every call is one SQL statement, run as its own implicit transaction, in
+// one round trip: the statements are prepared on each new connection, so a
+// call is a single Bind/Execute exchange from its first use. A writing call
+// is a conditional INSERT ... ON CONFLICT DO UPDATE ... WHERE (Claim) or
+// UPDATE ... WHERE (Complete, Release, Extend) in a data-modifying CTE,
+// followed in the same statement by a read of the row as it was (the
+// pre-image) which runs only when nothing was written. The write conditions
+// are the write conditions of storage/rules.go, written in SQL next to the
+// name of the rule each mirrors; an answer that was not written is
+// classified by handing the pre-image to the same storage.Decide* function
+// the embedded store uses, so the two backends cannot drift apart
+// silently: if that function says it would have written, the call fails and
+// the disagreement is logged. There is no read-then-write window, and the
+// database's clock (now(), plus the clock offset tests inject) is the only
+// clock: service replicas' clocks never decide a lease or an expiry.
+//
+// Sessions run at SERIALIZABLE. PostgreSQL then guarantees that the
+// pre-image is the row version the conditional write declined; under READ
+// COMMITTED the write could see a newer version than the read.
+//
+// # Retries
+//
+// A statement that fails with a serialization failure (40001, or CR000 from
+// old CockroachDB) or a PostgreSQL deadlock (40P01) was rolled back, and is
+// run again whole (crdb.ExecuteCtx), after a jittered exponential pause, at
+// most WithMaxRetries times and never past the context's deadline. Even a
+// single INSERT ... ON CONFLICT gets 40001 on PostgreSQL when it races an
+// insert of the same key, so single statements need the loop too. Errors
+// are wrapped with %w throughout so the SQLSTATE reaches the classifier and
+// the logs. A caller whose context ended gets an error matching ctx.Err();
+// every other failure wraps storage.ErrUnavailable and its cause. Failures
+// that may have committed (a connection lost during the statement) are not
+// retried here; every call is safe to repeat (a repeated Complete with the
+// same token returns the stored record), and the caller decides.
+//
+// # Why not crdbpgx.ExecuteTx
+//
+// cockroach-go's ExecuteTx runs the transaction inside SAVEPOINT
+// cockroach_restart and takes RELEASE SAVEPOINT for the commit. That is the
+// commit on CockroachDB, but not on PostgreSQL, where it ignores the error
+// of the real COMMIT: a serialization failure there becomes a silently lost
+// write. Savepoint retries also never succeed on PostgreSQL (the snapshot
+// survives ROLLBACK TO SAVEPOINT). Retrying the whole statement serves both
+// databases, and with one statement per call there is no transaction to
+// manage.
+//
+// # CockroachDB
+//
+// The SQL is the subset both databases accept (BIGINT, no sequences,
+// triggers, functions, UPSERT or xmax tricks); CockroachDB-only DDL lives in
+// migrations/cockroach and replaces the base file of the same name there,
+// such as the hash-sharded index on expires_at, which would otherwise be a
+// write hotspot. Each call is a single-statement implicit transaction on
+// one row, the shape CockroachDB can commit in one round trip (1PC). Two
+// things may keep it from the one-phase fast path, and neither has been
+// measured, since no cluster runs here: a write also updates the row's
+// expires_at index entry, usually in another range (it then takes a
+// parallel commit, still without a client round trip), and the mutation
+// sits in a CTE rather than at the root of the plan. Answers are
+// kept small because CockroachDB retries an implicit transaction
+// server-side only while its result is buffered (16 KiB by default): a
+// written Complete does not send the result back, and only replays and
+// repeated Completes carry one. Larger answers that conflict are retried by
+// the client loop above. The conformance suite runs against a cluster when
+// IDEMREG_TEST_COCKROACH_URL is set.
 package postgres
