@@ -20,6 +20,14 @@
 // database's clock (now(), plus the clock offset tests inject) is the only
 // clock: service replicas' clocks never decide a lease or an expiry.
 //
+// Two costs sit outside that one round trip: a new connection prepares the
+// statements (one exchange each, once per connection), and pgxpool pings a
+// connection that sat idle for over a second before handing it out (pgx's
+// default, kept because it spares a call failing on a connection the server
+// or a balancer closed while idle; WithPoolConfig can change ShouldPing).
+// Named prepared statements need a direct connection or a pooler that
+// tracks them (PgBouncer 1.21+ with max_prepared_statements).
+//
 // Sessions run at SERIALIZABLE. PostgreSQL then guarantees that the
 // pre-image is the row version the conditional write declined; under READ
 // COMMITTED the write could see a newer version than the read.
