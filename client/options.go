@@ -135,7 +135,8 @@ func WithRetention(d time.Duration) Option { return func(s *settings) { s.retent
 // with an *InProgressError (ABORTED with RetryInfo from the interceptors).
 // Zero fields of b take DefaultBackoff's. Once and both interceptors.
 func WithWaitInProgress(b Backoff) Option {
-	return func(s *settings) { b = b.withDefaults(); s.wait = &b }
+	b = b.withDefaults()
+	return func(s *settings) { w := b; s.wait = &w }
 }
 
 // WithBookkeepingTimeout bounds the Complete or Release after the work

@@ -155,6 +155,12 @@ func (r *Registry) Stop() error {
 	return r.stopErr
 }
 
+// StopStore closes the store under the running server, as if the
+// registry's database went down: the server still answers, and every call
+// fails with UNAVAILABLE, reason STORE_UNAVAILABLE and a RetryInfo (a
+// client.UnavailableError with RetryAfter set). It cannot be undone.
+func (r *Registry) StopStore() error { return r.store.Close() }
+
 // Close stops the server and releases the connection and the store. It is
 // safe to call more than once.
 func (r *Registry) Close() error {

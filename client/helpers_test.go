@@ -1,0 +1,116 @@
+package client_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+
+	"github.com/idemreg/idemreg/client"
+	"github.com/idemreg/idemreg/client/registrytest"
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+)
+
+// hangGuard ends a wait that would otherwise hang until the test binary's
+// timeout; no test passes or fails on how long a wait takes below it.
+const hangGuard = 30 * time.Second
+
+// recv receives from ch, failing the test instead of hanging.
+func recv[T any](t *testing.T, ch <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(hangGuard):
+		t.Fatalf("nothing received after %v", hangGuard)
+		panic("unreachable")
+	}
+}
+
+// shortLeases lets tests claim leases of a few tens of milliseconds, so
+// heartbeats and real lease expiry happen within a fast test.
+func shortLeases() registrytest.Option {
+	l := registrytest.DefaultLimits()
+	l.MinLease = 10 * time.Millisecond
+	return registrytest.WithLimits(l)
+}
+
+// observer watches the calls a client makes to the registry: how many
+// Claims answered IN_PROGRESS and which outgoing metadata they carried. Tests
+// wait on it instead of sleeping.
+type observer struct {
+	mu         sync.Mutex
+	inProgress int
+	changed    chan struct{}
+	metadata   []metadata.MD
+}
+
+// observedClient is a client of reg whose registry calls the observer sees.
+func observedClient(t *testing.T, reg *registrytest.Registry, opts ...client.ClientOption) (*client.Client, *observer) {
+	t.Helper()
+	o := &observer{changed: make(chan struct{})}
+	conn, err := grpc.NewClient(reg.Addr,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
+			err := invoker(ctx, method, req, reply, cc, callOpts...)
+			md, _ := metadata.FromOutgoingContext(ctx)
+			o.mu.Lock()
+			defer o.mu.Unlock()
+			o.metadata = append(o.metadata, md)
+			if r, ok := reply.(*idemregv1.ClaimResponse); ok && err == nil && r.GetOutcome() == idemregv1.Outcome_OUTCOME_IN_PROGRESS {
+				o.inProgress++
+				close(o.changed)
+				o.changed = make(chan struct{})
+			}
+			return err
+		}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return client.New(conn, opts...), o
+}
+
+// waitInProgress blocks until at least n Claims answered IN_PROGRESS.
+func (o *observer) waitInProgress(t *testing.T, n int) {
+	t.Helper()
+	for {
+		o.mu.Lock()
+		got, ch := o.inProgress, o.changed
+		o.mu.Unlock()
+		if got >= n {
+			return
+		}
+		select {
+		case <-ch:
+		case <-time.After(hangGuard):
+			t.Fatalf("no %d IN_PROGRESS answers after %v", n, hangGuard)
+		}
+	}
+}
+
+func (o *observer) allMetadata() []metadata.MD {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return append([]metadata.MD(nil), o.metadata...)
+}
+
+// eventually polls cond until it holds or the test's context ends; for
+// conditions only the registry can tell (a lease moved), where there is no
+// signal to wait on.
+func eventually(t *testing.T, cond func() bool, what string) {
+	t.Helper()
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	guard := time.After(hangGuard)
+	for !cond() {
+		select {
+		case <-tick.C:
+		case <-guard:
+			t.Fatalf("still waiting for %s after %v", what, hangGuard)
+		}
+	}
+}

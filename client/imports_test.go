@@ -1,0 +1,84 @@
+package client_test
+
+import (
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemreg/idemreg/client"
+	"github.com/idemreg/idemreg/server"
+)
+
+// TestImports keeps package client light: a service that adds the
+// interceptor must not pull in the registry's server, its storage or a
+// database driver. It lists the package's dependencies with the go command.
+func TestImports(t *testing.T) {
+	goList := func(format string) []string {
+		out, err := exec.CommandContext(t.Context(), "go", "list", "-f", format, ".").CombinedOutput()
+		require.NoError(t, err, "go list: %s", out)
+		return strings.Fields(string(out))
+	}
+
+	// Direct imports: the standard library, gRPC, protobuf, the genproto
+	// error details and our generated API, nothing else.
+	allowedDirect := []string{
+		"google.golang.org/grpc",
+		"google.golang.org/protobuf/",
+		"google.golang.org/genproto/googleapis/rpc/",
+		"github.com/idemreg/idemreg/proto/",
+	}
+	imports := goList(`{{join .Imports " "}}`)
+	require.NotEmpty(t, imports)
+	for _, imp := range imports {
+		if !strings.Contains(strings.SplitN(imp, "/", 2)[0], ".") {
+			continue // standard library
+		}
+		ok := false
+		for _, prefix := range allowedDirect {
+			ok = ok || strings.HasPrefix(imp, prefix)
+		}
+		require.True(t, ok, "package client imports %s; it may import only gRPC, protobuf, genproto errdetails and the generated API", imp)
+	}
+
+	// Transitive dependencies: none of the registry's own packages besides
+	// the generated API, and no storage engine or driver.
+	forbidden := []string{
+		"github.com/idemreg/idemreg/server",
+		"github.com/idemreg/idemreg/storage",
+		"github.com/idemreg/idemreg/cmd",
+		"github.com/jackc/",
+		"github.com/cockroachdb/",
+		"github.com/lib/pq",
+		"github.com/nats-io/",
+		"database/sql",
+	}
+	deps := goList(`{{join .Deps " "}}`)
+	require.Contains(t, deps, "google.golang.org/grpc", "the dependency list looks wrong")
+	for _, dep := range deps {
+		for _, f := range forbidden {
+			require.False(t, dep == f || strings.HasPrefix(dep, f+"/") || strings.HasPrefix(dep, f) && strings.HasSuffix(f, "/"),
+				"package client depends on %s", dep)
+		}
+	}
+}
+
+// TestReasonsMatchServer keeps the client's copy of the registry's
+// ErrorInfo reasons in step with the server's.
+func TestReasonsMatchServer(t *testing.T) {
+	require.Equal(t, server.ErrorDomain, client.ErrorDomain)
+	for got, want := range map[string]string{
+		client.ReasonInvalidArgument:     server.ReasonInvalidArgument,
+		client.ReasonFingerprintMismatch: server.ReasonFingerprintMismatch,
+		client.ReasonLeaseLost:           server.ReasonLeaseLost,
+		client.ReasonAlreadyCompleted:    server.ReasonAlreadyCompleted,
+		client.ReasonNotFound:            server.ReasonNotFound,
+		client.ReasonStoreUnavailable:    server.ReasonStoreUnavailable,
+		client.ReasonDeadlineExceeded:    server.ReasonDeadlineExceeded,
+		client.ReasonCanceled:            server.ReasonCanceled,
+		client.ReasonInternal:            server.ReasonInternal,
+	} {
+		require.Equal(t, want, got)
+	}
+}

@@ -1,0 +1,414 @@
+package client_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/idemreg/idemreg/client"
+	"github.com/idemreg/idemreg/client/registrytest"
+)
+
+const inbox = "ledger.payments-inbox"
+
+var msgKey = client.Key{Consumer: inbox, Kind: client.KindMessage, Key: "msg-1"}
+
+func TestOnceRunsAndReplays(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, ctx := reg.Client, t.Context()
+	var runs atomic.Int64
+	var seen client.Attempt
+	fn := func(ctx context.Context, a client.Attempt) ([]byte, error) {
+		runs.Add(1)
+		seen = a
+		return []byte("applied"), nil
+	}
+
+	res, err := c.Once(ctx, inbox, "msg-1", fn)
+	require.NoError(t, err)
+	require.True(t, res.Ran)
+	require.False(t, res.Replayed)
+	require.Equal(t, "applied", string(res.Data))
+	require.Equal(t, client.StateCompleted, res.Record.State)
+	require.Equal(t, msgKey, seen.Key)
+	require.Positive(t, seen.Token)
+	require.EqualValues(t, 1, seen.Attempt)
+	require.Equal(t, 7*24*time.Hour, res.Record.ExpiresAt.Sub(res.Record.CompletedAt), "a message key gets the message retention")
+
+	for range 3 {
+		res, err = c.Once(ctx, inbox, "msg-1", fn)
+		require.NoError(t, err)
+		require.False(t, res.Ran)
+		require.True(t, res.Replayed)
+		require.Equal(t, "applied", string(res.Data))
+	}
+	require.EqualValues(t, 1, runs.Load())
+
+	// Another consumer has its own key space.
+	res, err = c.Once(ctx, "audit.payments-inbox", "msg-1", fn)
+	require.NoError(t, err)
+	require.True(t, res.Ran)
+	require.EqualValues(t, 2, runs.Load())
+}
+
+func TestOnceOptions(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, ctx := reg.Client, t.Context()
+	ok := func(context.Context, client.Attempt) ([]byte, error) { return nil, nil }
+
+	res, err := c.Once(ctx, inbox, "op-1", ok, client.WithKind(client.KindOperation), client.WithRetention(2*time.Hour), client.WithLease(5*time.Second))
+	require.NoError(t, err)
+	require.Equal(t, client.KindOperation, res.Record.Kind)
+	require.Equal(t, 2*time.Hour, res.Record.ExpiresAt.Sub(res.Record.CompletedAt))
+
+	_, err = c.Once(ctx, inbox, "msg-fp", ok, client.WithMessageFingerprint([]byte("sha-of-body-1")))
+	require.NoError(t, err)
+	res, err = c.Once(ctx, inbox, "msg-fp", ok, client.WithMessageFingerprint([]byte("sha-of-body-2")))
+	require.ErrorIs(t, err, client.ErrFingerprintMismatch, "the same message id with other content is not a duplicate")
+	require.False(t, res.Ran || res.Replayed)
+}
+
+func TestOnceFinalFailureIsReplayed(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, ctx := reg.Client, t.Context()
+	var runs atomic.Int64
+
+	t.Run("status", func(t *testing.T) {
+		fn := func(context.Context, client.Attempt) ([]byte, error) {
+			runs.Add(1)
+			return nil, client.Final(status.Error(codes.InvalidArgument, "amount must be positive"))
+		}
+		res, err := c.Once(ctx, inbox, "bad-1", fn)
+		require.True(t, res.Ran)
+		require.True(t, client.IsFinal(err))
+		require.Equal(t, client.StateCompleted, res.Record.State)
+
+		res, err = c.Once(ctx, inbox, "bad-1", fn)
+		require.True(t, res.Replayed)
+		require.False(t, res.Ran)
+		require.True(t, client.IsFinal(err), "a replayed failure is final: the consumer acknowledges the message")
+		require.Equal(t, codes.InvalidArgument, status.Code(err))
+		require.Equal(t, "amount must be positive", status.Convert(err).Message())
+		require.EqualValues(t, 1, runs.Load())
+	})
+
+	t.Run("plain error", func(t *testing.T) {
+		fn := func(context.Context, client.Attempt) ([]byte, error) {
+			return nil, client.Final(errors.New("unknown account"))
+		}
+		_, err := c.Once(ctx, inbox, "bad-2", fn)
+		require.EqualError(t, err, "unknown account")
+		res, err := c.Once(ctx, inbox, "bad-2", fn)
+		require.True(t, res.Replayed)
+		require.Equal(t, codes.Unknown, status.Code(err))
+		require.Equal(t, "unknown account", status.Convert(err).Message())
+	})
+}
+
+func TestOnceRetryableErrorReleases(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, ctx := reg.Client, t.Context()
+	dbDown := errors.New("ledger database unavailable")
+	var attempts []client.Attempt
+	fn := func(_ context.Context, a client.Attempt) ([]byte, error) {
+		attempts = append(attempts, a)
+		if len(attempts) == 1 {
+			return nil, dbDown
+		}
+		return []byte("ok"), nil
+	}
+
+	res, err := c.Once(ctx, inbox, "msg-1", fn)
+	require.ErrorIs(t, err, dbDown)
+	require.False(t, client.IsFinal(err))
+	require.True(t, res.Ran)
+
+	// Released: the redelivery runs at once, with a larger token.
+	res, err = c.Once(ctx, inbox, "msg-1", fn)
+	require.NoError(t, err)
+	require.True(t, res.Ran)
+	require.Len(t, attempts, 2)
+	require.EqualValues(t, 2, attempts[1].Attempt)
+	require.Greater(t, attempts[1].Token, attempts[0].Token)
+}
+
+func TestOncePanicReleases(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, ctx := reg.Client, t.Context()
+	func() {
+		defer func() { require.Equal(t, "boom", recover()) }()
+		_, _ = c.Once(ctx, inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) { panic("boom") })
+	}()
+	res, err := c.Once(ctx, inbox, "msg-1", func(_ context.Context, a client.Attempt) ([]byte, error) {
+		require.EqualValues(t, 2, a.Attempt)
+		return nil, nil
+	})
+	require.NoError(t, err)
+	require.True(t, res.Ran)
+}
+
+// blocking runs a Once whose handler blocks until release is closed, and
+// returns once the handler has started.
+func blocking(t *testing.T, c *client.Client, id string, opts ...client.Option) (release chan struct{}, done <-chan error) {
+	t.Helper()
+	started, release, errc := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() {
+		_, err := c.Once(context.Background(), inbox, id, func(ctx context.Context, _ client.Attempt) ([]byte, error) {
+			close(started)
+			select {
+			case <-release:
+				return []byte("first"), nil
+			case <-ctx.Done():
+				return nil, context.Cause(ctx)
+			}
+		}, opts...)
+		errc <- err
+	}()
+	recv(t, started)
+	return release, errc
+}
+
+func TestOnceInProgress(t *testing.T) {
+	reg := registrytest.Start(t)
+	c := reg.Client
+	release, done := blocking(t, c, "msg-1", client.WithLease(10*time.Second))
+
+	never := func(context.Context, client.Attempt) ([]byte, error) { t.Error("a duplicate ran"); return nil, nil }
+	res, err := c.Once(t.Context(), inbox, "msg-1", never)
+	require.ErrorIs(t, err, client.ErrInProgress)
+	var ie *client.InProgressError
+	require.ErrorAs(t, err, &ie)
+	require.Positive(t, ie.RetryAfter)
+	require.LessOrEqual(t, ie.RetryAfter, 10*time.Second)
+	require.False(t, res.Ran || res.Replayed)
+	require.Equal(t, codes.Aborted, status.Code(err))
+
+	close(release)
+	require.NoError(t, recv(t, done))
+	res, err = c.Once(t.Context(), inbox, "msg-1", never)
+	require.NoError(t, err)
+	require.Equal(t, "first", string(res.Data))
+}
+
+func TestOnceWaitsForTheHolder(t *testing.T) {
+	reg := registrytest.Start(t)
+	release, done := blocking(t, reg.Client, "msg-1")
+	waiter, obs := observedClient(t, reg)
+
+	type result struct {
+		res client.OnceResult
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		res, err := waiter.Once(t.Context(), inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) {
+			t.Error("the waiting duplicate ran")
+			return nil, nil
+		}, client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond}))
+		got <- result{res, err}
+	}()
+	obs.waitInProgress(t, 2) // it has seen the holder at work, twice: it polls
+	close(release)
+	require.NoError(t, recv(t, done))
+	r := recv(t, got)
+	require.NoError(t, r.err)
+	require.True(t, r.res.Replayed)
+	require.Equal(t, "first", string(r.res.Data))
+}
+
+func TestOnceWaitEndsWithTheContext(t *testing.T) {
+	reg := registrytest.Start(t)
+	release, done := blocking(t, reg.Client, "msg-1")
+	defer func() { close(release); <-done }()
+	ctx, cancel := context.WithCancel(t.Context())
+	waiter, obs := observedClient(t, reg)
+	go func() { obs.waitInProgress(t, 1); cancel() }()
+	_, err := waiter.Once(ctx, inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) { return nil, nil },
+		client.WithWaitInProgress(client.Backoff{}))
+	require.ErrorIs(t, err, context.Canceled)
+}
+
+func TestOnceTakesOverACrashedHolder(t *testing.T) {
+	t.Run("store clock moved past the lease", func(t *testing.T) {
+		clock := &registrytest.Clock{}
+		reg := registrytest.Start(t, registrytest.WithClock(clock.Now))
+		c, ctx := reg.Client, t.Context()
+		// A holder that claimed and died.
+		crashed, err := c.Claim(ctx, client.ClaimParams{Key: msgKey, Lease: 30 * time.Second})
+		require.NoError(t, err)
+		_, err = c.Once(ctx, inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) { return nil, nil })
+		require.ErrorIs(t, err, client.ErrInProgress)
+
+		clock.Advance(31 * time.Second)
+		res, err := c.Once(ctx, inbox, "msg-1", func(_ context.Context, a client.Attempt) ([]byte, error) {
+			require.EqualValues(t, 2, a.Attempt, "a takeover says an earlier attempt may have started the work")
+			require.Greater(t, a.Token, crashed.Token)
+			return nil, nil
+		})
+		require.NoError(t, err)
+		require.True(t, res.Ran)
+	})
+
+	t.Run("waiting duplicate takes over when the lease runs out", func(t *testing.T) {
+		reg := registrytest.Start(t, shortLeases())
+		c, ctx := reg.Client, t.Context()
+		_, err := c.Claim(ctx, client.ClaimParams{Key: msgKey, Lease: 50 * time.Millisecond})
+		require.NoError(t, err)
+		res, err := c.Once(ctx, inbox, "msg-1", func(_ context.Context, a client.Attempt) ([]byte, error) {
+			require.EqualValues(t, 2, a.Attempt)
+			return nil, nil
+		}, client.WithWaitInProgress(client.Backoff{}))
+		require.NoError(t, err)
+		require.True(t, res.Ran)
+	})
+}
+
+func TestOnceExtendsTheLease(t *testing.T) {
+	reg := registrytest.Start(t, shortLeases())
+	c, ctx := reg.Client, t.Context()
+	const lease = 100 * time.Millisecond
+
+	res, err := c.Once(ctx, inbox, "msg-1", func(ctx context.Context, a client.Attempt) ([]byte, error) {
+		first, err := c.Lookup(ctx, a.Key)
+		require.NoError(t, err)
+		// Run well past the first lease: until it was extended three times.
+		extensions, last := 0, first.LeaseExpiresAt
+		eventually(t, func() bool {
+			rec, err := c.Lookup(ctx, a.Key)
+			require.NoError(t, err)
+			if rec.LeaseExpiresAt.After(last) {
+				extensions, last = extensions+1, rec.LeaseExpiresAt
+			}
+			return extensions >= 3
+		}, "three lease extensions")
+		// Still ours: a duplicate now is told to wait, not handed the key.
+		dup, err := c.Claim(ctx, client.ClaimParams{Key: a.Key})
+		require.NoError(t, err)
+		require.Equal(t, client.OutcomeInProgress, dup.Outcome)
+		require.Equal(t, a.Token, mustToken(t, c, a))
+		return nil, nil
+	}, client.WithLease(lease))
+	require.NoError(t, err)
+	require.True(t, res.Ran)
+	require.EqualValues(t, 1, res.Record.Attempt)
+}
+
+// mustToken returns the record's current token: Extend succeeds, and shows
+// the token, only for the current holder.
+func mustToken(t *testing.T, c *client.Client, a client.Attempt) int64 {
+	rec, err := c.Extend(t.Context(), a.Key, a.Token, 0)
+	require.NoError(t, err)
+	return rec.Token
+}
+
+func TestOnceLeaseLostCancelsTheHandler(t *testing.T) {
+	clock := &registrytest.Clock{}
+	reg := registrytest.Start(t, shortLeases(), registrytest.WithClock(clock.Now))
+	c, ctx := reg.Client, t.Context()
+
+	started := make(chan client.Attempt)
+	errc := make(chan error, 1)
+	go func() {
+		_, err := c.Once(ctx, inbox, "msg-1", func(ctx context.Context, a client.Attempt) ([]byte, error) {
+			started <- a
+			<-ctx.Done()
+			assert.ErrorIs(t, context.Cause(ctx), client.ErrLeaseLost, "the cause says why")
+			return nil, context.Cause(ctx)
+		}, client.WithLease(100*time.Millisecond))
+		errc <- err
+	}()
+	a := recv(t, started)
+	// The holder stalls past its lease (by the store's clock) and another
+	// consumer takes over; the next heartbeat learns it.
+	clock.Advance(time.Minute)
+	other, err := c.Claim(ctx, client.ClaimParams{Key: a.Key})
+	require.NoError(t, err)
+	require.Equal(t, client.OutcomeAcquired, other.Outcome)
+	err = recv(t, errc)
+	require.ErrorIs(t, err, client.ErrLeaseLost)
+
+	// The new holder's claim is untouched.
+	_, err = c.Complete(ctx, a.Key, other.Token, client.ResponseResult("", nil))
+	require.NoError(t, err)
+}
+
+func TestOnceRegistryDown(t *testing.T) {
+	reg := registrytest.Start(t)
+	require.NoError(t, reg.Stop())
+	res, err := reg.Client.Once(t.Context(), inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) {
+		t.Error("ran without the registry")
+		return nil, nil
+	})
+	var ue *client.UnavailableError
+	require.ErrorAs(t, err, &ue)
+	require.False(t, res.Ran)
+}
+
+func TestOnceOutcomeNotRecorded(t *testing.T) {
+	reg := registrytest.Start(t)
+	res, err := reg.Client.Once(t.Context(), inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) {
+		require.NoError(t, reg.StopStore()) // the registry's database goes down mid-handler
+		return []byte("applied"), nil
+	}, client.WithBookkeepingTimeout(100*time.Millisecond))
+	require.True(t, res.Ran, "the caller learns the effect happened")
+	require.ErrorIs(t, err, client.ErrUnavailable)
+	require.ErrorContains(t, err, "not recorded")
+}
+
+// TestOnceRace: many deliveries of one message at once. The handler runs
+// exactly once; every other delivery gets the replayed outcome (when it
+// waits) or ErrInProgress (when it does not).
+func TestOnceRace(t *testing.T) {
+	reg := registrytest.Start(t)
+	const n = 32
+	for _, wait := range []bool{true, false} {
+		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
+			id := fmt.Sprintf("msg-race-%v", wait)
+			var opts []client.Option
+			if wait {
+				opts = append(opts, client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 10 * time.Millisecond}))
+			}
+			var runs atomic.Int64
+			var ran, replayed, inProgress atomic.Int64
+			var wg sync.WaitGroup
+			start := make(chan struct{})
+			for range n {
+				wg.Go(func() {
+					<-start
+					res, err := reg.Client.Once(t.Context(), inbox, id, func(context.Context, client.Attempt) ([]byte, error) {
+						runs.Add(1)
+						return []byte("applied once"), nil
+					}, opts...)
+					switch {
+					case errors.Is(err, client.ErrInProgress):
+						inProgress.Add(1)
+					case err != nil:
+						t.Errorf("unexpected error: %v", err)
+					case res.Ran:
+						ran.Add(1)
+					case res.Replayed:
+						replayed.Add(1)
+						assert.Equal(t, "applied once", string(res.Data))
+					}
+				})
+			}
+			close(start)
+			wg.Wait()
+			require.EqualValues(t, 1, runs.Load())
+			require.EqualValues(t, 1, ran.Load())
+			require.EqualValues(t, n-1, replayed.Load()+inProgress.Load())
+			if wait {
+				require.Zero(t, inProgress.Load(), "waiting duplicates all get the outcome")
+			}
+		})
+	}
+}
