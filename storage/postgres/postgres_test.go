@@ -349,3 +349,9 @@ func TestContextErrors(t *testing.T) {
 	_, err = s.Complete(t.Context(), storage.CompleteParams{Key: k, Token: res.Record.Token, Result: []byte("r")})
 	require.NoError(t, err, "the store recovers once the row is free")
 }
+
+func TestOpenRejectsBadURL(t *testing.T) {
+	_, err := postgres.Open(t.Context(), "postgres://idemreg:secret@127.0.0.1:notaport/idemreg")
+	require.Error(t, err)
+	require.NotContains(t, err.Error(), "secret", "the password stays out of errors")
+}
