@@ -207,8 +207,8 @@ func (Outcome) EnumDescriptor() ([]byte, []int) {
 // fully-qualified message name and its serialized form.
 type Response struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Type          string                 `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
-	Data          []byte                 `protobuf:"bytes,2,opt,name=data,proto3" json:"data,omitempty"`
+	Type          string                 `protobuf:"bytes,1,opt,name=type" json:"type,omitempty"`
+	Data          []byte                 `protobuf:"bytes,2,opt,name=data" json:"data,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -261,10 +261,10 @@ func (x *Response) GetData() []byte {
 type Failure struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// A google.rpc.Code value other than OK.
-	Code    int32  `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
-	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	Code    int32  `protobuf:"varint,1,opt,name=code" json:"code,omitempty"`
+	Message string `protobuf:"bytes,2,opt,name=message" json:"message,omitempty"`
 	// Serialized google.rpc.Status details (google.protobuf.Any each).
-	Details       [][]byte `protobuf:"bytes,3,rep,name=details,proto3" json:"details,omitempty"`
+	Details       [][]byte `protobuf:"bytes,3,rep,name=details" json:"details,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -392,11 +392,11 @@ type isResult_Outcome interface {
 }
 
 type Result_Response struct {
-	Response *Response `protobuf:"bytes,1,opt,name=response,proto3,oneof"`
+	Response *Response `protobuf:"bytes,1,opt,name=response,oneof"`
 }
 
 type Result_Failure struct {
-	Failure *Failure `protobuf:"bytes,2,opt,name=failure,proto3,oneof"`
+	Failure *Failure `protobuf:"bytes,2,opt,name=failure,oneof"`
 }
 
 func (*Result_Response) isResult_Outcome() {}
@@ -406,26 +406,26 @@ func (*Result_Failure) isResult_Outcome() {}
 // Record is a stored key.
 type Record struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
-	Consumer string                 `protobuf:"bytes,1,opt,name=consumer,proto3" json:"consumer,omitempty"`
-	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,proto3,enum=idemreg.v1.Kind" json:"kind,omitempty"`
-	Key      string                 `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
-	State    State                  `protobuf:"varint,4,opt,name=state,proto3,enum=idemreg.v1.State" json:"state,omitempty"`
+	Consumer string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
+	Key      string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
+	State    State                  `protobuf:"varint,4,opt,name=state,enum=idemreg.v1.State" json:"state,omitempty"`
 	// Empty when no fingerprint was given.
-	Fingerprint []byte `protobuf:"bytes,5,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
+	Fingerprint []byte `protobuf:"bytes,5,opt,name=fingerprint" json:"fingerprint,omitempty"`
 	// The current fencing token. Tokens of one key strictly increase.
-	Token int64 `protobuf:"varint,6,opt,name=token,proto3" json:"token,omitempty"`
+	Token int64 `protobuf:"varint,6,opt,name=token" json:"token,omitempty"`
 	// How many times the key was acquired since it was first claimed (or
 	// since it last expired).
-	Attempt        int64                  `protobuf:"varint,7,opt,name=attempt,proto3" json:"attempt,omitempty"`
-	Holder         string                 `protobuf:"bytes,8,opt,name=holder,proto3" json:"holder,omitempty"`
-	CreatedAt      *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
-	LeaseExpiresAt *timestamppb.Timestamp `protobuf:"bytes,10,opt,name=lease_expires_at,json=leaseExpiresAt,proto3" json:"lease_expires_at,omitempty"`
+	Attempt        int64                  `protobuf:"varint,7,opt,name=attempt" json:"attempt,omitempty"`
+	Holder         string                 `protobuf:"bytes,8,opt,name=holder" json:"holder,omitempty"`
+	CreatedAt      *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=created_at,json=createdAt" json:"created_at,omitempty"`
+	LeaseExpiresAt *timestamppb.Timestamp `protobuf:"bytes,10,opt,name=lease_expires_at,json=leaseExpiresAt" json:"lease_expires_at,omitempty"`
 	// Unset while in progress.
-	CompletedAt *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=completed_at,json=completedAt,proto3" json:"completed_at,omitempty"`
+	CompletedAt *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=completed_at,json=completedAt" json:"completed_at,omitempty"`
 	// After this instant the record counts as absent and may be deleted.
-	ExpiresAt *timestamppb.Timestamp `protobuf:"bytes,12,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	ExpiresAt *timestamppb.Timestamp `protobuf:"bytes,12,opt,name=expires_at,json=expiresAt" json:"expires_at,omitempty"`
 	// Set when completed.
-	Result        *Result `protobuf:"bytes,13,opt,name=result,proto3" json:"result,omitempty"`
+	Result        *Result `protobuf:"bytes,13,opt,name=result" json:"result,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -555,20 +555,20 @@ type ClaimRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The scope of the key, such as "billing.payment-worker":
 	// 1-128 bytes of [A-Za-z0-9._:/-].
-	Consumer string `protobuf:"bytes,1,opt,name=consumer,proto3" json:"consumer,omitempty"`
-	Kind     Kind   `protobuf:"varint,2,opt,name=kind,proto3,enum=idemreg.v1.Kind" json:"kind,omitempty"`
+	Consumer string `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	Kind     Kind   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
 	// 1-256 bytes of printable UTF-8.
-	Key string `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
+	Key string `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
 	// Optional hash of the parameters, at most 64 bytes. A live record with a
 	// different fingerprint answers FINGERPRINT_MISMATCH.
-	Fingerprint []byte `protobuf:"bytes,4,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
+	Fingerprint []byte `protobuf:"bytes,4,opt,name=fingerprint" json:"fingerprint,omitempty"`
 	// How long the claim is held; server default when unset.
-	Lease *durationpb.Duration `protobuf:"bytes,5,opt,name=lease,proto3" json:"lease,omitempty"`
+	Lease *durationpb.Duration `protobuf:"bytes,5,opt,name=lease" json:"lease,omitempty"`
 	// How long the record is kept after its last lease or its completion;
 	// server default for the kind when unset.
-	Retention *durationpb.Duration `protobuf:"bytes,6,opt,name=retention,proto3" json:"retention,omitempty"`
+	Retention *durationpb.Duration `protobuf:"bytes,6,opt,name=retention" json:"retention,omitempty"`
 	// Free text naming the holder, for diagnostics only (at most 128 bytes).
-	Holder        string `protobuf:"bytes,7,opt,name=holder,proto3" json:"holder,omitempty"`
+	Holder        string `protobuf:"bytes,7,opt,name=holder" json:"holder,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -654,13 +654,13 @@ func (x *ClaimRequest) GetHolder() string {
 
 type ClaimResponse struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
-	Outcome Outcome                `protobuf:"varint,1,opt,name=outcome,proto3,enum=idemreg.v1.Outcome" json:"outcome,omitempty"`
+	Outcome Outcome                `protobuf:"varint,1,opt,name=outcome,enum=idemreg.v1.Outcome" json:"outcome,omitempty"`
 	// Set when acquired.
-	Token int64 `protobuf:"varint,2,opt,name=token,proto3" json:"token,omitempty"`
+	Token int64 `protobuf:"varint,2,opt,name=token" json:"token,omitempty"`
 	// Set when in progress: what is left of the holder's lease.
-	RetryAfter *durationpb.Duration `protobuf:"bytes,3,opt,name=retry_after,json=retryAfter,proto3" json:"retry_after,omitempty"`
+	RetryAfter *durationpb.Duration `protobuf:"bytes,3,opt,name=retry_after,json=retryAfter" json:"retry_after,omitempty"`
 	// The stored record; with its result when completed.
-	Record        *Record `protobuf:"bytes,4,opt,name=record,proto3" json:"record,omitempty"`
+	Record        *Record `protobuf:"bytes,4,opt,name=record" json:"record,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -725,12 +725,12 @@ func (x *ClaimResponse) GetRecord() *Record {
 
 type CompleteRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
-	Consumer string                 `protobuf:"bytes,1,opt,name=consumer,proto3" json:"consumer,omitempty"`
-	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,proto3,enum=idemreg.v1.Kind" json:"kind,omitempty"`
-	Key      string                 `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
-	Token    int64                  `protobuf:"varint,4,opt,name=token,proto3" json:"token,omitempty"`
+	Consumer string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
+	Key      string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
+	Token    int64                  `protobuf:"varint,4,opt,name=token" json:"token,omitempty"`
 	// Required; the response or final failure to replay.
-	Result        *Result `protobuf:"bytes,5,opt,name=result,proto3" json:"result,omitempty"`
+	Result        *Result `protobuf:"bytes,5,opt,name=result" json:"result,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -802,7 +802,7 @@ func (x *CompleteRequest) GetResult() *Result {
 
 type CompleteResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Record        *Record                `protobuf:"bytes,1,opt,name=record,proto3" json:"record,omitempty"`
+	Record        *Record                `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -846,10 +846,10 @@ func (x *CompleteResponse) GetRecord() *Record {
 
 type ReleaseRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Consumer      string                 `protobuf:"bytes,1,opt,name=consumer,proto3" json:"consumer,omitempty"`
-	Kind          Kind                   `protobuf:"varint,2,opt,name=kind,proto3,enum=idemreg.v1.Kind" json:"kind,omitempty"`
-	Key           string                 `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
-	Token         int64                  `protobuf:"varint,4,opt,name=token,proto3" json:"token,omitempty"`
+	Consumer      string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	Kind          Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
+	Key           string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
+	Token         int64                  `protobuf:"varint,4,opt,name=token" json:"token,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -914,7 +914,7 @@ func (x *ReleaseRequest) GetToken() int64 {
 
 type ReleaseResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Record        *Record                `protobuf:"bytes,1,opt,name=record,proto3" json:"record,omitempty"`
+	Record        *Record                `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -958,12 +958,12 @@ func (x *ReleaseResponse) GetRecord() *Record {
 
 type ExtendRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
-	Consumer string                 `protobuf:"bytes,1,opt,name=consumer,proto3" json:"consumer,omitempty"`
-	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,proto3,enum=idemreg.v1.Kind" json:"kind,omitempty"`
-	Key      string                 `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
-	Token    int64                  `protobuf:"varint,4,opt,name=token,proto3" json:"token,omitempty"`
+	Consumer string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
+	Key      string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
+	Token    int64                  `protobuf:"varint,4,opt,name=token" json:"token,omitempty"`
 	// The new lease, counted from now; server default when unset.
-	Lease         *durationpb.Duration `protobuf:"bytes,5,opt,name=lease,proto3" json:"lease,omitempty"`
+	Lease         *durationpb.Duration `protobuf:"bytes,5,opt,name=lease" json:"lease,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1035,7 +1035,7 @@ func (x *ExtendRequest) GetLease() *durationpb.Duration {
 
 type ExtendResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Record        *Record                `protobuf:"bytes,1,opt,name=record,proto3" json:"record,omitempty"`
+	Record        *Record                `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1079,9 +1079,9 @@ func (x *ExtendResponse) GetRecord() *Record {
 
 type LookupRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Consumer      string                 `protobuf:"bytes,1,opt,name=consumer,proto3" json:"consumer,omitempty"`
-	Kind          Kind                   `protobuf:"varint,2,opt,name=kind,proto3,enum=idemreg.v1.Kind" json:"kind,omitempty"`
-	Key           string                 `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
+	Consumer      string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	Kind          Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
+	Key           string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1139,7 +1139,7 @@ func (x *LookupRequest) GetKey() string {
 
 type LookupResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Record        *Record                `protobuf:"bytes,1,opt,name=record,proto3" json:"record,omitempty"`
+	Record        *Record                `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1276,7 +1276,7 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\bComplete\x12\x1b.idemreg.v1.CompleteRequest\x1a\x1c.idemreg.v1.CompleteResponse\x12B\n" +
 	"\aRelease\x12\x1a.idemreg.v1.ReleaseRequest\x1a\x1b.idemreg.v1.ReleaseResponse\x12?\n" +
 	"\x06Extend\x12\x19.idemreg.v1.ExtendRequest\x1a\x1a.idemreg.v1.ExtendResponse\x12?\n" +
-	"\x06Lookup\x12\x19.idemreg.v1.LookupRequest\x1a\x1a.idemreg.v1.LookupResponseB7Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1b\x06proto3"
+	"\x06Lookup\x12\x19.idemreg.v1.LookupRequest\x1a\x1a.idemreg.v1.LookupResponseB>Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1\x92\x03\x04\b\x02 \x03b\beditionsp\xe8\a"
 
 var (
 	file_idemreg_v1_registry_proto_rawDescOnce sync.Once
