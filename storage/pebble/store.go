@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/cockroachdb/pebble/v2"
+	"github.com/cockroachdb/pebble/v2/bloom"
 	"github.com/cockroachdb/pebble/v2/vfs"
 
 	"github.com/idemreg/idemreg/storage"
@@ -30,11 +31,17 @@ var errClosed = fmt.Errorf("%w: store is closed", storage.ErrUnavailable)
 type Option func(*config)
 
 type config struct {
-	now      func() time.Time
-	logger   *slog.Logger
-	inMemory bool
-	fs       vfs.FS
+	now       func() time.Time
+	logger    *slog.Logger
+	inMemory  bool
+	cacheSize int64
+	fs        vfs.FS
 }
+
+// DefaultCacheSize is the default size of pebble's block cache. Claims of
+// new keys look for records that are not there, which reads blocks of every
+// level; the cache keeps those reads off the disk for the recent records.
+const DefaultCacheSize = 64 << 20
 
 // WithClock sets the store's clock. The default is time.Now.
 func WithClock(now func() time.Time) Option { return func(c *config) { c.now = now } }
@@ -46,6 +53,10 @@ func WithLogger(l *slog.Logger) Option { return func(c *config) { c.logger = l }
 // WithInMemory keeps everything in memory: nothing is written to dir and
 // nothing survives Close. For users' unit tests.
 func WithInMemory() Option { return func(c *config) { c.inMemory = true } }
+
+// WithCacheSize sets the size in bytes of the block cache. The default is
+// DefaultCacheSize.
+func WithCacheSize(bytes int64) Option { return func(c *config) { c.cacheSize = bytes } }
 
 // withFS runs the store on fs, without the directory lock; tests use it to
 // simulate a power loss with a crashable in-memory file system.
@@ -91,7 +102,7 @@ var (
 // Open opens the store in dir, creating dir if it is missing. It fails with
 // ErrLocked when another Store has dir open.
 func Open(dir string, opts ...Option) (*Store, error) {
-	cfg := config{now: time.Now, logger: slog.Default()}
+	cfg := config{now: time.Now, logger: slog.Default(), cacheSize: DefaultCacheSize}
 	for _, o := range opts {
 		o(&cfg)
 	}
@@ -111,12 +122,17 @@ func Open(dir string, opts ...Option) (*Store, error) {
 		}
 		dirLock, fs = l, vfs.Default
 	}
-	db, err := pebble.Open(dir, &pebble.Options{
+	popts := &pebble.Options{
 		FS:                 fs,
 		FormatMajorVersion: pebble.FormatNewest,
 		Logger:             pebbleLogger{cfg.logger},
 		EventListener:      eventListener(cfg.logger),
-	})
+		CacheSize:          cfg.cacheSize,
+	}
+	// Every Claim of a new key is a Get that finds nothing; without a
+	// filter it reads a block of every level that may hold the key.
+	popts.Levels[0].FilterPolicy = bloom.FilterPolicy(10)
+	db, err := pebble.Open(dir, popts)
 	if err != nil {
 		_ = dirLock.Close()
 		return nil, fmt.Errorf("pebble: open %s: %w", dir, err)
