@@ -50,6 +50,19 @@ func TestConformance(t *testing.T) {
 	})
 }
 
+func TestSweeperConformance(t *testing.T) {
+	t.Run("Disk", func(t *testing.T) {
+		storagetest.RunSweeper(t, func(t *testing.T, c *storagetest.Clock) storage.Store {
+			return openT(t, t.TempDir(), WithClock(c.Now))
+		})
+	})
+	t.Run("InMemory", func(t *testing.T) {
+		storagetest.RunSweeper(t, func(t *testing.T, c *storagetest.Clock) storage.Store {
+			return openT(t, "", WithInMemory(), WithClock(c.Now))
+		})
+	})
+}
+
 // fakeClock is a clock that moves only when told to, backwards included.
 type fakeClock struct{ ns atomic.Int64 }
 
