@@ -128,6 +128,10 @@ func Open(dir string, opts ...Option) (*Store, error) {
 		Logger:             pebbleLogger{cfg.logger},
 		EventListener:      eventListener(cfg.logger),
 		CacheSize:          cfg.cacheSize,
+		// Larger memtables than the default 4 MiB mean fewer flushes and
+		// compactions competing with callers for the CPU. Pebble starts
+		// small and grows them, so a small store does not pay for them.
+		MemTableSize: 32 << 20,
 	}
 	// Every Claim of a new key is a Get that finds nothing; without a
 	// filter it reads a block of every level that may hold the key.
