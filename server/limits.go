@@ -10,7 +10,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/idemreg/idemreg/storage"
+	"github.com/idemreg/idemreg/server/policy"
 )
 
 // Limits are the bounds a request must respect and the defaults it gets.
@@ -88,9 +88,13 @@ func (l Limits) Validate() error {
 	return errors.Join(errs...)
 }
 
-func (l Limits) defaultRetention(k storage.Kind) time.Duration {
-	if k == storage.KindMessage {
-		return l.DefaultMessageRetention
+// Policy returns the lease and retention bounds of l as the policy of
+// every consumer: the base a policy file overrides.
+func (l Limits) Policy() policy.Policy {
+	return policy.Policy{
+		Source:             policy.DefaultsSource,
+		Lease:              policy.Bounds{Default: l.DefaultLease, Min: l.MinLease, Max: l.MaxLease},
+		MessageRetention:   policy.Bounds{Default: l.DefaultMessageRetention, Min: l.MinRetention, Max: l.MaxRetention},
+		OperationRetention: policy.Bounds{Default: l.DefaultOperationRetention, Min: l.MinRetention, Max: l.MaxRetention},
 	}
-	return l.DefaultOperationRetention
 }

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/reflection"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -24,6 +25,11 @@ import (
 type Config struct {
 	// Limits bound requests; zero means DefaultLimits().
 	Limits Limits
+	// Policy, when set, gives each consumer its lease and retention
+	// bounds in place of those of Limits (which should be its base: see
+	// Limits.Policy), and is consulted on every request, so a reload takes
+	// effect at once. Nil means every consumer gets those of Limits.
+	Policy *policy.Source
 	// Logger receives structured logs; nil discards them.
 	Logger *slog.Logger
 	// HealthInterval is how often the store is pinged to drive the health
@@ -76,6 +82,9 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	svc, err := NewService(store, cfg.Limits, cfg.Logger)
 	if err != nil {
 		return nil, err
+	}
+	if cfg.Policy != nil {
+		svc.policies = cfg.Policy
 	}
 	g := grpc.NewServer(
 		grpc.ChainUnaryInterceptor(unaryInterceptors(cfg.Logger)...),

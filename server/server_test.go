@@ -3,6 +3,8 @@ package server_test
 import (
 	"context"
 	"net"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -20,6 +22,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
 	"github.com/idemreg/idemreg/storage/postgres"
@@ -413,4 +416,89 @@ func TestStoreDown(t *testing.T) {
 	}
 	require.NotNil(t, retry)
 	require.Positive(t, retry.GetRetryDelay().AsDuration())
+}
+
+// TestPolicy serves with a policy file: a consumer's Claims get its
+// defaults and are held to its bounds, whose violation names the bound and
+// the policy; a reload applies to the next request.
+func TestPolicy(t *testing.T) {
+	const day = 24 * time.Hour
+	path := filepath.Join(t.TempDir(), "policy.yaml")
+	write := func(doc string) { require.NoError(t, os.WriteFile(path, []byte(doc), 0o600)) }
+	write(`
+consumers:
+  - prefix: orders.
+    message_retention: {min: 8d, default: 10d}
+    lease: {default: 2m}
+  - name: billing.payment-worker
+    operation_retention: {max: 2d}
+`)
+	src, err := policy.Open(path, server.DefaultLimits().Policy())
+	require.NoError(t, err)
+	store, err := pebble.Open("", pebble.WithInMemory())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	c := idemregv1.NewRegistryServiceClient(start(t, store, server.Config{Policy: src}))
+	ctx := t.Context()
+
+	retentionOf := func(r *idemregv1.Record) time.Duration {
+		return r.GetExpiresAt().AsTime().Sub(r.GetLeaseExpiresAt().AsTime())
+	}
+	leaseOf := func(r *idemregv1.Record) time.Duration {
+		return r.GetLeaseExpiresAt().AsTime().Sub(r.GetCreatedAt().AsTime())
+	}
+	msg := func(consumer, key string, retention time.Duration) *idemregv1.ClaimRequest {
+		r := &idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: key}
+		if retention > 0 {
+			r.Retention = durationpb.New(retention)
+		}
+		return r
+	}
+
+	// Defaults of the matching policy.
+	res, err := c.Claim(ctx, msg("orders.inbox", "m-1", 0))
+	require.NoError(t, err)
+	require.Equal(t, 10*day, retentionOf(res.GetRecord()), "the prefix's default retention")
+	require.Equal(t, 2*time.Minute, leaseOf(res.GetRecord()), "the prefix's default lease")
+	ext, err := c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "orders.inbox", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-1", Token: res.GetToken()})
+	require.NoError(t, err)
+	extended := ext.GetRecord().GetLeaseExpiresAt().AsTime().Sub(res.GetRecord().GetCreatedAt().AsTime())
+	require.GreaterOrEqual(t, extended, 2*time.Minute, "an Extend without a lease gets the prefix's default lease")
+	require.Less(t, extended, 2*time.Minute+time.Minute)
+	res, err = c.Claim(ctx, msg("payments.inbox", "m-1", 0))
+	require.NoError(t, err)
+	require.Equal(t, 7*day, retentionOf(res.GetRecord()), "no match: the server's defaults")
+
+	// Bounds, inclusive, named in the violation.
+	res, err = c.Claim(ctx, msg("orders.inbox", "m-2", 8*day))
+	require.NoError(t, err)
+	require.Equal(t, 8*day, retentionOf(res.GetRecord()))
+	_, err = c.Claim(ctx, msg("orders.inbox", "m-3", 8*day-time.Second))
+	st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	require.Equal(t, []string{"retention"}, violatedFields(st))
+	require.Contains(t, st.Message(), `must be at least 8d (message_retention.min of prefix "orders."), got 191h59m59s`)
+	_, err = c.Claim(ctx, msg("payments.inbox", "m-3", 31*day))
+	st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	require.Contains(t, st.Message(), `must be at most 30d (message_retention.max of the server defaults)`)
+	_, err = c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "op-1", Retention: durationpb.New(3 * day)})
+	st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	require.Contains(t, st.Message(), `must be at most 2d (operation_retention.max of consumer "billing.payment-worker")`)
+	res, err = c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-1", Retention: durationpb.New(3 * day)})
+	require.NoError(t, err, "the bound is the kind's own")
+	require.Equal(t, 3*day, retentionOf(res.GetRecord()))
+
+	// A reload applies to the next request; an invalid file changes nothing.
+	write("consumers:\n  - prefix: orders.\n    message_retention: {min: 1h, default: 2h}\n")
+	_, err = src.Reload()
+	require.NoError(t, err)
+	res, err = c.Claim(ctx, msg("orders.inbox", "m-4", 0))
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Hour, retentionOf(res.GetRecord()))
+	require.Equal(t, server.DefaultLease, leaseOf(res.GetRecord()), "a field the new file leaves out is the server's again")
+	write("consumers:\n  - prefix: orders.\n    message_retention: {min: 3h, default: 2h}\n")
+	_, err = src.Reload()
+	require.ErrorContains(t, err, "message_retention.default 2h0m0s is below message_retention.min 3h0m0s")
+	res, err = c.Claim(ctx, msg("orders.inbox", "m-5", 0))
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Hour, retentionOf(res.GetRecord()), "the old policy stays in force")
 }

@@ -7,6 +7,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -15,7 +16,10 @@ type Service struct {
 	idemregv1.UnimplementedRegistryServiceServer
 	store  storage.Store
 	limits Limits
-	logger *slog.Logger
+	// policies give each consumer its lease and retention bounds; by
+	// default every consumer gets those of limits.
+	policies *policy.Source
+	logger   *slog.Logger
 }
 
 // NewService returns the registry service. It fails when limits contradict
@@ -27,7 +31,11 @@ func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Servi
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	return &Service{store: store, limits: limits, logger: logger}, nil
+	set, err := policy.NewSet(limits.Policy())
+	if err != nil {
+		return nil, err
+	}
+	return &Service{store: store, limits: limits, policies: policy.Static(set), logger: logger}, nil
 }
 
 // Claim implements RegistryServiceServer.

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -72,19 +73,24 @@ func (v *violations) key(consumer string, kind idemregv1.Kind, key string) stora
 	return storage.Key{Consumer: consumer, Kind: k, Key: key}
 }
 
-// duration validates an optional duration against bounds and returns def
-// when it is unset.
-func (v *violations) duration(field string, d *durationpb.Duration, def, lo, hi time.Duration) time.Duration {
+// duration validates an optional duration against the bounds b of a
+// policy and returns b.Default when it is unset. A violation names the
+// bound it broke and the policy it comes from (bound is the bounds' name in
+// a policy file, source the policy's Source).
+func (v *violations) duration(field string, d *durationpb.Duration, b policy.Bounds, bound, source string) time.Duration {
 	if d == nil {
-		return def
+		return b.Default
 	}
 	if err := d.CheckValid(); err != nil {
 		v.add(field, "invalid duration: %v", err)
 		return 0
 	}
 	got := d.AsDuration()
-	if got < lo || got > hi {
-		v.add(field, "must be between %v and %v, got %v", lo, hi, got)
+	switch {
+	case got < b.Min:
+		v.add(field, "must be at least %s (%s.min of %s), got %v", policy.FormatDuration(b.Min), bound, source, got)
+	case got > b.Max:
+		v.add(field, "must be at most %s (%s.max of %s), got %v", policy.FormatDuration(b.Max), bound, source, got)
 	}
 	// Stores keep microseconds; both backends must see the same value.
 	return got.Truncate(time.Microsecond)
@@ -108,13 +114,14 @@ func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams,
 	case !utf8.ValidString(h):
 		v.add("holder", "must be valid UTF-8")
 	}
-	l := s.limits
+	pol := s.policies.Current().For(k.Consumer)
 	p := storage.ClaimParams{
 		Key:         k,
 		Fingerprint: r.GetFingerprint(),
-		Lease:       v.duration("lease", r.GetLease(), l.DefaultLease, l.MinLease, l.MaxLease),
-		Retention:   v.duration("retention", r.GetRetention(), l.defaultRetention(k.Kind), l.MinRetention, l.MaxRetention),
-		Holder:      r.GetHolder(),
+		Lease:       v.duration("lease", r.GetLease(), pol.Lease, "lease", pol.Source),
+		Retention: v.duration("retention", r.GetRetention(), pol.Retention(k.Kind),
+			policy.RetentionField(k.Kind), pol.Source),
+		Holder: r.GetHolder(),
 	}
 	return p, v.err()
 }
@@ -160,11 +167,12 @@ func (s *Service) validateRelease(r *idemregv1.ReleaseRequest) (storage.ReleaseP
 
 func (s *Service) validateExtend(r *idemregv1.ExtendRequest) (storage.ExtendParams, error) {
 	var v violations
-	l := s.limits
+	k := v.key(r.GetConsumer(), r.GetKind(), r.GetKey())
+	pol := s.policies.Current().For(k.Consumer)
 	p := storage.ExtendParams{
-		Key:   v.key(r.GetConsumer(), r.GetKind(), r.GetKey()),
+		Key:   k,
 		Token: r.GetToken(),
-		Lease: v.duration("lease", r.GetLease(), l.DefaultLease, l.MinLease, l.MaxLease),
+		Lease: v.duration("lease", r.GetLease(), pol.Lease, "lease", pol.Source),
 	}
 	v.token(r.GetToken())
 	return p, v.err()

@@ -1,0 +1,217 @@
+package policy
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"regexp"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// The file format, YAML or JSON (a JSON document is YAML too):
+//
+//	defaults:                      # optional: overrides the server's flags
+//	  lease:               {default: 30s, min: 1s, max: 1h}
+//	  message_retention:   {default: 7d,  min: 1h, max: 30d}
+//	  operation_retention: {default: 24h, min: 1m, max: 30d}
+//	consumers:
+//	  - name: billing.payment-worker   # an exact consumer name...
+//	    operation_retention: {default: 3d, min: 2d}
+//	  - prefix: orders.                # ...or a prefix; the longest wins
+//	    message_retention: {min: 8d, default: 10d}
+//
+// Every field is optional. A consumer's entry inherits what it leaves out
+// from defaults, which inherits from the server's flags. Unknown fields are
+// errors, so that a misspelt bound cannot be silently ignored.
+type file struct {
+	Defaults  fileBounds     `yaml:"defaults"`
+	Consumers []fileConsumer `yaml:"consumers"`
+}
+
+type fileBounds struct {
+	Lease              *fileRange `yaml:"lease"`
+	MessageRetention   *fileRange `yaml:"message_retention"`
+	OperationRetention *fileRange `yaml:"operation_retention"`
+}
+
+type fileConsumer struct {
+	Name       string `yaml:"name"`
+	Prefix     string `yaml:"prefix"`
+	fileBounds `yaml:",inline"`
+}
+
+type fileRange struct {
+	Default *duration `yaml:"default"`
+	Min     *duration `yaml:"min"`
+	Max     *duration `yaml:"max"`
+}
+
+// duration is a duration in a policy file: a string such as "30s", "12h"
+// or "7d".
+type duration struct{ d time.Duration }
+
+func (d *duration) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind != yaml.ScalarNode || n.Tag != "!!str" {
+		return fmt.Errorf("line %d: a duration is a string with a unit, like \"30s\", \"12h\" or \"7d\"; got %q", n.Line, n.Value)
+	}
+	v, err := ParseDuration(n.Value)
+	if err != nil {
+		return fmt.Errorf("line %d: %w", n.Line, err)
+	}
+	d.d = v
+	return nil
+}
+
+// apply overrides the bounds of b that r sets.
+func (r *fileRange) apply(b Bounds) Bounds {
+	if r == nil {
+		return b
+	}
+	if r.Default != nil {
+		b.Default = r.Default.d
+	}
+	if r.Min != nil {
+		b.Min = r.Min.d
+	}
+	if r.Max != nil {
+		b.Max = r.Max.d
+	}
+	return b
+}
+
+func (f fileBounds) apply(p Policy, source string) Policy {
+	p.Source = source
+	p.Lease = f.Lease.apply(p.Lease)
+	p.MessageRetention = f.MessageRetention.apply(p.MessageRetention)
+	p.OperationRetention = f.OperationRetention.apply(p.OperationRetention)
+	return p
+}
+
+// Parse reads a policy file. base is the policy the file's defaults
+// override: the server's flags. Every error is reported, each saying where.
+func Parse(data []byte, base Policy) (*Set, error) {
+	var f file
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	switch err := dec.Decode(&f); {
+	case errors.Is(err, io.EOF): // an empty file: the defaults alone
+	case err != nil:
+		return nil, cleanYAMLError(err)
+	default:
+		var extra yaml.Node
+		if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
+			return nil, errors.New("the file holds more than one YAML document")
+		}
+	}
+
+	var errs []error
+	defaults := f.Defaults.apply(base, DefaultsSource)
+	if err := defaults.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("defaults: %w", err))
+	}
+	set := &Set{defaults: defaults, exact: map[string]Policy{}}
+	seen := map[string]int{}
+	for i, c := range f.Consumers {
+		where := fmt.Sprintf("consumers[%d]", i)
+		var source, id string
+		switch {
+		case (c.Name == "") == (c.Prefix == ""):
+			errs = append(errs, fmt.Errorf("%s: needs exactly one of name or prefix", where))
+			continue
+		case c.Name != "":
+			source, id = fmt.Sprintf("consumer %q", c.Name), "name "+c.Name
+			if err := checkConsumer(c.Name); err != nil {
+				errs = append(errs, fmt.Errorf("%s: name: %w", where, err))
+				continue
+			}
+		default:
+			source, id = fmt.Sprintf("prefix %q", c.Prefix), "prefix "+c.Prefix
+			if err := checkConsumer(c.Prefix); err != nil {
+				errs = append(errs, fmt.Errorf("%s: prefix: %w", where, err))
+				continue
+			}
+		}
+		if j, dup := seen[id]; dup {
+			errs = append(errs, fmt.Errorf("%s: %s is already given by consumers[%d]", where, source, j))
+			continue
+		}
+		seen[id] = i
+		p := c.fileBounds.apply(defaults, source)
+		if err := p.Validate(); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", where, err))
+			continue
+		}
+		if c.Name != "" {
+			set.exact[c.Name] = p
+		} else {
+			set.prefixes = append(set.prefixes, prefixPolicy{prefix: c.Prefix, policy: p})
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	set.sortPrefixes()
+	return set, nil
+}
+
+// Load reads and parses the policy file at path.
+func Load(path string, base Policy) (*Set, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("policy file: %w", err)
+	}
+	set, err := Parse(data, base)
+	if err != nil {
+		return nil, fmt.Errorf("policy file %s: %w", path, err)
+	}
+	return set, nil
+}
+
+// maxConsumerBytes and consumerByteOK mirror the server's validation of
+// consumer names, so that a name or prefix no request can match is refused.
+const maxConsumerBytes = 128
+
+func checkConsumer(s string) error {
+	if len(s) > maxConsumerBytes {
+		return fmt.Errorf("must be at most %d bytes, got %d", maxConsumerBytes, len(s))
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
+			c == '.' || c == '_' || c == ':' || c == '/' || c == '-') {
+			return fmt.Errorf("%q: consumers contain only [A-Za-z0-9._:/-], found %q at byte %d", s, c, i)
+		}
+	}
+	return nil
+}
+
+// cleanYAMLError drops the library's "yaml: " prefixes, which say nothing
+// to an operator, and keeps its line numbers.
+func cleanYAMLError(err error) error {
+	msg := strings.ReplaceAll(err.Error(), "yaml: ", "")
+	msg = strings.ReplaceAll(msg, "unmarshal errors:\n  ", "")
+	msg = unknownField.ReplaceAllString(msg, `unknown field "$1"`)
+	msg = wrongShape.ReplaceAllStringFunc(msg, func(m string) string {
+		sub := wrongShape.FindStringSubmatch(m)
+		return "expected " + shapes[sub[2]] + ", found a YAML " + sub[1]
+	})
+	return errors.New(msg)
+}
+
+var (
+	unknownField = regexp.MustCompile(`field (\S+) not found in type policy\.\w+`)
+	wrongShape   = regexp.MustCompile(`cannot unmarshal !!(\w+)(?: [^ ]+)? into (\[\]policy\.fileConsumer|policy\.\w+|string)`)
+	shapes       = map[string]string{
+		"policy.file":           "a mapping with defaults and consumers",
+		"[]policy.fileConsumer": "a list of consumer entries",
+		"policy.fileConsumer":   "a consumer entry (a mapping with name or prefix)",
+		"policy.fileBounds":     "a mapping with lease, message_retention and operation_retention",
+		"policy.fileRange":      "a mapping with default, min and max",
+		"string":                "a string",
+	}
+)
