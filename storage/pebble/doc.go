@@ -15,6 +15,10 @@
 // throughput comes from. Times are kept in UTC, truncated to microseconds,
 // as a SQL store returns them.
 //
+// Memory: a block cache of DefaultCacheSize (WithCacheSize), so claims of
+// new keys, which look for a record that is not there, rarely read the disk,
+// and memtables of up to 32 MiB, which Pebble grows to from a small start.
+//
 // # Key layout
 //
 //	0x00 "format"             layout version (1)
