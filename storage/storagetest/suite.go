@@ -281,7 +281,8 @@ func testExpiryBoundary(t *testing.T, s storage.Store, c *Clock) {
 	first := acquire(t, s, claimParams(k, "fp-1"))
 	done := complete(t, s, k, first.Token, "result-1")
 	// The store's clock is ahead of the completion by the time it took to
-	// answer; step to one millisecond before expiry from a fresh reading.
+	// answer, so step to a second before expiry: the slack covers that time.
+	// (storagetest.RunSweeper places the horizon to the millisecond.)
 	c.Advance(retention - time.Second)
 	got, err := s.Lookup(t.Context(), k)
 	require.NoError(t, err, "a record a second before expiry is live")
@@ -698,12 +699,16 @@ func testRaceFenced(t *testing.T, s storage.Store, c *Clock) {
 }
 
 // testRaceManyKeys runs claim/complete/release cycles from many goroutines
-// over a few keys and checks that no token is issued twice and that a key is
-// completed only by the holder of its last token.
+// over a few keys and checks that no token of a key is issued twice and that
+// a key is completed only by the holder of its last token.
 func testRaceManyKeys(t *testing.T, s storage.Store, _ *Clock) {
 	keys := []storage.Key{newKey(storage.KindMessage), newKey(storage.KindMessage), newKey(storage.KindMessage)}
 	var mu sync.Mutex
-	issued := map[int64]bool{}
+	type keyToken struct {
+		key   storage.Key
+		token int64
+	}
+	issued := map[keyToken]bool{}
 	completedBy := map[storage.Key]int64{}
 	errs := parallel(16, func(i int) error {
 		for n := range 15 {
@@ -718,8 +723,9 @@ func testRaceManyKeys(t *testing.T, s storage.Store, _ *Clock) {
 				continue
 			}
 			mu.Lock()
-			dup := issued[res.Record.Token]
-			issued[res.Record.Token] = true
+			kt := keyToken{k, res.Record.Token}
+			dup := issued[kt]
+			issued[kt] = true
 			mu.Unlock()
 			if dup {
 				return fmt.Errorf("token %d issued twice", res.Record.Token)
