@@ -31,7 +31,8 @@ func FingerprintsConflict(stored, given []byte) bool {
 // never below the clock in microseconds. Taking the clock into account keeps
 // tokens increasing after a record expired and was deleted: a deleted record
 // expired at least its retention after its last token was issued, so the
-// clock has moved past every token it ever held.
+// clock has moved past every token it ever held, unless the clock stepped
+// back by more than that retention (the minimum retention bounds it).
 func NextToken(prev int64, now time.Time) int64 {
 	return max(prev+1, now.UnixMicro())
 }
