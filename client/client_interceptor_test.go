@@ -418,3 +418,28 @@ func TestClientInterceptorRace(t *testing.T) {
 	require.EqualValues(t, 1, e.down.calls.Load())
 	require.EqualValues(t, n-1, replays.Load())
 }
+
+// TestClientInterceptorDeadlineDuringClaim: a call whose deadline hits
+// while its Claim is in flight does not leave the key claimed for a lease.
+func TestClientInterceptorDeadlineDuringClaim(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, sent, open := gatedClient(t, reg)
+	defer open()
+	time.AfterFunc(hangGuard, open) // see TestOnceDeadlineDuringClaim
+	addr, down := startDownstream(t)
+	conn := dial(t, addr, grpc.WithUnaryInterceptor(client.UnaryClientInterceptor(c, client.WithLease(time.Hour))))
+	key := client.WithIdempotencyKey(t.Context(), "payment:op-1")
+
+	ctx, cancel := context.WithCancel(key)
+	go func() { <-sent; cancel() }()
+	_, err := charge(ctx, conn, "10 EUR")
+	require.Equal(t, codes.Canceled, status.Code(err))
+	require.Zero(t, down.calls.Load())
+
+	open()
+	eventually(t, func() bool {
+		_, err := charge(key, conn, "10 EUR")
+		return err == nil
+	}, "the retry to get through")
+	require.EqualValues(t, 1, down.calls.Load())
+}

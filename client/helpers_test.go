@@ -114,3 +114,30 @@ func eventually(t *testing.T, cond func() bool, what string) {
 		}
 	}
 }
+
+// gatedClient is a client of reg whose first Claim reaches the registry but
+// whose answer is held back until open is called: a Claim in flight when
+// the caller's deadline hits.
+func gatedClient(t *testing.T, reg *registrytest.Registry) (c *client.Client, sent <-chan struct{}, open func()) {
+	t.Helper()
+	sentc, gate := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	conn, err := grpc.NewClient(reg.Addr,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
+			err := invoker(ctx, method, req, reply, cc, callOpts...)
+			if _, ok := req.(*idemregv1.ClaimRequest); ok {
+				first := false
+				once.Do(func() { first = true })
+				if first {
+					close(sentc)
+					<-gate
+				}
+			}
+			return err
+		}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	var openOnce sync.Once
+	return client.New(conn), sentc, func() { openOnce.Do(func() { close(gate) }) }
+}

@@ -179,7 +179,7 @@ func UnaryClientInterceptor(c *Client, opts ...Option) grpc.UnaryClientIntercept
 		callCtx := metadata.NewOutgoingContext(ctx, md)
 
 		k := Key{Consumer: consumerFor(s, "call:", method), Kind: KindOperation, Key: key}
-		cl, err := c.claim(registryContext(ctx), ClaimParams{Key: k, Fingerprint: fp, Lease: s.lease, Retention: s.retention}, s.wait)
+		cl, err := c.claim(registryContext(ctx), ClaimParams{Key: k, Fingerprint: fp, Lease: s.lease, Retention: s.retention}, s)
 		if err != nil {
 			if errors.Is(err, ErrUnavailable) && s.unavailable == FailOpen {
 				c.logger.WarnContext(ctx, "idemreg: registry unavailable; calling without it", "method", method, "error", err)

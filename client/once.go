@@ -80,7 +80,7 @@ type OnceResult struct {
 func (c *Client) Once(ctx context.Context, consumer, messageID string, fn Handler, opts ...Option) (OnceResult, error) {
 	s := newSettings(DefaultClientMissingKey, opts)
 	k := Key{Consumer: consumer, Kind: s.kind, Key: messageID}
-	cl, err := c.claim(ctx, ClaimParams{Key: k, Fingerprint: s.messageFingerprint, Lease: s.lease, Retention: s.retention}, s.wait)
+	cl, err := c.claim(ctx, ClaimParams{Key: k, Fingerprint: s.messageFingerprint, Lease: s.lease, Retention: s.retention}, s)
 	if err != nil {
 		return OnceResult{Record: cl.Record}, err
 	}

@@ -412,3 +412,30 @@ func TestOnceRace(t *testing.T) {
 		})
 	}
 }
+
+// TestOnceDeadlineDuringClaim: the caller's context ends while its Claim is
+// in flight, after the registry acquired the key. The caller returns at
+// once, and the claim it never learned of is released instead of blocking
+// the key for a whole lease.
+func TestOnceDeadlineDuringClaim(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, sent, open := gatedClient(t, reg)
+	defer open()
+	// Should the caller wait for the answer (the bug this guards against),
+	// it would wait forever: open the gate after the guard instead.
+	time.AfterFunc(hangGuard, open)
+	ctx, cancel := context.WithCancel(t.Context())
+	go func() { <-sent; cancel() }()
+	_, err := c.Once(ctx, inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) {
+		t.Error("ran after its context ended")
+		return nil, nil
+	}, client.WithLease(time.Hour))
+	require.ErrorIs(t, err, context.Canceled)
+
+	open()
+	eventually(t, func() bool {
+		cl, err := reg.Client.Claim(t.Context(), client.ClaimParams{Key: msgKey})
+		require.NoError(t, err)
+		return cl.Outcome == client.OutcomeAcquired
+	}, "the abandoned claim to be released")
+}

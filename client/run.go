@@ -10,15 +10,16 @@ import (
 )
 
 // claim claims p. While another holder has the key it returns an
-// *InProgressError, or, with a wait backoff, polls until the key is
-// completed or acquired or ctx ends.
-func (c *Client) claim(ctx context.Context, p ClaimParams, wait *Backoff) (Claim, error) {
+// *InProgressError, or, with s.wait, polls until the key is completed or
+// acquired or ctx ends.
+func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, error) {
+	wait := s.wait
 	var delay time.Duration
 	if wait != nil {
 		delay = wait.Initial
 	}
 	for {
-		cl, err := c.Claim(ctx, p)
+		cl, err := c.claimOnce(ctx, p, s)
 		if err != nil || cl.Outcome != OutcomeInProgress {
 			return cl, err
 		}
@@ -35,11 +36,57 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, wait *Backoff) (Claim
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return cl, FromStatus(status.FromContextError(ctx.Err()))
+			return cl, contextError(ctx)
 		case <-t.C:
 		}
 		delay = min(2*delay, wait.Max)
 	}
+}
+
+// claimOnce makes one Claim that outlives ctx. A Claim cut off by the
+// caller's deadline may still have acquired the key in the registry, for a
+// caller that never learns the token: the key would be stuck until its
+// lease ran out. So the Claim runs on its own (bounded by the bookkeeping
+// timeout); if ctx ends first the caller gets ctx's error at once, and a
+// claim acquired meanwhile is released in the background.
+func (c *Client) claimOnce(ctx context.Context, p ClaimParams, s *settings) (Claim, error) {
+	if ctx.Err() != nil {
+		return Claim{}, contextError(ctx)
+	}
+	type answer struct {
+		cl  Claim
+		err error
+	}
+	answers := make(chan answer, 1)
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.bookkeepingTimeout)
+	go func() {
+		defer cancel()
+		cl, err := c.Claim(dctx, p)
+		answers <- answer{cl, err}
+	}()
+	select {
+	case a := <-answers:
+		return a.cl, a.err
+	case <-ctx.Done():
+	}
+	go func() {
+		a := <-answers
+		if a.err != nil || a.cl.Outcome != OutcomeAcquired {
+			return
+		}
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.bookkeepingTimeout)
+		defer cancel()
+		if _, err := c.Release(rctx, p.Key, a.cl.Token); err != nil {
+			c.logger.WarnContext(rctx, "idemreg: releasing a claim its caller gave up on failed; the key frees when its lease ends",
+				"consumer", p.Consumer, "error", err)
+		}
+	}()
+	return Claim{}, contextError(ctx)
+}
+
+// contextError is ctx's error as a typed status error.
+func contextError(ctx context.Context) error {
+	return FromStatus(status.FromContextError(ctx.Err()))
 }
 
 // heartbeat extends a claim every half lease until stopped. When the

@@ -71,7 +71,7 @@ func UnaryServerInterceptor(c *Client, opts ...Option) grpc.UnaryServerIntercept
 			return nil, status.Errorf(codes.Internal, "idempotency interceptor: %s: fingerprinting the request: %v", method, err)
 		}
 		k := Key{Consumer: consumerFor(s, "rpc:", method), Kind: KindOperation, Key: key}
-		cl, err := c.claim(ctx, ClaimParams{Key: k, Fingerprint: fp, Lease: s.lease, Retention: s.retention}, s.wait)
+		cl, err := c.claim(ctx, ClaimParams{Key: k, Fingerprint: fp, Lease: s.lease, Retention: s.retention}, s)
 		if err != nil {
 			if errors.Is(err, ErrUnavailable) && s.unavailable == FailOpen {
 				c.logger.WarnContext(ctx, "idemreg: registry unavailable; serving without it", "method", method, "error", err)
