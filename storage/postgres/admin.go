@@ -1,0 +1,81 @@
+package postgres
+
+import (
+	"context"
+
+	"github.com/idemreg/idemreg/storage"
+)
+
+var _ storage.Admin = (*Store)(nil)
+
+// invalidateSQL: $1 consumer, $2 kind, $3 key, $4 expected token (0: any),
+// $5 clock offset µs. It keeps the row (see storage.DecideInvalidate): the
+// row's token is what keeps the key's next token above every earlier one.
+// Admin statements are rare, so they are not prepared on every connection.
+var invalidateSQL = `
+WITH clock AS (
+    SELECT now() + CAST($5 AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+w AS (
+    UPDATE idemreg_records AS r SET
+        state            = 1,                      -- StateInProgress
+        fingerprint      = CAST('' AS BYTEA),      -- Fingerprint = nil
+        -- NextToken(cur.Token, now) = max(prev+1, now in µs)
+        token            = GREATEST(r.token + 1, CAST(extract(epoch FROM c.now) * 1000000 AS BIGINT)),
+        lease_expires_at = c.now,                  -- the lease ends now
+        completed_at     = NULL,
+        result           = NULL,
+        -- ExpiresAt = max(cur.ExpiresAt, now + cur.Retention)
+        expires_at       = GREATEST(r.expires_at, c.now + r.retention_us * INTERVAL '1 microsecond')
+    FROM clock c
+    WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+      AND r.expires_at > c.now                             -- cur.Live(now)
+      AND (CAST($4 AS BIGINT) = 0 OR r.token = $4)          -- p.Token == 0 || cur.Token == p.Token
+    RETURNING ` + recordColumnsNoResultOf("r") + `
+)
+SELECT true, c.now, ` + recordColumnsOf("w") + `
+FROM w CROSS JOIN clock c
+UNION ALL
+SELECT false, c.now, ` + recordColumnsNoResultOf("r") + `
+FROM idemreg_records r CROSS JOIN clock c
+WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+  AND NOT EXISTS (SELECT 1 FROM w)`
+
+// Inspect returns the stored row, expired or not, and the database's clock.
+func (s *Store) Inspect(ctx context.Context, k storage.Key) (storage.InspectResult, error) {
+	var a answer
+	err := s.run(ctx, "inspect", func(ctx context.Context) error {
+		var err error
+		a, err = s.queryRecord(ctx, lookupSQL, k.Consumer, int16(k.Kind), k.Key, s.offsetMicros())
+		return err
+	})
+	if err != nil {
+		return storage.InspectResult{}, err
+	}
+	if !a.found {
+		return storage.InspectResult{}, storage.ErrNotFound
+	}
+	return storage.InspectResult{Record: a.rec, Now: a.now}, nil
+}
+
+// Invalidate decides by storage.DecideInvalidate in one statement.
+func (s *Store) Invalidate(ctx context.Context, p storage.InvalidateParams) (storage.Record, error) {
+	var a answer
+	err := s.run(ctx, "invalidate", func(ctx context.Context) error {
+		var err error
+		a, err = s.queryRecord(ctx, invalidateSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros())
+		return err
+	})
+	if err != nil {
+		return storage.Record{}, err
+	}
+	if a.written {
+		a.rec.Fingerprint = nil // stored as empty, as the rules leave it
+		return a.rec, nil
+	}
+	rec, write, err := storage.DecideInvalidate(a.now, a.current(), p)
+	if write {
+		return storage.Record{}, s.disagree(ctx, "invalidate", a)
+	}
+	return rec, err
+}
