@@ -3,6 +3,7 @@ module github.com/idemreg/idemreg
 go 1.26.8
 
 require (
+	github.com/anishathalye/porcupine v1.3.1
 	github.com/cockroachdb/pebble/v2 v2.1.7
 	github.com/stretchr/testify v1.12.1
 	google.golang.org/grpc v1.85.0

@@ -1,0 +1,155 @@
+package lincheck
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/anishathalye/porcupine"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Recorder collects a history: each call's input, output, and invocation
+// and return times on one monotonic clock. It is safe for concurrent use.
+type Recorder struct {
+	start time.Time
+
+	mu      sync.Mutex
+	ops     []porcupine.Operation
+	clients int
+}
+
+// NewRecorder starts an empty history.
+func NewRecorder() *Recorder { return &Recorder{start: time.Now()} }
+
+// NewClient returns a fresh client id. A worker takes a new one after an
+// ambiguous failure: that call stays open until the end of the history, and
+// a client's calls must not overlap.
+func (r *Recorder) NewClient() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.clients++
+	return r.clients - 1
+}
+
+// Now is the recorder's clock, for Call and Return times.
+func (r *Recorder) Now() int64 { return int64(time.Since(r.start)) }
+
+// Add records a finished call.
+func (r *Recorder) Add(client int, in Input, call int64, out Output, ret int64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.ops = append(r.ops, porcupine.Operation{ClientId: client, Input: in, Call: call, Output: out, Return: ret})
+}
+
+// Stats counts the calls of a history by answer.
+type Stats struct {
+	Calls     int
+	Ambiguous int
+	ByStatus  map[Status]int
+	Keys      int
+}
+
+func (s Stats) String() string {
+	return fmt.Sprintf("%d calls on %d keys, %d ambiguous; %d acquired, %d in progress, %d completed replays, "+
+		"%d ok, %d lease lost, %d not found, %d already completed, %d fingerprint mismatch",
+		s.Calls, s.Keys, s.Ambiguous, s.ByStatus[Acquired], s.ByStatus[InProgress], s.ByStatus[Completed],
+		s.ByStatus[OK], s.ByStatus[LeaseLost], s.ByStatus[NotFound], s.ByStatus[AlreadyCompleted], s.ByStatus[FingerprintMismatch])
+}
+
+// History returns the recorded calls for the checker. A call that failed
+// ambiguously may take effect at any time after its invocation, so it is
+// open until after the last call returned, the way etcd's robustness tests
+// record them; an ambiguous Lookup tells nothing and is left out.
+func (r *Recorder) History() ([]porcupine.Operation, Stats) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st := Stats{ByStatus: map[Status]int{}}
+	var last int64
+	for _, op := range r.ops {
+		last = max(last, op.Return)
+	}
+	keys := map[string]bool{}
+	out := make([]porcupine.Operation, 0, len(r.ops))
+	for _, op := range r.ops {
+		in, o := op.Input.(Input), op.Output.(Output)
+		if o.Status == Unknown {
+			if in.Method == Lookup {
+				continue
+			}
+			st.Ambiguous++
+			op.Return = last + 1
+		}
+		st.Calls++
+		st.ByStatus[o.Status]++
+		keys[in.Key] = true
+		out = append(out, op)
+	}
+	st.Keys = len(keys)
+	return out, st
+}
+
+// ErrNotLinearizable is returned by Check for a history the model rejects.
+var ErrNotLinearizable = errors.New("history is not linearizable")
+
+// ErrCheckTimedOut is returned by Check when the checker ran out of time: a
+// run must not pass on an unknown result.
+var ErrCheckTimedOut = errors.New("linearizability check timed out")
+
+// Check checks history against Model within timeout. When the history is
+// not linearizable, or the check timed out, it writes porcupine's HTML
+// visualisation to htmlPath (if not empty) and says so in the error.
+func Check(history []porcupine.Operation, timeout time.Duration, htmlPath string) error {
+	res := porcupine.CheckOperationsTimeout(Model, history, timeout)
+	if res == porcupine.Ok {
+		return nil
+	}
+	err := ErrNotLinearizable
+	if res == porcupine.Unknown {
+		err = ErrCheckTimedOut
+	}
+	if htmlPath == "" {
+		return err
+	}
+	_, info := porcupine.CheckOperationsVerbose(Model, history, timeout)
+	if verr := porcupine.VisualizePath(Model, info, htmlPath); verr != nil {
+		return fmt.Errorf("%w (writing the visualisation: %v)", err, verr)
+	}
+	return fmt.Errorf("%w: see %s", err, htmlPath)
+}
+
+// Classify turns an error of a registry call into the model's answer. The
+// registry's definite refusals (ErrorInfo reasons LEASE_LOST,
+// ALREADY_COMPLETED, FINGERPRINT_MISMATCH, and NOT_FOUND) change nothing;
+// UNAVAILABLE, DEADLINE_EXCEEDED, CANCELED and transport failures may have
+// been applied and are Unknown. Any other code (INVALID_ARGUMENT,
+// INTERNAL, ...) is a bug in the registry or the workload: unexpected is
+// true.
+func Classify(err error) (s Status, unexpected bool) {
+	st := status.Convert(err)
+	reason := ""
+	for _, d := range st.Details() {
+		if info, ok := d.(*errdetails.ErrorInfo); ok {
+			reason = info.GetReason()
+		}
+	}
+	switch st.Code() {
+	case codes.NotFound:
+		return NotFound, false
+	case codes.FailedPrecondition:
+		switch reason {
+		case "LEASE_LOST":
+			return LeaseLost, false
+		case "ALREADY_COMPLETED":
+			return AlreadyCompleted, false
+		case "FINGERPRINT_MISMATCH":
+			return FingerprintMismatch, false
+		}
+	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled:
+		return Unknown, false
+	}
+	return Unknown, true
+}

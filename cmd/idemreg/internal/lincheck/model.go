@@ -1,0 +1,318 @@
+// Package lincheck checks histories of calls to a real idemreg registry for
+// linearizability with porcupine. It owns the model of the registry's
+// contract (docs/semantics.md, storage/rules.go) at the API level, the
+// recorder that turns concurrent gRPC calls into a porcupine history, and
+// the workload that produces such histories; the fault-injecting harness
+// that drives them lives in cmd/idemreg's linearizability tests.
+//
+// The model assumes leases and retention long relative to a run: no lease
+// runs out and no record expires while a history is recorded, so a lease
+// ends only by Release and starts again only by Claim or Extend. Lease
+// expiry and record expiry are checked by the conformance suite
+// (storage/storagetest) with a clock it moves, not here.
+package lincheck
+
+import (
+	"fmt"
+	"hash/fnv"
+	"sort"
+	"strings"
+
+	"github.com/anishathalye/porcupine"
+)
+
+// Method is a registry RPC.
+type Method uint8
+
+// The RPCs of idemreg.v1.RegistryService.
+const (
+	Claim Method = iota + 1
+	Complete
+	Release
+	Extend
+	Lookup
+)
+
+func (m Method) String() string {
+	switch m {
+	case Claim:
+		return "Claim"
+	case Complete:
+		return "Complete"
+	case Release:
+		return "Release"
+	case Extend:
+		return "Extend"
+	case Lookup:
+		return "Lookup"
+	}
+	return fmt.Sprintf("Method(%d)", m)
+}
+
+// Input is one call: the RPC, its key (the partition: every call names one
+// key, and keys are independent), and the arguments the model needs.
+type Input struct {
+	Method Method
+	Key    string
+	// Token of Complete, Release and Extend.
+	Token int64
+	// Fingerprint and Holder of Claim.
+	Fingerprint, Holder string
+	// Result of Complete: an identity unique to the call.
+	Result string
+}
+
+// Status is what a call answered.
+type Status uint8
+
+// Answers. Unknown is an ambiguous failure (a timeout, a cut connection, an
+// unavailable store): the call may or may not have taken effect.
+const (
+	Unknown Status = iota
+	OK
+	Acquired
+	InProgress
+	Completed
+	NotFound
+	LeaseLost
+	AlreadyCompleted
+	FingerprintMismatch
+)
+
+func (s Status) String() string {
+	return [...]string{"UNKNOWN", "OK", "ACQUIRED", "IN_PROGRESS", "COMPLETED", "NOT_FOUND",
+		"LEASE_LOST", "ALREADY_COMPLETED", "FINGERPRINT_MISMATCH"}[s]
+}
+
+// Output is what a call returned, as far as the model checks it.
+type Output struct {
+	Status Status
+	// Token: the acquired token (Claim), or the record's token where the
+	// API shows it (a completed record, and the caller's own record after
+	// Complete, Release and Extend).
+	Token int64
+	// The record returned with the answer.
+	Attempt   int64
+	Holder    string
+	Completed bool
+	Result    string
+}
+
+// State is the model of one key. Its zero value is an absent key. It is
+// comparable, so porcupine compares states with ==.
+type State struct {
+	Exists    bool
+	Completed bool
+	// LeaseLive: in progress and the lease has not been released.
+	LeaseLive bool
+	// Token is the current token when TokenKnown; otherwise the current
+	// token was issued to a call that failed ambiguously, nobody learned it,
+	// and Token is a lower bound: the current token is larger.
+	Token       int64
+	TokenKnown  bool
+	Attempt     int64
+	Holder      string
+	Fingerprint string
+	Result      string
+}
+
+func (s State) String() string {
+	if !s.Exists {
+		return "absent"
+	}
+	var b strings.Builder
+	switch {
+	case s.Completed:
+		fmt.Fprintf(&b, "completed %q", s.Result)
+	case s.LeaseLive:
+		b.WriteString("in progress")
+	default:
+		b.WriteString("released")
+	}
+	if s.TokenKnown {
+		fmt.Fprintf(&b, " t=%d", s.Token)
+	} else {
+		fmt.Fprintf(&b, " t>%d", s.Token)
+	}
+	fmt.Fprintf(&b, " a=%d h=%s fp=%q", s.Attempt, s.Holder, s.Fingerprint)
+	return b.String()
+}
+
+func fingerprintsConflict(stored, given string) bool {
+	return stored != "" && given != "" && stored != given
+}
+
+// step returns the states the key can be in after the call in has answered
+// out in state s; none when that answer is impossible. An Unknown answer
+// allows both the state before and the state after the call.
+func step(s State, in Input, out Output) []State {
+	keep := []State{s}
+	switch in.Method {
+	case Claim:
+		return stepClaim(s, in, out)
+	case Lookup:
+		switch {
+		case out.Status == Unknown:
+			return keep
+		case !s.Exists:
+			return when(out.Status == NotFound, s)
+		}
+		ok := out.Status == OK && out.Completed == s.Completed && out.Attempt == s.Attempt && out.Holder == s.Holder
+		if s.Completed {
+			ok = ok && out.Token == s.Token && out.Result == s.Result
+		}
+		return when(ok, s)
+	}
+
+	// Complete, Release and Extend are fenced by the token: an absent key
+	// is NOT_FOUND, another token LEASE_LOST. A token nobody learned is
+	// never presented, so it never matches.
+	switch {
+	case out.Status == Unknown && (!s.Exists || !s.TokenKnown || s.Token != in.Token):
+		return keep
+	case !s.Exists:
+		return when(out.Status == NotFound, s)
+	case !s.TokenKnown || s.Token != in.Token:
+		return when(out.Status == LeaseLost, s)
+	}
+	answered := func(next State) bool {
+		return out.Status == OK && out.Token == in.Token && out.Attempt == next.Attempt &&
+			out.Holder == next.Holder && out.Completed == next.Completed && out.Result == next.Result
+	}
+	next := s
+	switch in.Method {
+	case Complete:
+		if s.Completed {
+			// A repeated Complete with the current token returns the
+			// stored record: the first result stays.
+			return when(out.Status == Unknown || answered(s), s)
+		}
+		next.Completed, next.LeaseLive, next.Result = true, false, in.Result
+	case Release, Extend:
+		if s.Completed {
+			return when(out.Status == Unknown || out.Status == AlreadyCompleted, s)
+		}
+		next.LeaseLive = in.Method == Extend
+	default:
+		return nil
+	}
+	if out.Status == Unknown {
+		return []State{s, next}
+	}
+	return when(answered(next), next)
+}
+
+func stepClaim(s State, in Input, out Output) []State {
+	acquire := func(next State) []State {
+		next.Exists, next.Completed, next.LeaseLive = true, false, true
+		next.Holder = in.Holder
+		next.Result = ""
+		if out.Status == Unknown {
+			// Acquired by a caller that never learned its token: the token
+			// grew, to a value nobody can present.
+			next.TokenKnown = false
+			next.Token = s.Token
+			return []State{s, next}
+		}
+		// Tokens of a key strictly increase, also past a token nobody
+		// learned (s.Token is then its lower bound).
+		if out.Status != Acquired || out.Token <= s.Token || out.Attempt != next.Attempt {
+			return nil
+		}
+		next.Token, next.TokenKnown = out.Token, true
+		return []State{next}
+	}
+	if !s.Exists {
+		return acquire(State{Token: s.Token, Attempt: 1, Fingerprint: in.Fingerprint})
+	}
+	if fingerprintsConflict(s.Fingerprint, in.Fingerprint) {
+		return when(out.Status == Unknown || out.Status == FingerprintMismatch, s)
+	}
+	switch {
+	case out.Status == Unknown && (s.Completed || s.LeaseLive):
+		return []State{s}
+	case s.Completed:
+		return when(out.Status == Completed && s.TokenKnown && out.Token == s.Token &&
+			out.Result == s.Result && out.Attempt == s.Attempt && out.Holder == s.Holder, s)
+	case s.LeaseLive:
+		// One owner at a time: the live holder is the one the model knows.
+		return when(out.Status == InProgress && out.Attempt == s.Attempt && out.Holder == s.Holder, s)
+	}
+	// Takeover of a released lease.
+	next := s
+	next.Attempt++
+	if next.Fingerprint == "" {
+		next.Fingerprint = in.Fingerprint
+	}
+	return acquire(next)
+}
+
+func when(ok bool, s State) []State {
+	if ok {
+		return []State{s}
+	}
+	return nil
+}
+
+func (in Input) String() string {
+	switch in.Method {
+	case Claim:
+		return fmt.Sprintf("Claim(fp=%q, h=%s)", in.Fingerprint, in.Holder)
+	case Complete:
+		return fmt.Sprintf("Complete(t=%d, %q)", in.Token, in.Result)
+	case Release, Extend:
+		return fmt.Sprintf("%s(t=%d)", in.Method, in.Token)
+	}
+	return in.Method.String() + "()"
+}
+
+func (out Output) String() string {
+	switch out.Status {
+	case Unknown, NotFound, LeaseLost, AlreadyCompleted, FingerprintMismatch:
+		return out.Status.String()
+	}
+	s := fmt.Sprintf("%s t=%d a=%d h=%s", out.Status, out.Token, out.Attempt, out.Holder)
+	if out.Completed {
+		s += fmt.Sprintf(" completed %q", out.Result)
+	}
+	return s
+}
+
+// Model is the registry's contract as a porcupine model, partitioned by key.
+var Model = (&porcupine.NondeterministicModel{
+	Partition: func(history []porcupine.Operation) [][]porcupine.Operation {
+		byKey := map[string][]porcupine.Operation{}
+		for _, op := range history {
+			k := op.Input.(Input).Key
+			byKey[k] = append(byKey[k], op)
+		}
+		keys := make([]string, 0, len(byKey))
+		for k := range byKey {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		parts := make([][]porcupine.Operation, 0, len(keys))
+		for _, k := range keys {
+			parts = append(parts, byKey[k])
+		}
+		return parts
+	},
+	Init: func() []any { return []any{State{}} },
+	Step: func(state, input, output any) []any {
+		next := step(state.(State), input.(Input), output.(Output))
+		out := make([]any, len(next))
+		for i, s := range next {
+			out[i] = s
+		}
+		return out
+	},
+	Hash: func(state any) uint64 {
+		h := fnv.New64a()
+		fmt.Fprintf(h, "%v", state.(State))
+		return h.Sum64()
+	},
+	DescribeOperation: func(input, output any) string {
+		return input.(Input).String() + " → " + output.(Output).String()
+	},
+	DescribeState: func(state any) string { return state.(State).String() },
+}).ToModel()

@@ -1,0 +1,194 @@
+package lincheck
+
+import (
+	"testing"
+	"time"
+
+	"github.com/anishathalye/porcupine"
+	"github.com/stretchr/testify/require"
+)
+
+// op is a call on key "k" from client c over [call, ret].
+func op(c int, call, ret int64, in Input, out Output) porcupine.Operation {
+	if in.Key == "" {
+		in.Key = "k"
+	}
+	return porcupine.Operation{ClientId: c, Input: in, Call: call, Output: out, Return: ret}
+}
+
+func claim(fp, holder string) Input { return Input{Method: Claim, Fingerprint: fp, Holder: holder} }
+func complete(tok int64, res string) Input {
+	return Input{Method: Complete, Token: tok, Result: res}
+}
+func release(tok int64) Input { return Input{Method: Release, Token: tok} }
+func extend(tok int64) Input  { return Input{Method: Extend, Token: tok} }
+func lookup() Input           { return Input{Method: Lookup} }
+
+func acquired(tok, attempt int64, holder string) Output {
+	return Output{Status: Acquired, Token: tok, Attempt: attempt, Holder: holder}
+}
+func inProgress(attempt int64, holder string) Output {
+	return Output{Status: InProgress, Attempt: attempt, Holder: holder}
+}
+func done(tok, attempt int64, holder, res string) Output {
+	return Output{Status: OK, Token: tok, Attempt: attempt, Holder: holder, Completed: true, Result: res}
+}
+func replay(tok, attempt int64, holder, res string) Output {
+	o := done(tok, attempt, holder, res)
+	o.Status = Completed
+	return o
+}
+func ok(tok, attempt int64, holder string) Output {
+	return Output{Status: OK, Token: tok, Attempt: attempt, Holder: holder}
+}
+func answer(s Status) Output { return Output{Status: s} }
+
+// open is the return time of an ambiguous call: open until the end of the history.
+const open = 1 << 40
+
+func TestModel(t *testing.T) {
+	cases := []struct {
+		name         string
+		history      []porcupine.Operation
+		linearizable bool
+	}{
+		{"claim, complete, replay", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, complete(10, "r1"), done(10, 1, "h1", "r1")),
+			op(1, 4, 5, claim("A", "h2"), replay(10, 1, "h1", "r1")),
+			op(1, 6, 7, claim("B", "h3"), answer(FingerprintMismatch)),
+			op(1, 8, 9, lookup(), done(10, 1, "h1", "r1")),
+		}, true},
+		{"two owners at once", []porcupine.Operation{
+			op(0, 0, 10, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 0, 10, claim("A", "h2"), acquired(11, 1, "h2")),
+		}, false},
+		{"concurrent claims: one owner, the other sees it", []porcupine.Operation{
+			op(0, 0, 10, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 0, 10, claim("", "h2"), inProgress(1, "h1")),
+		}, true},
+		{"in progress names the wrong holder", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, 3, claim("A", "h2"), inProgress(1, "h2")),
+		}, false},
+		{"takeover after release has a larger token and the next attempt", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, release(10), ok(10, 1, "h1")),
+			op(1, 4, 5, claim("A", "h2"), acquired(20, 2, "h2")),
+			op(0, 6, 7, complete(10, "stale"), answer(LeaseLost)),
+			op(1, 8, 9, complete(20, "r2"), done(20, 2, "h2", "r2")),
+		}, true},
+		{"a stale holder overwrites", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, release(10), ok(10, 1, "h1")),
+			op(1, 4, 5, claim("A", "h2"), acquired(20, 2, "h2")),
+			op(0, 6, 7, complete(10, "stale"), done(10, 2, "h2", "stale")),
+		}, false},
+		{"tokens go backwards", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, release(10), ok(10, 1, "h1")),
+			op(1, 4, 5, claim("A", "h2"), acquired(9, 2, "h2")),
+		}, false},
+		{"an acknowledged Complete is lost", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, complete(10, "r1"), done(10, 1, "h1", "r1")),
+			op(1, 4, 5, lookup(), ok(0, 1, "h1")),
+		}, false},
+		{"the first result stays", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, complete(10, "r1"), done(10, 1, "h1", "r1")),
+			op(1, 4, 5, complete(10, "r2"), done(10, 1, "h1", "r1")),
+		}, true},
+		{"a second result replaces the first", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, complete(10, "r1"), done(10, 1, "h1", "r1")),
+			op(1, 4, 5, complete(10, "r2"), done(10, 1, "h1", "r2")),
+		}, false},
+		{"release and extend of a completed key", []porcupine.Operation{
+			op(0, 0, 1, claim("", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, complete(10, "r1"), done(10, 1, "h1", "r1")),
+			op(0, 4, 5, release(10), answer(AlreadyCompleted)),
+			op(0, 6, 7, extend(10), answer(AlreadyCompleted)),
+			op(0, 8, 9, release(11), answer(LeaseLost)),
+		}, true},
+		{"extend revives a released lease", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, release(10), ok(10, 1, "h1")),
+			op(0, 4, 5, extend(10), ok(10, 1, "h1")),
+			op(1, 6, 7, claim("A", "h2"), inProgress(1, "h1")),
+		}, true},
+		{"fenced calls on an absent key", []porcupine.Operation{
+			op(0, 0, 1, complete(1, "r"), answer(NotFound)),
+			op(0, 2, 3, release(1), answer(NotFound)),
+			op(0, 4, 5, lookup(), answer(NotFound)),
+		}, true},
+		{"a takeover keeps the stored fingerprint or records one", []porcupine.Operation{
+			op(0, 0, 1, claim("", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, release(10), ok(10, 1, "h1")),
+			op(1, 4, 5, claim("B", "h2"), acquired(20, 2, "h2")),
+			op(2, 6, 7, claim("A", "h3"), answer(FingerprintMismatch)),
+		}, true},
+		{"an ambiguous Claim may have acquired", []porcupine.Operation{
+			op(0, 0, open, claim("A", "h1"), answer(Unknown)),
+			op(1, 2, 3, claim("A", "h2"), inProgress(1, "h1")),
+			op(1, 4, 5, complete(7, "r"), answer(LeaseLost)),
+		}, true},
+		{"an ambiguous Claim may not have acquired", []porcupine.Operation{
+			op(0, 0, open, claim("A", "h1"), answer(Unknown)),
+			op(1, 2, 3, claim("A", "h2"), acquired(10, 1, "h2")),
+		}, true},
+		{"a token acquired after an ambiguous takeover is larger than the last one seen", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, release(10), ok(10, 1, "h1")),
+			op(1, 4, open, claim("A", "h2"), answer(Unknown)),
+			op(2, 6, 7, claim("A", "h3"), acquired(10, 2, "h3")),
+		}, false},
+		{"an ambiguous Complete applies once and stays", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, open, complete(10, "r1"), answer(Unknown)),
+			op(1, 4, 5, lookup(), ok(0, 1, "h1")),
+			op(1, 6, 7, lookup(), done(10, 1, "h1", "r1")),
+			op(1, 8, 9, lookup(), done(10, 1, "h1", "r1")),
+		}, true},
+		{"an ambiguous Complete does not come undone", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, open, complete(10, "r1"), answer(Unknown)),
+			op(1, 4, 5, lookup(), done(10, 1, "h1", "r1")),
+			op(1, 6, 7, lookup(), ok(0, 1, "h1")),
+		}, false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got := porcupine.CheckOperationsTimeout(Model, tc.history, 10*time.Second)
+			want := porcupine.Illegal
+			if tc.linearizable {
+				want = porcupine.Ok
+			}
+			require.Equal(t, want, got)
+		})
+	}
+}
+
+func TestCheckWritesVisualisation(t *testing.T) {
+	history := []porcupine.Operation{
+		op(0, 0, 10, claim("A", "h1"), acquired(10, 1, "h1")),
+		op(1, 0, 10, claim("A", "h2"), acquired(11, 1, "h2")),
+	}
+	path := t.TempDir() + "/history.html"
+	err := Check(history, 10*time.Second, path)
+	require.ErrorIs(t, err, ErrNotLinearizable)
+	require.FileExists(t, path)
+	require.NoError(t, Check(history[:1], 10*time.Second, path))
+}
+
+func TestHistoryOpensAmbiguousCalls(t *testing.T) {
+	r := NewRecorder()
+	c := r.NewClient()
+	r.Add(c, claim("A", "h"), 5, answer(Unknown), 6)
+	r.Add(c, lookup(), 7, answer(Unknown), 8)
+	r.Add(c, lookup(), 9, answer(NotFound), 10)
+	h, st := r.History()
+	require.Len(t, h, 2, "an ambiguous Lookup is left out")
+	require.Equal(t, int64(11), h[0].Return, "an ambiguous call is open to the end")
+	require.Equal(t, 1, st.Ambiguous)
+}

@@ -1,0 +1,367 @@
+package lincheck
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+)
+
+// Config sizes a workload. Zero fields take the defaults.
+type Config struct {
+	// Clients is the number of concurrent workers (default 8).
+	Clients int
+	// Keys is how many keys the workers share at a time (default 3).
+	Keys int
+	// Rotate bounds how long a key is used (default 1s). A key moves on
+	// to a fresh one soon after it is seen completed, and at the latest
+	// after Rotate: a key whose token went to a call that failed
+	// ambiguously stays in progress for its whole lease. Each key's
+	// history is checked on its own.
+	Rotate time.Duration
+	// CallTimeout is the deadline of each call (default 2s).
+	CallTimeout time.Duration
+	// Consumer of the keys (default "lincheck").
+	Consumer string
+	// Seed makes the choice of calls repeatable (the interleaving is not).
+	Seed uint64
+}
+
+func (c *Config) setDefaults() {
+	if c.Clients <= 0 {
+		c.Clients = 8
+	}
+	if c.Keys <= 0 {
+		c.Keys = 3
+	}
+	if c.Rotate <= 0 {
+		c.Rotate = time.Second
+	}
+	if c.CallTimeout <= 0 {
+		c.CallTimeout = 2 * time.Second
+	}
+	if c.Consumer == "" {
+		c.Consumer = "lincheck"
+	}
+}
+
+// leaseAndRetention are far longer than any run: the model has no clock
+// (see the package doc). One hour is the registry's default maximum lease.
+var leaseAndRetention = durationpb.New(time.Hour)
+
+// Workload drives a registry with concurrent Claim, Complete, Release,
+// Extend and Lookup calls on a few shared keys and records them.
+type Workload struct {
+	cfg  Config
+	rec  *Recorder
+	rpc  idemregv1.RegistryServiceClient
+	born time.Time
+
+	mu         sync.Mutex
+	slots      []slot
+	seen       map[string][]int64 // tokens acquired per key, by anyone
+	acked      map[string]Output  // acknowledged Completes per key
+	unexpected []string
+}
+
+// NewWorkload returns a workload on conn recording into rec.
+func NewWorkload(conn grpc.ClientConnInterface, rec *Recorder, cfg Config) *Workload {
+	cfg.setDefaults()
+	return &Workload{cfg: cfg, rec: rec, rpc: idemregv1.NewRegistryServiceClient(conn), born: time.Now(),
+		slots: make([]slot, cfg.Keys), seen: map[string][]int64{}, acked: map[string]Output{}}
+}
+
+// slot is one of the keys in use: its generation names it.
+type slot struct {
+	gen   int
+	since time.Time
+}
+
+func slotKey(i, gen int) string { return fmt.Sprintf("s%d-g%d", i, gen) }
+
+// Run runs the workers until ctx ends and waits for them. Calls in flight
+// when ctx ends run to their own deadline, so stopping adds no ambiguous
+// calls.
+func (w *Workload) Run(ctx context.Context) {
+	var wg sync.WaitGroup
+	for i := range w.cfg.Clients {
+		wk := &worker{w: w, id: i, client: w.rec.NewClient(), held: map[string]int64{},
+			rnd: rand.New(rand.NewPCG(w.cfg.Seed, uint64(i)))}
+		wg.Go(func() { wk.run(ctx) })
+	}
+	wg.Wait()
+}
+
+// Unexpected lists the answers no model allows for (INVALID_ARGUMENT,
+// INTERNAL, a malformed response): each is a failure of the run.
+func (w *Workload) Unexpected() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return append([]string(nil), w.unexpected...)
+}
+
+// Acknowledged returns the acknowledged Completes: key → the stored record.
+func (w *Workload) Acknowledged() map[string]Output {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	out := make(map[string]Output, len(w.acked))
+	for k, v := range w.acked {
+		out[k] = v
+	}
+	return out
+}
+
+// Verify looks up every key with an acknowledged Complete, recording the
+// Lookups in the history, and reports each one that is not completed with
+// the acknowledged token and result: a lost acknowledged write.
+func (w *Workload) Verify(ctx context.Context) []error {
+	client := w.rec.NewClient()
+	var errs []error
+	for key, want := range w.Acknowledged() {
+		in := Input{Method: Lookup, Key: key}
+		call := w.rec.Now()
+		out, err := w.call(ctx, in)
+		w.rec.Add(client, in, call, out, w.rec.Now())
+		switch {
+		case err != nil:
+			errs = append(errs, fmt.Errorf("lookup %s: %v", key, err))
+		case out.Status != OK || !out.Completed || out.Token != want.Token || out.Result != want.Result:
+			errs = append(errs, fmt.Errorf("acknowledged Complete of %s lost: acknowledged %v, found %v", key, want, out))
+		}
+	}
+	return errs
+}
+
+type worker struct {
+	w      *Workload
+	id     int
+	client int
+	seq    int
+	rnd    *rand.Rand
+	held   map[string]int64 // tokens this worker acquired and still holds
+}
+
+func (wk *worker) run(ctx context.Context) {
+	for ctx.Err() == nil {
+		in := wk.next()
+		call := wk.w.rec.Now()
+		out, err := wk.w.call(ctx, in)
+		wk.w.rec.Add(wk.client, in, call, out, wk.w.rec.Now())
+		wk.observe(in, out)
+		if err != nil {
+			wk.w.mu.Lock()
+			wk.w.unexpected = append(wk.w.unexpected, fmt.Sprintf("%v: %v", in, err))
+			wk.w.mu.Unlock()
+		}
+		if out.Status == Unknown {
+			// The call stays open to the end of the history; the worker
+			// goes on as a new client, after a pause so an outage does
+			// not fill the history with ambiguous calls.
+			wk.client = wk.w.rec.NewClient()
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Duration(20+wk.rnd.IntN(30)) * time.Millisecond):
+			}
+		}
+	}
+}
+
+// key picks one of the current keys.
+func (wk *worker) key() string {
+	i := wk.rnd.IntN(len(wk.w.slots))
+	wk.w.mu.Lock()
+	defer wk.w.mu.Unlock()
+	sl := &wk.w.slots[i]
+	if now := time.Now(); now.Sub(sl.since) > wk.w.cfg.Rotate {
+		sl.gen, sl.since = sl.gen+1, now
+	}
+	return slotKey(i, sl.gen)
+}
+
+// retire moves the slot of key on to a fresh key, unless that happened
+// already.
+func (w *Workload) retire(key string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for i := range w.slots {
+		if sl := &w.slots[i]; slotKey(i, sl.gen) == key {
+			sl.gen, sl.since = sl.gen+1, time.Now()
+		}
+	}
+}
+
+// next chooses the next call: the holder of a key mostly completes,
+// releases or extends it; others mostly claim and look up, and now and then
+// present a token that is not theirs (a stale or a copied one, or one never
+// issued) to exercise the fencing.
+func (wk *worker) next() Input {
+	wk.seq++
+	key := wk.key()
+	in := Input{Key: key}
+	p := wk.rnd.IntN(100)
+	if tok, ok := wk.held[key]; ok {
+		in.Token = tok
+		switch {
+		case p < 45:
+			in.Method = Complete
+		case p < 60:
+			in.Method = Release
+		case p < 75:
+			in.Method = Extend
+		case p < 85:
+			in.Method = Claim
+		case p < 95:
+			in.Method = Lookup
+		default:
+			in.Method, in.Token = wk.foreign(key)
+		}
+	} else {
+		switch {
+		case p < 55:
+			in.Method = Claim
+		case p < 80:
+			in.Method = Lookup
+		default:
+			in.Method, in.Token = wk.foreign(key)
+		}
+	}
+	switch in.Method {
+	case Claim:
+		switch f := wk.rnd.IntN(100); {
+		case f < 75:
+			in.Fingerprint = "A"
+		case f < 90:
+		default:
+			in.Fingerprint = "B"
+		}
+		in.Holder = fmt.Sprintf("w%d-%d", wk.id, wk.seq)
+	case Complete:
+		in.Result = fmt.Sprintf("r-w%d-%d", wk.id, wk.seq)
+	}
+	return in
+}
+
+// foreign picks a fenced call with a token this worker does not hold: one
+// acquired by anyone on the key (possibly the current one), or 1, which is
+// never issued.
+func (wk *worker) foreign(key string) (Method, int64) {
+	m := []Method{Complete, Release, Extend}[wk.rnd.IntN(3)]
+	wk.w.mu.Lock()
+	seen := wk.w.seen[key]
+	var tok int64 = 1
+	if len(seen) > 0 && wk.rnd.IntN(4) > 0 {
+		tok = seen[wk.rnd.IntN(len(seen))]
+	}
+	wk.w.mu.Unlock()
+	return m, tok
+}
+
+func (wk *worker) observe(in Input, out Output) {
+	switch {
+	case in.Method == Claim && out.Status == Acquired:
+		wk.held[in.Key] = out.Token
+		wk.w.mu.Lock()
+		wk.w.seen[in.Key] = append(wk.w.seen[in.Key], out.Token)
+		wk.w.mu.Unlock()
+	case in.Method == Complete && out.Status == OK:
+		wk.w.mu.Lock()
+		wk.w.acked[in.Key] = out
+		wk.w.mu.Unlock()
+	case out.Status == Completed && wk.rnd.IntN(3) == 0:
+		// Seen completed and replayed a few times: use a fresh key.
+		wk.w.retire(in.Key)
+	}
+	if in.Method == Claim || in.Method == Lookup || wk.held[in.Key] != in.Token {
+		return
+	}
+	// The token is done with once its work is recorded or given back, or
+	// once it is refused. After an ambiguous answer it is kept: repeating
+	// the call is what a real holder does, and is safe.
+	if out.Status != Unknown && !(in.Method == Extend && out.Status == OK) {
+		delete(wk.held, in.Key)
+	}
+}
+
+// call makes one RPC. Its deadline is CallTimeout whether or not ctx has
+// ended. err reports an answer the model does not allow for.
+func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.CallTimeout)
+	defer cancel()
+	c, kind := w.cfg.Consumer, idemregv1.Kind_KIND_OPERATION
+	var (
+		rec *idemregv1.Record
+		err error
+		out = Output{Status: OK}
+	)
+	switch in.Method {
+	case Claim:
+		var res *idemregv1.ClaimResponse
+		res, err = w.rpc.Claim(ctx, &idemregv1.ClaimRequest{Consumer: c, Kind: kind, Key: in.Key,
+			Fingerprint: []byte(in.Fingerprint), Lease: leaseAndRetention, Retention: leaseAndRetention, Holder: in.Holder})
+		if err == nil {
+			rec = res.GetRecord()
+			switch res.GetOutcome() {
+			case idemregv1.Outcome_OUTCOME_ACQUIRED:
+				out.Status = Acquired
+				if res.GetToken() != rec.GetToken() {
+					return Output{}, fmt.Errorf("acquired token %d, record token %d", res.GetToken(), rec.GetToken())
+				}
+			case idemregv1.Outcome_OUTCOME_IN_PROGRESS:
+				out.Status = InProgress
+				if rec.GetToken() != 0 {
+					return Output{}, fmt.Errorf("in-progress answer shows the holder's token %d", rec.GetToken())
+				}
+			case idemregv1.Outcome_OUTCOME_COMPLETED:
+				out.Status = Completed
+			default:
+				return Output{}, fmt.Errorf("claim outcome %v", res.GetOutcome())
+			}
+		}
+	case Complete:
+		var res *idemregv1.CompleteResponse
+		res, err = w.rpc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token,
+			Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{
+				Type: "lincheck.Result", Data: []byte(in.Result)}}}})
+		rec = res.GetRecord()
+	case Release:
+		var res *idemregv1.ReleaseResponse
+		res, err = w.rpc.Release(ctx, &idemregv1.ReleaseRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token})
+		rec = res.GetRecord()
+	case Extend:
+		var res *idemregv1.ExtendResponse
+		res, err = w.rpc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token, Lease: leaseAndRetention})
+		rec = res.GetRecord()
+	case Lookup:
+		var res *idemregv1.LookupResponse
+		res, err = w.rpc.Lookup(ctx, &idemregv1.LookupRequest{Consumer: c, Kind: kind, Key: in.Key})
+		rec = res.GetRecord()
+	}
+	if err != nil {
+		s, unexpected := Classify(err)
+		if unexpected {
+			return Output{Status: s}, err
+		}
+		return Output{Status: s}, nil
+	}
+	if rec.GetKey() != in.Key || rec.GetConsumer() != c {
+		return Output{}, fmt.Errorf("answer for %s/%s", rec.GetConsumer(), rec.GetKey())
+	}
+	if out.Status == Acquired {
+		out.Token = rec.GetToken()
+	} else if out.Status == OK && in.Method != Lookup || rec.GetState() == idemregv1.State_STATE_COMPLETED {
+		out.Token = rec.GetToken()
+	}
+	out.Attempt = rec.GetAttempt()
+	out.Holder = rec.GetHolder()
+	out.Completed = rec.GetState() == idemregv1.State_STATE_COMPLETED
+	if out.Completed {
+		out.Result = string(rec.GetResult().GetResponse().GetData())
+	}
+	return out, nil
+}

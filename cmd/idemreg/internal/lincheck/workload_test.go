@@ -1,0 +1,120 @@
+package lincheck
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/storage"
+	"github.com/idemreg/idemreg/storage/pebble"
+)
+
+// serve runs the registry's gRPC server on store over loopback and returns
+// a connection to it.
+func serve(t *testing.T, store storage.Store) *grpc.ClientConn {
+	t.Helper()
+	srv, err := server.New(store, server.Config{})
+	require.NoError(t, err)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, lis) }()
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = conn.Close()
+		cancel()
+		require.NoError(t, <-done)
+	})
+	return conn
+}
+
+func memStore(t *testing.T) storage.Store {
+	t.Helper()
+	s, err := pebble.Open("", pebble.WithInMemory(), pebble.WithLogger(slog.New(slog.DiscardHandler)))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+func runWorkload(t *testing.T, conn *grpc.ClientConn, d time.Duration) (*Workload, *Recorder) {
+	t.Helper()
+	rec := NewRecorder()
+	w := NewWorkload(conn, rec, Config{Clients: 6, Keys: 2, Rotate: 300 * time.Millisecond, Seed: 1})
+	ctx, cancel := context.WithTimeout(t.Context(), d)
+	defer cancel()
+	w.Run(ctx)
+	require.Empty(t, w.Unexpected())
+	require.Empty(t, w.Verify(t.Context()))
+	return w, rec
+}
+
+// TestWorkloadOnEmbeddedStore records a short history against the real
+// server on the in-memory embedded store and checks it: the cheap version
+// of the fault-injecting runs in cmd/idemreg, run by every `go test`.
+func TestWorkloadOnEmbeddedStore(t *testing.T) {
+	_, rec := runWorkload(t, serve(t, memStore(t)), 1500*time.Millisecond)
+	h, st := rec.History()
+	t.Log(st)
+	require.Greater(t, st.ByStatus[Acquired], 10)
+	require.Greater(t, st.ByStatus[OK], 10)
+	require.Greater(t, st.ByStatus[InProgress]+st.ByStatus[Completed], 10)
+	require.Greater(t, st.ByStatus[LeaseLost], 0)
+	require.NoError(t, Check(h, time.Minute, filepath.Join(t.TempDir(), "history.html")))
+}
+
+// doubleOwner is a broken store: now and then it hands a key whose lease is
+// live to a second caller.
+type doubleOwner struct {
+	storage.Store
+	n atomic.Int64
+}
+
+func (s *doubleOwner) Claim(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
+	res, err := s.Store.Claim(ctx, p)
+	if err == nil && res.Outcome == storage.OutcomeInProgress && s.n.Add(1)%5 == 0 {
+		res = storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: res.Record}
+	}
+	return res, err
+}
+
+// staleWriter is a broken store whose Complete does not check the token.
+type staleWriter struct{ storage.Store }
+
+func (s *staleWriter) Complete(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
+	if rec, err := s.Store.Lookup(ctx, p.Key); err == nil && rec.State == storage.StateInProgress {
+		p.Token = rec.Token
+	}
+	return s.Store.Complete(ctx, p)
+}
+
+// TestCheckerCatchesBrokenStores shows that the checker fails a run on a
+// registry that breaks the contract, and writes the visualisation.
+func TestCheckerCatchesBrokenStores(t *testing.T) {
+	for name, wrap := range map[string]func(storage.Store) storage.Store{
+		"two owners":     func(s storage.Store) storage.Store { return &doubleOwner{Store: s} },
+		"stale Complete": func(s storage.Store) storage.Store { return &staleWriter{Store: s} },
+	} {
+		t.Run(name, func(t *testing.T) {
+			rec := NewRecorder()
+			w := NewWorkload(serve(t, wrap(memStore(t))), rec, Config{Clients: 6, Keys: 2, Rotate: 300 * time.Millisecond, Seed: 2})
+			ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+			defer cancel()
+			w.Run(ctx)
+			h, _ := rec.History()
+			path := filepath.Join(t.TempDir(), "history.html")
+			require.ErrorIs(t, Check(h, time.Minute, path), ErrNotLinearizable)
+			require.FileExists(t, path)
+		})
+	}
+}
