@@ -100,7 +100,7 @@ func replayOnce(rec Record) (OnceResult, error) {
 	case r == nil:
 		return res, fmt.Errorf("%w: completed record without a result", ErrInternal)
 	case r.Failure != nil:
-		return res, Final(r.Failure.Err())
+		return res, Final(&storedFailure{st: r.Failure})
 	default:
 		res.Data = r.Response.Data
 		return res, nil
@@ -160,3 +160,17 @@ func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *se
 		return res, fnErr
 	}
 }
+
+// storedFailure is a final failure replayed from the registry. Its text is
+// the original error's: the status text for a status, the bare message for
+// a plain error (stored as UNKNOWN).
+type storedFailure struct{ st *status.Status }
+
+func (f *storedFailure) Error() string {
+	if f.st.Code() == codes.Unknown {
+		return f.st.Message()
+	}
+	return f.st.Err().Error()
+}
+
+func (f *storedFailure) GRPCStatus() *status.Status { return f.st }

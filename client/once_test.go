@@ -98,6 +98,7 @@ func TestOnceFinalFailureIsReplayed(t *testing.T) {
 		require.True(t, client.IsFinal(err), "a replayed failure is final: the consumer acknowledges the message")
 		require.Equal(t, codes.InvalidArgument, status.Code(err))
 		require.Equal(t, "amount must be positive", status.Convert(err).Message())
+		require.EqualError(t, err, status.Error(codes.InvalidArgument, "amount must be positive").Error())
 		require.EqualValues(t, 1, runs.Load())
 	})
 
@@ -109,6 +110,7 @@ func TestOnceFinalFailureIsReplayed(t *testing.T) {
 		require.EqualError(t, err, "unknown account")
 		res, err := c.Once(ctx, inbox, "bad-2", fn)
 		require.True(t, res.Replayed)
+		require.EqualError(t, err, "unknown account", "the replay reads like the original")
 		require.Equal(t, codes.Unknown, status.Code(err))
 		require.Equal(t, "unknown account", status.Convert(err).Message())
 	})

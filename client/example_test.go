@@ -1,0 +1,103 @@
+package client_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/idemreg/idemreg/client"
+	"github.com/idemreg/idemreg/client/registrytest"
+)
+
+// A message consumer runs its handler through Once: the first delivery of a
+// message id runs it, every redelivery gets the stored outcome.
+func ExampleClient_Once() {
+	reg, err := registrytest.New() // in production: client.New(conn to the registry)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer reg.Close()
+	c := reg.Client
+
+	handle := func(ctx context.Context, messageID string, amount int64) error {
+		res, err := c.Once(ctx, "ledger.payments", messageID, func(ctx context.Context, a client.Attempt) ([]byte, error) {
+			if amount <= 0 {
+				return nil, client.Final(errors.New("amount must be positive")) // stored, replayed, never retried
+			}
+			// Apply the payment with a write fenced by a.Token here.
+			return nil, nil
+		})
+		switch {
+		case err == nil:
+			fmt.Printf("%s: ack (ran=%v, replayed=%v)\n", messageID, res.Ran, res.Replayed)
+		case client.IsFinal(err):
+			fmt.Printf("%s: ack, refused for good: %v (replayed=%v)\n", messageID, err, res.Replayed)
+		default:
+			var busy *client.InProgressError
+			if errors.As(err, &busy) {
+				fmt.Printf("%s: redeliver after %v\n", messageID, busy.RetryAfter)
+			} else {
+				fmt.Printf("%s: redeliver: %v\n", messageID, err)
+			}
+		}
+		return nil
+	}
+
+	ctx := context.Background()
+	_ = handle(ctx, "pay-1", 1250)
+	_ = handle(ctx, "pay-1", 1250) // the broker redelivers
+	_ = handle(ctx, "pay-2", 0)
+	_ = handle(ctx, "pay-2", 0)
+	// Output:
+	// pay-1: ack (ran=true, replayed=false)
+	// pay-1: ack (ran=false, replayed=true)
+	// pay-2: ack, refused for good: amount must be positive (replayed=false)
+	// pay-2: ack, refused for good: amount must be positive (replayed=true)
+}
+
+// The client interceptor goes on the connection to the downstream; each
+// call carries its operation's key in the context.
+func ExampleUnaryClientInterceptor() {
+	registry, err := grpc.NewClient("127.0.0.1:7350", grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		log.Fatal(err)
+	}
+	reg := client.New(registry)
+
+	provider, err := grpc.NewClient("payments.internal:443",
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(client.UnaryClientInterceptor(reg,
+			client.WithMethods("/payments.v1.PaymentService/Charge"),
+			client.WithConsumer("checkout.charges"),
+		)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer provider.Close()
+
+	// For each call: the key of the logical operation, reused on every retry.
+	opID := "order-42/charge-1"
+	ctx := client.WithIdempotencyKey(context.Background(), "payment:"+opID)
+	_ = ctx // paymentsv1.NewPaymentServiceClient(provider).Charge(ctx, req, client.Replayed(&replayed))
+}
+
+// The server interceptor gives a service's own RPCs Stripe-like
+// idempotency: callers send an idempotency-key metadata.
+func ExampleUnaryServerInterceptor() {
+	registry, err := grpc.NewClient("127.0.0.1:7350", grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		log.Fatal(err)
+	}
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
+		client.UnaryServerInterceptor(client.New(registry),
+			client.WithMethods("/payments.v1.PaymentService/Charge"),
+			client.WithWaitInProgress(client.Backoff{Initial: 50 * time.Millisecond, Max: time.Second}),
+		),
+	))
+	_ = srv // paymentsv1.RegisterPaymentServiceServer(srv, impl); srv.Serve(lis)
+}
