@@ -31,6 +31,9 @@ import (
 type file struct {
 	Defaults  fileBounds     `yaml:"defaults"`
 	Consumers []fileConsumer `yaml:"consumers"`
+	// Sections of the same file that server/access owns and checks.
+	Identities yaml.Node `yaml:"identities"`
+	RateLimits yaml.Node `yaml:"rate_limits"`
 }
 
 type fileBounds struct {

@@ -1,0 +1,180 @@
+// Package access owns who may call the registry and how often: the
+// identities of the config file (matched by client-certificate identity or
+// by a bearer token kept as its SHA-256 hash), the consumers each identity
+// may use and administer, and the per-consumer rate limits.
+//
+// A Set is immutable and is replaced whole on reload (Source), so a request
+// sees one set, never a mix of two. A Set without identities is open: every
+// caller is the Anonymous identity and may use every consumer; the binary
+// allows that only on loopback or when told to explicitly.
+//
+// access imports no gRPC: server/ reads the peer's certificate and the
+// request's metadata and asks a Set.
+package access
+
+import (
+	"crypto/sha256"
+	"crypto/subtle"
+	"crypto/x509"
+	"encoding/hex"
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// Identity is a caller the config file names.
+type Identity struct {
+	// Name names the identity in logs and metrics.
+	Name string
+	// consumers are what it may use through RegistryService; admin what it
+	// may inspect and invalidate through AdminService.
+	consumers, admin Patterns
+}
+
+// MayUse reports whether id may use consumer through RegistryService.
+func (id *Identity) MayUse(consumer string) bool { return id.consumers.Match(consumer) }
+
+// MayAdminister reports whether id may inspect and invalidate the records of
+// consumer through AdminService.
+func (id *Identity) MayAdminister(consumer string) bool { return id.admin.Match(consumer) }
+
+// Anonymous is the identity of every caller of an open Set.
+var Anonymous = &Identity{Name: "anonymous", consumers: Patterns{all: true}, admin: Patterns{all: true}}
+
+// Patterns is a list of consumer names and prefixes, written in a config
+// file as "billing.payment-worker" (that consumer), "billing.*" (every
+// consumer starting with "billing.") or "*" (every consumer).
+type Patterns struct {
+	names    map[string]bool
+	prefixes []string
+	all      bool
+}
+
+// Match reports whether consumer matches one of the patterns.
+func (p Patterns) Match(consumer string) bool {
+	if p.all || p.names[consumer] {
+		return true
+	}
+	for _, pre := range p.prefixes {
+		if strings.HasPrefix(consumer, pre) {
+			return true
+		}
+	}
+	return false
+}
+
+// Set is an immutable set of identities and rate limits.
+type Set struct {
+	identities []*Identity
+	byURI      map[string]*Identity
+	byDNS      map[string]*Identity
+	bySubject  map[string]*Identity
+	byToken    map[[sha256.Size]byte]*Identity
+	limits     limitRules
+}
+
+// Open returns a Set without identities: every caller is Anonymous.
+func Open() *Set { return &Set{} }
+
+// Enforced reports whether the set names identities, so that callers must
+// authenticate.
+func (s *Set) Enforced() bool { return len(s.identities) > 0 }
+
+// Identities returns the names of the identities, in file order.
+func (s *Set) Identities() []string {
+	names := make([]string, len(s.identities))
+	for i, id := range s.identities {
+		names[i] = id.Name
+	}
+	return names
+}
+
+// HasTokens reports whether any identity authenticates by bearer token.
+func (s *Set) HasTokens() bool { return len(s.byToken) > 0 }
+
+// ByCertificate returns the identity of a verified client certificate: the
+// first of its URI SANs (SPIFFE IDs) that an identity lists, else the first
+// of its DNS SANs, else its subject as crypto/x509 prints it
+// ("CN=worker,OU=billing,O=Example").
+func (s *Set) ByCertificate(cert *x509.Certificate) (*Identity, bool) {
+	for _, u := range cert.URIs {
+		if id, ok := s.byURI[u.String()]; ok {
+			return id, true
+		}
+	}
+	for _, d := range cert.DNSNames {
+		if id, ok := s.byDNS[strings.ToLower(d)]; ok {
+			return id, true
+		}
+	}
+	id, ok := s.bySubject[cert.Subject.String()]
+	return id, ok
+}
+
+// ByToken returns the identity of a bearer token. Only hashes are kept, and
+// the final comparison is constant-time; a lookup's timing can at most hint
+// at a hash, from which the token cannot be learnt.
+func (s *Set) ByToken(token string) (*Identity, bool) {
+	h := sha256.Sum256([]byte(token))
+	for stored, id := range s.byToken {
+		if subtle.ConstantTimeCompare(stored[:], h[:]) == 1 {
+			return id, true
+		}
+	}
+	return nil, false
+}
+
+// HashToken returns the form of token that a config file stores:
+// "sha256:" and the hex SHA-256 of the token.
+func HashToken(token string) string {
+	h := sha256.Sum256([]byte(token))
+	return tokenHashPrefix + hex.EncodeToString(h[:])
+}
+
+const tokenHashPrefix = "sha256:"
+
+// parsePatterns reads consumer patterns; what names each is where, for errors.
+func parsePatterns(list []string, where string) (Patterns, error) {
+	p := Patterns{names: map[string]bool{}}
+	for i, s := range list {
+		at := fmt.Sprintf("%s[%d]", where, i)
+		switch {
+		case s == "*":
+			p.all = true
+		case strings.HasSuffix(s, "*"):
+			pre := strings.TrimSuffix(s, "*")
+			if err := checkConsumer(pre); err != nil {
+				return Patterns{}, fmt.Errorf("%s: %w", at, err)
+			}
+			p.prefixes = append(p.prefixes, pre)
+		default:
+			if s == "" {
+				return Patterns{}, fmt.Errorf("%s: empty; write a consumer name, a prefix ending in \"*\", or \"*\"", at)
+			}
+			if err := checkConsumer(s); err != nil {
+				return Patterns{}, fmt.Errorf("%s: %w", at, err)
+			}
+			p.names[s] = true
+		}
+	}
+	slices.Sort(p.prefixes)
+	return p, nil
+}
+
+// maxConsumerBytes mirrors the server's validation of consumer names, so a
+// pattern no request can match is refused.
+const maxConsumerBytes = 128
+
+func checkConsumer(s string) error {
+	if len(s) > maxConsumerBytes {
+		return fmt.Errorf("%q: at most %d bytes, got %d", s, maxConsumerBytes, len(s))
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
+			c == '.' || c == '_' || c == ':' || c == '/' || c == '-') {
+			return fmt.Errorf("%q: consumers contain only [A-Za-z0-9._:/-] (a prefix ends in \"*\"), found %q at byte %d", s, c, i)
+		}
+	}
+	return nil
+}

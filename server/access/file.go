@@ -1,0 +1,263 @@
+package access
+
+import (
+	"bytes"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net/url"
+	"os"
+	"regexp"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// The sections of the config file (YAML or JSON) that this package owns;
+// the file's other sections (the retention policy's "defaults" and
+// "consumers", see server/policy) are read by their own packages:
+//
+//	identities:
+//	  - name: billing                     # for logs and metrics: [A-Za-z0-9._-]
+//	    uris: ["spiffe://prod.example/ns/billing/sa/payment-worker"]  # URI SANs
+//	    dns_names: ["payment-worker.billing.svc"]                     # DNS SANs
+//	    subjects: ["CN=payment-worker,O=Example"]                     # as crypto/x509 prints it
+//	    token_hashes: ["sha256:3a7bd3e2360a3d29eea436fcfb7e44c735d117c42d1c1835420b6b9942dd4f1b"]
+//	    consumers: ["billing.payment-worker", "billing.*"]            # RegistryService
+//	    admin: ["billing.*"]                                          # AdminService
+//	rate_limits:
+//	  - consumers: ["orders.*"]           # the most specific rule wins: name, longest prefix, "*"
+//	    rate: 200                         # requests per second, for each consumer
+//	    burst: 400                        # default: the rate, at least 1
+//
+// Every field inside these sections is checked: an unknown one is an error,
+// so a misspelt grant cannot silently widen or narrow access. A certificate
+// identity or a token hash belongs to one identity only.
+type file struct {
+	Identities []fileIdentity  `yaml:"identities"`
+	RateLimits []fileRateLimit `yaml:"rate_limits"`
+	// Others are the sections other packages own.
+	Others map[string]yaml.Node `yaml:",inline"`
+}
+
+type fileIdentity struct {
+	Name        string   `yaml:"name"`
+	URIs        []string `yaml:"uris"`
+	DNSNames    []string `yaml:"dns_names"`
+	Subjects    []string `yaml:"subjects"`
+	TokenHashes []string `yaml:"token_hashes"`
+	Consumers   []string `yaml:"consumers"`
+	Admin       []string `yaml:"admin"`
+}
+
+type fileRateLimit struct {
+	Consumers []string `yaml:"consumers"`
+	Rate      float64  `yaml:"rate"`
+	Burst     int      `yaml:"burst"`
+}
+
+var unknownField = regexp.MustCompile(`field (\S+) not found in type access\.\w+`)
+
+var identityName = regexp.MustCompile(`^[A-Za-z0-9._-]{1,64}$`)
+
+// Parse reads the identities and rate limits of a config file. Every error
+// is reported, each saying where.
+func Parse(data []byte) (*Set, error) {
+	var f file
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	switch err := dec.Decode(&f); {
+	case errors.Is(err, io.EOF):
+		return Open(), nil
+	case err != nil:
+		msg := strings.ReplaceAll(err.Error(), "yaml: ", "")
+		msg = strings.ReplaceAll(msg, "unmarshal errors:\n  ", "")
+		return nil, errors.New(unknownField.ReplaceAllString(msg, `unknown field "$1"`))
+	}
+
+	var errs []error
+	s := &Set{
+		byURI:     map[string]*Identity{},
+		byDNS:     map[string]*Identity{},
+		bySubject: map[string]*Identity{},
+		byToken:   map[[32]byte]*Identity{},
+	}
+	names := map[string]int{}
+	owner := map[string]string{} // credential → where it was first given
+	claim := func(cred, where string) bool {
+		if first, dup := owner[cred]; dup {
+			errs = append(errs, fmt.Errorf("%s: already given at %s", where, first))
+			return false
+		}
+		owner[cred] = where
+		return true
+	}
+	for i, fi := range f.Identities {
+		where := fmt.Sprintf("identities[%d]", i)
+		if !identityName.MatchString(fi.Name) {
+			errs = append(errs, fmt.Errorf("%s: name %q: 1-64 bytes of [A-Za-z0-9._-] required", where, fi.Name))
+			continue
+		}
+		where = fmt.Sprintf("identities[%d] (%s)", i, fi.Name)
+		if j, dup := names[fi.Name]; dup {
+			errs = append(errs, fmt.Errorf("%s: name already used by identities[%d]", where, j))
+			continue
+		}
+		names[fi.Name] = i
+		id := &Identity{Name: fi.Name}
+		var err error
+		if id.consumers, err = parsePatterns(fi.Consumers, "consumers"); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", where, err))
+		}
+		if id.admin, err = parsePatterns(fi.Admin, "admin"); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", where, err))
+		}
+		if len(fi.Consumers) == 0 && len(fi.Admin) == 0 {
+			errs = append(errs, fmt.Errorf("%s: grants nothing: list consumers, admin or both", where))
+		}
+		if len(fi.URIs)+len(fi.DNSNames)+len(fi.Subjects)+len(fi.TokenHashes) == 0 {
+			errs = append(errs, fmt.Errorf("%s: no credential: give uris, dns_names, subjects or token_hashes", where))
+		}
+		for j, u := range fi.URIs {
+			at := fmt.Sprintf("%s: uris[%d]", where, j)
+			if parsed, err := url.Parse(u); err != nil || parsed.Scheme == "" || parsed.String() != u {
+				errs = append(errs, fmt.Errorf("%s: %q is not a URI in canonical form, like \"spiffe://example.org/ns/billing/sa/worker\"", at, u))
+				continue
+			}
+			if claim("uri "+u, at) {
+				s.byURI[u] = id
+			}
+		}
+		for j, d := range fi.DNSNames {
+			at := fmt.Sprintf("%s: dns_names[%d]", where, j)
+			if d == "" || strings.ContainsAny(d, " */") {
+				errs = append(errs, fmt.Errorf("%s: %q is not a DNS name (wildcards are not matched)", at, d))
+				continue
+			}
+			d = strings.ToLower(d)
+			if claim("dns "+d, at) {
+				s.byDNS[d] = id
+			}
+		}
+		for j, sub := range fi.Subjects {
+			at := fmt.Sprintf("%s: subjects[%d]", where, j)
+			if !strings.Contains(sub, "=") {
+				errs = append(errs, fmt.Errorf("%s: %q is not a distinguished name like \"CN=worker,O=Example\"", at, sub))
+				continue
+			}
+			if claim("subject "+sub, at) {
+				s.bySubject[sub] = id
+			}
+		}
+		for j, th := range fi.TokenHashes {
+			at := fmt.Sprintf("%s: token_hashes[%d]", where, j)
+			raw, err := hex.DecodeString(strings.TrimPrefix(th, tokenHashPrefix))
+			if !strings.HasPrefix(th, tokenHashPrefix) || err != nil || len(raw) != 32 {
+				// Never echo the value: someone may have pasted a token here.
+				errs = append(errs, fmt.Errorf("%s: not a token hash: write \"sha256:\" and 64 hex digits, as `idemreg new-token` prints", at))
+				continue
+			}
+			if claim("token "+th, at) {
+				s.byToken[[32]byte(raw)] = id
+			}
+		}
+		s.identities = append(s.identities, id)
+	}
+	for i, fr := range f.RateLimits {
+		where := fmt.Sprintf("rate_limits[%d]", i)
+		if fr.Rate <= 0 {
+			errs = append(errs, fmt.Errorf("%s: rate must be a positive number of requests per second, got %v", where, fr.Rate))
+			continue
+		}
+		burst := fr.Burst
+		if burst == 0 {
+			burst = max(1, int(fr.Rate))
+		}
+		if burst < 1 {
+			errs = append(errs, fmt.Errorf("%s: burst must be at least 1, got %d", where, fr.Burst))
+			continue
+		}
+		if len(fr.Consumers) == 0 {
+			errs = append(errs, fmt.Errorf("%s: consumers: list the consumers the limit applies to", where))
+		}
+		for j, p := range fr.Consumers {
+			if err := s.limits.add(p, Limit{Rate: fr.Rate, Burst: burst}); err != nil {
+				errs = append(errs, fmt.Errorf("%s: consumers[%d]: %w", where, j, err))
+			}
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Load reads and parses the config file at path.
+func Load(path string) (*Set, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config file: %w", err)
+	}
+	s, err := Parse(data)
+	if err != nil {
+		return nil, fmt.Errorf("config file %s: %w", path, err)
+	}
+	return s, nil
+}
+
+// Source is the set in force, read from a file and replaced by Reload. It
+// is safe for concurrent use: Current never blocks.
+type Source struct {
+	path string
+	cur  atomic.Pointer[Set]
+	mu   sync.Mutex // serialises reloads
+}
+
+// OpenFile loads the config file at path and returns the source holding it.
+func OpenFile(path string) (*Source, error) {
+	s, err := Load(path)
+	if err != nil {
+		return nil, err
+	}
+	src := &Source{path: path}
+	src.cur.Store(s)
+	return src, nil
+}
+
+// Static returns a source that always holds set.
+func Static(set *Set) *Source {
+	src := &Source{}
+	src.cur.Store(set)
+	return src
+}
+
+// Current returns the set in force.
+func (s *Source) Current() *Set { return s.cur.Load() }
+
+// ErrModeChange is returned by Reload when the file would turn
+// authentication on or off: that takes a restart, so that a bad edit cannot
+// open a server to every caller.
+var ErrModeChange = errors.New("a reload cannot turn authentication on or off (identities added to or removed from an empty list); restart the server")
+
+// Reload reads the file again. When it is valid, its set replaces the one in
+// force and is returned; otherwise the error says why and the set in force
+// stays. A static source has nothing to reload and returns its set.
+func (s *Source) Reload() (*Set, error) {
+	if s.path == "" {
+		return s.Current(), nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	set, err := Load(s.path)
+	if err != nil {
+		return nil, err
+	}
+	if set.Enforced() != s.Current().Enforced() {
+		return nil, fmt.Errorf("config file %s: %w", s.path, ErrModeChange)
+	}
+	s.cur.Store(set)
+	return set, nil
+}

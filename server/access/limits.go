@@ -1,0 +1,185 @@
+package access
+
+import (
+	"cmp"
+	"fmt"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/time/rate"
+)
+
+// Limit is the rate limit of each consumer a rule matches: every consumer
+// has a bucket of its own.
+type Limit struct {
+	// Rate is the sustained number of requests per second.
+	Rate float64
+	// Burst is how many requests may come at once after a quiet spell.
+	Burst int
+	// Pattern is the rule's pattern, for messages: "orders.*".
+	Pattern string
+}
+
+// String describes l for an error message.
+func (l Limit) String() string {
+	return fmt.Sprintf("%s requests per second, burst %d (rate_limits %q)",
+		strconv.FormatFloat(l.Rate, 'f', -1, 64), l.Burst, l.Pattern)
+}
+
+type limitRules struct {
+	names    map[string]Limit
+	prefixes []prefixLimit // longest first
+	all      *Limit
+}
+
+type prefixLimit struct {
+	prefix string
+	limit  Limit
+}
+
+// RateLimit returns the limit of consumer: the rule naming it, else the
+// rule of its longest matching prefix, else the "*" rule. ok is false when
+// no rule applies: the consumer is not limited.
+func (s *Set) RateLimit(consumer string) (l Limit, ok bool) {
+	r := &s.limits
+	if l, ok := r.names[consumer]; ok {
+		return l, true
+	}
+	for _, p := range r.prefixes {
+		if strings.HasPrefix(consumer, p.prefix) {
+			return p.limit, true
+		}
+	}
+	if r.all != nil {
+		return *r.all, true
+	}
+	return Limit{}, false
+}
+
+func (r *limitRules) add(pattern string, l Limit) error {
+	if r.names == nil {
+		r.names = map[string]Limit{}
+	}
+	l.Pattern = pattern
+	switch {
+	case pattern == "*":
+		if r.all != nil {
+			return fmt.Errorf("%q is given twice", pattern)
+		}
+		r.all = &l
+	case strings.HasSuffix(pattern, "*"):
+		pre := strings.TrimSuffix(pattern, "*")
+		if err := checkConsumer(pre); err != nil {
+			return err
+		}
+		for _, p := range r.prefixes {
+			if p.prefix == pre {
+				return fmt.Errorf("%q is given twice", pattern)
+			}
+		}
+		r.prefixes = append(r.prefixes, prefixLimit{prefix: pre, limit: l})
+		slices.SortFunc(r.prefixes, func(a, b prefixLimit) int {
+			if c := cmp.Compare(len(b.prefix), len(a.prefix)); c != 0 {
+				return c
+			}
+			return strings.Compare(a.prefix, b.prefix)
+		})
+	default:
+		if err := checkConsumer(pattern); err != nil {
+			return err
+		}
+		if pattern == "" {
+			return fmt.Errorf("empty pattern")
+		}
+		if _, dup := r.names[pattern]; dup {
+			return fmt.Errorf("%q is given twice", pattern)
+		}
+		r.names[pattern] = l
+	}
+	return nil
+}
+
+// Limiter keeps a token bucket per consumer. It is safe for concurrent use.
+//
+// A bucket left alone for as long as it takes to refill is full, exactly as
+// a new one would be, so such buckets are dropped: memory follows the
+// consumers active lately, not every consumer ever seen.
+type Limiter struct {
+	now func() time.Time
+
+	mu        sync.Mutex
+	buckets   map[string]*bucket
+	lastPrune time.Time
+}
+
+type bucket struct {
+	lim   *rate.Limiter
+	limit Limit
+	last  time.Time
+}
+
+// pruneEvery is how often idle buckets are looked for.
+const pruneEvery = time.Minute
+
+// NewLimiter returns a Limiter on the clock now (time.Now when nil).
+func NewLimiter(now func() time.Time) *Limiter {
+	if now == nil {
+		now = time.Now
+	}
+	return &Limiter{now: now, buckets: map[string]*bucket{}}
+}
+
+// Allow takes one request of consumer under limit l. When the request is
+// refused, wait is how long until one would be allowed. A changed limit (a
+// reload) applies to the consumer's bucket from now on.
+func (lim *Limiter) Allow(consumer string, l Limit) (ok bool, wait time.Duration) {
+	now := lim.now()
+	lim.mu.Lock()
+	b := lim.buckets[consumer]
+	switch {
+	case b == nil:
+		b = &bucket{lim: rate.NewLimiter(rate.Limit(l.Rate), l.Burst), limit: l}
+		lim.buckets[consumer] = b
+	case b.limit != l:
+		b.lim.SetLimitAt(now, rate.Limit(l.Rate))
+		b.lim.SetBurstAt(now, l.Burst)
+		b.limit = l
+	}
+	b.last = now
+	if now.Sub(lim.lastPrune) >= pruneEvery {
+		lim.prune(now)
+	}
+	lim.mu.Unlock()
+
+	r := b.lim.ReserveN(now, 1)
+	if !r.OK() {
+		return false, time.Second
+	}
+	if d := r.DelayFrom(now); d > 0 {
+		r.CancelAt(now)
+		return false, d
+	}
+	return true, 0
+}
+
+// prune drops the buckets idle long enough to have refilled. lim.mu is held.
+func (lim *Limiter) prune(now time.Time) {
+	lim.lastPrune = now
+	for c, b := range lim.buckets {
+		refill := time.Duration(math.Ceil(float64(b.limit.Burst) / b.limit.Rate * float64(time.Second)))
+		if now.Sub(b.last) > refill {
+			delete(lim.buckets, c)
+		}
+	}
+}
+
+// Len returns the number of buckets held, for tests and metrics.
+func (lim *Limiter) Len() int {
+	lim.mu.Lock()
+	defer lim.mu.Unlock()
+	return len(lim.buckets)
+}
