@@ -5,7 +5,7 @@
 // # One statement per call
 //
 // Every call is one SQL statement, run as its own implicit transaction, in
-// one round trip: the statements are prepared on each new connection, so a
+// one round trip (shared with other calls when they coalesce, below): the statements are prepared on each new connection, so a
 // call is a single Bind/Execute exchange from its first use. A writing call
 // is a conditional INSERT ... ON CONFLICT DO UPDATE ... WHERE (Claim) or
 // UPDATE ... WHERE (Complete, Release, Extend) in a data-modifying CTE,
@@ -27,6 +27,24 @@
 // or a balancer closed while idle; WithPoolConfig can change ShouldPing).
 // Named prepared statements need a direct connection or a pooler that
 // tracks them (PgBouncer 1.21+ with max_prepared_statements).
+//
+// # Coalescing
+//
+// One statement per call costs one commit per call, and commits, not rows,
+// bound a small machine: so concurrent Claims (and concurrent Completes)
+// that arrive together travel as one multi-row statement of the same shape
+// (claimBatchSQL, completeBatchSQL), one round trip and one commit for the
+// whole batch, and every caller still gets the answer for its own key,
+// classified by the same Decide function. A call that finds a statement
+// slot free (WithBatching; by default as many slots as pool connections)
+// and nobody queued runs alone with the single-row statement, so a lone
+// caller's latency is unchanged. Otherwise it joins the pending batch, sent
+// when a slot frees, when it is full, or when its window has passed. The
+// same key never appears twice in one statement (PostgreSQL refuses an ON
+// CONFLICT DO UPDATE that affects a row twice): a second call on a key
+// waits for the next batch. A batch that hits a serialization failure or a
+// deadlock is split in halves and retried; single calls left over run alone
+// with their own retries. batch.go has the details.
 //
 // Sessions run at SERIALIZABLE. PostgreSQL then guarantees that the
 // pre-image is the row version the conditional write declined; under READ

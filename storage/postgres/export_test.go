@@ -2,3 +2,18 @@ package postgres
 
 // ClaimSQL is the Claim statement, for the plan test.
 var ClaimSQL = claimSQL
+
+// BatchStats reports how many multi-call statements the store sent and how
+// many calls they carried.
+func BatchStats(s *Store) (batches, calls int64) {
+	return s.coalescer.batches.Load(), s.coalescer.batchedCalls.Load()
+}
+
+// Coalescing reports the statements in flight and the calls queued.
+func Coalescing(s *Store) (inFlight, queued int) {
+	c := s.coalescer
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.inFlight, len(s.claims.pending) + len(s.claims.deferred) +
+		len(s.completes.pending) + len(s.completes.deferred)
+}

@@ -30,6 +30,10 @@ type options struct {
 	logger      *slog.Logger
 	tracer      pgx.QueryTracer
 	poolConfig  func(*pgxpool.Config)
+
+	batchSize     int
+	batchWindow   time.Duration
+	batchInFlight int
 }
 
 func defaultOptions() options {
@@ -37,6 +41,8 @@ func defaultOptions() options {
 		clockOffset: func() time.Duration { return 0 },
 		maxRetries:  DefaultMaxRetries,
 		logger:      slog.Default(),
+		batchSize:   DefaultBatchSize,
+		batchWindow: DefaultBatchWindow,
 	}
 }
 
@@ -73,4 +79,22 @@ func WithTracer(t pgx.QueryTracer) Option {
 // AfterConnect that fn sets.
 func WithPoolConfig(fn func(*pgxpool.Config)) Option {
 	return func(o *options) { o.poolConfig = fn }
+}
+
+// WithBatching sets how concurrent Claims and Completes are coalesced into
+// multi-row statements (see the package documentation): at most size calls
+// per statement (default DefaultBatchSize; 1 or less turns coalescing off,
+// so every call is its own statement), and a queued call waits at most
+// window (default DefaultBatchWindow) for its statement to be sent while
+// every statement slot is busy. inFlight is the number of slots, the
+// statements that run before calls start to queue; zero or less means the
+// pool's MaxConns.
+func WithBatching(size int, window time.Duration, inFlight int) Option {
+	return func(o *options) {
+		o.batchSize = size
+		if window > 0 {
+			o.batchWindow = window
+		}
+		o.batchInFlight = inFlight
+	}
 }

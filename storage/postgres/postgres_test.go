@@ -2,6 +2,7 @@ package postgres_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -190,6 +191,135 @@ func TestOneRoundTripPerCall(t *testing.T) {
 		require.EqualValues(t, 1, q, "%s: statements sent", tc.name)
 		require.EqualValues(t, 1, w, "%s: writes to the server", tc.name)
 	}
+}
+
+// TestOneStatementPerBatch counts statements and writes when calls
+// coalesce: the store's only statement slot is held by a Claim waiting on
+// a row lock (ON CONFLICT locks the conflicting row), n calls queue behind it, and when the lock goes they travel as
+// one statement in one write, each with its own answer.
+func TestOneStatementPerBatch(t *testing.T) {
+	const n = 16
+	var (
+		queries queryCounter
+		writes  atomic.Int64
+	)
+	databaseURL := pgtest.NewDatabase(t)
+	s := openStore(t, databaseURL,
+		postgres.WithTracer(&queries),
+		postgres.WithBatching(64, time.Hour, 1),
+		postgres.WithPoolConfig(func(cfg *pgxpool.Config) {
+			cfg.MaxConns = 2
+			cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+			var d net.Dialer
+			cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+				conn, err := d.DialContext(ctx, network, addr)
+				if err != nil {
+					return nil, err
+				}
+				return writeCountingConn{Conn: conn, n: &writes}, nil
+			}
+		}))
+	ctx := t.Context()
+	blocker := storage.Key{Consumer: "batch", Kind: storage.KindOperation, Key: "blocker"}
+	_, err := s.Claim(ctx, storage.ClaimParams{Key: blocker, Lease: time.Minute, Retention: time.Hour})
+	require.NoError(t, err)
+	lock, err := pgx.Connect(ctx, databaseURL)
+	require.NoError(t, err)
+	defer lock.Close(context.Background())
+
+	// round runs call(i) for i < n behind a blocked statement and returns
+	// the statements and writes they took.
+	round := func(name string, call func(i int) error) {
+		tx, err := lock.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(context.Background()) //nolint:errcheck // released below
+		_, err = tx.Exec(ctx, `SELECT 1 FROM idemreg_records WHERE consumer = $1 AND key = $2 FOR UPDATE`, blocker.Consumer, blocker.Key)
+		require.NoError(t, err)
+
+		q0, w0 := queries.n.Load(), writes.Load()
+		blocked := make(chan error, 1)
+		go func() {
+			res, err := s.Claim(ctx, storage.ClaimParams{Key: blocker, Lease: time.Minute, Retention: time.Hour})
+			blocked <- expectOutcome(res, err, storage.OutcomeInProgress)
+		}()
+		require.Eventually(t, func() bool { return queries.n.Load() == q0+1 && writes.Load() >= w0+1 },
+			10*time.Second, time.Millisecond, "%s: the blocking statement was sent", name)
+		b0, c0 := postgres.BatchStats(s)
+		q0, w0 = queries.n.Load(), writes.Load()
+
+		errs := make(chan error, n)
+		for i := range n {
+			go func() { errs <- call(i) }()
+		}
+		require.Eventually(t, func() bool { _, queued := postgres.Coalescing(s); return queued == n },
+			10*time.Second, time.Millisecond, "%s: every call queued", name)
+		require.NoError(t, tx.Rollback(ctx))
+		require.NoError(t, <-blocked)
+		for range n {
+			require.NoError(t, <-errs, name)
+		}
+		b, c := postgres.BatchStats(s)
+		q, w := queries.n.Load()-q0, writes.Load()-w0
+		t.Logf("%-14s calls=%d statements=%d writes=%d", name, n, q, w)
+		require.EqualValues(t, 1, b-b0, "%s: batches", name)
+		require.EqualValues(t, n, c-c0, "%s: calls in the batch", name)
+		require.EqualValues(t, 1, q, "%s: statements sent for %d calls", name, n)
+		require.EqualValues(t, 1, w, "%s: writes to the server for %d calls", name, n)
+	}
+
+	key := func(i int) storage.Key {
+		return storage.Key{Consumer: "batch", Kind: storage.KindOperation, Key: fmt.Sprintf("k-%02d", i)}
+	}
+	claim := func(i int) storage.ClaimParams {
+		return storage.ClaimParams{Key: key(i), Fingerprint: []byte("fp"), Lease: time.Minute, Retention: time.Hour, Holder: "h"}
+	}
+	tokens := make([]int64, n)
+	round("ClaimNewKeys", func(i int) error {
+		res, err := s.Claim(ctx, claim(i))
+		tokens[i] = res.Record.Token
+		if err == nil && res.Record.Key != key(i) {
+			return fmt.Errorf("answer for %v, want %v", res.Record.Key, key(i))
+		}
+		return expectOutcome(res, err, storage.OutcomeAcquired)
+	})
+	round("ClaimInProgress", func(i int) error {
+		res, err := s.Claim(ctx, claim(i))
+		if err == nil && res.RetryAfter <= 0 {
+			return fmt.Errorf("retry after %v", res.RetryAfter)
+		}
+		return expectOutcome(res, err, storage.OutcomeInProgress)
+	})
+	round("Complete", func(i int) error {
+		rec, err := s.Complete(ctx, storage.CompleteParams{Key: key(i), Token: tokens[i], Result: []byte(fmt.Sprint("result-", i))})
+		if err == nil && (rec.State != storage.StateCompleted || string(rec.Result) != fmt.Sprint("result-", i)) {
+			return fmt.Errorf("record %+v", rec)
+		}
+		return err
+	})
+	round("CompleteMixed", func(i int) error {
+		// Even keys repeat their Complete, odd keys send a stale token.
+		p := storage.CompleteParams{Key: key(i), Token: tokens[i], Result: []byte("other")}
+		if i%2 == 1 {
+			p.Token--
+		}
+		rec, err := s.Complete(ctx, p)
+		switch {
+		case i%2 == 1 && !errors.Is(err, storage.ErrLeaseLost):
+			return fmt.Errorf("stale token: %v", err)
+		case i%2 == 0 && err != nil:
+			return err
+		case i%2 == 0 && string(rec.Result) != fmt.Sprint("result-", i):
+			return fmt.Errorf("the first result stays: got %q", rec.Result)
+		}
+		return nil
+	})
+	round("ClaimReplay", func(i int) error {
+		res, err := s.Claim(ctx, claim(i))
+		if err == nil && string(res.Record.Result) != fmt.Sprint("result-", i) {
+			return fmt.Errorf("replayed %q", res.Record.Result)
+		}
+		return expectOutcome(res, err, storage.OutcomeCompleted)
+	})
 }
 
 func expectOutcome(res storage.ClaimResult, err error, want storage.Outcome) error {

@@ -57,7 +57,21 @@ w AS (
         CAST($7 AS BIGINT),
         NULL
     FROM clock c
-    ON CONFLICT (consumer, kind, key) DO UPDATE SET
+` + claimOnConflict + `    RETURNING ` + recordColumnsOf("r") + `
+)
+SELECT true, c.now, ` + recordColumnsOf("w") + `
+FROM w CROSS JOIN clock c
+UNION ALL
+SELECT false, c.now, ` + recordColumnsOf("r") + `
+FROM idemreg_records r CROSS JOIN clock c
+WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+  AND NOT EXISTS (SELECT 1 FROM w)`
+
+// claimOnConflict is the conflict branch of every Claim statement, the
+// single-row one and the batched one: on a conflict, excluded.created_at is
+// the statement's clock reading, and the UPDATE's WHERE is DecideClaim's
+// write condition.
+const claimOnConflict = `    ON CONFLICT (consumer, kind, key) DO UPDATE SET
         -- "r.expires_at <= excluded.created_at" is !cur.Live(now): the record
         -- counts as absent and is replaced by a fresh one; otherwise this is
         -- the takeover, which keeps the record and hands it to the caller.
@@ -83,15 +97,7 @@ w AS (
            AND NOT (octet_length(r.fingerprint) > 0            -- !FingerprintsConflict(cur.Fingerprint, p.Fingerprint)
                     AND octet_length(excluded.fingerprint) > 0
                     AND r.fingerprint <> excluded.fingerprint))
-    RETURNING ` + recordColumnsOf("r") + `
-)
-SELECT true, c.now, ` + recordColumnsOf("w") + `
-FROM w CROSS JOIN clock c
-UNION ALL
-SELECT false, c.now, ` + recordColumnsOf("r") + `
-FROM idemreg_records r CROSS JOIN clock c
-WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
-  AND NOT EXISTS (SELECT 1 FROM w)`
+`
 
 // completeSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 result,
 // $6 clock offset µs.
@@ -124,6 +130,93 @@ SELECT false, c.now, ` + recordColumnsOf("r") + `
 FROM idemreg_records r CROSS JOIN clock c
 WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
   AND NOT EXISTS (SELECT 1 FROM w)`
+
+// The batched statements below run the Claims or the Completes of many
+// callers, on distinct keys, as one statement (see batch.go). Each caller's
+// arguments are the same as in the single-row statement, passed as one
+// array per argument and unnested in step; every output row carries the
+// input's ordinal, so each caller gets the answer for its own key. The write
+// conditions are the same text (claimOnConflict) or the same predicates, and
+// the pre-image branch reads, for each input key the write skipped, the row
+// as the statement's snapshot saw it. A key with no output row is absent.
+
+// claimBatchSQL: $1 consumers, $2 kinds, $3 keys, $4 fingerprints,
+// $5 holders, $6 leases µs, $7 retentions µs (arrays, one element per
+// caller), $8 clock offset µs. The keys are distinct: PostgreSQL refuses an
+// ON CONFLICT DO UPDATE that affects a row twice.
+var claimBatchSQL = `
+WITH clock AS (
+    SELECT now() + CAST($8 AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+i AS (
+    SELECT * FROM unnest(CAST($1 AS TEXT[]), CAST($2 AS SMALLINT[]), CAST($3 AS TEXT[]),
+                         CAST($4 AS BYTEA[]), CAST($5 AS TEXT[]), CAST($6 AS BIGINT[]), CAST($7 AS BIGINT[]))
+        WITH ORDINALITY AS i(consumer, kind, key, fingerprint, holder, lease_us, retention_us, ord)
+),
+w AS (
+    INSERT INTO idemreg_records AS r (` + recordColumns + `)
+    SELECT i.consumer, i.kind, i.key,
+        1,                                                  -- StateInProgress
+        i.fingerprint,
+        CAST(extract(epoch FROM c.now) * 1000000 AS BIGINT),  -- NextToken(0, now): now in µs
+        1,                                                  -- Attempt
+        i.holder,
+        c.now,                                              -- CreatedAt
+        c.now + i.lease_us * INTERVAL '1 microsecond',      -- now + Lease
+        NULL,
+        c.now + (i.lease_us + i.retention_us) * INTERVAL '1 microsecond',  -- now + Lease + Retention
+        i.retention_us,
+        NULL
+    FROM i CROSS JOIN clock c
+    ORDER BY i.ord                                          -- rows are locked in the caller's (sorted) order
+` + claimOnConflict + `    RETURNING ` + recordColumnsOf("r") + `
+)
+SELECT i.ord, true, c.now, ` + recordColumnsOf("w") + `
+FROM w
+JOIN i ON i.consumer = w.consumer AND i.kind = w.kind AND i.key = w.key
+CROSS JOIN clock c
+UNION ALL
+SELECT i.ord, false, c.now, ` + recordColumnsOf("r") + `
+FROM i
+JOIN idemreg_records r ON r.consumer = i.consumer AND r.kind = i.kind AND r.key = i.key
+CROSS JOIN clock c
+WHERE NOT EXISTS (SELECT 1 FROM w WHERE w.consumer = i.consumer AND w.kind = i.kind AND w.key = i.key)`
+
+// completeBatchSQL: $1 consumers, $2 kinds, $3 keys, $4 tokens, $5 results
+// (arrays, one element per caller), $6 clock offset µs. The predicates are
+// completeSQL's.
+var completeBatchSQL = `
+WITH clock AS (
+    SELECT now() + CAST($6 AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+i AS (
+    SELECT * FROM unnest(CAST($1 AS TEXT[]), CAST($2 AS SMALLINT[]), CAST($3 AS TEXT[]),
+                         CAST($4 AS BIGINT[]), CAST($5 AS BYTEA[]))
+        WITH ORDINALITY AS i(consumer, kind, key, token, result, ord)
+),
+w AS (
+    UPDATE idemreg_records AS r SET
+        state        = 2,                                                -- StateCompleted
+        result       = i.result,
+        completed_at = c.now,
+        expires_at   = c.now + r.retention_us * INTERVAL '1 microsecond'  -- now + cur.Retention
+    FROM i CROSS JOIN clock c
+    WHERE r.consumer = i.consumer AND r.kind = i.kind AND r.key = i.key
+      AND r.expires_at > c.now   -- fenced: cur.Live(now)
+      AND r.token = i.token      -- fenced: cur.Token == p.Token
+      AND r.state = 1            -- cur.State != StateCompleted (a repeat is not written)
+    RETURNING ` + recordColumnsNoResultOf("r") + `
+)
+SELECT i.ord, true, c.now, ` + recordColumnsOf("w") + `
+FROM w
+JOIN i ON i.consumer = w.consumer AND i.kind = w.kind AND i.key = w.key
+CROSS JOIN clock c
+UNION ALL
+SELECT i.ord, false, c.now, ` + recordColumnsOf("r") + `
+FROM i
+JOIN idemreg_records r ON r.consumer = i.consumer AND r.kind = i.kind AND r.key = i.key
+CROSS JOIN clock c
+WHERE NOT EXISTS (SELECT 1 FROM w WHERE w.consumer = i.consumer AND w.kind = i.kind AND w.key = i.key)`
 
 // releaseSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 clock offset µs.
 var releaseSQL = `
@@ -219,6 +312,7 @@ const pingSQL = `SELECT 1`
 // call is a single Bind/Execute round trip from its first use.
 var preparedStatements = []string{
 	claimSQL, completeSQL, releaseSQL, extendSQL, lookupSQL, sweepSQL, oldestExpirySQL,
+	claimBatchSQL, completeBatchSQL,
 }
 
 func recordColumnsOf(alias string) string {

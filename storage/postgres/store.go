@@ -20,6 +20,12 @@ type Store struct {
 	clockOffset func() time.Duration
 	maxRetries  int
 	logger      *slog.Logger
+
+	// claims and completes coalesce concurrent calls (batch.go); nil when
+	// batching is off.
+	coalescer *coalescer
+	claims    *batcher[storage.ClaimParams, storage.ClaimResult]
+	completes *batcher[storage.CompleteParams, storage.Record]
 }
 
 var (
@@ -67,7 +73,19 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if err != nil {
 		return nil, fmt.Errorf("postgres: open pool: %w", err)
 	}
-	return &Store{pool: pool, clockOffset: o.clockOffset, maxRetries: o.maxRetries, logger: o.logger}, nil
+	s := &Store{pool: pool, clockOffset: o.clockOffset, maxRetries: o.maxRetries, logger: o.logger}
+	if o.batchSize > 1 {
+		limit := o.batchInFlight
+		if limit <= 0 {
+			limit = int(cfg.MaxConns)
+		}
+		s.coalescer = &coalescer{maxSize: o.batchSize, window: o.batchWindow, limit: max(limit, 1)}
+		s.claims = newBatcher(s.coalescer, s, "claim",
+			func(p storage.ClaimParams) storage.Key { return p.Key }, s.claimAlone, s.claimBatch)
+		s.completes = newBatcher(s.coalescer, s, "complete",
+			func(p storage.CompleteParams) storage.Key { return p.Key }, s.completeAlone, s.completeBatch)
+	}
+	return s, nil
 }
 
 // prepare prepares the store's statements on a new connection, keyed by
@@ -97,8 +115,17 @@ func (s *Store) Ping(ctx context.Context) error {
 	})
 }
 
-// Claim decides by storage.DecideClaim in one statement.
+// Claim decides by storage.DecideClaim in one statement, alone or
+// coalesced with concurrent Claims (see batch.go).
 func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
+	if s.claims != nil {
+		return s.claims.do(ctx, p)
+	}
+	return s.claimAlone(ctx, p)
+}
+
+// claimAlone runs one Claim with the single-row statement.
+func (s *Store) claimAlone(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
 	var a answer
 	err := s.run(ctx, "claim", func(ctx context.Context) error {
 		var err error
@@ -113,6 +140,11 @@ func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (storage.Claim
 	if err != nil {
 		return storage.ClaimResult{}, err
 	}
+	return s.claimAnswer(ctx, a, p)
+}
+
+// claimAnswer classifies a Claim statement's row.
+func (s *Store) claimAnswer(ctx context.Context, a answer, p storage.ClaimParams) (storage.ClaimResult, error) {
 	if a.written {
 		return storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: a.rec}, nil
 	}
@@ -123,8 +155,52 @@ func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (storage.Claim
 	return res, err
 }
 
-// Complete decides by storage.DecideComplete in one statement.
+// claimBatch runs the Claims of calls as one statement. A key the
+// statement returned no row for (which SERIALIZABLE rules out) runs alone.
+func (s *Store) claimBatch(ctx context.Context, calls []*call[storage.ClaimParams, storage.ClaimResult]) error {
+	n := len(calls)
+	var (
+		consumers = make([]string, n)
+		kinds     = make([]int16, n)
+		keys      = make([]string, n)
+		fps       = make([][]byte, n)
+		holders   = make([]string, n)
+		leases    = make([]int64, n)
+		retention = make([]int64, n)
+	)
+	for i, cl := range calls {
+		p := &cl.p
+		consumers[i], kinds[i], keys[i] = p.Consumer, int16(p.Kind), p.Key.Key
+		fps[i], holders[i] = nonNil(p.Fingerprint), p.Holder
+		leases[i], retention[i] = p.Lease.Microseconds(), p.Retention.Microseconds()
+	}
+	answers, err := s.queryBatch(ctx, claimBatchSQL, n,
+		consumers, kinds, keys, fps, holders, leases, retention, s.offsetMicros())
+	if err != nil {
+		return err
+	}
+	for i, cl := range calls {
+		if !answers[i].found {
+			cl.done <- outcome[storage.ClaimResult]{alone: true}
+			continue
+		}
+		res, err := s.claimAnswer(ctx, answers[i], cl.p)
+		cl.done <- outcome[storage.ClaimResult]{r: res, err: err}
+	}
+	return nil
+}
+
+// Complete decides by storage.DecideComplete in one statement, alone or
+// coalesced with concurrent Completes (see batch.go).
 func (s *Store) Complete(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
+	if s.completes != nil {
+		return s.completes.do(ctx, p)
+	}
+	return s.completeAlone(ctx, p)
+}
+
+// completeAlone runs one Complete with the single-row statement.
+func (s *Store) completeAlone(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
 	var a answer
 	err := s.run(ctx, "complete", func(ctx context.Context) error {
 		var err error
@@ -135,6 +211,11 @@ func (s *Store) Complete(ctx context.Context, p storage.CompleteParams) (storage
 	if err != nil {
 		return storage.Record{}, err
 	}
+	return s.completeAnswer(ctx, a, p)
+}
+
+// completeAnswer classifies a Complete statement's row (or its absence).
+func (s *Store) completeAnswer(ctx context.Context, a answer, p storage.CompleteParams) (storage.Record, error) {
 	if a.written {
 		a.rec.Result = p.Result // not sent back: see completeSQL
 		return a.rec, nil
@@ -144,6 +225,32 @@ func (s *Store) Complete(ctx context.Context, p storage.CompleteParams) (storage
 		return storage.Record{}, s.disagree(ctx, "complete", a)
 	}
 	return rec, err
+}
+
+// completeBatch runs the Completes of calls as one statement.
+func (s *Store) completeBatch(ctx context.Context, calls []*call[storage.CompleteParams, storage.Record]) error {
+	n := len(calls)
+	var (
+		consumers = make([]string, n)
+		kinds     = make([]int16, n)
+		keys      = make([]string, n)
+		tokens    = make([]int64, n)
+		results   = make([][]byte, n)
+	)
+	for i, cl := range calls {
+		p := &cl.p
+		consumers[i], kinds[i], keys[i] = p.Consumer, int16(p.Kind), p.Key.Key
+		tokens[i], results[i] = p.Token, p.Result
+	}
+	answers, err := s.queryBatch(ctx, completeBatchSQL, n, consumers, kinds, keys, tokens, results, s.offsetMicros())
+	if err != nil {
+		return err
+	}
+	for i, cl := range calls {
+		rec, err := s.completeAnswer(ctx, answers[i], cl.p)
+		cl.done <- outcome[storage.Record]{r: rec, err: err}
+	}
+	return nil
 }
 
 // Release decides by storage.DecideRelease in one statement.
@@ -268,6 +375,44 @@ func (a *answer) current() *storage.Record {
 }
 
 func (s *Store) queryRecord(ctx context.Context, sql string, args ...any) (answer, error) {
+	a, err := scanAnswer(s.pool.QueryRow(ctx, sql, args...))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return answer{}, nil
+	}
+	return a, err
+}
+
+// queryBatch runs a batched statement for n calls and returns their
+// answers by position; a call whose key has no row gets an answer with found
+// false. It returns nothing but the error when the statement failed,
+// including at its commit.
+func (s *Store) queryBatch(ctx context.Context, sql string, n int, args ...any) ([]answer, error) {
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	answers := make([]answer, n)
+	for rows.Next() {
+		var ord int64
+		a, err := scanAnswer(rows, &ord)
+		if err != nil {
+			return nil, err
+		}
+		if ord < 1 || ord > int64(n) {
+			return nil, fmt.Errorf("batch row with ordinal %d of %d", ord, n)
+		}
+		answers[ord-1] = a
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return answers, nil
+}
+
+// scanAnswer scans one row of a record statement, after the columns in
+// lead (the ordinal of a batched statement).
+func scanAnswer(row pgx.Row, lead ...any) (answer, error) {
 	var (
 		a           answer
 		r           = &a.rec
@@ -275,14 +420,10 @@ func (s *Store) queryRecord(ctx context.Context, sql string, args ...any) (answe
 		completedAt *time.Time
 		retentionUS int64
 	)
-	err := s.pool.QueryRow(ctx, sql, args...).Scan(
-		&a.written, &a.now,
+	dest := append(lead, &a.written, &a.now,
 		&r.Consumer, &kind, &r.Key.Key, &state, &r.Fingerprint, &r.Token, &r.Attempt, &r.Holder,
 		&r.CreatedAt, &r.LeaseExpiresAt, &completedAt, &r.ExpiresAt, &retentionUS, &r.Result)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return answer{}, nil
-	}
-	if err != nil {
+	if err := row.Scan(dest...); err != nil {
 		return answer{}, err
 	}
 	a.found = true

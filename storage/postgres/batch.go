@@ -1,0 +1,359 @@
+package postgres
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemreg/idemreg/storage"
+)
+
+// Coalescing.
+//
+// Each statement costs a commit, and on a small machine the commits, not the
+// rows, bound throughput: one multi-row statement of 16 claims writes many
+// times the rows per second of 16 single-row ones. So concurrent Claims, and
+// concurrent Completes, that arrive together are sent as one statement
+// (claimBatchSQL, completeBatchSQL), and each caller still gets the answer
+// for its own key, classified by the same storage.Decide* function as a
+// single call's.
+//
+// When batches form: the coalescer lets at most inFlightLimit of its
+// statements run at once (by default the pool's size). A call that finds a
+// slot free and nobody queued runs alone, with the single-row statement, so
+// a lone caller waits for nothing and pays nothing. Otherwise it joins the
+// pending batch of its kind, which is sent as soon as any of these happens:
+// a statement finishes and frees a slot, the batch reaches maxSize calls, or
+// the first call in it has waited window. Calls on a key already pending
+// wait for the next batch (PostgreSQL refuses an ON CONFLICT DO UPDATE that
+// affects a row twice, and two operations on one key must be ordered
+// anyway). A batch is sorted by key, so concurrent batches lock rows in the
+// same order and rarely deadlock.
+//
+// Failures: a batch is one implicit transaction, so a serialization failure
+// or a deadlock rolled all of it back. It is split in two halves, retried
+// after a jittered pause, recursively; a single call left over runs alone,
+// through the single-row statement and its own retry loop (run), with its
+// caller's context. The conflicting key is so isolated in a few steps while
+// the others still share statements. Any other error is every member's
+// answer, as it would be for a single call. A call whose context ends while
+// it waits returns the context's error; if its batch was not sent yet it
+// is dropped from it, and if it was, the outcome is as ambiguous as that of
+// a single statement cut off mid-flight (see semantics.md). A batch's
+// statement runs under a context that ends when every member's context has
+// ended, or at the latest of their deadlines.
+
+// Defaults of WithBatching.
+const (
+	// DefaultBatchSize is the largest number of calls in one statement.
+	DefaultBatchSize = 64
+	// DefaultBatchWindow is the longest a call waits for its batch to be
+	// sent while every statement slot is busy.
+	DefaultBatchWindow = 2 * time.Millisecond
+)
+
+// coalescer groups concurrent calls into batches and counts the statements
+// its batchers have in flight. One mutex guards the count and every queue.
+type coalescer struct {
+	maxSize int
+	window  time.Duration
+	limit   int
+
+	mu       sync.Mutex
+	inFlight int
+	queues   []queue
+	next     int // the queue served first when a slot frees, for fairness
+
+	// batches and batchedCalls count the statements sent for more than one
+	// call and the calls they carried, for tests and the bench.
+	batches, batchedCalls atomic.Int64
+}
+
+// queue is what the coalescer needs of a batcher, whatever its types.
+type queue interface {
+	// takeLocked removes the pending batch, if any, and returns the
+	// function that sends it; c.mu is held.
+	takeLocked() func()
+}
+
+// acquireLocked takes a statement slot if one is free.
+func (c *coalescer) acquireLocked() bool {
+	if c.inFlight >= c.limit {
+		return false
+	}
+	c.inFlight++
+	return true
+}
+
+// release frees a slot and hands it (and any other free slot) to pending
+// batches.
+func (c *coalescer) release() {
+	var sends []func()
+	c.mu.Lock()
+	c.inFlight--
+	for i := 0; i < len(c.queues) && c.inFlight < c.limit; i++ {
+		q := c.queues[(c.next+i)%len(c.queues)]
+		if send := q.takeLocked(); send != nil {
+			c.inFlight++
+			sends = append(sends, send)
+		}
+	}
+	c.next = (c.next + 1) % len(c.queues)
+	c.mu.Unlock()
+	for _, send := range sends {
+		go send()
+	}
+}
+
+// call is one caller waiting in a batch.
+type call[P, R any] struct {
+	ctx  context.Context
+	p    P
+	key  storage.Key
+	done chan outcome[R] // buffered: the sender never blocks
+}
+
+// outcome is a call's answer; alone asks the caller to run its call by
+// itself, with the single-row statement.
+type outcome[R any] struct {
+	r     R
+	err   error
+	alone bool
+}
+
+// batcher coalesces the calls of one kind (Claim or Complete).
+type batcher[P, R any] struct {
+	c     *coalescer
+	s     *Store
+	op    string
+	keyOf func(P) storage.Key
+	// alone runs one call with the single-row statement and its retries.
+	alone func(context.Context, P) (R, error)
+	// exec runs one statement for calls (distinct keys, sorted). When it
+	// returns nil it has sent every call its outcome; otherwise it has sent
+	// none.
+	exec func(context.Context, []*call[P, R]) error
+
+	// Guarded by c.mu.
+	pending  []*call[P, R]
+	keys     map[storage.Key]struct{}
+	deferred []*call[P, R] // keys already pending, for the next batch
+	timer    *time.Timer
+	armed    bool
+}
+
+func newBatcher[P, R any](c *coalescer, s *Store, op string, keyOf func(P) storage.Key,
+	alone func(context.Context, P) (R, error), exec func(context.Context, []*call[P, R]) error,
+) *batcher[P, R] {
+	b := &batcher[P, R]{c: c, s: s, op: op, keyOf: keyOf, alone: alone, exec: exec, keys: map[storage.Key]struct{}{}}
+	b.timer = time.AfterFunc(time.Hour, b.windowEnded)
+	b.timer.Stop()
+	c.queues = append(c.queues, b)
+	return b
+}
+
+// do runs one call: alone when a slot is free and nobody waits, in a batch
+// otherwise.
+func (b *batcher[P, R]) do(ctx context.Context, p P) (R, error) {
+	c := b.c
+	c.mu.Lock()
+	if len(b.pending) == 0 && len(b.deferred) == 0 && c.acquireLocked() {
+		c.mu.Unlock()
+		defer c.release()
+		return b.alone(ctx, p)
+	}
+	cl := &call[P, R]{ctx: ctx, p: p, key: b.keyOf(p), done: make(chan outcome[R], 1)}
+	b.addLocked(cl)
+	var send func()
+	if len(b.pending) >= c.maxSize {
+		c.inFlight++ // over the limit: a full batch does not wait for a slot
+		send = b.takeLocked()
+	} else if !b.armed {
+		b.armed = true
+		b.timer.Reset(c.window)
+	}
+	c.mu.Unlock()
+	if send != nil {
+		go send()
+	}
+	select {
+	case o := <-cl.done:
+		if o.alone {
+			return b.alone(ctx, p)
+		}
+		return o.r, o.err
+	case <-ctx.Done():
+		c.mu.Lock()
+		b.dropLocked(cl)
+		c.mu.Unlock()
+		var zero R
+		return zero, fmt.Errorf("postgres %s: %w", b.op, ctx.Err())
+	}
+}
+
+// dropLocked removes a call whose caller left from the queue, if its batch
+// was not sent yet.
+func (b *batcher[P, R]) dropLocked(cl *call[P, R]) {
+	if i := slices.Index(b.pending, cl); i >= 0 {
+		b.pending = slices.Delete(b.pending, i, i+1)
+		delete(b.keys, cl.key)
+		return
+	}
+	if i := slices.Index(b.deferred, cl); i >= 0 {
+		b.deferred = slices.Delete(b.deferred, i, i+1)
+	}
+}
+
+func (b *batcher[P, R]) addLocked(cl *call[P, R]) {
+	if _, dup := b.keys[cl.key]; dup {
+		b.deferred = append(b.deferred, cl)
+		return
+	}
+	b.keys[cl.key] = struct{}{}
+	b.pending = append(b.pending, cl)
+}
+
+// takeLocked implements queue. The deferred calls move up into the next
+// pending batch, whose window starts now.
+func (b *batcher[P, R]) takeLocked() func() {
+	if len(b.pending) == 0 {
+		return nil
+	}
+	batch := b.pending
+	b.pending = nil
+	clear(b.keys)
+	deferred := b.deferred
+	b.deferred = nil
+	for _, cl := range deferred {
+		b.addLocked(cl)
+	}
+	if len(b.pending) > 0 {
+		b.armed = true
+		b.timer.Reset(b.c.window)
+	} else if b.armed {
+		b.armed = false
+		b.timer.Stop()
+	}
+	return func() {
+		defer b.c.release()
+		b.send(batch)
+	}
+}
+
+// windowEnded sends the pending batch whether or not a slot is free.
+func (b *batcher[P, R]) windowEnded() {
+	c := b.c
+	c.mu.Lock()
+	b.armed = false
+	send := b.takeLocked()
+	if send != nil {
+		c.inFlight++
+	}
+	c.mu.Unlock()
+	if send != nil {
+		send()
+	}
+}
+
+// send runs batch as one statement, splitting it on serialization failures.
+func (b *batcher[P, R]) send(batch []*call[P, R]) {
+	live := batch[:0]
+	for _, cl := range batch {
+		if cl.ctx.Err() == nil { // the others' callers have returned
+			live = append(live, cl)
+		}
+	}
+	switch len(live) {
+	case 0:
+		return
+	case 1:
+		live[0].done <- outcome[R]{alone: true}
+		return
+	}
+	slices.SortFunc(live, func(x, y *call[P, R]) int { return compareKeys(x.key, y.key) })
+	ctx, cancel := batchContext(live)
+	defer cancel()
+	b.c.batches.Add(1)
+	b.c.batchedCalls.Add(int64(len(live)))
+	err := b.exec(ctx, live)
+	if err == nil {
+		return
+	}
+	if retryable(err) {
+		b.s.logger.DebugContext(ctx, "postgres: batch conflicted, splitting it", "op", b.op, "calls", len(live), "error", err)
+		_ = sleep(ctx, backoff(1))
+		half := len(live) / 2
+		var wg sync.WaitGroup
+		wg.Go(func() { b.send(live[:half]) })
+		b.send(live[half:])
+		wg.Wait()
+		return
+	}
+	err = fmt.Errorf("%w: postgres %s: %w", storage.ErrUnavailable, b.op, detachContext(err))
+	for _, cl := range live {
+		cl.done <- outcome[R]{err: err}
+	}
+}
+
+func compareKeys(x, y storage.Key) int {
+	if c := cmp.Compare(x.Consumer, y.Consumer); c != 0 {
+		return c
+	}
+	if c := cmp.Compare(x.Kind, y.Kind); c != 0 {
+		return c
+	}
+	return cmp.Compare(x.Key, y.Key)
+}
+
+// retryable reports a failure that rolled the statement back and that
+// retrying may cure: what run retries.
+func retryable(err error) bool {
+	switch sqlState(err) {
+	case sqlStateSerializationFailure, sqlStateDeadlockDetected, "CR000":
+		return true
+	}
+	return false
+}
+
+// batchContext is the context of a batch's statement: it ends when every
+// member's context has ended, and at the latest of their deadlines when
+// they all have one. Values are not carried over.
+func batchContext[P, R any](calls []*call[P, R]) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var latest time.Time
+	for _, cl := range calls {
+		d, ok := cl.ctx.Deadline()
+		if !ok {
+			latest = time.Time{}
+			break
+		}
+		if d.After(latest) {
+			latest = d
+		}
+	}
+	cancelDeadline := context.CancelFunc(func() {})
+	if !latest.IsZero() {
+		ctx, cancelDeadline = context.WithDeadline(ctx, latest)
+	}
+	var left atomic.Int64
+	left.Store(int64(len(calls)))
+	stops := make([]func() bool, len(calls))
+	for i, cl := range calls {
+		stops[i] = context.AfterFunc(cl.ctx, func() {
+			if left.Add(-1) == 0 {
+				cancel()
+			}
+		})
+	}
+	return ctx, func() {
+		for _, stop := range stops {
+			stop()
+		}
+		cancelDeadline()
+		cancel()
+	}
+}
