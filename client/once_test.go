@@ -441,3 +441,11 @@ func TestOnceDeadlineDuringClaim(t *testing.T) {
 		return cl.Outcome == client.OutcomeAcquired
 	}, "the abandoned claim to be released")
 }
+
+func TestOnceZeroLeaseTakesTheDefault(t *testing.T) {
+	reg := registrytest.Start(t)
+	res, err := reg.Client.Once(t.Context(), inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) { return nil, nil },
+		client.WithLease(0), client.WithBookkeepingTimeout(0))
+	require.NoError(t, err)
+	require.True(t, res.Ran)
+}

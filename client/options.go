@@ -114,11 +114,20 @@ func newSettings(missingKey MissingKeyPolicy, opts []Option) *settings {
 	for _, o := range opts {
 		o(s)
 	}
+	// A lease must be positive to be extended; zero means the default, not
+	// "none".
+	if s.lease <= 0 {
+		s.lease = DefaultLease
+	}
+	if s.bookkeepingTimeout <= 0 {
+		s.bookkeepingTimeout = DefaultBookkeepingTimeout
+	}
 	return s
 }
 
 // WithLease sets the lease to claim with and to extend by (default
-// DefaultLease). Once and both interceptors.
+// DefaultLease; zero or less takes the default). It must lie within the
+// registry's lease bounds (1s to 1h by default). Once and both interceptors.
 func WithLease(d time.Duration) Option { return func(s *settings) { s.lease = d } }
 
 // WithRetention sets how long a record is kept after its completion (or
