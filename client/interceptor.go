@@ -156,6 +156,7 @@ func UnaryClientInterceptor(c *Client, opts ...Option) grpc.UnaryClientIntercept
 		if !s.selected(method) {
 			return invoker(ctx, method, req, reply, cc, callOpts...)
 		}
+		setReplayed(callOpts, false)
 		key, ok := IdempotencyKey(ctx)
 		if !ok {
 			if s.missingKey == MissingKeyPassThrough {
@@ -194,7 +195,6 @@ func UnaryClientInterceptor(c *Client, opts ...Option) grpc.UnaryClientIntercept
 		default:
 			return status.Errorf(codes.Internal, "idemreg: unexpected claim outcome %v", cl.Outcome)
 		}
-		setReplayed(callOpts, false)
 
 		hb := c.startHeartbeat(ctx, k, cl.Token, s.lease, nil)
 		panicked := true
