@@ -2,21 +2,33 @@ package server
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"log/slog"
 	"net"
 	"runtime/debug"
 	"time"
 
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/selector"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc/filters"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -41,7 +53,59 @@ type Config struct {
 	// DisableReflection turns server reflection off (it is on by default so
 	// grpcurl works out of the box).
 	DisableReflection bool
+
+	// Access decides who may call and how often: identities, their
+	// consumers and the rate limits (server/access), consulted on every
+	// request so a reload takes effect at once. Nil means an open set:
+	// every caller is anonymous and may use every consumer, unlimited.
+	Access *access.Source
+	// TLS, when set, is the server's TLS configuration; with ClientAuth set
+	// to RequireAndVerifyClientCert it is mTLS, and verified certificates
+	// identify callers. Nil serves plaintext.
+	TLS *tls.Config
+	// RequestTimeout is the budget of a request that carries no deadline
+	// (DefaultRequestTimeout); MaxRequestTimeout caps a request's deadline
+	// (DefaultMaxRequestTimeout).
+	RequestTimeout, MaxRequestTimeout time.Duration
+	// MaxInFlight bounds the store operations in flight; a call beyond it
+	// fails at once with UNAVAILABLE, reason OVERLOADED (DefaultMaxInFlight).
+	MaxInFlight int
+	// Keepalive sets connection ages and pings; zero fields take the
+	// defaults of DefaultKeepalive.
+	Keepalive keepalive.ServerParameters
+	// DrainDelay is how long the server keeps serving after reporting
+	// NOT_SERVING on shutdown, so load balancers and Kubernetes endpoints
+	// stop sending new calls before connections are drained (default 0).
+	DrainDelay time.Duration
+	// MeterProvider and TracerProvider receive the registry's and
+	// otelgrpc's metrics and spans; nil means the global providers.
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
 }
+
+// DefaultMaxInFlight is the default bound on store operations in flight:
+// well above what a store answers at once (a PostgreSQL pool holds tens of
+// connections), well below what makes every queued call miss its deadline.
+const DefaultMaxInFlight = 256
+
+// DefaultKeepalive are the connection settings for load-balanced
+// deployments: connections are recycled every few minutes so that new
+// replicas get their share of long-lived clients, with a grace longer than
+// the longest request; idle connections are closed; pings detect dead
+// peers behind NATs and proxies.
+func DefaultKeepalive() keepalive.ServerParameters {
+	return keepalive.ServerParameters{
+		MaxConnectionIdle:     5 * time.Minute,
+		MaxConnectionAge:      5 * time.Minute,
+		MaxConnectionAgeGrace: DefaultMaxRequestTimeout + 5*time.Second,
+		Time:                  time.Minute,
+		Timeout:               20 * time.Second,
+	}
+}
+
+// keepaliveEnforcement lets clients ping every 10 s, with or without calls
+// in flight, without being disconnected for it.
+var keepaliveEnforcement = keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}
 
 func (c *Config) setDefaults() {
 	if c.Limits == (Limits{}) {
@@ -59,49 +123,106 @@ func (c *Config) setDefaults() {
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = 10 * time.Second
 	}
+	if c.Access == nil {
+		c.Access = access.Static(access.Open())
+	}
+	if c.RequestTimeout <= 0 {
+		c.RequestTimeout = DefaultRequestTimeout
+	}
+	if c.MaxRequestTimeout <= 0 {
+		c.MaxRequestTimeout = DefaultMaxRequestTimeout
+	}
+	if c.MaxInFlight <= 0 {
+		c.MaxInFlight = DefaultMaxInFlight
+	}
+	def := DefaultKeepalive()
+	k := &c.Keepalive
+	for _, f := range []struct{ v, d *time.Duration }{
+		{&k.MaxConnectionIdle, &def.MaxConnectionIdle}, {&k.MaxConnectionAge, &def.MaxConnectionAge},
+		{&k.MaxConnectionAgeGrace, &def.MaxConnectionAgeGrace}, {&k.Time, &def.Time}, {&k.Timeout, &def.Timeout},
+	} {
+		if *f.v <= 0 {
+			*f.v = *f.d
+		}
+	}
+	if c.MeterProvider == nil {
+		c.MeterProvider = otel.GetMeterProvider()
+	}
+	if c.TracerProvider == nil {
+		c.TracerProvider = otel.GetTracerProvider()
+	}
 }
 
-// Server is the gRPC server of the registry: the RegistryService, health
-// (SERVING only while the store answers) and reflection.
+// Server is the gRPC server of the registry: the RegistryService, the
+// AdminService, health (SERVING only while the store answers) and
+// reflection.
 type Server struct {
-	cfg    Config
-	store  storage.Store
-	grpc   *grpc.Server
-	health *health.Server
+	cfg     Config
+	store   storage.Store
+	grpc    *grpc.Server
+	health  *health.Server
+	metrics *metrics
+	limiter *access.Limiter
+	// done is closed when Serve returns; ServeHealth stops then.
+	done chan struct{}
 	// serving is the last status set; only Serve's health loop touches it.
 	serving healthpb.HealthCheckResponse_ServingStatus
 }
 
-// healthServices are the names the health service reports on: the whole
-// server ("") and the registry service.
-var healthServices = []string{"", idemregv1.RegistryService_ServiceDesc.ServiceName}
+// healthServices are the names the health service reports readiness on:
+// the whole server ("") and the registry's services.
+var healthServices = []string{"", idemregv1.RegistryService_ServiceDesc.ServiceName, idemregv1.AdminService_ServiceDesc.ServiceName}
+
+// LivenessService is the health service name that reports SERVING while the
+// process runs, whatever the store does: a liveness probe that failed with
+// the database would restart every replica at once and fix nothing.
+const LivenessService = "liveness"
 
 // New builds a Server on store.
 func New(store storage.Store, cfg Config) (*Server, error) {
 	cfg.setDefaults()
-	svc, err := NewService(store, cfg.Limits, cfg.Logger)
+	m, err := newMetrics(cfg.MeterProvider)
+	if err != nil {
+		return nil, err
+	}
+	observed := newObservedStore(store, cfg.MaxInFlight, m)
+	svc, err := NewService(observed, cfg.Limits, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
 	if cfg.Policy != nil {
 		svc.policies = cfg.Policy
 	}
-	g := grpc.NewServer(
-		grpc.ChainUnaryInterceptor(unaryInterceptors(cfg.Logger)...),
-		grpc.ChainStreamInterceptor(streamInterceptors(cfg.Logger)...),
+	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{})}
+	opts := []grpc.ServerOption{
+		grpc.StatsHandler(otelgrpc.NewServerHandler(
+			otelgrpc.WithMeterProvider(cfg.MeterProvider),
+			otelgrpc.WithTracerProvider(cfg.TracerProvider),
+			otelgrpc.WithFilter(filters.Not(filters.HealthCheck())))),
+		grpc.ChainUnaryInterceptor(s.unaryInterceptors()...),
+		grpc.ChainStreamInterceptor(s.streamInterceptors()...),
 		// Room for the largest allowed result plus the rest of a request.
-		grpc.MaxRecvMsgSize(cfg.Limits.MaxResultBytes+64<<10),
-	)
+		grpc.MaxRecvMsgSize(cfg.Limits.MaxResultBytes + 64<<10),
+		grpc.KeepaliveParams(cfg.Keepalive),
+		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement),
+	}
+	if cfg.TLS != nil {
+		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
+	}
+	g := grpc.NewServer(opts...)
 	idemregv1.RegisterRegistryServiceServer(g, svc)
+	idemregv1.RegisterAdminServiceServer(g, &AdminService{svc: svc, store: observed, m: m})
 	h := health.NewServer()
 	for _, name := range healthServices {
 		h.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)
 	}
+	h.SetServingStatus(LivenessService, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(g, h)
 	if !cfg.DisableReflection {
 		reflection.Register(g)
 	}
-	return &Server{cfg: cfg, store: store, grpc: g, health: h}, nil
+	s.grpc, s.health = g, h
+	return s, nil
 }
 
 // GRPCServer returns the underlying server, to register more services.
@@ -110,6 +231,7 @@ func (s *Server) GRPCServer() *grpc.Server { return s.grpc }
 // Serve serves on lis until ctx ends, then reports NOT_SERVING, drains
 // in-flight calls for up to ShutdownTimeout and stops.
 func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
+	defer close(s.done)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	s.checkHealth(ctx)
@@ -123,6 +245,14 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	case <-ctx.Done():
 	}
 	s.health.Shutdown() // every service NOT_SERVING, so load balancers drain us first
+	if s.cfg.DrainDelay > 0 {
+		s.cfg.Logger.Info("not serving, waiting for load balancers", "drain_delay", s.cfg.DrainDelay)
+		select {
+		case <-time.After(s.cfg.DrainDelay):
+		case err := <-served:
+			return err
+		}
+	}
 	s.cfg.Logger.Info("draining", "timeout", s.cfg.ShutdownTimeout)
 	drained := make(chan struct{})
 	go func() { s.grpc.GracefulStop(); close(drained) }()
@@ -133,6 +263,20 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 		s.grpc.Stop()
 	}
 	if err := <-served; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return err
+	}
+	return nil
+}
+
+// ServeHealth serves the health service alone, in plaintext, on lis, until
+// Serve returns: for Kubernetes' gRPC probes, which cannot speak TLS, and
+// other probes that should not need credentials. It reports the same
+// statuses as the health service of the main listener.
+func (s *Server) ServeHealth(lis net.Listener) error {
+	g := grpc.NewServer()
+	healthpb.RegisterHealthServer(g, s.health)
+	go func() { <-s.done; g.Stop() }()
+	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return err
 	}
 	return nil
@@ -177,23 +321,55 @@ func (s *Server) checkHealth(ctx context.Context) {
 	}
 }
 
-// The middleware chain, outermost first:
+// The middleware chain, outermost first. Before it, otelgrpc's stats
+// handler opens the call's span and measures it (every call, health checks
+// left out of traces).
 //  1. consumer fields: puts the request's consumer into the log fields;
 //  2. logging: one structured line per finished call (method, code,
-//     duration, consumer) — never payloads, results, fingerprints or tokens;
-//  3. recovery: a panic becomes INTERNAL and is logged with its stack.
-func unaryInterceptors(logger *slog.Logger) []grpc.UnaryServerInterceptor {
+//     duration, consumer, identity) — never payloads, results,
+//     fingerprints or tokens;
+//  3. recovery: a panic, here or below, becomes INTERNAL and is logged
+//     with its stack;
+//  4. deadline: a request without a deadline gets RequestTimeout, a longer
+//     one is clamped to MaxRequestTimeout;
+//  5. authentication (go-grpc-middleware auth, skipped for health and
+//     reflection by selector): the caller's identity from a bearer token
+//     or a verified client certificate, or UNAUTHENTICATED;
+//  6. authorization (same selector): the identity may use the request's
+//     consumer (RegistryService) or administer it (AdminService), or
+//     PERMISSION_DENIED — before the handler has read anything;
+//  7. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
+//     QuotaFailure and RetryInfo.
+//
+// Below the handler, the store is wrapped (observe.go) to bound the
+// operations in flight (UNAVAILABLE, OVERLOADED, beyond MaxInFlight) and to
+// measure them.
+func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
+	logger := s.cfg.Logger
+	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
 	return []grpc.UnaryServerInterceptor{
 		consumerFields,
 		logging.UnaryServerInterceptor(interceptorLogger(logger), loggingOptions...),
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
+		s.deadline,
+		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
+		selector.UnaryServerInterceptor(s.authorize, protected),
+		s.rateLimit,
 	}
 }
 
-func streamInterceptors(logger *slog.Logger) []grpc.StreamServerInterceptor {
+// streamInterceptors: every streaming method is public (health's Watch,
+// reflection); any other is refused, since authorization needs the
+// request's consumer.
+func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
+	logger := s.cfg.Logger
+	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
 	return []grpc.StreamServerInterceptor{
 		logging.StreamServerInterceptor(interceptorLogger(logger), loggingOptions...),
 		recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
+		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
+			return newStatus(codes.PermissionDenied, ReasonPermissionDenied, "streaming methods are not open to identities", nil)
+		}, protected),
 	}
 }
 

@@ -28,11 +28,20 @@ const (
 	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
 	ReasonCanceled            = "CANCELED"
 	ReasonInternal            = "INTERNAL"
+	// The middleware's own answers (auth.go, deadline.go, observe.go).
+	ReasonUnauthenticated  = "UNAUTHENTICATED"
+	ReasonPermissionDenied = "PERMISSION_DENIED"
+	ReasonRateLimited      = "RATE_LIMITED"
+	ReasonOverloaded       = "OVERLOADED"
 )
 
 // unavailableRetryAfter is the RetryInfo delay suggested when the store is
 // unavailable.
 const unavailableRetryAfter = time.Second
+
+// overloadedRetryAfter is the RetryInfo delay suggested when the store has
+// the most operations in flight: short, since the slots free up quickly.
+const overloadedRetryAfter = 100 * time.Millisecond
 
 func newStatus(code codes.Code, reason, msg string, meta map[string]string, extra ...protoadapt.MessageV1) error {
 	st := status.New(code, msg)
@@ -72,6 +81,9 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 		return newStatus(codes.DeadlineExceeded, ReasonDeadlineExceeded, "the deadline ran out before the store answered", meta)
 	case errors.Is(err, context.Canceled):
 		return newStatus(codes.Canceled, ReasonCanceled, "the request was cancelled", meta)
+	case errors.Is(err, errOverloaded):
+		return newStatus(codes.Unavailable, ReasonOverloaded, "the server has too many store operations in flight; retry later", meta,
+			retryInfo(overloadedRetryAfter))
 	case errors.Is(err, storage.ErrUnavailable):
 		s.logger.WarnContext(ctx, "store unavailable", "method", method, "consumer", k.Consumer, "error", err)
 		return newStatus(codes.Unavailable, ReasonStoreUnavailable, "the store is unavailable; retry later", meta,
