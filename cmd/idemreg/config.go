@@ -9,11 +9,14 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"time"
 
+	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
 )
 
-// config is everything serve and migrate read from flags and environment.
+// config is everything serve, migrate and sweep read from flags and
+// environment.
 type config struct {
 	Listen      string
 	DatabaseURL string
@@ -21,6 +24,13 @@ type config struct {
 	LogLevel    slog.Level
 	LogFormat   string
 	Limits      server.Limits
+	// PolicyFile is the retention policy file (--config); empty means the
+	// limits' defaults and bounds for every consumer.
+	PolicyFile string
+	// SweepInterval is the time between serve's sweeps; zero turns them off.
+	SweepInterval time.Duration
+	// Sweep configures the sweeper of serve and of sweep.
+	Sweep retention.Config
 }
 
 func defaultConfig() config {
@@ -30,19 +40,31 @@ func defaultConfig() config {
 		LogLevel:  slog.LevelInfo,
 		LogFormat: "json",
 		Limits:    server.DefaultLimits(),
+		// serve sweeps by default: the embedded store has no other sweeper
+		// (sweep cannot open it while serve holds it).
+		SweepInterval: retention.DefaultInterval,
+		Sweep: retention.Config{
+			BatchSize:    retention.DefaultBatchSize,
+			BatchTimeout: retention.DefaultBatchTimeout,
+			Pause:        retention.DefaultPause,
+		},
 	}
 }
 
+const databaseURLUsage = "PostgreSQL or CockroachDB URL (postgres://...); empty uses the embedded store in --data-dir"
+
 // bind registers the flags of cfg on fs.
 func (c *config) bind(fs *flag.FlagSet, serve bool) {
-	fs.StringVar(&c.DatabaseURL, "database-url", c.DatabaseURL, "PostgreSQL or CockroachDB URL (postgres://...); empty uses the embedded store in --data-dir")
+	fs.StringVar(&c.DatabaseURL, "database-url", c.DatabaseURL, databaseURLUsage)
 	if !serve {
 		return
 	}
 	fs.StringVar(&c.Listen, "listen", c.Listen, "gRPC listen address")
-	fs.StringVar(&c.DataDir, "data-dir", c.DataDir, "directory of the embedded store, used when --database-url is empty")
-	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log level: debug, info, warn, error")
-	fs.StringVar(&c.LogFormat, "log-format", c.LogFormat, "log format: json or text")
+	c.bindLocal(fs)
+	fs.StringVar(&c.PolicyFile, "config", c.PolicyFile, "retention policy file (YAML or JSON): defaults and per-consumer lease and retention bounds, over the flags below; reloaded on SIGHUP")
+	fs.DurationVar(&c.SweepInterval, "sweep-interval", c.SweepInterval, "time between sweeps of expired records; 0 turns the in-process sweeper off")
+	fs.IntVar(&c.Sweep.BatchSize, "sweep-batch-size", c.Sweep.BatchSize, "most records one sweep batch deletes")
+	fs.DurationVar(&c.Sweep.BatchTimeout, "sweep-batch-timeout", c.Sweep.BatchTimeout, "timeout of one sweep batch (the batch halves after one)")
 	l := &c.Limits
 	fs.DurationVar(&l.DefaultLease, "default-lease", l.DefaultLease, "lease of a Claim or Extend that gives none")
 	fs.DurationVar(&l.MinLease, "min-lease", l.MinLease, "smallest lease a request may ask for")
@@ -52,6 +74,23 @@ func (c *config) bind(fs *flag.FlagSet, serve bool) {
 	fs.DurationVar(&l.MinRetention, "min-retention", l.MinRetention, "smallest retention a request may ask for")
 	fs.DurationVar(&l.MaxRetention, "max-retention", l.MaxRetention, "largest retention a request may ask for")
 	fs.IntVar(&l.MaxResultBytes, "max-result-bytes", l.MaxResultBytes, "largest encoded result Complete accepts")
+}
+
+// bindLocal registers the flags of the embedded store and the logs.
+func (c *config) bindLocal(fs *flag.FlagSet) {
+	fs.StringVar(&c.DataDir, "data-dir", c.DataDir, "directory of the embedded store, used when --database-url is empty")
+	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log level: debug, info, warn, error")
+	fs.StringVar(&c.LogFormat, "log-format", c.LogFormat, "log format: json or text")
+}
+
+// bindSweep registers the flags of the sweep command on fs.
+func (c *config) bindSweep(fs *flag.FlagSet) {
+	fs.StringVar(&c.DatabaseURL, "database-url", c.DatabaseURL, databaseURLUsage)
+	c.bindLocal(fs)
+	fs.IntVar(&c.Sweep.BatchSize, "batch-size", c.Sweep.BatchSize, "most records one batch deletes")
+	fs.DurationVar(&c.Sweep.BatchTimeout, "batch-timeout", c.Sweep.BatchTimeout, "timeout of one batch; after a timeout the batch size halves")
+	fs.DurationVar(&c.Sweep.Pause, "pause", c.Sweep.Pause, "mean pause between batches, jittered by ±50%, to leave the store to live traffic")
+	fs.DurationVar(&c.Sweep.MaxDuration, "max-duration", c.Sweep.MaxDuration, "stop starting batches after this long (exit status 3 if expired records may be left); 0 means no limit")
 }
 
 // parse reads environment variables first, then flags, so flags win.
@@ -91,7 +130,33 @@ func (c *config) Validate() error {
 	if err := c.Limits.Validate(); err != nil {
 		errs = append(errs, err)
 	}
+	if c.SweepInterval < 0 {
+		errs = append(errs, fmt.Errorf("--sweep-interval must not be negative (0 turns sweeping off), got %v", c.SweepInterval))
+	}
+	switch {
+	case c.Sweep.BatchSize < 1:
+		errs = append(errs, fmt.Errorf("the sweep batch size must be positive, got %d", c.Sweep.BatchSize))
+	case c.Sweep.BatchTimeout <= 0:
+		errs = append(errs, fmt.Errorf("the sweep batch timeout must be positive, got %v", c.Sweep.BatchTimeout))
+	case c.Sweep.Pause < 0:
+		errs = append(errs, fmt.Errorf("the pause between sweep batches must not be negative, got %v", c.Sweep.Pause))
+	}
+	if err := c.sweeper(nil).Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("sweep: %w", err))
+	}
 	return errors.Join(errs...)
+}
+
+// sweeper returns the sweeper's configuration: a zero pause on the command
+// line means none, where retention.Config takes zero for its default.
+func (c *config) sweeper(logger *slog.Logger) retention.Config {
+	rc := c.Sweep
+	if rc.Pause == 0 {
+		rc.Pause = -1
+	}
+	rc.Interval = c.SweepInterval
+	rc.Logger = logger
+	return rc
 }
 
 func (c *config) logger(w io.Writer) *slog.Logger {

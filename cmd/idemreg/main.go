@@ -2,6 +2,7 @@
 //
 //	idemreg serve     run the gRPC service
 //	idemreg migrate   apply the SQL schema to --database-url
+//	idemreg sweep     delete expired records once (for a cron job)
 //
 // Every flag can also be set by an IDEMREG_* environment variable named
 // after it (--database-url is IDEMREG_DATABASE_URL); flags win.
@@ -23,6 +24,8 @@ const usage = `idemreg: an idempotency-key registry
 Usage:
   idemreg serve   [flags]   run the gRPC service
   idemreg migrate [flags]   apply the SQL schema to --database-url
+  idemreg sweep   [flags]   delete expired records once and exit (for a cron job):
+                            0 finished, 1 failed, 3 stopped by --max-duration
 
 Run "idemreg <command> -h" for the flags of a command.
 `
@@ -31,8 +34,13 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
-		if !errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintln(os.Stderr, "idemreg:", err)
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(2)
+		}
+		fmt.Fprintln(os.Stderr, "idemreg:", err)
+		var exit *exitError
+		if errors.As(err, &exit) {
+			os.Exit(exit.code)
 		}
 		os.Exit(2)
 	}
@@ -48,6 +56,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return serve(ctx, args[1:], stderr)
 	case "migrate":
 		return migrate(ctx, args[1:], stdout, stderr)
+	case "sweep":
+		return sweep(ctx, args[1:], stdout, stderr)
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return nil

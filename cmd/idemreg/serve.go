@@ -7,8 +7,13 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
+	"os/signal"
+	"syscall"
 
+	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
 	"github.com/idemreg/idemreg/storage/postgres"
@@ -26,6 +31,12 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	logger := cfg.logger(stderr)
+	policies, err := loadPolicy(&cfg, logger)
+	if err != nil {
+		return err
+	}
+	stopReload := reloadOnSIGHUP(policies, logger)
+	defer stopReload()
 
 	store, err := openStore(ctx, &cfg, logger)
 	if err != nil {
@@ -33,10 +44,15 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	}
 	defer store.Close()
 
-	srv, err := server.New(store, server.Config{Limits: cfg.Limits, Logger: logger})
+	srv, err := server.New(store, server.Config{Limits: cfg.Limits, Policy: policies, Logger: logger})
 	if err != nil {
 		return err
 	}
+	stopSweeper, err := startSweeper(ctx, &cfg, store, logger)
+	if err != nil {
+		return err
+	}
+	defer stopSweeper() // before the store closes
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.Listen, err)
@@ -47,6 +63,67 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	}
 	logger.Info("stopped")
 	return nil
+}
+
+// loadPolicy loads the policy file, if any, over the limits of the flags.
+func loadPolicy(cfg *config, logger *slog.Logger) (*policy.Source, error) {
+	if cfg.PolicyFile == "" {
+		return nil, nil
+	}
+	src, err := policy.Open(cfg.PolicyFile, cfg.Limits.Policy())
+	if err != nil {
+		return nil, err
+	}
+	logger.Info("policy loaded", "path", cfg.PolicyFile, "consumer_policies", src.Current().Len())
+	return src, nil
+}
+
+// reloadOnSIGHUP reloads the policy file on every SIGHUP until the returned
+// function is called. An invalid file is logged and the policy in force
+// stays.
+func reloadOnSIGHUP(src *policy.Source, logger *slog.Logger) (stop func()) {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-done:
+				return
+			case <-hup:
+			}
+			if src == nil {
+				logger.Warn("SIGHUP ignored: no policy file (--config) to reload")
+				continue
+			}
+			set, err := src.Reload()
+			if err != nil {
+				logger.Error("policy reload rejected; the policy in force stays", "path", src.Path(), "error", err)
+				continue
+			}
+			logger.Info("policy reloaded", "path", src.Path(), "consumer_policies", set.Len())
+		}
+	}()
+	return func() { signal.Stop(hup); close(done) }
+}
+
+// startSweeper runs the sweeper in the background every --sweep-interval,
+// until the returned function is called, which waits for it to stop.
+func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger *slog.Logger) (stop func(), err error) {
+	sw, ok := store.(storage.Sweeper)
+	if cfg.SweepInterval == 0 || !ok {
+		logger.Info("sweeper off", "sweep_interval", cfg.SweepInterval, "store_can_sweep", ok)
+		return func() {}, nil
+	}
+	sweeper, err := retention.New(sw, cfg.sweeper(logger.With("component", "sweeper")))
+	if err != nil {
+		return nil, err
+	}
+	logger.Info("sweeper on", "sweep_interval", cfg.SweepInterval, "batch_size", cfg.Sweep.BatchSize)
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); sweeper.Run(ctx) }()
+	return func() { cancel(); <-done }, nil
 }
 
 // openStore opens the SQL store when a database URL is given, the embedded

@@ -1,0 +1,111 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"github.com/idemreg/idemreg/retention"
+	"github.com/idemreg/idemreg/storage"
+	"github.com/idemreg/idemreg/storage/pebble"
+)
+
+// Exit statuses of sweep; any other failure exits 2 like every command.
+const (
+	exitSweepFailed     = 1 // the store could not be swept (unreachable, errors, cancelled)
+	exitSweepMaxReached = 3 // --max-duration ran out; expired records may be left
+)
+
+// exitError is an error that sets the process's exit status.
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Unwrap() error { return e.err }
+
+const pingTimeout = 10 * time.Second
+
+// sweep runs one pass of the sweeper: for a cron job. It exits 0 when the
+// pass finished (nothing expired was left at its last batch), 3 when
+// --max-duration ran out first, 1 when the store failed, and prints what it
+// did on stdout.
+func sweep(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cfg := defaultConfig()
+	fs := flag.NewFlagSet("idemreg sweep", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	cfg.bindSweep(fs)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	if cfg.DatabaseURL == "" {
+		// pebble.Open would create an empty store: a mistyped directory
+		// must not pass for a swept one.
+		if st, err := os.Stat(cfg.DataDir); err != nil || !st.IsDir() {
+			return fmt.Errorf("no embedded store in --data-dir %s (give --database-url for PostgreSQL or CockroachDB)", cfg.DataDir)
+		}
+	}
+	logger := cfg.logger(stderr)
+	failed := func(format string, args ...any) error {
+		return &exitError{code: exitSweepFailed, err: fmt.Errorf(format, args...)}
+	}
+
+	store, err := openStore(ctx, &cfg, logger)
+	if errors.Is(err, pebble.ErrLocked) {
+		return failed("%w: a running idemreg serve holds it, and sweeps it itself with --sweep-interval", err)
+	}
+	if err != nil {
+		return failed("%w", err)
+	}
+	defer store.Close()
+	sw, ok := store.(storage.Sweeper)
+	if !ok {
+		return failed("the store %T cannot sweep", store)
+	}
+	pctx, cancel := context.WithTimeout(ctx, pingTimeout)
+	err = store.Ping(pctx)
+	cancel()
+	if err != nil {
+		return failed("the store does not answer: %w", err)
+	}
+
+	sweeper, err := retention.New(sw, cfg.sweeper(logger))
+	if err != nil {
+		return err
+	}
+	rc := sweeper.Config()
+	logger.Info("sweeping", "batch_size", rc.BatchSize, "batch_timeout", rc.BatchTimeout,
+		"pause", max(rc.Pause, 0), "max_duration", rc.MaxDuration)
+	res, err := sweeper.Once(ctx)
+	fmt.Fprintln(stdout, summary(res))
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, retention.ErrMaxDuration):
+		return &exitError{code: exitSweepMaxReached, err: fmt.Errorf("sweep did not finish: --max-duration %v ran out with expired records left; run it more often or longer", cfg.Sweep.MaxDuration)}
+	default:
+		return failed("sweep did not finish: %w", err)
+	}
+}
+
+// summary is the line sweep prints when it is done.
+func summary(r retention.Result) string {
+	s := fmt.Sprintf("sweep %s: deleted %d expired records in %d batches (%d failed) in %v (%.1f/s)",
+		r.Stop, r.Deleted, r.Batches, r.Errors, r.Duration.Round(time.Millisecond), r.Rate())
+	switch {
+	case !r.HasOldest:
+		return s + "; no record is left"
+	case r.Lag() > 0:
+		return s + fmt.Sprintf("; the oldest record left expired %v ago", r.Lag().Round(time.Millisecond))
+	default:
+		return s + fmt.Sprintf("; the next record expires at %s", r.Oldest.Format(time.RFC3339))
+	}
+}
