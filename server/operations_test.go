@@ -1,0 +1,373 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"log/slog"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// syncBuffer collects logs written from the server's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// lines decodes the JSON log lines whose msg is msg.
+func (s *syncBuffer) lines(t *testing.T, msg string) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	for _, line := range strings.Split(strings.TrimSpace(s.String()), "\n") {
+		var m map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &m), line)
+		if m["msg"] == msg {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+func jsonLogger(buf *syncBuffer) *slog.Logger {
+	return slog.New(slog.NewJSONHandler(buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+func detail[T any](t *testing.T, err error) T {
+	t.Helper()
+	var zero T
+	for _, d := range statusOf(err).Details() {
+		if v, ok := d.(T); ok {
+			return v
+		}
+	}
+	t.Fatalf("status %v carries no %T", err, zero)
+	return zero
+}
+
+func TestRateLimit(t *testing.T) {
+	src := accessFile(t, `
+rate_limits:
+  - consumers: ["limited.*"]
+    rate: 0.5
+    burst: 2
+`)
+	c := idemregv1.NewRegistryServiceClient(start(t, memStore(t), server.Config{Access: src}))
+	lookup := func(consumer string) error {
+		_, err := c.Lookup(t.Context(), &idemregv1.LookupRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+		return err
+	}
+	for range 2 {
+		requireStatus(t, lookup("limited.a"), codes.NotFound, server.ReasonNotFound)
+	}
+	err := lookup("limited.a")
+	st := requireStatus(t, err, codes.ResourceExhausted, server.ReasonRateLimited)
+	require.Contains(t, st.Message(), `consumer "limited.a" is over its rate limit of 0.5 requests per second, burst 2 (rate_limits "limited.*")`)
+	qf := detail[*errdetails.QuotaFailure](t, err)
+	require.Equal(t, "consumer:limited.a", qf.GetViolations()[0].GetSubject())
+	delay := detail[*errdetails.RetryInfo](t, err).GetRetryDelay().AsDuration()
+	require.Greater(t, delay, time.Second)
+	require.LessOrEqual(t, delay, 2*time.Second)
+
+	requireStatus(t, lookup("limited.b"), codes.NotFound, server.ReasonNotFound)
+	requireStatus(t, lookup("unlimited"), codes.NotFound, server.ReasonNotFound)
+}
+
+// gateStore holds every Claim until its context ends or the gate opens.
+type gateStore struct {
+	storage.Store
+	entered chan struct{}
+	gate    chan struct{}
+}
+
+func (g *gateStore) Claim(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
+	g.entered <- struct{}{}
+	select {
+	case <-ctx.Done():
+		return storage.ClaimResult{}, ctx.Err()
+	case <-g.gate:
+		return g.Store.Claim(ctx, p)
+	}
+}
+
+func TestOverloadFailsFast(t *testing.T) {
+	g := &gateStore{Store: memStore(t), entered: make(chan struct{}, 10), gate: make(chan struct{})}
+	c := idemregv1.NewRegistryServiceClient(start(t, g, server.Config{MaxInFlight: 2}))
+	claim := func(key string) error {
+		_, err := c.Claim(t.Context(), claimReq(key, ""))
+		return err
+	}
+	held := make(chan error, 2)
+	for i := range 2 {
+		go func() { held <- claim("held-" + strconv.Itoa(i)) }()
+		<-g.entered
+	}
+	start := time.Now()
+	err := claim("third")
+	st := requireStatus(t, err, codes.Unavailable, server.ReasonOverloaded)
+	require.NotContains(t, st.Message(), "pebble")
+	require.Positive(t, detail[*errdetails.RetryInfo](t, err).GetRetryDelay().AsDuration())
+	require.Less(t, time.Since(start), 2*time.Second, "refused at once, not after a deadline")
+
+	close(g.gate)
+	for range 2 {
+		require.NoError(t, <-held)
+	}
+	require.NoError(t, claim("fourth"), "slots are given back")
+}
+
+func TestDeadlines(t *testing.T) {
+	g := &gateStore{Store: memStore(t), entered: make(chan struct{}, 10), gate: make(chan struct{})}
+	c := idemregv1.NewRegistryServiceClient(start(t, g, server.Config{RequestTimeout: 100 * time.Millisecond, MaxRequestTimeout: 300 * time.Millisecond}))
+
+	_, err := c.Claim(t.Context(), claimReq("no-deadline", ""))
+	requireStatus(t, err, codes.DeadlineExceeded, server.ReasonDeadlineExceeded)
+
+	ctx, cancel := context.WithTimeout(t.Context(), time.Hour)
+	defer cancel()
+	start := time.Now()
+	_, err = c.Claim(ctx, claimReq("far-deadline", ""))
+	requireStatus(t, err, codes.DeadlineExceeded, server.ReasonDeadlineExceeded)
+	require.Less(t, time.Since(start), 10*time.Second, "clamped to the server's maximum")
+
+	ctx, cancel = context.WithTimeout(t.Context(), 50*time.Millisecond)
+	defer cancel()
+	_, err = c.Claim(ctx, claimReq("short-deadline", ""))
+	require.Equal(t, codes.DeadlineExceeded, statusCode(err), "the caller's own deadline is kept")
+}
+
+// TestLogs runs a whole flow with a JSON logger: one line per call with
+// method, code, consumer, identity and duration, and nowhere a stored
+// result, a fingerprint or a token.
+func TestLogs(t *testing.T) {
+	var buf syncBuffer
+	conn := start(t, memStore(t), server.Config{Logger: jsonLogger(&buf)})
+	c := idemregv1.NewRegistryServiceClient(conn)
+	ctx := t.Context()
+	const fingerprint, result = "fp-SECRET-7f3a", "result-SECRET-91bc"
+	claimed, err := c.Claim(ctx, claimReq("log-1", fingerprint))
+	require.NoError(t, err)
+	_, err = c.Claim(ctx, claimReq("log-1", "fp-OTHER-SECRET"))
+	requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken() + 1, Result: response(result)})
+	requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken(), Result: response(result)})
+	require.NoError(t, err)
+	_, err = c.Claim(ctx, claimReq("log-1", fingerprint))
+	require.NoError(t, err)
+	_, err = idemregv1.NewAdminServiceClient(conn).InvalidateRecord(ctx, &idemregv1.InvalidateRecordRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Reason: "wrong amount, ticket OPS-1"})
+	require.NoError(t, err)
+
+	logs := buf.String()
+	for _, secret := range []string{"SECRET", strconv.FormatInt(claimed.GetToken(), 10), strconv.FormatInt(claimed.GetToken()+1, 10)} {
+		require.NotContains(t, logs, secret)
+	}
+	calls := buf.lines(t, "finished call")
+	require.Len(t, calls, 6)
+	for _, l := range calls {
+		require.Equal(t, "billing.payment-worker", l["consumer"])
+		require.Equal(t, "anonymous", l["identity"])
+		require.NotEmpty(t, l["grpc.method"])
+		require.NotEmpty(t, l["grpc.code"])
+		require.Contains(t, l, "grpc.time_ms")
+	}
+	require.Equal(t, "FailedPrecondition", calls[1]["grpc.code"])
+
+	audit := buf.lines(t, "admin action")
+	require.Len(t, audit, 1)
+	require.Equal(t, "invalidate", audit[0]["action"])
+	require.Equal(t, "wrong amount, ticket OPS-1", audit[0]["reason"])
+	require.Equal(t, "log-1", audit[0]["key"])
+	require.Equal(t, "ok", audit[0]["result"])
+	require.Equal(t, "WARN", audit[0]["level"])
+}
+
+func TestAdminService(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, h *harness) {
+		ctx := t.Context()
+		admin := idemregv1.NewAdminServiceClient(h.conn)
+		c := h.client
+		key := func(k string) *idemregv1.InspectRecordRequest {
+			return &idemregv1.InspectRecordRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: k}
+		}
+		invalidate := func(k string, token int64, reason string) (*idemregv1.InvalidateRecordResponse, error) {
+			return admin.InvalidateRecord(ctx, &idemregv1.InvalidateRecordRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: k, Token: token, Reason: reason})
+		}
+
+		_, err := admin.InspectRecord(ctx, key("adm-1"))
+		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+		first, err := c.Claim(ctx, claimReq("adm-1", "fp-1"))
+		require.NoError(t, err)
+		insp, err := admin.InspectRecord(ctx, key("adm-1"))
+		require.NoError(t, err)
+		require.True(t, insp.GetLive())
+		require.Equal(t, first.GetToken(), insp.GetRecord().GetToken(), "an operator sees the live token")
+		require.Equal(t, "fp-1", string(insp.GetRecord().GetFingerprint()))
+
+		_, err = invalidate("adm-1", first.GetToken(), "")
+		st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		require.Equal(t, []string{"reason"}, violatedFields(st))
+		_, err = invalidate("adm-1", first.GetToken()+1, "stuck worker")
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		inv, err := invalidate("adm-1", first.GetToken(), "stuck worker")
+		require.NoError(t, err)
+		require.Greater(t, inv.GetRecord().GetToken(), first.GetToken())
+
+		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "adm-1", Token: first.GetToken(), Result: response("late")})
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		again, err := c.Claim(ctx, claimReq("adm-1", "fp-2"))
+		require.NoError(t, err)
+		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, again.GetOutcome())
+		require.Greater(t, again.GetToken(), inv.GetRecord().GetToken())
+		require.EqualValues(t, 2, again.GetRecord().GetAttempt())
+
+		h.clock.Advance(48 * time.Hour)
+		insp, err = admin.InspectRecord(ctx, key("adm-1"))
+		require.NoError(t, err, "expired, not swept: still visible to an operator")
+		require.False(t, insp.GetLive())
+		_, err = invalidate("adm-1", 0, "too late")
+		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+	})
+}
+
+// TestMetrics reads the registry's instruments and otelgrpc's through a
+// manual reader after a flow that hits every claim outcome.
+func TestMetrics(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	c := idemregv1.NewRegistryServiceClient(start(t, memStore(t), server.Config{MeterProvider: mp}))
+	ctx := t.Context()
+
+	first, err := c.Claim(ctx, claimReq("m-1", "fp")) // acquired
+	require.NoError(t, err)
+	_, err = c.Claim(ctx, claimReq("m-1", "fp")) // in progress
+	require.NoError(t, err)
+	_, err = c.Claim(ctx, claimReq("m-1", "other")) // mismatch
+	require.Error(t, err)
+	_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1", Token: first.GetToken()})
+	require.NoError(t, err)
+	second, err := c.Claim(ctx, claimReq("m-1", "fp")) // takeover
+	require.NoError(t, err)
+	_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1", Token: first.GetToken()}) // lease lost
+	require.Error(t, err)
+	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1", Token: second.GetToken(), Result: response("r")})
+	require.NoError(t, err)
+	_, err = c.Claim(ctx, claimReq("m-1", "fp")) // replay
+	require.NoError(t, err)
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	sums := map[string]int64{}
+	var names []string
+	var storeDurations uint64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			names = append(names, m.Name)
+			switch d := m.Data.(type) {
+			case metricdata.Sum[int64]:
+				for _, dp := range d.DataPoints {
+					key := m.Name
+					for _, kv := range dp.Attributes.ToSlice() {
+						key += " " + string(kv.Key) + "=" + kv.Value.Emit()
+					}
+					sums[key] += dp.Value
+				}
+			case metricdata.Histogram[float64]:
+				if m.Name == server.MetricStoreDuration {
+					for _, dp := range d.DataPoints {
+						storeDurations += dp.Count
+					}
+				}
+			}
+		}
+	}
+	for _, outcome := range []string{server.ClaimAcquired, server.ClaimInProgress, server.ClaimMismatch, server.ClaimTakeover, server.ClaimReplay} {
+		require.EqualValues(t, 1, sums[server.MetricClaims+" outcome="+outcome], "claims with outcome %s; got %v", outcome, sums)
+	}
+	require.EqualValues(t, 1, sums[server.MetricCompletes])
+	require.EqualValues(t, 1, sums[server.MetricReleases])
+	require.EqualValues(t, 1, sums[server.MetricLeaseLost+" method=extend"])
+	require.EqualValues(t, 8, storeDurations, "every store call is timed")
+	require.Contains(t, names, "rpc.server.call.duration", "otelgrpc's RPC metrics share the provider; got %v", names)
+}
+
+// TestHealthListenerAndDrain: the plaintext health listener reports
+// readiness (store) and liveness; on shutdown, NOT_SERVING comes first and
+// calls are still served through the drain delay.
+func TestHealthListenerAndDrain(t *testing.T) {
+	srv, err := server.New(memStore(t), server.Config{DrainDelay: 500 * time.Millisecond, HealthInterval: 20 * time.Millisecond})
+	require.NoError(t, err)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	hlis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, lis) }()
+	healthDone := make(chan error, 1)
+	go func() { healthDone <- srv.ServeHealth(hlis) }()
+
+	hconn, err := grpc.NewClient(hlis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer hconn.Close()
+	hc := healthpb.NewHealthClient(hconn)
+	check := func(service string) healthpb.HealthCheckResponse_ServingStatus {
+		res, err := hc.Check(t.Context(), &healthpb.HealthCheckRequest{Service: service})
+		if err != nil {
+			return healthpb.HealthCheckResponse_UNKNOWN
+		}
+		return res.GetStatus()
+	}
+	require.Eventually(t, func() bool { return check("") == healthpb.HealthCheckResponse_SERVING }, 5*time.Second, 10*time.Millisecond)
+	require.Equal(t, healthpb.HealthCheckResponse_SERVING, check(server.LivenessService))
+	require.Equal(t, healthpb.HealthCheckResponse_SERVING, check("idemreg.v1.RegistryService"))
+	_, err = hc.Check(t.Context(), &healthpb.HealthCheckRequest{Service: "idemreg.v1.Nope"})
+	require.Equal(t, codes.NotFound, statusCode(err))
+
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	c := idemregv1.NewRegistryServiceClient(conn)
+	_, err = c.Claim(t.Context(), claimReq("before", ""))
+	require.NoError(t, err)
+
+	cancel()
+	require.Eventually(t, func() bool { return check("") == healthpb.HealthCheckResponse_NOT_SERVING }, 5*time.Second, 5*time.Millisecond)
+	_, err = c.Claim(t.Context(), claimReq("during-drain-delay", ""))
+	require.NoError(t, err, "calls are served while load balancers catch up")
+	require.NoError(t, <-done)
+	require.NoError(t, <-healthDone, "the health listener stops with the server")
+}
+
+func statusOf(err error) *status.Status { return status.Convert(err) }
