@@ -67,7 +67,7 @@ func (p *pki) caFile() string { return filepath.Join(p.dir, "ca.pem") }
 // issued is a certificate the CA signed, with its key, as a tls.Certificate
 // and as PEM files.
 type issued struct {
-	cert               tls.Certificate
+	cert              tls.Certificate
 	certFile, keyFile string
 }
 
