@@ -1,0 +1,332 @@
+package server_test
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// echoStore answers every valid request without I/O: the fuzz targets
+// test validation and result encoding, not a backend. Claim acquires,
+// Complete keeps the encoded result and Lookup returns the last one kept
+// (or stored, when set).
+type echoStore struct {
+	storage.Store
+	result []byte
+	stored []byte
+}
+
+func (s *echoStore) record(k storage.Key) storage.Record {
+	return storage.Record{Key: k, State: storage.StateInProgress, Token: 7, Attempt: 1,
+		CreatedAt: time.Unix(1, 0), LeaseExpiresAt: time.Unix(2, 0), ExpiresAt: time.Unix(3, 0)}
+}
+
+func (s *echoStore) Claim(_ context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
+	return storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: s.record(p.Key)}, nil
+}
+
+func (s *echoStore) Complete(_ context.Context, p storage.CompleteParams) (storage.Record, error) {
+	r := s.record(p.Key)
+	r.State, r.Result, r.CompletedAt = storage.StateCompleted, p.Result, time.Unix(2, 0)
+	s.result = p.Result
+	return r, nil
+}
+
+func (s *echoStore) Release(_ context.Context, p storage.ReleaseParams) (storage.Record, error) {
+	return s.record(p.Key), nil
+}
+
+func (s *echoStore) Extend(_ context.Context, p storage.ExtendParams) (storage.Record, error) {
+	return s.record(p.Key), nil
+}
+
+func (s *echoStore) Lookup(_ context.Context, k storage.Key) (storage.Record, error) {
+	r := s.record(k)
+	r.State, r.Result = storage.StateCompleted, s.result
+	if s.stored != nil {
+		r.Result = s.stored
+	}
+	return r, nil
+}
+
+func newEchoService(t testing.TB) (*server.Service, *echoStore) {
+	st := &echoStore{}
+	svc, err := server.NewService(st, server.DefaultLimits(), nil)
+	require.NoError(t, err)
+	return svc, st
+}
+
+// request is one call to the service, for the fuzz targets.
+type request struct {
+	method           uint8
+	consumer         string
+	kind             idemregv1.Kind
+	key              string
+	fingerprint      []byte
+	holder           string
+	token            int64
+	lease, retention *durationpb.Duration
+	result           *idemregv1.Result
+}
+
+// expectedViolations is the documented contract (docs/semantics.md,
+// "Limits"), written out independently of validate.go: the fields r
+// breaks, sorted.
+func expectedViolations(r request) []string {
+	var bad []string
+	consumerOK := r.consumer != "" && len(r.consumer) <= 128
+	for _, c := range []byte(r.consumer) {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || slices.Contains([]byte("._:/-"), c)) {
+			consumerOK = false
+		}
+	}
+	if !consumerOK {
+		bad = append(bad, "consumer")
+	}
+	if r.kind != idemregv1.Kind_KIND_MESSAGE && r.kind != idemregv1.Kind_KIND_OPERATION {
+		bad = append(bad, "kind")
+	}
+	keyOK := r.key != "" && len(r.key) <= 256 && utf8.ValidString(r.key)
+	for _, c := range r.key {
+		// Printable: letters, marks, numbers, punctuation, symbols, and
+		// the ASCII space (no other space, no control or format character).
+		if !unicode.In(c, unicode.L, unicode.M, unicode.N, unicode.P, unicode.S) && c != ' ' {
+			keyOK = false
+		}
+	}
+	if !keyOK {
+		bad = append(bad, "key")
+	}
+	duration := func(field string, d *durationpb.Duration, lo, hi time.Duration) {
+		if d == nil {
+			return
+		}
+		if d.CheckValid() != nil || d.AsDuration() < lo || d.AsDuration() > hi {
+			bad = append(bad, field)
+		}
+	}
+	switch r.method {
+	case 0: // Claim
+		if len(r.fingerprint) > 64 {
+			bad = append(bad, "fingerprint")
+		}
+		if len(r.holder) > 128 || !utf8.ValidString(r.holder) {
+			bad = append(bad, "holder")
+		}
+		duration("lease", r.lease, time.Second, time.Hour)
+		duration("retention", r.retention, time.Minute, 30*24*time.Hour)
+	case 1: // Complete
+		if r.token <= 0 {
+			bad = append(bad, "token")
+		}
+		switch o := r.result.GetOutcome().(type) {
+		case nil:
+			bad = append(bad, "result")
+		case *idemregv1.Result_Response:
+			if !utf8.ValidString(o.Response.GetType()) {
+				bad = append(bad, "result.response.type")
+			}
+		case *idemregv1.Result_Failure:
+			if c := o.Failure.GetCode(); c < 1 || c > 16 {
+				bad = append(bad, "result.failure.code")
+			}
+			if !utf8.ValidString(o.Failure.GetMessage()) {
+				bad = append(bad, "result.failure.message")
+			}
+		}
+		if r.result.GetOutcome() != nil && proto.Size(r.result) > server.DefaultMaxResultBytes {
+			bad = append(bad, "result")
+		}
+	case 2, 3: // Release, Extend
+		if r.token <= 0 {
+			bad = append(bad, "token")
+		}
+		if r.method == 3 {
+			duration("lease", r.lease, time.Second, time.Hour)
+		}
+	}
+	slices.Sort(bad)
+	return slices.Compact(bad)
+}
+
+// call sends r to the service and returns the status.
+func call(svc *server.Service, r request) (*status.Status, *idemregv1.Record) {
+	ctx := context.Background()
+	var (
+		rec *idemregv1.Record
+		err error
+	)
+	switch r.method {
+	case 0:
+		var res *idemregv1.ClaimResponse
+		res, err = svc.Claim(ctx, &idemregv1.ClaimRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key,
+			Fingerprint: r.fingerprint, Holder: r.holder, Lease: r.lease, Retention: r.retention})
+		rec = res.GetRecord()
+	case 1:
+		var res *idemregv1.CompleteResponse
+		res, err = svc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key,
+			Token: r.token, Result: r.result})
+		rec = res.GetRecord()
+	case 2:
+		var res *idemregv1.ReleaseResponse
+		res, err = svc.Release(ctx, &idemregv1.ReleaseRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key, Token: r.token})
+		rec = res.GetRecord()
+	case 3:
+		var res *idemregv1.ExtendResponse
+		res, err = svc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key,
+			Token: r.token, Lease: r.lease})
+		rec = res.GetRecord()
+	default:
+		var res *idemregv1.LookupResponse
+		res, err = svc.Lookup(ctx, &idemregv1.LookupRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key})
+		rec = res.GetRecord()
+	}
+	return status.Convert(err), rec
+}
+
+// requireInvalidArgument checks that st is INVALID_ARGUMENT with the
+// registry's ErrorInfo and a BadRequest naming exactly the fields want.
+func requireInvalidArgument(t testing.TB, st *status.Status, want []string) {
+	t.Helper()
+	require.Equal(t, codes.InvalidArgument, st.Code(), "%v; expected violations of %v", st.Message(), want)
+	var (
+		info   *errdetails.ErrorInfo
+		fields []string
+	)
+	for _, d := range st.Details() {
+		switch d := d.(type) {
+		case *errdetails.ErrorInfo:
+			info = d
+		case *errdetails.BadRequest:
+			for _, v := range d.GetFieldViolations() {
+				require.NotEmpty(t, v.GetDescription(), "field %s", v.GetField())
+				fields = append(fields, v.GetField())
+			}
+		}
+	}
+	require.NotNil(t, info, "ErrorInfo")
+	require.Equal(t, server.ReasonInvalidArgument, info.GetReason())
+	require.Equal(t, server.ErrorDomain, info.GetDomain())
+	slices.Sort(fields)
+	require.Equal(t, want, slices.Compact(fields), "field violations")
+}
+
+// FuzzValidation sends requests built from fuzzed fields to the service
+// and holds every answer to the documented limits: an invalid request is
+// INVALID_ARGUMENT with a field violation for each invalid field, and
+// nothing else; a valid one reaches the store. Nothing panics.
+func FuzzValidation(f *testing.F) {
+	f.Add(uint8(0), "billing.worker", int32(1), "m-1", []byte("fp"), "host-1", int64(0), int64(30), int32(0), int64(3600), int32(0), uint8(3), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(1), "billing.worker", int32(2), "op-1", []byte(nil), "", int64(7), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(1), "payments.v1.Charge", []byte("charged"), int32(0), "")
+	f.Add(uint8(1), "billing.worker", int32(2), "op-1", []byte(nil), "", int64(7), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(2), "", []byte(nil), int32(9), "card declined")
+	f.Add(uint8(3), "a", int32(1), "k", []byte(nil), "", int64(1), int64(3600), int32(0), int64(0), int32(0), uint8(1), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(4), "x", int32(1), "k", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(0), "bad consumer", int32(0), "", make([]byte, 65), "\xff", int64(0), int64(-1), int32(0), int64(60), int32(-5), uint8(3), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(2), "", int32(7), "\xc3\x28", []byte(nil), "", int64(-3), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(1), "c", int32(1), "tab\tkey", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(2), "", []byte(nil), int32(0), "\xfe")
+	f.Add(uint8(0), "c", int32(1), "k", []byte(nil), "", int64(0), int64(315576000001), int32(0), int64(0), int32(1e9), uint8(3), uint8(0), "", []byte(nil), int32(0), "")
+
+	svc, _ := newEchoService(f)
+	f.Fuzz(func(t *testing.T, method uint8, consumer string, kind int32, key string, fingerprint []byte, holder string,
+		token, leaseSec int64, leaseNanos int32, retSec int64, retNanos int32, durations, resultKind uint8,
+		typ string, data []byte, code int32, message string) {
+		r := request{method: method % 5, consumer: consumer, kind: idemregv1.Kind(kind), key: key,
+			fingerprint: fingerprint, holder: holder, token: token}
+		if durations&1 != 0 {
+			r.lease = &durationpb.Duration{Seconds: leaseSec, Nanos: leaseNanos}
+		}
+		if durations&2 != 0 {
+			r.retention = &durationpb.Duration{Seconds: retSec, Nanos: retNanos}
+		}
+		switch resultKind % 4 {
+		case 1:
+			r.result = &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: typ, Data: data}}}
+		case 2:
+			r.result = &idemregv1.Result{Outcome: &idemregv1.Result_Failure{Failure: &idemregv1.Failure{Code: code, Message: message, Details: [][]byte{data}}}}
+		case 3:
+			r.result = &idemregv1.Result{}
+		}
+		want := expectedViolations(r)
+		st, rec := call(svc, r)
+		if len(want) > 0 {
+			requireInvalidArgument(t, st, want)
+			return
+		}
+		require.Equal(t, codes.OK, st.Code(), "a valid request: %v", st.Message())
+		require.Equal(t, key, rec.GetKey())
+		if r.method == 1 {
+			require.True(t, proto.Equal(r.result, rec.GetResult()), "the result comes back as it was sent")
+		}
+	})
+}
+
+// FuzzResultEncoding sends arbitrary encoded results through Complete and
+// Lookup: one the API accepts comes back equal to what was sent, and a
+// stored result that does not decode is INTERNAL, never a panic.
+func FuzzResultEncoding(f *testing.F) {
+	for _, r := range []*idemregv1.Result{
+		{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "payments.v1.Charge", Data: []byte("charge-1")}}},
+		{Outcome: &idemregv1.Result_Failure{Failure: &idemregv1.Failure{Code: 9, Message: "declined", Details: [][]byte{{0x0a, 0x01, 'x'}}}}},
+		{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "\xff\xfe", Data: nil}}},
+		{},
+	} {
+		b, err := proto.Marshal(r)
+		require.NoError(f, err)
+		f.Add(b)
+	}
+	f.Add([]byte{0x0a, 0x80}) // truncated
+	f.Add([]byte{0x12, 0x02, 0x08, 0x00})
+	f.Add([]byte{0xfa, 0xff, 0xff, 0xff, 0x0f, 0x00}) // unknown field
+
+	svc, st := newEchoService(f)
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		k := request{consumer: "fuzz", kind: idemregv1.Kind_KIND_OPERATION, key: "k", token: 1, method: 1}
+
+		// Stored bytes the service did not write (a corrupt row) decode or
+		// fail with INTERNAL.
+		st.stored = raw
+		got, rec := call(svc, request{consumer: k.consumer, kind: k.kind, key: k.key, method: 4})
+		st.stored = nil
+		var res idemregv1.Result
+		decodes := proto.Unmarshal(raw, &res) == nil
+		if decodes {
+			require.Equal(t, codes.OK, got.Code(), got.Message())
+			require.True(t, proto.Equal(&res, rec.GetResult()) || len(raw) == 0)
+		} else {
+			require.Equal(t, codes.Internal, got.Code())
+			require.NotContains(t, got.Message(), "proto", "decoding errors stay in the logs")
+			return
+		}
+
+		k.result = &res
+		want := expectedViolations(k)
+		got, rec = call(svc, k)
+		if len(want) > 0 {
+			requireInvalidArgument(t, got, want)
+			return
+		}
+		require.Equal(t, codes.OK, got.Code(), got.Message())
+		require.True(t, proto.Equal(&res, rec.GetResult()), "Complete returns the result it stored")
+		// The encoding is deterministic: the same result encodes the same way again.
+		again, err := proto.MarshalOptions{Deterministic: true}.Marshal(rec.GetResult())
+		require.NoError(t, err)
+		require.Equal(t, st.result, again)
+		got, rec = call(svc, request{consumer: k.consumer, kind: k.kind, key: k.key, method: 4})
+		require.Equal(t, codes.OK, got.Code())
+		require.True(t, proto.Equal(&res, rec.GetResult()), "Lookup replays the stored result")
+	})
+}
