@@ -1,0 +1,88 @@
+package main
+
+import (
+	"flag"
+	"io"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.yaml.in/yaml/v3"
+
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/policy"
+)
+
+// TestDeploySweepCronJob checks the CronJob in deploy/ against the binary:
+// its arguments are flags `idemreg sweep` accepts and validates, and its
+// deadlines leave the pass room to finish.
+func TestDeploySweepCronJob(t *testing.T) {
+	raw, err := os.ReadFile("../../deploy/sweep-cronjob.yaml")
+	require.NoError(t, err)
+	var cj struct {
+		APIVersion string `yaml:"apiVersion"`
+		Kind       string `yaml:"kind"`
+		Spec       struct {
+			Schedule          string `yaml:"schedule"`
+			ConcurrencyPolicy string `yaml:"concurrencyPolicy"`
+			JobTemplate       struct {
+				Spec struct {
+					ActiveDeadlineSeconds int `yaml:"activeDeadlineSeconds"`
+					Template              struct {
+						Spec struct {
+							RestartPolicy string `yaml:"restartPolicy"`
+							Containers    []struct {
+								Args []string `yaml:"args"`
+								Env  []struct {
+									Name string `yaml:"name"`
+								} `yaml:"env"`
+							} `yaml:"containers"`
+						} `yaml:"spec"`
+					} `yaml:"template"`
+				} `yaml:"spec"`
+			} `yaml:"jobTemplate"`
+		} `yaml:"spec"`
+	}
+	require.NoError(t, yaml.Unmarshal(raw, &cj))
+	require.Equal(t, "batch/v1", cj.APIVersion)
+	require.Equal(t, "CronJob", cj.Kind)
+	require.Len(t, strings.Fields(cj.Spec.Schedule), 5)
+	require.Equal(t, "Forbid", cj.Spec.ConcurrencyPolicy)
+	job := cj.Spec.JobTemplate.Spec
+	require.Equal(t, "Never", job.Template.Spec.RestartPolicy)
+	require.Len(t, job.Template.Spec.Containers, 1)
+	c := job.Template.Spec.Containers[0]
+	require.Equal(t, "sweep", c.Args[0])
+	require.Equal(t, "IDEMREG_DATABASE_URL", c.Env[0].Name)
+
+	cfg := defaultConfig()
+	fs := flag.NewFlagSet("sweep", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	cfg.bindSweep(fs)
+	require.NoError(t, fs.Parse(c.Args[1:]), "the CronJob's arguments are flags of idemreg sweep")
+	cfg.DatabaseURL = "postgres://from-the-secret/idemreg"
+	require.NoError(t, cfg.Validate())
+	require.Positive(t, cfg.Sweep.MaxDuration, "a cron pass is bounded")
+	deadline := time.Duration(job.ActiveDeadlineSeconds) * time.Second
+	require.Greater(t, deadline, cfg.Sweep.MaxDuration+cfg.Sweep.BatchTimeout,
+		"Kubernetes must not kill the pod before --max-duration and a last batch")
+}
+
+// TestDeployPolicyConfigMap checks that the policy in the ConfigMap in
+// deploy/ is valid over the default flags.
+func TestDeployPolicyConfigMap(t *testing.T) {
+	raw, err := os.ReadFile("../../deploy/policy-configmap.yaml")
+	require.NoError(t, err)
+	var cm struct {
+		Kind string            `yaml:"kind"`
+		Data map[string]string `yaml:"data"`
+	}
+	require.NoError(t, yaml.Unmarshal(raw, &cm))
+	require.Equal(t, "ConfigMap", cm.Kind)
+	set, err := policy.Parse([]byte(cm.Data["policy.yaml"]), server.DefaultLimits().Policy())
+	require.NoError(t, err)
+	require.Equal(t, `prefix "orders."`, set.For("orders.inbox").Source)
+	require.Equal(t, 8*24*time.Hour, set.For("orders.inbox").MessageRetention.Min)
+}
