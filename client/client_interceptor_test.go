@@ -443,3 +443,25 @@ func TestClientInterceptorDeadlineDuringClaim(t *testing.T) {
 	}, "the retry to get through")
 	require.EqualValues(t, 1, down.calls.Load())
 }
+
+func TestDefaultFingerprint(t *testing.T) {
+	a, err := client.DefaultFingerprint("/s/M", wrapperspb.String("x"))
+	require.NoError(t, err)
+	require.Len(t, a, 32)
+	again, err := client.DefaultFingerprint("/s/M", wrapperspb.String("x"))
+	require.NoError(t, err)
+	require.Equal(t, a, again)
+	other, err := client.DefaultFingerprint("/s/N", wrapperspb.String("x"))
+	require.NoError(t, err)
+	require.NotEqual(t, a, other, "the method is part of the fingerprint")
+	body, err := client.DefaultFingerprint("/s/M", wrapperspb.String("y"))
+	require.NoError(t, err)
+	require.NotEqual(t, a, body)
+	// A method name that ends like the start of an encoded body does not
+	// collide with a shorter name and a longer body.
+	enc, err := proto.Marshal(wrapperspb.String("x"))
+	require.NoError(t, err)
+	shifted, err := client.DefaultFingerprint("/s/M\x00"+string(enc[:1]), &wrapperspb.StringValue{})
+	require.NoError(t, err)
+	require.NotEqual(t, a, shifted)
+}

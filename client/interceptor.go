@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"strings"
@@ -68,9 +69,10 @@ func DefaultFingerprint(fullMethod string, req proto.Message) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Length-prefixed, so no method and body can pass for another pair.
 	h := sha256.New()
+	h.Write(binary.BigEndian.AppendUint64(nil, uint64(len(fullMethod))))
 	h.Write([]byte(fullMethod))
-	h.Write([]byte{0})
 	h.Write(b)
 	return h.Sum(nil), nil
 }
