@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -27,12 +28,22 @@ import (
 func TestConcurrentSweepersOnPostgres(t *testing.T) {
 	for _, reclaim := range []int{0, 200} {
 		t.Run(fmt.Sprintf("reclaim=%d", reclaim), func(t *testing.T) {
-			testConcurrentSweepers(t, reclaim)
+			testConcurrentSweepers(t, pgtest.ServerURL(), reclaim)
 		})
 	}
 }
 
-func testConcurrentSweepers(t *testing.T, reclaim int) {
+// TestConcurrentSweepersOnCockroach is the same on a live CockroachDB
+// cluster, when IDEMREG_TEST_COCKROACH_URL names one.
+func TestConcurrentSweepersOnCockroach(t *testing.T) {
+	serverURL := os.Getenv("IDEMREG_TEST_COCKROACH_URL")
+	if serverURL == "" {
+		t.Skip("IDEMREG_TEST_COCKROACH_URL not set: no CockroachDB cluster on this machine")
+	}
+	testConcurrentSweepers(t, serverURL, 200)
+}
+
+func testConcurrentSweepers(t *testing.T, serverURL string, reclaim int) {
 	const (
 		sweepers  = 4
 		claimers  = 4
@@ -41,7 +52,7 @@ func testConcurrentSweepers(t *testing.T, reclaim int) {
 		batchSize = 50
 	)
 	ctx := t.Context()
-	dbURL := pgtest.NewDatabase(t)
+	dbURL := pgtest.NewDatabaseAt(t, serverURL)
 	// Expired between 1ms and an hour ago; live ones for another hour, half
 	// of them in progress with a live lease, half completed.
 	insertRecords(ctx, t, dbURL, "expired", nExpired, true, "now() - interval '1 millisecond' - (i % 3600) * interval '1 second'")
@@ -72,7 +83,7 @@ func testConcurrentSweepers(t *testing.T, reclaim int) {
 	sweeping.Store(sweepers)
 	start := make(chan struct{})
 	for i := range sweepers {
-		sw, err := retention.New(open(), retention.Config{BatchSize: batchSize, Pause: time.Millisecond})
+		sw, err := retention.New(open(), retention.Config{BatchSize: batchSize})
 		require.NoError(t, err)
 		wg.Add(1)
 		go func() {
