@@ -12,11 +12,13 @@ build:
 test: ## the whole suite; starts PostgreSQL if it is down
 	.ci/test
 
-generate: ## regenerate Go code from proto/
+generate: ## regenerate Go code from proto/ and examples/proto/
 	$(BUF) generate --template proto/buf.gen.yaml
+	cd examples && go tool -modfile=../proto/tools/go.mod buf generate
 
 lint:
 	$(BUF) lint
+	cd examples && go tool -modfile=../proto/tools/go.mod buf lint
 	go vet ./...
 
 breaking: ## compare the API with main
