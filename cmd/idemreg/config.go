@@ -27,6 +27,9 @@ type config struct {
 	// PolicyFile is the retention policy file (--config); empty means the
 	// limits' defaults and bounds for every consumer.
 	PolicyFile string
+	// Surface is serve's transport security, identities, overload limits,
+	// telemetry and extra listeners (surface.go).
+	Surface surfaceConfig
 	// SweepInterval is the time between serve's sweeps; zero turns them off.
 	SweepInterval time.Duration
 	// Sweep configures the sweeper of serve and of sweep.
@@ -40,6 +43,7 @@ func defaultConfig() config {
 		LogLevel:  slog.LevelInfo,
 		LogFormat: "json",
 		Limits:    server.DefaultLimits(),
+		Surface:   defaultSurface(),
 		// serve sweeps by default: the embedded store has no other sweeper
 		// (sweep cannot open it while serve holds it).
 		SweepInterval: retention.DefaultInterval,
@@ -61,7 +65,8 @@ func (c *config) bind(fs *flag.FlagSet, serve bool) {
 	}
 	fs.StringVar(&c.Listen, "listen", c.Listen, "gRPC listen address")
 	c.bindLocal(fs)
-	fs.StringVar(&c.PolicyFile, "config", c.PolicyFile, "retention policy file (YAML or JSON): defaults and per-consumer lease and retention bounds, over the flags below; reloaded on SIGHUP")
+	fs.StringVar(&c.PolicyFile, "config", c.PolicyFile, "config file (YAML or JSON): retention policy (defaults and per-consumer lease and retention bounds, over the flags below), identities and rate limits; reloaded on SIGHUP")
+	c.Surface.bind(fs)
 	fs.DurationVar(&c.SweepInterval, "sweep-interval", c.SweepInterval, "time between sweeps of expired records; 0 turns the in-process sweeper off")
 	fs.IntVar(&c.Sweep.BatchSize, "sweep-batch-size", c.Sweep.BatchSize, "most records one sweep batch deletes")
 	fs.DurationVar(&c.Sweep.BatchTimeout, "sweep-batch-timeout", c.Sweep.BatchTimeout, "timeout of one sweep batch (the batch halves after one)")
@@ -130,6 +135,7 @@ func (c *config) Validate() error {
 	if err := c.Limits.Validate(); err != nil {
 		errs = append(errs, err)
 	}
+	errs = append(errs, c.Surface.validate(c.Listen)...)
 	if c.SweepInterval < 0 {
 		errs = append(errs, fmt.Errorf("--sweep-interval must not be negative (0 turns sweeping off), got %v", c.SweepInterval))
 	}

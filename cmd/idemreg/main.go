@@ -3,6 +3,8 @@
 //	idemreg serve     run the gRPC service
 //	idemreg migrate   apply the SQL schema to --database-url
 //	idemreg sweep     delete expired records once (for a cron job)
+//	idemreg health    ask a server's health listener whether it is serving
+//	idemreg new-token make a bearer token and the hash the config file keeps
 //
 // Every flag can also be set by an IDEMREG_* environment variable named
 // after it (--database-url is IDEMREG_DATABASE_URL); flags win.
@@ -26,6 +28,8 @@ Usage:
   idemreg migrate [flags]   apply the SQL schema to --database-url
   idemreg sweep   [flags]   delete expired records once and exit (for a cron job):
                             0 finished, 1 failed, 3 stopped by --max-duration
+  idemreg health  [flags]   check a server's --health-listen (exit 0 when SERVING)
+  idemreg new-token         print a new bearer token and its hash for --config
 
 Run "idemreg <command> -h" for the flags of a command.
 `
@@ -58,6 +62,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return migrate(ctx, args[1:], stdout, stderr)
 	case "sweep":
 		return sweep(ctx, args[1:], stdout, stderr)
+	case "health":
+		return health(ctx, args[1:], stdout, stderr)
+	case "new-token":
+		return newToken(ctx, args[1:], stdout, stderr)
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return nil

@@ -37,6 +37,11 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	}
 	stopReload := reloadOnSIGHUP(policies, logger)
 	defer stopReload()
+	surface, err := startSurface(ctx, &cfg, logger)
+	if err != nil {
+		return err
+	}
+	defer surface.close()
 
 	store, err := openStore(ctx, &cfg, logger)
 	if err != nil {
@@ -44,8 +49,16 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	}
 	defer store.Close()
 
-	srv, err := server.New(store, server.Config{Limits: cfg.Limits, Policy: policies, Logger: logger})
+	srvCfg, err := surface.serverConfig(&cfg, logger)
 	if err != nil {
+		return err
+	}
+	srvCfg.Policy = policies
+	srv, err := server.New(store, srvCfg)
+	if err != nil {
+		return err
+	}
+	if err := serveHealth(srv, cfg.Surface.HealthListen, logger); err != nil {
 		return err
 	}
 	stopSweeper, err := startSweeper(ctx, &cfg, store, logger)

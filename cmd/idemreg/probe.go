@@ -1,0 +1,66 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/idemreg/idemreg/server/access"
+)
+
+// health asks a server's plaintext health listener (--health-listen)
+// whether a service is SERVING: the container image's HEALTHCHECK, which
+// has no other tool. Exit status 0 when serving, 1 otherwise.
+func health(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("idemreg health", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	addr := fs.String("addr", "127.0.0.1:7351", "address of the server's --health-listen")
+	service := fs.String("service", "", `health service name: "" (ready: the store answers), "liveness", or a service`)
+	timeout := fs.Duration("timeout", 2*time.Second, "give up after this long")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	res, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: *service})
+	if err != nil {
+		return &exitError{code: 1, err: fmt.Errorf("health check of %s: %w", *addr, err)}
+	}
+	fmt.Fprintln(stdout, res.GetStatus())
+	if res.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		return &exitError{code: 1, err: errors.New("not serving")}
+	}
+	return nil
+}
+
+// newToken prints a fresh bearer token, for the client, and its hash, for
+// token_hashes in the config file. Only the hash goes into the config.
+func newToken(_ context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("idemreg new-token", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var b [32]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return err
+	}
+	token := "idemreg_" + base64.RawURLEncoding.EncodeToString(b[:])
+	fmt.Fprintf(stdout, "token: %s\nhash:  %s\n", token, access.HashToken(token))
+	fmt.Fprintln(stderr, "Give the token to the client (authorization: bearer <token>); put the hash under token_hashes in --config.")
+	return nil
+}

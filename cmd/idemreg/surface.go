@@ -1,0 +1,363 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
+	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
+)
+
+// surfaceConfig is the production surface of serve: transport security,
+// who may call, overload limits, telemetry and the listeners beside the
+// gRPC one.
+type surfaceConfig struct {
+	TLSCert, TLSKey, TLSClientCA string
+	// Plaintext allows serving without TLS on an address that is not
+	// loopback; AllowUnauthenticated allows serving there without
+	// identities.
+	Plaintext, AllowUnauthenticated bool
+	MetricsListen, HealthListen     string
+	RequestTimeout                  time.Duration
+	MaxRequestTimeout               time.Duration
+	MaxInFlight                     int
+	MaxConnectionAge                time.Duration
+	DrainDelay, ShutdownTimeout     time.Duration
+	DisableReflection               bool
+}
+
+func defaultSurface() surfaceConfig {
+	ka := server.DefaultKeepalive()
+	return surfaceConfig{
+		RequestTimeout:    server.DefaultRequestTimeout,
+		MaxRequestTimeout: server.DefaultMaxRequestTimeout,
+		MaxInFlight:       server.DefaultMaxInFlight,
+		MaxConnectionAge:  ka.MaxConnectionAge,
+		ShutdownTimeout:   10 * time.Second,
+	}
+}
+
+func (s *surfaceConfig) bind(fs *flag.FlagSet) {
+	fs.StringVar(&s.TLSCert, "tls-cert", s.TLSCert, "PEM certificate chain of the server; with --tls-key, serve TLS (files are re-read when they change)")
+	fs.StringVar(&s.TLSKey, "tls-key", s.TLSKey, "PEM private key of --tls-cert")
+	fs.StringVar(&s.TLSClientCA, "tls-client-ca", s.TLSClientCA, "PEM CAs of client certificates: every client must present one they sign (mTLS); identities match its URI SAN, DNS SAN or subject")
+	fs.BoolVar(&s.Plaintext, "plaintext", s.Plaintext, "serve without TLS on an address that is not loopback (behind a mesh that encrypts)")
+	fs.BoolVar(&s.AllowUnauthenticated, "allow-unauthenticated", s.AllowUnauthenticated, "serve an address that is not loopback without identities in --config: every caller may use every consumer")
+	fs.StringVar(&s.MetricsListen, "metrics-listen", s.MetricsListen, "serve Prometheus metrics on http://ADDR/metrics (off when empty)")
+	fs.StringVar(&s.HealthListen, "health-listen", s.HealthListen, "serve grpc.health.v1 alone, in plaintext, on this address, for Kubernetes gRPC probes (off when empty)")
+	fs.DurationVar(&s.RequestTimeout, "request-timeout", s.RequestTimeout, "budget of a request that carries no deadline")
+	fs.DurationVar(&s.MaxRequestTimeout, "max-request-timeout", s.MaxRequestTimeout, "longest deadline a request may carry; longer ones are cut to it")
+	fs.IntVar(&s.MaxInFlight, "max-in-flight", s.MaxInFlight, "most store operations at once; beyond it calls fail at once with UNAVAILABLE (OVERLOADED)")
+	fs.DurationVar(&s.MaxConnectionAge, "max-connection-age", s.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
+	fs.DurationVar(&s.DrainDelay, "drain-delay", s.DrainDelay, "on SIGTERM, keep serving this long after health turns NOT_SERVING, for load balancers to notice")
+	fs.DurationVar(&s.ShutdownTimeout, "shutdown-timeout", s.ShutdownTimeout, "on SIGTERM, longest wait for calls in flight before connections are cut")
+	fs.BoolVar(&s.DisableReflection, "disable-reflection", s.DisableReflection, "turn gRPC server reflection off")
+}
+
+// validate reports surface settings that cannot work for the listen
+// address.
+func (s *surfaceConfig) validate(listen string) []error {
+	var errs []error
+	if (s.TLSCert == "") != (s.TLSKey == "") {
+		errs = append(errs, errors.New("--tls-cert and --tls-key go together"))
+	}
+	if s.TLSClientCA != "" && s.TLSCert == "" {
+		errs = append(errs, errors.New("--tls-client-ca needs --tls-cert and --tls-key"))
+	}
+	if s.Plaintext && s.TLSCert != "" {
+		errs = append(errs, errors.New("--plaintext contradicts --tls-cert"))
+	}
+	if s.TLSCert == "" && !s.Plaintext && listen != "" && !isLoopback(listen) {
+		errs = append(errs, fmt.Errorf("--listen %s is not a loopback address: serve TLS (--tls-cert, --tls-key) or pass --plaintext explicitly", listen))
+	}
+	if s.RequestTimeout <= 0 || s.MaxRequestTimeout < s.RequestTimeout {
+		errs = append(errs, fmt.Errorf("need 0 < --request-timeout (%v) <= --max-request-timeout (%v)", s.RequestTimeout, s.MaxRequestTimeout))
+	}
+	if s.MaxInFlight < 1 {
+		errs = append(errs, fmt.Errorf("--max-in-flight must be positive, got %d", s.MaxInFlight))
+	}
+	if s.MaxConnectionAge <= 0 {
+		errs = append(errs, fmt.Errorf("--max-connection-age must be positive, got %v", s.MaxConnectionAge))
+	}
+	if s.DrainDelay < 0 || s.ShutdownTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("--drain-delay must not be negative and --shutdown-timeout must be positive, got %v and %v", s.DrainDelay, s.ShutdownTimeout))
+	}
+	return errs
+}
+
+// isLoopback reports whether a listen address is reachable from this host
+// only.
+func isLoopback(listen string) bool {
+	host, _, err := net.SplitHostPort(listen)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// surface is what serve runs beside the gRPC server.
+type surface struct {
+	access    *access.Source
+	telemetry *telemetry
+	closers   []func()
+}
+
+func (s *surface) close() {
+	for i := len(s.closers) - 1; i >= 0; i-- {
+		s.closers[i]()
+	}
+}
+
+// startSurface loads the identities and rate limits of --config, sets up
+// telemetry and the metrics listener, and checks that the server is not
+// opened wider than asked for.
+func startSurface(ctx context.Context, cfg *config, logger *slog.Logger) (_ *surface, err error) {
+	s := &surface{access: access.Static(access.Open())}
+	defer func() {
+		if err != nil {
+			s.close()
+		}
+	}()
+	if cfg.PolicyFile != "" {
+		if s.access, err = access.OpenFile(cfg.PolicyFile); err != nil {
+			return nil, err
+		}
+	}
+	set := s.access.Current()
+	sc := &cfg.Surface
+	switch {
+	case set.Enforced():
+		logger.Info("authentication on", "identities", set.Identities(), "mtls", sc.TLSClientCA != "")
+	case isLoopback(cfg.Listen):
+		logger.Info("authentication off: no identities in --config; loopback only")
+	case sc.AllowUnauthenticated:
+		logger.Warn("authentication off: every caller may use every consumer (--allow-unauthenticated)")
+	default:
+		return nil, fmt.Errorf("--listen %s is not a loopback address and --config names no identities, so every caller could use every consumer: add identities, or pass --allow-unauthenticated explicitly", cfg.Listen)
+	}
+	if set.HasTokens() && sc.TLSCert == "" && !isLoopback(cfg.Listen) {
+		logger.Warn("bearer tokens travel in plaintext: serve TLS unless a mesh encrypts the traffic")
+	}
+
+	if s.telemetry, err = startTelemetry(ctx, logger); err != nil {
+		return nil, err
+	}
+	s.closers = append(s.closers, s.telemetry.shutdown)
+	if sc.MetricsListen != "" {
+		stop, err := serveMetrics(sc.MetricsListen, s.telemetry.registry, logger)
+		if err != nil {
+			return nil, err
+		}
+		s.closers = append(s.closers, stop)
+	}
+	s.closers = append(s.closers, reloadAccessOnSIGHUP(s.access, cfg.PolicyFile, logger))
+	return s, nil
+}
+
+// serverConfig is the server's configuration from the flags and the
+// surface.
+func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config, error) {
+	sc := &cfg.Surface
+	out := server.Config{
+		Limits:            cfg.Limits,
+		Logger:            logger,
+		Access:            s.access,
+		RequestTimeout:    sc.RequestTimeout,
+		MaxRequestTimeout: sc.MaxRequestTimeout,
+		MaxInFlight:       sc.MaxInFlight,
+		DrainDelay:        sc.DrainDelay,
+		ShutdownTimeout:   sc.ShutdownTimeout,
+		DisableReflection: sc.DisableReflection,
+		MeterProvider:     s.telemetry.meters,
+		TracerProvider:    otel.GetTracerProvider(),
+	}
+	out.Keepalive = server.DefaultKeepalive()
+	out.Keepalive.MaxConnectionAge = sc.MaxConnectionAge
+	if sc.TLSCert != "" {
+		tlsCfg, err := server.TLSConfig(server.TLSFiles{CertFile: sc.TLSCert, KeyFile: sc.TLSKey, ClientCAFile: sc.TLSClientCA}, logger)
+		if err != nil {
+			return server.Config{}, err
+		}
+		out.TLS = tlsCfg
+	}
+	return out, nil
+}
+
+// reloadAccessOnSIGHUP reloads the identities and rate limits of the config
+// file on every SIGHUP (the retention policy of the same file reloads on
+// the same signal) until the returned function is called.
+func reloadAccessOnSIGHUP(src *access.Source, path string, logger *slog.Logger) (stop func()) {
+	if path == "" {
+		return func() {}
+	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-done:
+				return
+			case <-hup:
+			}
+			set, err := src.Reload()
+			if err != nil {
+				logger.Error("access reload rejected; the identities and rate limits in force stay", "path", path, "error", err)
+				continue
+			}
+			logger.Info("access reloaded", "path", path, "identities", set.Identities())
+		}
+	}()
+	return func() { signal.Stop(hup); close(done) }
+}
+
+// telemetry holds the metrics pipeline (OpenTelemetry instruments read by
+// the Prometheus exporter into registry) and, when the OTEL_* environment
+// asks for it, the OTLP trace exporter.
+type telemetry struct {
+	meters   *sdkmetric.MeterProvider
+	registry *prometheus.Registry
+	shutdown func()
+}
+
+// startTelemetry installs the meter provider globally too, so that every
+// package's instruments (the sweeper's) reach /metrics.
+func startTelemetry(ctx context.Context, logger *slog.Logger) (*telemetry, error) {
+	res, err := resource.New(ctx,
+		resource.WithAttributes(attribute.String("service.name", "idemreg")),
+		resource.WithFromEnv(), // OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+		resource.WithTelemetrySDK())
+	if err != nil {
+		return nil, fmt.Errorf("telemetry resource: %w", err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	exp, err := otelprom.New(otelprom.WithRegisterer(reg))
+	if err != nil {
+		return nil, fmt.Errorf("prometheus exporter: %w", err)
+	}
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exp), sdkmetric.WithResource(res))
+	otel.SetMeterProvider(mp)
+	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
+	t := &telemetry{meters: mp, registry: reg}
+
+	var tp *sdktrace.TracerProvider
+	if protocol, ok := otlpTraces(); ok {
+		var exporter sdktrace.SpanExporter
+		if strings.HasPrefix(protocol, "http") {
+			exporter, err = otlptracehttp.New(ctx)
+		} else {
+			exporter, err = otlptracegrpc.New(ctx)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("OTLP trace exporter: %w", err)
+		}
+		tp = sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))
+		otel.SetTracerProvider(tp)
+		logger.Info("exporting traces over OTLP", "protocol", protocol)
+	}
+	t.shutdown = func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if tp != nil {
+			if err := tp.Shutdown(ctx); err != nil {
+				logger.Warn("trace exporter shutdown", "error", err)
+			}
+		}
+		_ = mp.Shutdown(ctx)
+	}
+	return t, nil
+}
+
+// otlpTraces reports whether the standard OTEL_* variables ask for an OTLP
+// trace exporter, and over which protocol (the specification's default is
+// http/protobuf).
+func otlpTraces() (protocol string, ok bool) {
+	if strings.EqualFold(os.Getenv("OTEL_SDK_DISABLED"), "true") {
+		return "", false
+	}
+	switch e := os.Getenv("OTEL_TRACES_EXPORTER"); e {
+	case "", "otlp":
+	default: // "none", or an exporter this binary does not have
+		return "", false
+	}
+	if os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") == "" && os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == "" {
+		return "", false
+	}
+	protocol = os.Getenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+	if protocol == "" {
+		protocol = os.Getenv("OTEL_EXPORTER_OTLP_PROTOCOL")
+	}
+	if protocol == "" {
+		protocol = "http/protobuf"
+	}
+	return protocol, true
+}
+
+// serveMetrics serves the registry on http://addr/metrics until the
+// returned function is called.
+func serveMetrics(addr string, reg *prometheus.Registry, logger *slog.Logger) (stop func(), err error) {
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("metrics: listening on %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			logger.Error("metrics listener failed", "error", err)
+		}
+	}()
+	logger.Info("serving metrics", "listen", lis.Addr().String())
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+	}, nil
+}
+
+// serveHealth serves the health service alone on --health-listen.
+func serveHealth(srv *server.Server, addr string, logger *slog.Logger) error {
+	if addr == "" {
+		return nil
+	}
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("health: listening on %s: %w", addr, err)
+	}
+	logger.Info("serving health", "listen", lis.Addr().String())
+	go func() {
+		if err := srv.ServeHealth(lis); err != nil {
+			logger.Error("health listener failed", "error", err)
+		}
+	}()
+	return nil
+}
