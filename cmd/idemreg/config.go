@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/storage/postgres"
 )
 
 // config is everything serve, migrate and sweep read from flags and
@@ -34,6 +35,12 @@ type config struct {
 	SweepInterval time.Duration
 	// Sweep configures the sweeper of serve and of sweep.
 	Sweep retention.Config
+	// SQLBatchSize and SQLBatchWindow bound the coalescing of concurrent
+	// Claims and Completes on the SQL store (postgres.WithBatching).
+	SQLBatchSize   int
+	SQLBatchWindow time.Duration
+	// PprofListen serves net/http/pprof there when set.
+	PprofListen string
 }
 
 func defaultConfig() config {
@@ -44,6 +51,9 @@ func defaultConfig() config {
 		LogFormat: "json",
 		Limits:    server.DefaultLimits(),
 		Surface:   defaultSurface(),
+
+		SQLBatchSize:   postgres.DefaultBatchSize,
+		SQLBatchWindow: postgres.DefaultBatchWindow,
 		// serve sweeps by default: the embedded store has no other sweeper
 		// (sweep cannot open it while serve holds it).
 		SweepInterval: retention.DefaultInterval,
@@ -70,6 +80,9 @@ func (c *config) bind(fs *flag.FlagSet, serve bool) {
 	fs.DurationVar(&c.SweepInterval, "sweep-interval", c.SweepInterval, "time between sweeps of expired records; 0 turns the in-process sweeper off")
 	fs.IntVar(&c.Sweep.BatchSize, "sweep-batch-size", c.Sweep.BatchSize, "most records one sweep batch deletes")
 	fs.DurationVar(&c.Sweep.BatchTimeout, "sweep-batch-timeout", c.Sweep.BatchTimeout, "timeout of one sweep batch (the batch halves after one)")
+	fs.IntVar(&c.SQLBatchSize, "sql-batch-size", c.SQLBatchSize, "SQL store: most concurrent Claims (or Completes) sent as one statement; 1 sends each alone")
+	fs.DurationVar(&c.SQLBatchWindow, "sql-batch-window", c.SQLBatchWindow, "SQL store: longest a queued Claim or Complete waits for its batch while every connection is busy")
+	fs.StringVar(&c.PprofListen, "pprof-listen", c.PprofListen, "serve net/http/pprof on this address (off when empty; keep it on loopback)")
 	l := &c.Limits
 	fs.DurationVar(&l.DefaultLease, "default-lease", l.DefaultLease, "lease of a Claim or Extend that gives none")
 	fs.DurationVar(&l.MinLease, "min-lease", l.MinLease, "smallest lease a request may ask for")

@@ -5,6 +5,7 @@
 //	idemreg sweep     delete expired records once (for a cron job)
 //	idemreg health    ask a server's health listener whether it is serving
 //	idemreg new-token make a bearer token and the hash the config file keeps
+//	idemreg bench     load-test the registry against hand-written baselines
 //
 // Every flag can also be set by an IDEMREG_* environment variable named
 // after it (--database-url is IDEMREG_DATABASE_URL); flags win.
@@ -30,6 +31,8 @@ Usage:
                             0 finished, 1 failed, 3 stopped by --max-duration
   idemreg health  [flags]   check a server's --health-listen (exit 0 when SERVING)
   idemreg new-token         print a new bearer token and its hash for --config
+  idemreg bench   [flags]   drive the registry and the sql and redis baselines with
+                            the same load and print throughput and latency
 
 Run "idemreg <command> -h" for the flags of a command.
 `
@@ -66,6 +69,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return health(ctx, args[1:], stdout, stderr)
 	case "new-token":
 		return newToken(ctx, args[1:], stdout, stderr)
+	case "bench":
+		return benchCmd(ctx, args[1:], stdout, stderr)
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return nil

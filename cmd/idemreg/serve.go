@@ -31,6 +31,11 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	logger := cfg.logger(stderr)
+	stopPprof, err := startPprof(cfg.PprofListen, logger)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
 	policies, err := loadPolicy(&cfg, logger)
 	if err != nil {
 		return err
@@ -144,7 +149,8 @@ func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger 
 func openStore(ctx context.Context, cfg *config, logger *slog.Logger) (storage.Store, error) {
 	if cfg.DatabaseURL != "" {
 		logger.Info("opening SQL store", "database_url", redact(cfg.DatabaseURL))
-		s, err := postgres.Open(ctx, cfg.DatabaseURL, postgres.WithLogger(logger))
+		s, err := postgres.Open(ctx, cfg.DatabaseURL, postgres.WithLogger(logger),
+			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, 0))
 		if err != nil {
 			return nil, fmt.Errorf("opening %s: %w", redact(cfg.DatabaseURL), err)
 		}

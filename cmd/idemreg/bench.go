@@ -1,0 +1,566 @@
+package main
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/bench"
+)
+
+// benchConfig is what `idemreg bench` reads from its flags.
+type benchConfig struct {
+	Targets     []string
+	Callers     []int
+	Duration    time.Duration
+	Count       int
+	Warmup      time.Duration
+	Repeat      int
+	Mix         bench.Mix
+	Addr        string
+	ServerPID   int
+	DatabaseURL string
+	RedisAddr   string
+	Preload     int
+	ServerFlags []string
+	ProfileDir  string
+	Chart       string
+	JSON        string
+	ResultBytes int
+	Label       string
+}
+
+const benchUsage = `idemreg bench drives the registry and hand-written baselines with the same
+load, back to back, and prints throughput and latency.
+
+Targets:
+  idemreg           a server on --database-url, started for each run (or --addr)
+  idemreg-embedded  a server on a fresh embedded store, started for each run
+  sql               the hand-written inbox table on --database-url, with pgx
+  redis             SET NX PX / SET XX on --redis-addr
+
+Flags:
+`
+
+func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cfg, err := parseBench(args, stderr)
+	if err != nil {
+		return err
+	}
+	if cfg.Preload > 0 {
+		fmt.Fprintf(stdout, "preloading %d records into %s ...\n", cfg.Preload, redact(cfg.DatabaseURL))
+		t0 := time.Now()
+		inserted, total, err := bench.Preload(ctx, cfg.DatabaseURL, cfg.Preload)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "preloaded %d new records in %s; the table holds %d\n", inserted, time.Since(t0).Round(time.Millisecond), total)
+	}
+	printMachine(stdout, cfg)
+
+	var (
+		reports []benchReport
+		series  []bench.Series
+	)
+	for _, target := range cfg.Targets {
+		s := bench.Series{Name: target}
+		for _, callers := range cfg.Callers {
+			var runs []benchRun
+			for rep := range cfg.Repeat {
+				run, err := benchOnce(ctx, cfg, target, callers, rep, stderr)
+				if err != nil {
+					return fmt.Errorf("%s with %d callers: %w", target, callers, err)
+				}
+				runs = append(runs, run)
+			}
+			rep := summarizeRuns(target, callers, runs)
+			reports = append(reports, rep)
+			printReport(stdout, rep)
+			s.Points = append(s.Points, bench.Point{Callers: callers, P50: rep.Median.Pair.P50, P99: rep.Median.Pair.P99, PairsPS: rep.PairsPS.Median})
+		}
+		series = append(series, s)
+	}
+	printTable(stdout, cfg, reports)
+	if cfg.JSON != "" {
+		if err := writeJSON(cfg.JSON, cfg, reports); err != nil {
+			return err
+		}
+	}
+	if cfg.Chart != "" {
+		f, err := os.Create(cfg.Chart)
+		if err != nil {
+			return err
+		}
+		title := "idemreg vs hand-written baselines: " + cfg.Mix.String()
+		if cfg.Label != "" {
+			title += " (" + cfg.Label + ")"
+		}
+		if err := bench.WriteChart(f, title, series); err != nil {
+			f.Close()
+			return err
+		}
+		if err := f.Close(); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, "chart written to", cfg.Chart)
+	}
+	return nil
+}
+
+func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
+	cfg := benchConfig{DatabaseURL: os.Getenv("IDEMREG_DATABASE_URL")}
+	fs := flag.NewFlagSet("idemreg bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, benchUsage); fs.PrintDefaults() }
+	var targets, callers, mix, serverFlags string
+	fs.StringVar(&targets, "targets", "idemreg,sql,redis", "comma-separated targets: idemreg, idemreg-embedded, sql, redis")
+	fs.StringVar(&callers, "callers", "1,8,64", "comma-separated numbers of concurrent callers")
+	fs.DurationVar(&cfg.Duration, "duration", 10*time.Second, "measured time of each run")
+	fs.IntVar(&cfg.Count, "count", 0, "measure this many iterations per run instead of --duration")
+	fs.DurationVar(&cfg.Warmup, "warmup", 2*time.Second, "unmeasured load before each run")
+	fs.IntVar(&cfg.Repeat, "repeat", 3, "runs of each target and caller count; the report gives the median and the spread")
+	fs.StringVar(&mix, "mix", "replay=5,collide=5", "percent of claims of completed keys (replay) and of keys another caller holds (collide); the rest are new keys, each claimed and completed")
+	fs.StringVar(&cfg.Addr, "addr", "", "drive the idemreg server at this address instead of starting one per run")
+	fs.IntVar(&cfg.ServerPID, "server-pid", 0, "with --addr: the server's process id, to report its peak RSS")
+	fs.StringVar(&cfg.DatabaseURL, "database-url", cfg.DatabaseURL, "PostgreSQL for the idemreg target's server and the sql baseline (migrated: idemreg migrate)")
+	fs.StringVar(&cfg.RedisAddr, "redis-addr", "127.0.0.1:6379", "Redis for the redis baseline")
+	fs.IntVar(&cfg.Preload, "preload", 0, "before the runs, make sure --database-url holds this many completed records (replays then claim them at random)")
+	fs.StringVar(&serverFlags, "server-flags", "", "extra flags for each started server, space-separated (e.g. --sql-batch-size=1)")
+	fs.StringVar(&cfg.ProfileDir, "profile-dir", "", "write a CPU profile of each started server's measured phase here (the server runs with --pprof-listen)")
+	fs.StringVar(&cfg.Chart, "chart", "", "write an SVG chart of latency and throughput against callers to this file")
+	fs.StringVar(&cfg.JSON, "json", "", "write every run's figures as JSON to this file")
+	fs.IntVar(&cfg.ResultBytes, "result-bytes", 64, "size of each stored result")
+	fs.StringVar(&cfg.Label, "label", "", "a note for the chart's title")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	var errs []error
+	cfg.Targets = strings.Split(targets, ",")
+	for _, t := range cfg.Targets {
+		switch t {
+		case "idemreg", "sql":
+			if cfg.DatabaseURL == "" && (t == "sql" || cfg.Addr == "") {
+				errs = append(errs, fmt.Errorf("target %s needs --database-url", t))
+			}
+		case "idemreg-embedded", "redis":
+		default:
+			errs = append(errs, fmt.Errorf("unknown target %q", t))
+		}
+	}
+	for _, c := range strings.Split(callers, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(c))
+		if err != nil || n < 1 {
+			errs = append(errs, fmt.Errorf("--callers: %q is not a positive number", c))
+			continue
+		}
+		cfg.Callers = append(cfg.Callers, n)
+	}
+	m, err := bench.ParseMix(mix)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	cfg.Mix = m
+	cfg.ServerFlags = strings.Fields(serverFlags)
+	if cfg.Repeat < 1 {
+		errs = append(errs, errors.New("--repeat must be at least 1"))
+	}
+	if cfg.Duration <= 0 && cfg.Count <= 0 {
+		errs = append(errs, errors.New("--duration or --count must be positive"))
+	}
+	if cfg.Preload > 0 && cfg.DatabaseURL == "" {
+		errs = append(errs, errors.New("--preload needs --database-url"))
+	}
+	return cfg, errors.Join(errs...)
+}
+
+// benchRun is one run's figures.
+type benchRun struct {
+	bench.Result
+	// DBCommits is the database's committed transactions during the run
+	// (warmup included) per call, or -1 when not measured.
+	CommitsPerCall float64
+	// PeakRSS is the server's peak resident set in bytes, 0 when unknown.
+	PeakRSS int64
+}
+
+func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep int, stderr io.Writer) (benchRun, error) {
+	run := benchRun{CommitsPerCall: -1}
+	runID := fmt.Sprintf("%s-%d-%d-%d", target, callers, rep, time.Now().UnixNano())
+	// Round trips are counted as the database's commits, which its
+	// statistics show once the sessions that made them have ended: so only
+	// for the sessions this run opens and closes (a server started for it,
+	// the sql baseline's pool).
+	countsURL := ""
+	if (target == "idemreg" && cfg.Addr == "") || target == "sql" {
+		countsURL = cfg.DatabaseURL
+	}
+	var commits0 int64
+	if countsURL != "" {
+		var err error
+		if commits0, err = bench.DBCommits(ctx, countsURL); err != nil {
+			return run, err
+		}
+	}
+
+	var (
+		t   bench.Target
+		srv *spawned
+		pid int
+		err error
+	)
+	switch target {
+	case "idemreg", "idemreg-embedded":
+		addr := cfg.Addr
+		pid = cfg.ServerPID
+		if addr == "" {
+			srv, err = spawnServer(ctx, cfg, target, stderr)
+			if err != nil {
+				return run, err
+			}
+			defer srv.stop() // when returning early; stop is idempotent
+			addr, pid = srv.addr, srv.cmd.Process.Pid
+		}
+		// Preloaded records belong to PreloadConsumer: replays claim them.
+		t, err = bench.NewRegistry(addr, bench.PreloadConsumer)
+	case "sql":
+		t, err = bench.NewSQLInbox(ctx, cfg.DatabaseURL, "bench.sql", callers)
+	case "redis":
+		var r *bench.Redis
+		r, err = bench.NewRedis(ctx, cfg.RedisAddr, "bench.redis."+runID, callers)
+		if err == nil {
+			defer func() { _ = r.Cleanup(context.WithoutCancel(ctx)) }()
+		}
+		t = r
+	}
+	if err != nil {
+		return run, err
+	}
+	defer t.Close()
+
+	bc := bench.Config{
+		Callers: callers, Duration: cfg.Duration, Count: cfg.Count, Warmup: cfg.Warmup, Mix: cfg.Mix,
+		KeyPrefix: runID + "-", Result: make([]byte, cfg.ResultBytes),
+	}
+	if cfg.Preload > 0 && target == "idemreg" {
+		bc.ReplayKeys, bc.PreloadKey = cfg.Preload, bench.PreloadKey
+	}
+	var profileDone chan error
+	if srv != nil && srv.pprof != "" && cfg.ProfileDir != "" {
+		profileDone = make(chan error, 1)
+		path := filepath.Join(cfg.ProfileDir, fmt.Sprintf("cpu-%s-%d-%d.pprof", target, callers, rep))
+		bc.OnMeasure = func() { go func() { profileDone <- fetchProfile(ctx, srv.pprof, cfg.Duration, path) }() }
+	}
+	res, err := bench.Run(ctx, t, bc)
+	if err != nil {
+		return run, err
+	}
+	run.Result = res
+	if profileDone != nil {
+		if err := <-profileDone; err != nil {
+			fmt.Fprintln(stderr, "bench: profile:", err)
+		}
+	}
+	run.PeakRSS = peakRSS(pid)
+	_ = t.Close()
+	if srv != nil {
+		srv.stop()
+	}
+	if countsURL != "" {
+		// A session flushes its statistics as it exits, a moment after
+		// its connection closed.
+		time.Sleep(500 * time.Millisecond)
+		commits1, err := bench.DBCommits(ctx, countsURL)
+		if err != nil {
+			return run, err
+		}
+		if res.TotalOps > 0 {
+			run.CommitsPerCall = float64(commits1-commits0) / float64(res.TotalOps)
+		}
+	}
+	return run, nil
+}
+
+// spawned is a server started for one run.
+type spawned struct {
+	cmd   *exec.Cmd
+	addr  string
+	pprof string
+	dir   string
+	done  chan error
+	// stopped is set by stop, so a second stop does nothing.
+	stopped bool
+}
+
+func benchFreeAddr() (string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer ln.Close()
+	return ln.Addr().String(), nil
+}
+
+func spawnServer(ctx context.Context, cfg benchConfig, target string, stderr io.Writer) (*spawned, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	addr, err := benchFreeAddr()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "idemreg-bench-")
+	if err != nil {
+		return nil, err
+	}
+	args := []string{"serve", "--listen", addr, "--log-level", "warn", "--log-format", "text"}
+	if target == "idemreg" {
+		args = append(args, "--database-url", cfg.DatabaseURL)
+	} else {
+		args = append(args, "--database-url", "", "--data-dir", filepath.Join(dir, "data"))
+	}
+	s := &spawned{addr: addr, dir: dir, done: make(chan error, 1)}
+	if cfg.ProfileDir != "" {
+		if s.pprof, err = benchFreeAddr(); err != nil {
+			return nil, err
+		}
+		args = append(args, "--pprof-listen", s.pprof)
+	}
+	args = append(args, cfg.ServerFlags...)
+	s.cmd = exec.CommandContext(ctx, exe, args...)
+	s.cmd.Stdout, s.cmd.Stderr = stderr, stderr
+	if err := s.cmd.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	go func() { s.done <- s.cmd.Wait() }()
+	if err := waitServing(ctx, addr, s.done); err != nil {
+		s.stop()
+		return nil, fmt.Errorf("server %s did not start: %w", strings.Join(args, " "), err)
+	}
+	return s, nil
+}
+
+func waitServing(ctx context.Context, addr string, exited <-chan error) error {
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	h := healthpb.NewHealthClient(conn)
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		select {
+		case err := <-exited:
+			return fmt.Errorf("exited: %v", err)
+		default:
+		}
+		cctx, cancel := context.WithTimeout(ctx, time.Second)
+		res, err := h.Check(cctx, &healthpb.HealthCheckRequest{})
+		cancel()
+		if err == nil && res.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			return nil
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return errors.New("not SERVING after 30s")
+}
+
+func (s *spawned) stop() {
+	if s.stopped {
+		return
+	}
+	s.stopped = true
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.done:
+	case <-time.After(15 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.done
+	}
+	os.RemoveAll(s.dir)
+}
+
+// peakRSS reads a process's peak resident set (VmHWM) in bytes.
+func peakRSS(pid int) int64 {
+	if pid <= 0 {
+		return 0
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			if err == nil {
+				return kb << 10
+			}
+		}
+	}
+	return 0
+}
+
+func fetchProfile(ctx context.Context, pprofAddr string, d time.Duration, path string) error {
+	secs := max(int(d.Seconds()), 1)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", pprofAddr, secs), nil)
+	if err != nil {
+		return err
+	}
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer res.Body.Close()
+	if res.StatusCode != http.StatusOK {
+		return fmt.Errorf("pprof: %s", res.Status)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, res.Body); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// spread is the median and range of one figure across repeated runs.
+type spread struct{ Median, Min, Max float64 }
+
+func spreadOf(v []float64) spread {
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return spread{Median: s[len(s)/2], Min: s[0], Max: s[len(s)-1]}
+}
+
+func (s spread) format(f string) string {
+	if s.Min == s.Max {
+		return fmt.Sprintf(f, s.Median)
+	}
+	return fmt.Sprintf(f+" ("+f+"–"+f+")", s.Median, s.Min, s.Max)
+}
+
+// benchReport is one target and caller count over its repeated runs.
+type benchReport struct {
+	Target  string
+	Callers int
+	Runs    []benchRun
+	// Median is the run with the median throughput: its latencies are the
+	// ones printed.
+	Median   benchRun
+	PairsPS  spread
+	PairP99  spread // milliseconds
+	ClaimP99 spread // milliseconds
+}
+
+func summarizeRuns(target string, callers int, runs []benchRun) benchReport {
+	r := benchReport{Target: target, Callers: callers, Runs: runs}
+	var tp, pairP99, claimP99 []float64
+	for _, run := range runs {
+		tp = append(tp, run.PairsPerSecond())
+		pairP99 = append(pairP99, float64(run.Pair.P99)/float64(time.Millisecond))
+		claimP99 = append(claimP99, float64(run.Claim.P99)/float64(time.Millisecond))
+	}
+	r.PairsPS, r.PairP99, r.ClaimP99 = spreadOf(tp), spreadOf(pairP99), spreadOf(claimP99)
+	byTP := slices.Clone(runs)
+	slices.SortFunc(byTP, func(a, b benchRun) int { return cmp.Compare(a.PairsPerSecond(), b.PairsPerSecond()) })
+	r.Median = byTP[len(byTP)/2]
+	return r
+}
+
+func printMachine(w io.Writer, cfg benchConfig) {
+	load, _ := os.ReadFile("/proc/loadavg")
+	fmt.Fprintf(w, "machine: %s/%s, %d CPUs, %s; load average %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.Version(), load)
+	fmt.Fprintf(w, "mix %s, %s measured after %s warmup, %d runs each\n", cfg.Mix, durationOrCount(cfg), cfg.Warmup, cfg.Repeat)
+}
+
+func durationOrCount(cfg benchConfig) string {
+	if cfg.Count > 0 {
+		return strconv.Itoa(cfg.Count) + " iterations"
+	}
+	return cfg.Duration.String()
+}
+
+func printReport(w io.Writer, r benchReport) {
+	m := r.Median
+	fmt.Fprintf(w, "%-16s callers=%-3d pairs/s=%s pair p99 ms=%s\n", r.Target, r.Callers, r.PairsPS.format("%.0f"), r.PairP99.format("%.1f"))
+	fmt.Fprintf(w, "    median run: claim %s  complete %s  pair %s  replay %s  collide %s (ms p50/p95/p99/max)\n",
+		m.Claim, m.Complete, m.Pair, m.Replay, m.Collide)
+	extra := ""
+	if m.CommitsPerCall >= 0 {
+		extra += fmt.Sprintf("  db commits/call %.3f", m.CommitsPerCall)
+	}
+	if m.PeakRSS > 0 {
+		extra += fmt.Sprintf("  server peak RSS %.0f MiB", float64(m.PeakRSS)/(1<<20))
+	}
+	fmt.Fprintf(w, "    ops/s %.0f  errors %d  unexpected %d%s\n", m.OpsPerSecond(), m.Errors, m.Unexpected, extra)
+	if m.FirstError != "" {
+		fmt.Fprintf(w, "    first error: %s\n", m.FirstError)
+	}
+}
+
+func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "target\tcallers\tpairs/s median (min–max)\tpair p50 ms\tpair p99 ms median (min–max)\tclaim p99 ms\tcommits/call\tpeak RSS MiB\t")
+	for _, r := range reports {
+		cpc, rss := "-", "-"
+		if r.Median.CommitsPerCall >= 0 {
+			cpc = fmt.Sprintf("%.3f", r.Median.CommitsPerCall)
+		}
+		if r.Median.PeakRSS > 0 {
+			rss = fmt.Sprintf("%.0f", float64(r.Median.PeakRSS)/(1<<20))
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%.2f\t%s\t%.2f\t%s\t%s\t\n", r.Target, r.Callers, r.PairsPS.format("%.0f"),
+			float64(r.Median.Pair.P50)/float64(time.Millisecond), r.PairP99.format("%.1f"),
+			float64(r.Median.Claim.P99)/float64(time.Millisecond), cpc, rss)
+	}
+	tw.Flush()
+	// Ratios of every idemreg target against every baseline, per callers.
+	for _, r := range reports {
+		if !strings.HasPrefix(r.Target, "idemreg") {
+			continue
+		}
+		for _, b := range reports {
+			if b.Callers != r.Callers || strings.HasPrefix(b.Target, "idemreg") {
+				continue
+			}
+			fmt.Fprintf(w, "ratio %s/%s at %d callers: throughput %.2f×, pair p99 %.2f×\n", r.Target, b.Target, r.Callers,
+				r.PairsPS.Median/b.PairsPS.Median, r.PairP99.Median/b.PairP99.Median)
+		}
+	}
+}
+
+func writeJSON(path string, cfg benchConfig, reports []benchReport) error {
+	cfg.DatabaseURL = redact(cfg.DatabaseURL)
+	b, err := json.MarshalIndent(struct {
+		Config  benchConfig
+		Reports []benchReport
+	}{cfg, reports}, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, b, 0o644)
+}

@@ -1,0 +1,105 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/storage/postgres"
+	"github.com/idemreg/idemreg/storage/postgres/pgtest"
+)
+
+// TestBenchSmoke runs every target of `idemreg bench` briefly against an
+// in-process server and checks that it reports figures, a chart and JSON.
+// It checks no figure: benchmarks measure, tests assert behaviour.
+func TestBenchSmoke(t *testing.T) {
+	databaseURL := pgtest.NewDatabase(t)
+	store, err := postgres.Open(t.Context(), databaseURL)
+	require.NoError(t, err)
+	t.Cleanup(func() { store.Close() })
+	srv, err := server.New(store, server.Config{})
+	require.NoError(t, err)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(t.Context())
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ctx, lis) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-served) })
+
+	targets := "idemreg,sql"
+	rc := redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379"})
+	if err := rc.Ping(t.Context()).Err(); err != nil {
+		t.Logf("redis target left out: no Redis on 127.0.0.1:6379 (%v)", err)
+	} else {
+		targets += ",redis"
+	}
+	rc.Close()
+
+	dir := t.TempDir()
+	chart, js := filepath.Join(dir, "chart.svg"), filepath.Join(dir, "bench.json")
+	var out, errOut bytes.Buffer
+	err = run(t.Context(), []string{"bench",
+		"--targets", targets, "--addr", lis.Addr().String(), "--database-url", databaseURL,
+		"--callers", "1,4", "--duration", "300ms", "--warmup", "0", "--repeat", "1",
+		"--preload", "1000", "--mix", "replay=10,collide=10",
+		"--chart", chart, "--json", js,
+	}, &out, &errOut)
+	require.NoError(t, err, "stderr: %s", errOut.String())
+	t.Log(out.String())
+	require.Contains(t, out.String(), "preloaded 1000 new records")
+	require.Contains(t, out.String(), "ratio idemreg/sql at 4 callers")
+
+	svg, err := os.ReadFile(chart)
+	require.NoError(t, err)
+	require.Contains(t, string(svg), "<svg")
+
+	var report struct {
+		Reports []struct {
+			Target  string
+			Callers int
+			Median  struct {
+				Pairs, Errors, Unexpected int
+				CommitsPerCall            float64
+			}
+		}
+	}
+	b, err := os.ReadFile(js)
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &report))
+	require.NotEmpty(t, report.Reports)
+	for _, r := range report.Reports {
+		require.Positive(t, r.Median.Pairs, "%s/%d completed pairs", r.Target, r.Callers)
+		require.Zero(t, r.Median.Errors, "%s/%d", r.Target, r.Callers)
+		require.Zero(t, r.Median.Unexpected, "%s/%d", r.Target, r.Callers)
+	}
+	require.NotContains(t, string(b), "secret")
+}
+
+func TestBenchFlags(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"unknown target", []string{"--targets", "mysql"}},
+		{"sql without database", []string{"--targets", "sql"}},
+		{"bad callers", []string{"--targets", "redis", "--callers", "0"}},
+		{"bad mix", []string{"--targets", "redis", "--mix", "replay=90,collide=20"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv("IDEMREG_DATABASE_URL", "")
+			var out bytes.Buffer
+			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+			defer cancel()
+			require.Error(t, run(ctx, append([]string{"bench"}, tc.args...), &out, &out))
+		})
+	}
+}

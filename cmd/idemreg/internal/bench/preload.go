@@ -1,0 +1,80 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"google.golang.org/protobuf/proto"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+)
+
+// PreloadConsumer owns the records Preload loads.
+const PreloadConsumer = "bench.preload"
+
+// PreloadKey is the key of preloaded record i.
+func PreloadKey(i int) string { return "pre-" + strconv.Itoa(i) }
+
+// preloadSQL loads records $1 < i <= $2 as completed KIND_MESSAGE records
+// of PreloadConsumer, expiring in 30 days, holding the encoded result $4,
+// in one statement.
+const preloadSQL = `
+INSERT INTO idemreg_records (consumer, kind, key, state, fingerprint, token, attempt, holder,
+    created_at, lease_expires_at, completed_at, expires_at, retention_us, result)
+SELECT $3, 1, 'pre-' || i, 2, '\x'::bytea, 1, 1, 'preload',
+    now(), now(), now(), now() + INTERVAL '30 days', 2592000000000, CAST($4 AS BYTEA)
+FROM generate_series(CAST($1 AS BIGINT), CAST($2 AS BIGINT)) AS i
+ON CONFLICT DO NOTHING`
+
+// Preload makes sure the registry's table at databaseURL holds n preloaded
+// records (keys PreloadKey(0) to PreloadKey(n-1)), inserting the missing
+// ones with one INSERT ... SELECT generate_series, and returns how many it
+// inserted and the table's row count.
+func Preload(ctx context.Context, databaseURL string, n int) (inserted, total int64, err error) {
+	conn, err := pgx.Connect(ctx, databaseURL)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer conn.Close(context.Background())
+	var have int64
+	if err := conn.QueryRow(ctx, `SELECT count(*) FROM idemreg_records WHERE consumer = $1`, PreloadConsumer).Scan(&have); err != nil {
+		return 0, 0, fmt.Errorf("counting preloaded records (has migrate run?): %w", err)
+	}
+	if have < int64(n) {
+		// Keys are dense from 0, so the missing ones are the top of the range.
+		result, err := proto.Marshal(&idemregv1.Result{Outcome: &idemregv1.Result_Response{
+			Response: &idemregv1.Response{Type: "bench.v1.Done", Data: []byte("preloaded")}}})
+		if err != nil {
+			return 0, 0, err
+		}
+		tag, err := conn.Exec(ctx, preloadSQL, have, int64(n)-1, PreloadConsumer, result)
+		if err != nil {
+			return 0, 0, fmt.Errorf("preloading: %w", err)
+		}
+		inserted = tag.RowsAffected()
+		if _, err := conn.Exec(ctx, `ANALYZE idemreg_records`); err != nil {
+			return inserted, 0, err
+		}
+	}
+	err = conn.QueryRow(ctx, `SELECT count(*) FROM idemreg_records`).Scan(&total)
+	return inserted, total, err
+}
+
+// DBCommits reads the database's committed transactions so far. The
+// statistics lag by up to a second (backends flush them when idle).
+func DBCommits(ctx context.Context, databaseURL string) (int64, error) {
+	conn, err := pgx.Connect(ctx, databaseURL)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close(context.Background())
+	var n int64
+	err = conn.QueryRow(ctx, `SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
+	return n, err
+}
+
+// settleStats waits for the statistics of idle backends to be flushed.
+func settleStats(ctx context.Context) { sleep(ctx, 1500*time.Millisecond) }

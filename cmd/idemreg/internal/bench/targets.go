@@ -1,0 +1,242 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+)
+
+// Lease and Retention are what every target is asked for.
+const (
+	Lease     = 30 * time.Second
+	Retention = 24 * time.Hour
+)
+
+// Registry drives an idemreg server over gRPC, on one client connection
+// (HTTP/2 multiplexes the callers), as a service using the registry would.
+type Registry struct {
+	conn     *grpc.ClientConn
+	client   idemregv1.RegistryServiceClient
+	consumer string
+}
+
+// NewRegistry connects to the server at addr; calls use consumer.
+func NewRegistry(addr, consumer string) (*Registry, error) {
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	return &Registry{conn: conn, client: idemregv1.NewRegistryServiceClient(conn), consumer: consumer}, nil
+}
+
+// Claim implements Target.
+func (r *Registry) Claim(ctx context.Context, key string) (Outcome, int64, error) {
+	res, err := r.client.Claim(ctx, &idemregv1.ClaimRequest{
+		Consumer: r.consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: key,
+		Lease: durationpb.New(Lease), Retention: durationpb.New(Retention), Holder: "bench",
+	})
+	if err != nil {
+		return 0, 0, err
+	}
+	return Outcome(res.GetOutcome()), res.GetToken(), nil
+}
+
+// Complete implements Target.
+func (r *Registry) Complete(ctx context.Context, key string, token int64, result []byte) error {
+	_, err := r.client.Complete(ctx, &idemregv1.CompleteRequest{
+		Consumer: r.consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: key, Token: token,
+		Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "bench.v1.Done", Data: result}}},
+	})
+	return err
+}
+
+// Close implements Target.
+func (r *Registry) Close() error { return r.conn.Close() }
+
+// SQLInbox is the hand-written baseline: the inbox table a team would add
+// to its own PostgreSQL, one conditional INSERT to claim (and a SELECT when
+// it inserted nothing, to tell a replay from a key in progress), one
+// conditional UPDATE to complete, at the database's default isolation
+// (READ COMMITTED), one pooled connection per caller. It does none of the
+// registry's lease takeover, fingerprint checks or expiry on read.
+type SQLInbox struct {
+	pool     *pgxpool.Pool
+	consumer string
+}
+
+// sqlInboxSchema is the baseline's table.
+const sqlInboxSchema = `
+CREATE TABLE IF NOT EXISTS bench_inbox (
+    consumer         TEXT        NOT NULL,
+    key              TEXT        NOT NULL,
+    state            SMALLINT    NOT NULL,
+    token            BIGINT      NOT NULL,
+    lease_expires_at TIMESTAMPTZ NOT NULL,
+    expires_at       TIMESTAMPTZ NOT NULL,
+    result           BYTEA       NULL,
+    PRIMARY KEY (consumer, key)
+)`
+
+const (
+	sqlInboxClaim = `
+INSERT INTO bench_inbox (consumer, key, state, token, lease_expires_at, expires_at)
+VALUES ($1, $2, 1, $3, now() + $4 * INTERVAL '1 microsecond', now() + $5 * INTERVAL '1 microsecond')
+ON CONFLICT (consumer, key) DO NOTHING
+RETURNING token`
+	sqlInboxRead     = `SELECT state FROM bench_inbox WHERE consumer = $1 AND key = $2`
+	sqlInboxComplete = `
+UPDATE bench_inbox SET state = 2, result = $4, expires_at = now() + $5 * INTERVAL '1 microsecond'
+WHERE consumer = $1 AND key = $2 AND token = $3 AND state = 1`
+)
+
+// NewSQLInbox connects to databaseURL with conns connections and creates
+// the table.
+func NewSQLInbox(ctx context.Context, databaseURL, consumer string, conns int) (*SQLInbox, error) {
+	cfg, err := pgxpool.ParseConfig(databaseURL)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = int32(max(conns, 1))
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := pool.Exec(ctx, sqlInboxSchema); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("creating bench_inbox: %w", err)
+	}
+	return &SQLInbox{pool: pool, consumer: consumer}, nil
+}
+
+// Claim implements Target.
+func (s *SQLInbox) Claim(ctx context.Context, key string) (Outcome, int64, error) {
+	token := rand.Int64N(1<<62) + 1
+	var got int64
+	err := s.pool.QueryRow(ctx, sqlInboxClaim, s.consumer, key, token, Lease.Microseconds(), (Lease + Retention).Microseconds()).Scan(&got)
+	if err == nil {
+		return Acquired, got, nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return 0, 0, err
+	}
+	var state int16
+	if err := s.pool.QueryRow(ctx, sqlInboxRead, s.consumer, key).Scan(&state); err != nil {
+		return 0, 0, err
+	}
+	if state == 2 {
+		return Completed, 0, nil
+	}
+	return InProgress, 0, nil
+}
+
+// Complete implements Target.
+func (s *SQLInbox) Complete(ctx context.Context, key string, token int64, result []byte) error {
+	tag, err := s.pool.Exec(ctx, sqlInboxComplete, s.consumer, key, token, result, Retention.Microseconds())
+	if err != nil {
+		return err
+	}
+	if tag.RowsAffected() != 1 {
+		return errors.New("complete: no in-progress row with that token")
+	}
+	return nil
+}
+
+// Close implements Target.
+func (s *SQLInbox) Close() error {
+	s.pool.Close()
+	return nil
+}
+
+// Redis is the other baseline: SET NX PX to claim (and a GET when it was
+// not set, to tell a replay from a key in progress), SET XX PX to
+// complete, on one pooled connection per caller. SET XX is not fenced by
+// the token: a holder whose lease ran out overwrites its successor.
+type Redis struct {
+	client   *redis.Client
+	consumer string
+}
+
+// NewRedis connects to the Redis at addr with conns connections.
+func NewRedis(ctx context.Context, addr, consumer string, conns int) (*Redis, error) {
+	c := redis.NewClient(&redis.Options{Addr: addr, PoolSize: max(conns, 1), MinIdleConns: max(conns, 1)})
+	if err := c.Ping(ctx).Err(); err != nil {
+		_ = c.Close()
+		return nil, fmt.Errorf("redis at %s: %w", addr, err)
+	}
+	return &Redis{client: c, consumer: consumer}, nil
+}
+
+func (r *Redis) key(k string) string { return "idemreg-bench:" + r.consumer + ":" + k }
+
+var doneMark = []byte("done:")
+
+// Claim implements Target.
+func (r *Redis) Claim(ctx context.Context, key string) (Outcome, int64, error) {
+	token := rand.Int64N(1<<62) + 1
+	ok, err := r.client.SetNX(ctx, r.key(key), "held:"+strconv.FormatInt(token, 10), Lease).Result()
+	if err != nil {
+		return 0, 0, err
+	}
+	if ok {
+		return Acquired, token, nil
+	}
+	v, err := r.client.Get(ctx, r.key(key)).Bytes()
+	if err != nil {
+		return 0, 0, err
+	}
+	if bytes.HasPrefix(v, doneMark) {
+		return Completed, 0, nil
+	}
+	return InProgress, 0, nil
+}
+
+// Complete implements Target.
+func (r *Redis) Complete(ctx context.Context, key string, _ int64, result []byte) error {
+	v := append(append([]byte{}, doneMark...), result...)
+	ok, err := r.client.SetXX(ctx, r.key(key), v, Retention).Result()
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return errors.New("complete: key gone")
+	}
+	return nil
+}
+
+// Close implements Target.
+func (r *Redis) Close() error { return r.client.Close() }
+
+// Cleanup deletes the keys of this consumer, so runs do not fill the
+// server's memory.
+func (r *Redis) Cleanup(ctx context.Context) error {
+	iter := r.client.Scan(ctx, 0, r.key("*"), 10_000).Iterator()
+	var batch []string
+	for iter.Next(ctx) {
+		batch = append(batch, iter.Val())
+		if len(batch) == 10_000 {
+			if err := r.client.Unlink(ctx, batch...).Err(); err != nil {
+				return err
+			}
+			batch = batch[:0]
+		}
+	}
+	if len(batch) > 0 {
+		if err := r.client.Unlink(ctx, batch...).Err(); err != nil {
+			return err
+		}
+	}
+	return iter.Err()
+}
