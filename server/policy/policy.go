@@ -11,6 +11,7 @@ package policy
 import (
 	"cmp"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -151,15 +152,22 @@ func ParseDuration(s string) (time.Duration, error) {
 	if !found {
 		return time.ParseDuration(s)
 	}
-	n, err := strconv.ParseInt(days, 10, 32)
+	const day = 24 * time.Hour
+	n, err := strconv.ParseInt(days, 10, 64)
 	if err != nil || n < 0 || strings.HasPrefix(days, "+") {
 		return 0, fmt.Errorf("invalid duration %q: days must be a whole number, like \"7d\" or \"1d12h\"", s)
 	}
-	d := time.Duration(n) * 24 * time.Hour
+	if n > int64(math.MaxInt64/day) {
+		return 0, fmt.Errorf("invalid duration %q: longer than %d days", s, int64(math.MaxInt64/day))
+	}
+	d := time.Duration(n) * day
 	if rest != "" {
 		r, err := time.ParseDuration(rest)
 		if err != nil || r < 0 {
 			return 0, fmt.Errorf("invalid duration %q: after the days, a duration like \"12h\"", s)
+		}
+		if r > math.MaxInt64-d {
+			return 0, fmt.Errorf("invalid duration %q: too long", s)
 		}
 		d += r
 	}

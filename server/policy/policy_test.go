@@ -152,6 +152,10 @@ func TestParseDuration(t *testing.T) {
 		{"1d-1h", 0, false},
 		{"1.5d", 0, false},
 		{"7", 0, false},
+		{"106751d", 106751 * day, true},
+		{"106752d", 0, false},
+		{"106751d24h", 0, false},
+		{"99999999999999999999d", 0, false},
 	}
 	for _, tc := range cases {
 		got, err := policy.ParseDuration(tc.in)
@@ -209,4 +213,22 @@ func TestNewSet(t *testing.T) {
 	got, err := src.Reload()
 	require.NoError(t, err)
 	require.Same(t, set, got)
+}
+
+// FuzzParse checks that no file makes Parse panic, and that every set it
+// accepts gives every consumer a policy whose bounds hold together.
+func FuzzParse(f *testing.F) {
+	f.Add(example, "orders.eu.inbox")
+	f.Add(`{"consumers": [{"prefix": "a.", "lease": {"default": "1m"}}]}`, "a.b")
+	f.Add("defaults:\n  message_retention: {min: 1d12h}\n", "x")
+	f.Add("consumers:\n  - name: a\n    lease: {default: 2h}\n", "a")
+	f.Fuzz(func(t *testing.T, doc, consumer string) {
+		set, err := policy.Parse([]byte(doc), base())
+		if err != nil {
+			return
+		}
+		p := set.For(consumer)
+		require.NoError(t, p.Validate(), "an accepted file gave %q an invalid policy", consumer)
+		require.NoError(t, set.Defaults().Validate())
+	})
 }
