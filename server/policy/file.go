@@ -25,7 +25,9 @@ import (
 //	  - prefix: orders.                # ...or a prefix; the longest wins
 //	    message_retention: {min: 8d, default: 10d}
 //
-// Every field is optional. A consumer's entry inherits what it leaves out
+// The same file may hold the identities and rate_limits sections of
+// server/access, which that package reads. Every field is optional. A
+// consumer's entry inherits what it leaves out
 // from defaults, which inherits from the server's flags. Unknown fields are
 // errors, so that a misspelt bound cannot be silently ignored.
 type file struct {

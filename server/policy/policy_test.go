@@ -86,6 +86,28 @@ func TestParseJSON(t *testing.T) {
 	require.Equal(t, policy.Bounds{Default: time.Minute, Min: time.Second, Max: 2 * time.Hour}, set.For("a.b").Lease)
 }
 
+// TestParseBesideAccess reads a file that also holds the sections of
+// server/access: they are left to that package, and other unknown
+// sections are still errors.
+func TestParseBesideAccess(t *testing.T) {
+	doc := `
+identities:
+  - name: billing
+    token_hashes: ["sha256:00"]
+    consumers: ["billing.*"]
+rate_limits:
+  - {consumers: ["*"], rate: 100}
+consumers:
+  - prefix: billing.
+    lease: {default: 1m}
+`
+	set, err := policy.Parse([]byte(doc), base())
+	require.NoError(t, err)
+	require.Equal(t, time.Minute, set.For("billing.x").Lease.Default)
+	_, err = policy.Parse([]byte("identity: []\n"), base())
+	require.ErrorContains(t, err, `unknown field "identity"`)
+}
+
 func TestParseEmpty(t *testing.T) {
 	for _, doc := range []string{"", "# nothing\n", "{}", "consumers: []"} {
 		set, err := policy.Parse([]byte(doc), base())
