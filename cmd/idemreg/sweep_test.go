@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
 	"net/url"
 	"os"
 	"os/exec"
@@ -176,10 +178,13 @@ func TestSweepEmbedded(t *testing.T) {
 }
 
 // TestServeSweeps runs the in-process sweeper: records claimed with the
-// shortest retention are deleted by serve itself.
+// shortest retention are deleted by serve itself, and its metrics are
+// exported with the service's.
 func TestServeSweeps(t *testing.T) {
 	bin := buildBinary(t)
-	p := startServe(t, bin, t.TempDir(), nil, "--min-lease", "1ms", "--min-retention", "1ms", "--sweep-interval", "100ms")
+	metricsAddr := freeAddr(t)
+	p := startServe(t, bin, t.TempDir(), nil, "--min-lease", "1ms", "--min-retention", "1ms", "--sweep-interval", "100ms",
+		"--metrics-listen", metricsAddr)
 	p.waitLog(t, "sweeper on")
 	p.waitLog(t, "serving")
 	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
@@ -196,6 +201,20 @@ func TestServeSweeps(t *testing.T) {
 		deleted += int(line["deleted"].(float64))
 	}
 	require.Equal(t, n, deleted)
+
+	res, err := http.Get("http://" + metricsAddr + "/metrics")
+	require.NoError(t, err)
+	body, err := io.ReadAll(res.Body)
+	require.NoError(t, err)
+	require.NoError(t, res.Body.Close())
+	metrics := string(body)
+	require.Contains(t, metrics, "idemreg_sweeper_deleted_total")
+	require.Regexp(t, `idemreg_sweeper_deleted_total\{[^}]*\} 20\n`, metrics)
+	for _, name := range []string{"idemreg_sweeper_batches_total", "idemreg_sweeper_lag_seconds", "idemreg_sweeper_batch_size",
+		"idemreg_sweeper_batch_duration_seconds_bucket", "idemreg_sweeper_pass_duration_seconds_count"} {
+		require.Contains(t, metrics, name)
+	}
+
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
 	p.waitLog(t, "stopped")
 	require.NoError(t, p.cmd.Wait())
