@@ -150,20 +150,25 @@ func TestDeadlines(t *testing.T) {
 	g := &gateStore{Store: memStore(t), entered: make(chan struct{}, 10), gate: make(chan struct{})}
 	c := idemregv1.NewRegistryServiceClient(start(t, g, server.Config{RequestTimeout: 100 * time.Millisecond, MaxRequestTimeout: 300 * time.Millisecond}))
 
+	// A store that does not answer within the budget is reported as
+	// unavailable, a little before the budget or the caller's deadline
+	// ends (see storeContext), so the caller gets a RetryInfo.
 	_, err := c.Claim(t.Context(), claimReq("no-deadline", ""))
-	requireStatus(t, err, codes.DeadlineExceeded, server.ReasonDeadlineExceeded)
+	requireStatus(t, err, codes.Unavailable, server.ReasonStoreUnavailable)
 
 	ctx, cancel := context.WithTimeout(t.Context(), time.Hour)
 	defer cancel()
 	start := time.Now()
 	_, err = c.Claim(ctx, claimReq("far-deadline", ""))
-	requireStatus(t, err, codes.DeadlineExceeded, server.ReasonDeadlineExceeded)
+	requireStatus(t, err, codes.Unavailable, server.ReasonStoreUnavailable)
 	require.Less(t, time.Since(start), 10*time.Second, "clamped to the server's maximum")
 
 	ctx, cancel = context.WithTimeout(t.Context(), 50*time.Millisecond)
 	defer cancel()
 	_, err = c.Claim(ctx, claimReq("short-deadline", ""))
-	require.Equal(t, codes.DeadlineExceeded, statusCode(err), "the caller's own deadline is kept")
+	// UNAVAILABLE 20 ms before the caller's deadline, or, on a slow
+	// machine, that deadline itself: either way not the server's budget.
+	require.Contains(t, []codes.Code{codes.Unavailable, codes.DeadlineExceeded}, statusCode(err), "the caller's own deadline is kept")
 }
 
 // TestLogs runs a whole flow with a JSON logger: one line per call with

@@ -35,7 +35,7 @@ func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Servi
 	if err != nil {
 		return nil, err
 	}
-	return &Service{store: store, limits: limits, policies: policy.Static(set), logger: logger}, nil
+	return &Service{store: marginStore{store}, limits: limits, policies: policy.Static(set), logger: logger}, nil
 }
 
 // Claim implements RegistryServiceServer.

@@ -77,6 +77,12 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 		return newStatus(codes.FailedPrecondition, ReasonAlreadyCompleted, "the record is already completed", meta)
 	case errors.Is(err, storage.ErrNotFound):
 		return newStatus(codes.NotFound, ReasonNotFound, "no live record for the key (absent or expired)", meta)
+	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil:
+		// The store's share of the request's time ran out (storeContext)
+		// and the client still waits: the store did not answer in time.
+		s.logger.WarnContext(ctx, "store did not answer before the request's deadline", "method", method, "consumer", k.Consumer, "error", err)
+		return newStatus(codes.Unavailable, ReasonStoreUnavailable, "the store did not answer in time; retry later", meta,
+			&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
 	case errors.Is(err, context.DeadlineExceeded):
 		return newStatus(codes.DeadlineExceeded, ReasonDeadlineExceeded, "the deadline ran out before the store answered", meta)
 	case errors.Is(err, context.Canceled):

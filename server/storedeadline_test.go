@@ -1,0 +1,110 @@
+package server_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// silentStore never answers: every call waits for its context, the way a
+// statement on a connection that went silent waits (a black-holed network
+// between the service and its database). Ping answers, so health does not
+// get in the way.
+type silentStore struct{ storage.Store }
+
+func (silentStore) wait(ctx context.Context, op string) error {
+	<-ctx.Done()
+	return fmt.Errorf("postgres %s: %w", op, ctx.Err())
+}
+
+func (s silentStore) Claim(ctx context.Context, _ storage.ClaimParams) (storage.ClaimResult, error) {
+	return storage.ClaimResult{}, s.wait(ctx, "claim")
+}
+
+func (s silentStore) Complete(ctx context.Context, _ storage.CompleteParams) (storage.Record, error) {
+	return storage.Record{}, s.wait(ctx, "complete")
+}
+
+func (s silentStore) Lookup(ctx context.Context, _ storage.Key) (storage.Record, error) {
+	return storage.Record{}, s.wait(ctx, "lookup")
+}
+
+func (silentStore) Ping(context.Context) error { return nil }
+
+// TestSilentStoreAnswersUnavailableBeforeTheDeadline: when the store does
+// not answer, the client gets UNAVAILABLE (STORE_UNAVAILABLE, with
+// RetryInfo) before its deadline, not DEADLINE_EXCEEDED at it; a call
+// without a deadline gets the same within the server's request budget.
+func TestSilentStoreAnswersUnavailableBeforeTheDeadline(t *testing.T) {
+	conn := start(t, silentStore{}, server.Config{RequestTimeout: 2 * time.Second})
+	c := idemregv1.NewRegistryServiceClient(conn)
+	k := func() (string, idemregv1.Kind, string) { return "silent.test", idemregv1.Kind_KIND_MESSAGE, "m-1" }
+
+	for _, tc := range []struct {
+		name     string
+		deadline time.Duration // 0: none, the server's budget applies
+		call     func(ctx context.Context) error
+	}{
+		{"Claim", time.Second, func(ctx context.Context) error {
+			consumer, kind, key := k()
+			_, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: key})
+			return err
+		}},
+		{"Complete", 500 * time.Millisecond, func(ctx context.Context) error {
+			consumer, kind, key := k()
+			_, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: 1,
+				Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "t"}}}})
+			return err
+		}},
+		{"Lookup without a deadline", 0, func(ctx context.Context) error {
+			consumer, kind, key := k()
+			_, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: consumer, Kind: kind, Key: key})
+			return err
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, deadline := t.Context(), 2*time.Second
+			if tc.deadline > 0 {
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, tc.deadline)
+				defer cancel()
+				deadline = tc.deadline
+			}
+			began := time.Now()
+			err := tc.call(ctx)
+			took := time.Since(began)
+			st := status.Convert(err)
+			require.Equal(t, codes.Unavailable, st.Code(), "%v", err)
+			require.Less(t, took, deadline, "answered before the deadline")
+			var reason string
+			var retry bool
+			for _, d := range st.Details() {
+				switch d := d.(type) {
+				case *errdetails.ErrorInfo:
+					reason = d.GetReason()
+				case *errdetails.RetryInfo:
+					retry = true
+				}
+			}
+			require.Equal(t, server.ReasonStoreUnavailable, reason)
+			require.True(t, retry, "RetryInfo")
+		})
+	}
+
+	// A caller that gives up still gets CANCELED.
+	ctx, cancel := context.WithCancel(t.Context())
+	time.AfterFunc(100*time.Millisecond, cancel)
+	consumer, kind, key := k()
+	_, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: key})
+	require.Equal(t, codes.Canceled, status.Code(err))
+}
