@@ -1,0 +1,163 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"io"
+	"os"
+	"path/filepath"
+	"net"
+	"regexp"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.yaml.in/yaml/v3"
+
+	"github.com/idemreg/idemreg/server/access"
+)
+
+type probe struct {
+	GRPC struct {
+		Port    int     `yaml:"port"`
+		Service *string `yaml:"service"`
+	} `yaml:"grpc"`
+	PeriodSeconds    int `yaml:"periodSeconds"`
+	FailureThreshold int `yaml:"failureThreshold"`
+}
+
+type deployment struct {
+	Kind string `yaml:"kind"`
+	Spec struct {
+		Replicas int `yaml:"replicas"`
+		Template struct {
+			Spec struct {
+				TerminationGracePeriodSeconds int `yaml:"terminationGracePeriodSeconds"`
+				Containers                    []struct {
+					Args  []string `yaml:"args"`
+					Ports []struct {
+						Name          string `yaml:"name"`
+						ContainerPort int    `yaml:"containerPort"`
+					} `yaml:"ports"`
+					StartupProbe   probe `yaml:"startupProbe"`
+					ReadinessProbe probe `yaml:"readinessProbe"`
+					LivenessProbe  probe `yaml:"livenessProbe"`
+					Resources      struct {
+						Requests map[string]string `yaml:"requests"`
+						Limits   map[string]string `yaml:"limits"`
+					} `yaml:"resources"`
+					VolumeMounts []struct {
+						Name      string `yaml:"name"`
+						MountPath string `yaml:"mountPath"`
+					} `yaml:"volumeMounts"`
+				} `yaml:"containers"`
+			} `yaml:"spec"`
+		} `yaml:"template"`
+	} `yaml:"spec"`
+}
+
+// TestDeployServe checks the Deployment in deploy/ against the binary: its
+// arguments are serve's flags and pass its validation, the probes use the
+// health listener (liveness on the process, readiness on the store), the
+// grace period covers the drain, and the config file it mounts is valid.
+func TestDeployServe(t *testing.T) {
+	raw, err := os.ReadFile("../../deploy/idemreg.yaml")
+	require.NoError(t, err)
+	var d deployment
+	dec := yaml.NewDecoder(bytes.NewReader(raw))
+	for {
+		var doc deployment
+		err := dec.Decode(&doc)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		require.NoError(t, err)
+		if doc.Kind == "Deployment" {
+			d = doc
+		}
+	}
+	require.Equal(t, "Deployment", d.Kind)
+	require.GreaterOrEqual(t, d.Spec.Replicas, 2, "several replicas on a shared store")
+	pod := d.Spec.Template.Spec
+	require.Len(t, pod.Containers, 1)
+	c := pod.Containers[0]
+	require.Equal(t, "serve", c.Args[0])
+
+	cfg := defaultConfig()
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	cfg.bind(fs, true)
+	require.NoError(t, fs.Parse(c.Args[1:]), "the Deployment's arguments are flags of idemreg serve")
+	cfg.DatabaseURL = "postgresql://from-the-secret/idemreg"
+	require.NoError(t, cfg.Validate())
+	sc := cfg.Surface
+	require.NotEmpty(t, sc.TLSClientCA, "callers are identified by mTLS")
+
+	ports := map[string]int{}
+	for _, p := range c.Ports {
+		ports[p.Name] = p.ContainerPort
+	}
+	require.Equal(t, port(t, cfg.Listen), ports["grpc"])
+	require.Equal(t, port(t, sc.HealthListen), ports["health"])
+	require.Equal(t, port(t, sc.MetricsListen), ports["metrics"])
+	for name, p := range map[string]probe{"startup": c.StartupProbe, "readiness": c.ReadinessProbe, "liveness": c.LivenessProbe} {
+		require.Equal(t, ports["health"], p.GRPC.Port, "%s probe on the plaintext health listener", name)
+	}
+	require.Nil(t, c.ReadinessProbe.GRPC.Service, `readiness asks for "" (the store answers)`)
+	require.Equal(t, "liveness", *c.LivenessProbe.GRPC.Service)
+	readinessLag := time.Duration(c.ReadinessProbe.PeriodSeconds*c.ReadinessProbe.FailureThreshold) * time.Second
+	require.LessOrEqual(t, readinessLag, sc.DrainDelay, "a draining pod is unready before it stops serving")
+	require.Greater(t, time.Duration(pod.TerminationGracePeriodSeconds)*time.Second, sc.DrainDelay+sc.ShutdownTimeout)
+	require.NotEmpty(t, c.Resources.Requests["cpu"])
+	require.NotEmpty(t, c.Resources.Limits["memory"])
+
+	mounts := map[string]string{}
+	for _, m := range c.VolumeMounts {
+		mounts[m.Name] = m.MountPath
+	}
+	require.Equal(t, mounts["config"], filepath.Dir(cfg.PolicyFile))
+	for _, f := range []string{sc.TLSCert, sc.TLSKey, sc.TLSClientCA} {
+		require.Equal(t, mounts["tls"], filepath.Dir(f))
+	}
+
+	// The mounted config file names identities (the listen address is not
+	// loopback, so serve would refuse to start without them).
+	rawCM, err := os.ReadFile("../../deploy/policy-configmap.yaml")
+	require.NoError(t, err)
+	var cm struct {
+		Data map[string]string `yaml:"data"`
+	}
+	require.NoError(t, yaml.Unmarshal(rawCM, &cm))
+	set, err := access.Parse([]byte(cm.Data[filepath.Base(cfg.PolicyFile)]))
+	require.NoError(t, err)
+	require.True(t, set.Enforced())
+	_, limited := set.RateLimit("anything")
+	require.True(t, limited)
+}
+
+func port(t *testing.T, addr string) int {
+	t.Helper()
+	_, p, err := net.SplitHostPort(addr)
+	require.NoError(t, err)
+	n, err := strconv.Atoi(p)
+	require.NoError(t, err)
+	return n
+}
+
+// TestDockerfileBuildsLikeMake checks that the Dockerfile builds the binary
+// with the flags of `make build`, which CI runs.
+func TestDockerfileBuildsLikeMake(t *testing.T) {
+	docker, err := os.ReadFile("../../Dockerfile")
+	require.NoError(t, err)
+	mk, err := os.ReadFile("../../Makefile")
+	require.NoError(t, err)
+	build := regexp.MustCompile(`CGO_ENABLED=0 go build (.*?) -o \S+ \./cmd/idemreg`)
+	d, m := build.FindSubmatch(docker), build.FindSubmatch(mk)
+	require.NotNil(t, d, "the Dockerfile's go build")
+	require.NotNil(t, m, "the Makefile's go build")
+	require.Equal(t, string(m[1]), string(d[1]))
+	require.Contains(t, string(docker), "HEALTHCHECK")
+	require.Regexp(t, `(?m)^USER 65532`, string(docker), "non-root, numeric so runAsNonRoot can check it")
+}
