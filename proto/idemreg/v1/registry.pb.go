@@ -23,6 +23,10 @@
 //   NOT_FOUND              NOT_FOUND             no live record (absent or expired)
 //   STORE_UNAVAILABLE      UNAVAILABLE           the store is down or kept conflicting; retry after RetryInfo
 //   DEADLINE_EXCEEDED      DEADLINE_EXCEEDED     the request's deadline ran out before the store answered
+//   UNAUTHENTICATED        UNAUTHENTICATED       no credentials, or ones no identity of the server's config lists
+//   PERMISSION_DENIED      PERMISSION_DENIED     the caller may not use the request's consumer (checked before any read)
+//   RATE_LIMITED           RESOURCE_EXHAUSTED    the consumer is over its rate limit; QuotaFailure and RetryInfo
+//   OVERLOADED             UNAVAILABLE           the server has too many store calls in flight; retry after RetryInfo
 
 package idemregv1
 
