@@ -11,6 +11,8 @@ import (
 	"os/signal"
 	"syscall"
 
+	"go.opentelemetry.io/otel"
+
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/policy"
@@ -149,8 +151,13 @@ func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger 
 func openStore(ctx context.Context, cfg *config, logger *slog.Logger) (storage.Store, error) {
 	if cfg.DatabaseURL != "" {
 		logger.Info("opening SQL store", "database_url", redact(cfg.DatabaseURL))
+		conflicts, err := newConflictTracer(otel.GetMeterProvider())
+		if err != nil {
+			return nil, err
+		}
 		s, err := postgres.Open(ctx, cfg.DatabaseURL, postgres.WithLogger(logger),
-			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, 0))
+			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, 0),
+			postgres.WithTracer(conflicts))
 		if err != nil {
 			return nil, fmt.Errorf("opening %s: %w", redact(cfg.DatabaseURL), err)
 		}
