@@ -22,13 +22,20 @@ import (
 // for its own key, classified by the same storage.Decide* function as a
 // single call's.
 //
-// When batches form: the coalescer lets at most inFlightLimit of its
-// statements run at once (by default the pool's size). A call that finds a
-// slot free and nobody queued runs alone, with the single-row statement, so
-// a lone caller waits for nothing and pays nothing. Otherwise it joins the
+// When batches form: each kind (Claim, Complete) has a number of statement
+// slots (WithBatching; one by default). A call that finds a slot of its kind
+// free and nobody queued runs alone, with the single-row statement, so a
+// lone caller waits for nothing and pays nothing. Otherwise it joins the
 // pending batch of its kind, which is sent as soon as any of these happens:
-// a statement finishes and frees a slot, the batch reaches maxSize calls, or
-// the first call in it has waited window. Calls on a key already pending
+// a statement of its kind finishes and frees a slot, the batch reaches
+// maxSize calls, or the first call in it has waited window (a statement
+// stuck on a row lock then does not hold the others up for long).
+//
+// Why one slot: on a small machine the database's CPU, not its disk, runs
+// out first, and it is spent per statement as much as per row. One
+// statement of each kind at a time makes the batches as large as the load
+// allows (about half the callers each), so commits and statements per call
+// fall as the load grows; measured in docs/benchmarks.md. Calls on a key already pending
 // wait for the next batch (PostgreSQL refuses an ON CONFLICT DO UPDATE that
 // affects a row twice, and two operations on one key must be ordered
 // anyway). A batch is sorted by key, so concurrent batches lock rows in the
@@ -52,59 +59,50 @@ const (
 	// DefaultBatchSize is the largest number of calls in one statement.
 	DefaultBatchSize = 64
 	// DefaultBatchWindow is the longest a call waits for its batch to be
-	// sent while every statement slot is busy.
-	DefaultBatchWindow = 2 * time.Millisecond
+	// sent while its kind's statement slots are busy.
+	DefaultBatchWindow = 10 * time.Millisecond
+	// DefaultBatchInFlight is the number of statement slots of each kind.
+	DefaultBatchInFlight = 1
 )
 
-// coalescer groups concurrent calls into batches and counts the statements
-// its batchers have in flight. One mutex guards the count and every queue.
+// coalescer holds what the batchers of one store share: their settings,
+// the mutex that guards their queues, and their statistics.
 type coalescer struct {
 	maxSize int
 	window  time.Duration
-	limit   int
+	limit   int // statement slots per kind
 
-	mu       sync.Mutex
-	inFlight int
-	queues   []queue
-	next     int // the queue served first when a slot frees, for fairness
+	mu sync.Mutex
 
 	// batches and batchedCalls count the statements sent for more than one
 	// call and the calls they carried, for tests and the bench.
 	batches, batchedCalls atomic.Int64
+	// splits counts batches split after a serialization failure or a
+	// deadlock.
+	splits atomic.Int64
 }
 
-// queue is what the coalescer needs of a batcher, whatever its types.
-type queue interface {
-	// takeLocked removes the pending batch, if any, and returns the
-	// function that sends it; c.mu is held.
-	takeLocked() func()
-}
-
-// acquireLocked takes a statement slot if one is free.
-func (c *coalescer) acquireLocked() bool {
-	if c.inFlight >= c.limit {
+// acquireLocked takes a statement slot of b's kind if one is free.
+func (b *batcher[P, R]) acquireLocked() bool {
+	if b.inFlight >= b.c.limit {
 		return false
 	}
-	c.inFlight++
+	b.inFlight++
 	return true
 }
 
-// release frees a slot and hands it (and any other free slot) to pending
-// batches.
-func (c *coalescer) release() {
-	var sends []func()
-	c.mu.Lock()
-	c.inFlight--
-	for i := 0; i < len(c.queues) && c.inFlight < c.limit; i++ {
-		q := c.queues[(c.next+i)%len(c.queues)]
-		if send := q.takeLocked(); send != nil {
-			c.inFlight++
-			sends = append(sends, send)
+// release frees a slot and hands it to the pending batch, if any.
+func (b *batcher[P, R]) release() {
+	b.c.mu.Lock()
+	b.inFlight--
+	var send func()
+	if b.inFlight < b.c.limit {
+		if send = b.takeLocked(); send != nil {
+			b.inFlight++
 		}
 	}
-	c.next = (c.next + 1) % len(c.queues)
-	c.mu.Unlock()
-	for _, send := range sends {
+	b.c.mu.Unlock()
+	if send != nil {
 		go send()
 	}
 }
@@ -139,6 +137,7 @@ type batcher[P, R any] struct {
 	exec func(context.Context, []*call[P, R]) error
 
 	// Guarded by c.mu.
+	inFlight int // statements of this kind running, alone or batched
 	pending  []*call[P, R]
 	keys     map[storage.Key]struct{}
 	deferred []*call[P, R] // keys already pending, for the next batch
@@ -152,7 +151,6 @@ func newBatcher[P, R any](c *coalescer, s *Store, op string, keyOf func(P) stora
 	b := &batcher[P, R]{c: c, s: s, op: op, keyOf: keyOf, alone: alone, exec: exec, keys: map[storage.Key]struct{}{}}
 	b.timer = time.AfterFunc(time.Hour, b.windowEnded)
 	b.timer.Stop()
-	c.queues = append(c.queues, b)
 	return b
 }
 
@@ -161,16 +159,16 @@ func newBatcher[P, R any](c *coalescer, s *Store, op string, keyOf func(P) stora
 func (b *batcher[P, R]) do(ctx context.Context, p P) (R, error) {
 	c := b.c
 	c.mu.Lock()
-	if len(b.pending) == 0 && len(b.deferred) == 0 && c.acquireLocked() {
+	if len(b.pending) == 0 && len(b.deferred) == 0 && b.acquireLocked() {
 		c.mu.Unlock()
-		defer c.release()
+		defer b.release()
 		return b.alone(ctx, p)
 	}
 	cl := &call[P, R]{ctx: ctx, p: p, key: b.keyOf(p), done: make(chan outcome[R], 1)}
 	b.addLocked(cl)
 	var send func()
 	if len(b.pending) >= c.maxSize {
-		c.inFlight++ // over the limit: a full batch does not wait for a slot
+		b.inFlight++ // over the limit: a full batch does not wait for a slot
 		send = b.takeLocked()
 	} else if !b.armed {
 		b.armed = true
@@ -217,8 +215,9 @@ func (b *batcher[P, R]) addLocked(cl *call[P, R]) {
 	b.pending = append(b.pending, cl)
 }
 
-// takeLocked implements queue. The deferred calls move up into the next
-// pending batch, whose window starts now.
+// takeLocked removes the pending batch, if any, and returns the function
+// that sends it and then releases its slot; c.mu is held. The deferred
+// calls move up into the next pending batch, whose window starts now.
 func (b *batcher[P, R]) takeLocked() func() {
 	if len(b.pending) == 0 {
 		return nil
@@ -239,7 +238,7 @@ func (b *batcher[P, R]) takeLocked() func() {
 		b.timer.Stop()
 	}
 	return func() {
-		defer b.c.release()
+		defer b.release()
 		b.send(batch)
 	}
 }
@@ -251,7 +250,7 @@ func (b *batcher[P, R]) windowEnded() {
 	b.armed = false
 	send := b.takeLocked()
 	if send != nil {
-		c.inFlight++
+		b.inFlight++
 	}
 	c.mu.Unlock()
 	if send != nil {
@@ -284,6 +283,7 @@ func (b *batcher[P, R]) send(batch []*call[P, R]) {
 		return
 	}
 	if retryable(err) {
+		b.c.splits.Add(1)
 		b.s.logger.DebugContext(ctx, "postgres: batch conflicted, splitting it", "op", b.op, "calls", len(live), "error", err)
 		_ = sleep(ctx, backoff(1))
 		half := len(live) / 2

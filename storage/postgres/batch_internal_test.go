@@ -75,15 +75,10 @@ func newFake(t *testing.T, limit int) (*fakeOps, *coalescer, *batcher[string, st
 	return f, c, newBatcher(c, s, "fake", f.keyOf, f.runAlone, f.exec)
 }
 
-func (c *coalescer) pendingCalls() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	n := 0
-	for _, q := range c.queues {
-		b := q.(*batcher[string, string])
-		n += len(b.pending) + len(b.deferred)
-	}
-	return n
+func (b *batcher[P, R]) pendingCalls() int {
+	b.c.mu.Lock()
+	defer b.c.mu.Unlock()
+	return len(b.pending) + len(b.deferred)
 }
 
 // occupy holds the only slot with a call that runs alone until release is
@@ -96,7 +91,7 @@ func occupy(t *testing.T, f *fakeOps, c *coalescer, b *batcher[string, string]) 
 		defer close(done)
 		_, _ = b.do(t.Context(), "blocker")
 	}()
-	require.Eventually(t, func() bool { c.mu.Lock(); defer c.mu.Unlock(); return c.inFlight == 1 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { c.mu.Lock(); defer c.mu.Unlock(); return b.inFlight == 1 }, 10*time.Second, time.Millisecond)
 	return func() {
 		f.mu.Lock()
 		close(f.hold)
@@ -116,7 +111,7 @@ func queued(t *testing.T, ctx context.Context, c *coalescer, b *batcher[string, 
 	for i, k := range keys {
 		wg.Go(func() { got[i], errs[i] = b.do(ctx, k) })
 	}
-	require.Eventually(t, func() bool { return c.pendingCalls() == len(keys) }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return b.pendingCalls() == len(keys) }, 10*time.Second, time.Millisecond)
 	release()
 	wg.Wait()
 	for i, err := range errs {
@@ -221,11 +216,11 @@ func TestBatcherDropsACallWhoseContextEnded(t *testing.T) {
 	var wg sync.WaitGroup
 	var cancelledErr error
 	wg.Go(func() { _, cancelledErr = b.do(ctx, "gone") })
-	require.Eventually(t, func() bool { return c.pendingCalls() == 1 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return b.pendingCalls() == 1 }, 10*time.Second, time.Millisecond)
 	cancel()
 	wg.Wait()
 	require.ErrorIs(t, cancelledErr, context.Canceled)
-	require.Zero(t, c.pendingCalls())
+	require.Zero(t, b.pendingCalls())
 	got := queued(t, t.Context(), c, b, release, "a", "b")
 	require.Equal(t, []string{"batch:a", "batch:b"}, got)
 	require.Equal(t, [][]string{{"a", "b"}}, f.batches, "the cancelled call left its batch")

@@ -35,11 +35,11 @@
 // that arrive together travel as one multi-row statement of the same shape
 // (claimBatchSQL, completeBatchSQL), one round trip and one commit for the
 // whole batch, and every caller still gets the answer for its own key,
-// classified by the same Decide function. A call that finds a statement
-// slot free (WithBatching; by default as many slots as pool connections)
-// and nobody queued runs alone with the single-row statement, so a lone
+// classified by the same Decide function. A call that finds its kind's
+// statement slot free (WithBatching; one slot per kind by default) and
+// nobody queued runs alone with the single-row statement, so a lone
 // caller's latency is unchanged. Otherwise it joins the pending batch, sent
-// when a slot frees, when it is full, or when its window has passed. The
+// when the slot frees, when it is full, or when its window has passed. The
 // same key never appears twice in one statement (PostgreSQL refuses an ON
 // CONFLICT DO UPDATE that affects a row twice): a second call on a key
 // waits for the next batch. A batch that hits a serialization failure or a

@@ -9,11 +9,15 @@ func BatchStats(s *Store) (batches, calls int64) {
 	return s.coalescer.batches.Load(), s.coalescer.batchedCalls.Load()
 }
 
+// BatchSplits reports how many batches were split after a serialization
+// failure or a deadlock.
+func BatchSplits(s *Store) int64 { return s.coalescer.splits.Load() }
+
 // Coalescing reports the statements in flight and the calls queued.
 func Coalescing(s *Store) (inFlight, queued int) {
 	c := s.coalescer
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.inFlight, len(s.claims.pending) + len(s.claims.deferred) +
+	return s.claims.inFlight + s.completes.inFlight, len(s.claims.pending) + len(s.claims.deferred) +
 		len(s.completes.pending) + len(s.completes.deferred)
 }

@@ -84,11 +84,11 @@ func WithPoolConfig(fn func(*pgxpool.Config)) Option {
 // WithBatching sets how concurrent Claims and Completes are coalesced into
 // multi-row statements (see the package documentation): at most size calls
 // per statement (default DefaultBatchSize; 1 or less turns coalescing off,
-// so every call is its own statement), and a queued call waits at most
-// window (default DefaultBatchWindow) for its statement to be sent while
-// every statement slot is busy. inFlight is the number of slots, the
-// statements that run before calls start to queue; zero or less means the
-// pool's MaxConns.
+// so every call is its own statement); inFlight statement slots per kind
+// (default DefaultBatchInFlight), the statements that run before calls of
+// that kind start to queue; and a queued call waits at most window (default
+// DefaultBatchWindow) for a slot before its batch is sent anyway. Zero
+// window or inFlight keeps the default.
 func WithBatching(size int, window time.Duration, inFlight int) Option {
 	return func(o *options) {
 		o.batchSize = size

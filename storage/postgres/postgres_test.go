@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"runtime"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -194,9 +196,11 @@ func TestOneRoundTripPerCall(t *testing.T) {
 }
 
 // TestOneStatementPerBatch counts statements and writes when calls
-// coalesce: the store's only statement slot is held by a Claim waiting on
-// a row lock (ON CONFLICT locks the conflicting row), n calls queue behind it, and when the lock goes they travel as
-// one statement in one write, each with its own answer.
+// coalesce: the only statement slot of a kind is held by a call of that
+// kind waiting on a row lock (a Claim's ON CONFLICT and a Complete's UPDATE
+// both lock the row), n calls of the kind queue behind it, and when the
+// lock goes they travel as one statement in one write, each with its own
+// answer.
 func TestOneStatementPerBatch(t *testing.T) {
 	const n = 16
 	var (
@@ -220,16 +224,18 @@ func TestOneStatementPerBatch(t *testing.T) {
 			}
 		}))
 	ctx := t.Context()
-	blocker := storage.Key{Consumer: "batch", Kind: storage.KindOperation, Key: "blocker"}
-	_, err := s.Claim(ctx, storage.ClaimParams{Key: blocker, Lease: time.Minute, Retention: time.Hour})
-	require.NoError(t, err)
 	lock, err := pgx.Connect(ctx, databaseURL)
 	require.NoError(t, err)
 	defer lock.Close(context.Background())
 
-	// round runs call(i) for i < n behind a blocked statement and returns
-	// the statements and writes they took.
-	round := func(name string, call func(i int) error) {
+	// round runs call(i) for i < n behind a blocked call of the same kind
+	// and checks that they took one statement and one write.
+	blockers := 0
+	round := func(name string, claims bool, call func(i int) error) {
+		blockers++
+		blocker := storage.Key{Consumer: "batch", Kind: storage.KindOperation, Key: fmt.Sprint("blocker-", blockers)}
+		res, err := s.Claim(ctx, storage.ClaimParams{Key: blocker, Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
 		tx, err := lock.Begin(ctx)
 		require.NoError(t, err)
 		defer tx.Rollback(context.Background()) //nolint:errcheck // released below
@@ -239,8 +245,13 @@ func TestOneStatementPerBatch(t *testing.T) {
 		q0, w0 := queries.n.Load(), writes.Load()
 		blocked := make(chan error, 1)
 		go func() {
-			res, err := s.Claim(ctx, storage.ClaimParams{Key: blocker, Lease: time.Minute, Retention: time.Hour})
-			blocked <- expectOutcome(res, err, storage.OutcomeInProgress)
+			if claims {
+				res, err := s.Claim(ctx, storage.ClaimParams{Key: blocker, Lease: time.Minute, Retention: time.Hour})
+				blocked <- expectOutcome(res, err, storage.OutcomeInProgress)
+				return
+			}
+			_, err := s.Complete(ctx, storage.CompleteParams{Key: blocker, Token: res.Record.Token, Result: []byte("r")})
+			blocked <- err
 		}()
 		require.Eventually(t, func() bool { return queries.n.Load() == q0+1 && writes.Load() >= w0+1 },
 			10*time.Second, time.Millisecond, "%s: the blocking statement was sent", name)
@@ -274,7 +285,7 @@ func TestOneStatementPerBatch(t *testing.T) {
 		return storage.ClaimParams{Key: key(i), Fingerprint: []byte("fp"), Lease: time.Minute, Retention: time.Hour, Holder: "h"}
 	}
 	tokens := make([]int64, n)
-	round("ClaimNewKeys", func(i int) error {
+	round("ClaimNewKeys", true, func(i int) error {
 		res, err := s.Claim(ctx, claim(i))
 		tokens[i] = res.Record.Token
 		if err == nil && res.Record.Key != key(i) {
@@ -282,21 +293,21 @@ func TestOneStatementPerBatch(t *testing.T) {
 		}
 		return expectOutcome(res, err, storage.OutcomeAcquired)
 	})
-	round("ClaimInProgress", func(i int) error {
+	round("ClaimInProgress", true, func(i int) error {
 		res, err := s.Claim(ctx, claim(i))
 		if err == nil && res.RetryAfter <= 0 {
 			return fmt.Errorf("retry after %v", res.RetryAfter)
 		}
 		return expectOutcome(res, err, storage.OutcomeInProgress)
 	})
-	round("Complete", func(i int) error {
+	round("Complete", false, func(i int) error {
 		rec, err := s.Complete(ctx, storage.CompleteParams{Key: key(i), Token: tokens[i], Result: []byte(fmt.Sprint("result-", i))})
 		if err == nil && (rec.State != storage.StateCompleted || string(rec.Result) != fmt.Sprint("result-", i)) {
 			return fmt.Errorf("record %+v", rec)
 		}
 		return err
 	})
-	round("CompleteMixed", func(i int) error {
+	round("CompleteMixed", false, func(i int) error {
 		// Even keys repeat their Complete, odd keys send a stale token.
 		p := storage.CompleteParams{Key: key(i), Token: tokens[i], Result: []byte("other")}
 		if i%2 == 1 {
@@ -313,7 +324,7 @@ func TestOneStatementPerBatch(t *testing.T) {
 		}
 		return nil
 	})
-	round("ClaimReplay", func(i int) error {
+	round("ClaimReplay", true, func(i int) error {
 		res, err := s.Claim(ctx, claim(i))
 		if err == nil && string(res.Record.Result) != fmt.Sprint("result-", i) {
 			return fmt.Errorf("replayed %q", res.Record.Result)
@@ -484,4 +495,56 @@ func TestOpenRejectsBadURL(t *testing.T) {
 	_, err := postgres.Open(t.Context(), "postgres://idemreg:secret@127.0.0.1:notaport/idemreg")
 	require.Error(t, err)
 	require.NotContains(t, err.Error(), "secret", "the password stays out of errors")
+}
+
+// BenchmarkClaimComplete runs claim+complete pairs of new keys from 64
+// goroutines on the store, with coalescing on (the default) and off, and
+// reports pairs per second and the calls per statement. It prints figures
+// and asserts none.
+func BenchmarkClaimComplete(b *testing.B) {
+	databaseURL := pgtest.NewDatabase(b)
+	for _, bc := range []struct {
+		name string
+		opts []postgres.Option
+	}{
+		{"coalesced", nil},
+		{"alone", []postgres.Option{postgres.WithBatching(1, 0, 0)}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			s, err := postgres.Open(b.Context(), databaseURL, bc.opts...)
+			require.NoError(b, err)
+			defer s.Close()
+			var seq atomic.Int64
+			prefix := fmt.Sprintf("%s-%d-", bc.name, time.Now().UnixNano())
+			var b0, c0, s0 int64
+			if bc.name != "alone" {
+				b0, c0 = postgres.BatchStats(s)
+				s0 = postgres.BatchSplits(s)
+			}
+			b.SetParallelism((64 + runtime.GOMAXPROCS(0) - 1) / runtime.GOMAXPROCS(0))
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				ctx := context.Background()
+				for pb.Next() {
+					k := storage.Key{Consumer: "bench", Kind: storage.KindMessage, Key: prefix + strconv.FormatInt(seq.Add(1), 10)}
+					res, err := s.Claim(ctx, storage.ClaimParams{Key: k, Fingerprint: []byte("fp"), Lease: time.Minute, Retention: time.Hour, Holder: "bench"})
+					if err != nil {
+						b.Error(err)
+						return
+					}
+					if _, err := s.Complete(ctx, storage.CompleteParams{Key: k, Token: res.Record.Token, Result: []byte("a small result")}); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "pairs/s")
+			if bc.name != "alone" {
+				batches, calls := postgres.BatchStats(s)
+				b.ReportMetric(float64(calls-c0)/float64(max(batches-b0, 1)), "calls/batch")
+				b.ReportMetric(float64(batches-b0), "batches")
+				b.ReportMetric(float64(postgres.BatchSplits(s)-s0), "splits")
+			}
+		})
+	}
 }

@@ -77,9 +77,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if o.batchSize > 1 {
 		limit := o.batchInFlight
 		if limit <= 0 {
-			limit = int(cfg.MaxConns)
+			limit = DefaultBatchInFlight
 		}
-		s.coalescer = &coalescer{maxSize: o.batchSize, window: o.batchWindow, limit: max(limit, 1)}
+		s.coalescer = &coalescer{maxSize: o.batchSize, window: o.batchWindow, limit: limit}
 		s.claims = newBatcher(s.coalescer, s, "claim",
 			func(p storage.ClaimParams) storage.Key { return p.Key }, s.claimAlone, s.claimBatch)
 		s.completes = newBatcher(s.coalescer, s, "complete",
