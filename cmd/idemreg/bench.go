@@ -201,10 +201,15 @@ type benchRun struct {
 	CommitsPerCall float64
 	// PeakRSS is the server's peak resident set in bytes, 0 when unknown.
 	PeakRSS int64
+	// ServerCPUPerCall and DBCPUPerCall are the CPU time the server process
+	// and the database sessions of the target spent per measured call, in
+	// microseconds, or -1 when not measured. On a shared machine they say
+	// more than throughput does: they do not depend on who else runs.
+	ServerCPUPerCall, DBCPUPerCall float64
 }
 
 func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep int, stderr io.Writer) (benchRun, error) {
-	run := benchRun{CommitsPerCall: -1}
+	run := benchRun{CommitsPerCall: -1, ServerCPUPerCall: -1, DBCPUPerCall: -1}
 	runID := fmt.Sprintf("%s-%d-%d-%d", target, callers, rep, time.Now().UnixNano())
 	// Round trips are counted as the database's commits, which its
 	// statistics show once the sessions that made them have ended: so only
@@ -267,14 +272,44 @@ func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep
 	var profileDone chan error
 	if srv != nil && srv.pprof != "" && cfg.ProfileDir != "" {
 		profileDone = make(chan error, 1)
-		path := filepath.Join(cfg.ProfileDir, fmt.Sprintf("cpu-%s-%d-%d.pprof", target, callers, rep))
-		bc.OnMeasure = func() { go func() { profileDone <- fetchProfile(ctx, srv.pprof, cfg.Duration, path) }() }
+	}
+	dbApp := ""
+	switch {
+	case target == "sql":
+		dbApp = bench.SQLApplicationName
+	case target == "idemreg" && cfg.Addr == "":
+		dbApp = "idemreg"
+	}
+	var serverCPU0, dbCPU0 time.Duration
+	var dbPIDs []int
+	bc.OnMeasure = func() {
+		if profileDone != nil {
+			path := filepath.Join(cfg.ProfileDir, fmt.Sprintf("cpu-%s-%d-%d.pprof", target, callers, rep))
+			go func() { profileDone <- fetchProfile(ctx, srv.pprof, cfg.Duration, path) }()
+		}
+		serverCPU0 = processCPU(pid)
+		if dbApp != "" {
+			dbPIDs, _ = bench.BackendPIDs(ctx, cfg.DatabaseURL, dbApp)
+			for _, p := range dbPIDs {
+				dbCPU0 += processCPU(p)
+			}
+		}
 	}
 	res, err := bench.Run(ctx, t, bc)
 	if err != nil {
 		return run, err
 	}
 	run.Result = res
+	if pid > 0 && res.Ops > 0 {
+		run.ServerCPUPerCall = float64((processCPU(pid) - serverCPU0).Microseconds()) / float64(res.Ops)
+	}
+	if len(dbPIDs) > 0 && res.Ops > 0 {
+		var dbCPU time.Duration
+		for _, p := range dbPIDs {
+			dbCPU += processCPU(p)
+		}
+		run.DBCPUPerCall = float64((dbCPU - dbCPU0).Microseconds()) / float64(res.Ops)
+	}
 	if profileDone != nil {
 		if err := <-profileDone; err != nil {
 			fmt.Fprintln(stderr, "bench: profile:", err)
@@ -401,6 +436,33 @@ func (s *spawned) stop() {
 	os.RemoveAll(s.dir)
 }
 
+// processCPU reads the user and system CPU time a process has used so far
+// (/proc/PID/stat, in clock ticks of 10 ms), or 0.
+func processCPU(pid int) time.Duration {
+	if pid <= 0 {
+		return 0
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// The command name may hold spaces; the fields after it do not.
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return 0
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	utime, err1 := strconv.ParseInt(f[11], 10, 64)
+	stime, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0
+	}
+	return time.Duration(utime+stime) * 10 * time.Millisecond
+}
+
 // peakRSS reads a process's peak resident set (VmHWM) in bytes.
 func peakRSS(pid int) int64 {
 	if pid <= 0 {
@@ -515,6 +577,12 @@ func printReport(w io.Writer, r benchReport) {
 	if m.PeakRSS > 0 {
 		extra += fmt.Sprintf("  server peak RSS %.0f MiB", float64(m.PeakRSS)/(1<<20))
 	}
+	if m.ServerCPUPerCall >= 0 {
+		extra += fmt.Sprintf("  server CPU/call %.0fµs", m.ServerCPUPerCall)
+	}
+	if m.DBCPUPerCall >= 0 {
+		extra += fmt.Sprintf("  db CPU/call %.0fµs", m.DBCPUPerCall)
+	}
 	fmt.Fprintf(w, "    ops/s %.0f  errors %d  unexpected %d%s\n", m.OpsPerSecond(), m.Errors, m.Unexpected, extra)
 	if m.FirstError != "" {
 		fmt.Fprintf(w, "    first error: %s\n", m.FirstError)
@@ -524,7 +592,7 @@ func printReport(w io.Writer, r benchReport) {
 func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "target\tcallers\tpairs/s median (min–max)\tpair p50 ms\tpair p99 ms median (min–max)\tclaim p99 ms\tcommits/call\tpeak RSS MiB\t")
+	fmt.Fprintln(tw, "target\tcallers\tpairs/s median (min–max)\tpair p50 ms\tpair p99 ms median (min–max)\tclaim p99 ms\tcommits/call\tserver µs/call\tdb µs/call\tpeak RSS MiB\t")
 	for _, r := range reports {
 		cpc, rss := "-", "-"
 		if r.Median.CommitsPerCall >= 0 {
@@ -533,9 +601,16 @@ func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
 		if r.Median.PeakRSS > 0 {
 			rss = fmt.Sprintf("%.0f", float64(r.Median.PeakRSS)/(1<<20))
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%.2f\t%s\t%.2f\t%s\t%s\t\n", r.Target, r.Callers, r.PairsPS.format("%.0f"),
+		srvCPU, dbCPU := "-", "-"
+		if r.Median.ServerCPUPerCall >= 0 {
+			srvCPU = fmt.Sprintf("%.0f", r.Median.ServerCPUPerCall)
+		}
+		if r.Median.DBCPUPerCall >= 0 {
+			dbCPU = fmt.Sprintf("%.0f", r.Median.DBCPUPerCall)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%.2f\t%s\t%.2f\t%s\t%s\t%s\t%s\t\n", r.Target, r.Callers, r.PairsPS.format("%.0f"),
 			float64(r.Median.Pair.P50)/float64(time.Millisecond), r.PairP99.format("%.1f"),
-			float64(r.Median.Claim.P99)/float64(time.Millisecond), cpc, rss)
+			float64(r.Median.Claim.P99)/float64(time.Millisecond), cpc, srvCPU, dbCPU, rss)
 	}
 	tw.Flush()
 	// Ratios of every idemreg target against every baseline, per callers.

@@ -78,3 +78,23 @@ func DBCommits(ctx context.Context, databaseURL string) (int64, error) {
 
 // settleStats waits for the statistics of idle backends to be flushed.
 func settleStats(ctx context.Context) { sleep(ctx, 1500*time.Millisecond) }
+
+// BackendPIDs lists the process ids of the sessions on databaseURL's
+// database whose application_name is app, to read their CPU time.
+func BackendPIDs(ctx context.Context, databaseURL, app string) ([]int, error) {
+	conn, err := pgx.Connect(ctx, databaseURL)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close(context.Background())
+	rows, err := conn.Query(ctx, `SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1`, app)
+	if err != nil {
+		return nil, err
+	}
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	out := make([]int, len(pids))
+	for i, p := range pids {
+		out[i] = int(p)
+	}
+	return out, err
+}

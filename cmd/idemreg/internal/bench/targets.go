@@ -102,6 +102,10 @@ UPDATE bench_inbox SET state = 2, result = $4, expires_at = now() + $5 * INTERVA
 WHERE consumer = $1 AND key = $2 AND token = $3 AND state = 1`
 )
 
+// SQLApplicationName names the sql baseline's sessions, so their CPU can be
+// told from others'.
+const SQLApplicationName = "idemreg-bench-sql"
+
 // NewSQLInbox connects to databaseURL with conns connections and creates
 // the table.
 func NewSQLInbox(ctx context.Context, databaseURL, consumer string, conns int) (*SQLInbox, error) {
@@ -110,6 +114,7 @@ func NewSQLInbox(ctx context.Context, databaseURL, consumer string, conns int) (
 		return nil, err
 	}
 	cfg.MaxConns = int32(max(conns, 1))
+	cfg.ConnConfig.RuntimeParams["application_name"] = SQLApplicationName
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, err
