@@ -206,6 +206,9 @@ type benchRun struct {
 	// microseconds, or -1 when not measured. On a shared machine they say
 	// more than throughput does: they do not depend on who else runs.
 	ServerCPUPerCall, DBCPUPerCall float64
+	// ClientCPUPerCall is this process's CPU time per measured call: the
+	// load generator and the target's client (gRPC, pgx or go-redis).
+	ClientCPUPerCall float64
 }
 
 func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep int, stderr io.Writer) (benchRun, error) {
@@ -280,7 +283,7 @@ func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep
 	case target == "idemreg" && cfg.Addr == "":
 		dbApp = "idemreg"
 	}
-	var serverCPU0, dbCPU0 time.Duration
+	var serverCPU0, dbCPU0, clientCPU0 time.Duration
 	var dbPIDs []int
 	bc.OnMeasure = func() {
 		if profileDone != nil {
@@ -288,6 +291,7 @@ func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep
 			go func() { profileDone <- fetchProfile(ctx, srv.pprof, cfg.Duration, path) }()
 		}
 		serverCPU0 = processCPU(pid)
+		clientCPU0 = selfCPU()
 		if dbApp != "" {
 			dbPIDs, _ = bench.BackendPIDs(ctx, cfg.DatabaseURL, dbApp)
 			for _, p := range dbPIDs {
@@ -300,6 +304,9 @@ func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep
 		return run, err
 	}
 	run.Result = res
+	if res.Ops > 0 {
+		run.ClientCPUPerCall = float64((selfCPU() - clientCPU0).Microseconds()) / float64(res.Ops)
+	}
 	if pid > 0 && res.Ops > 0 {
 		run.ServerCPUPerCall = float64((processCPU(pid) - serverCPU0).Microseconds()) / float64(res.Ops)
 	}
@@ -434,6 +441,15 @@ func (s *spawned) stop() {
 		<-s.done
 	}
 	os.RemoveAll(s.dir)
+}
+
+// selfCPU is this process's user and system CPU time so far.
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // processCPU reads the user and system CPU time a process has used so far
@@ -577,12 +593,7 @@ func printReport(w io.Writer, r benchReport) {
 	if m.PeakRSS > 0 {
 		extra += fmt.Sprintf("  server peak RSS %.0f MiB", float64(m.PeakRSS)/(1<<20))
 	}
-	if m.ServerCPUPerCall >= 0 {
-		extra += fmt.Sprintf("  server CPU/call %.0fµs", m.ServerCPUPerCall)
-	}
-	if m.DBCPUPerCall >= 0 {
-		extra += fmt.Sprintf("  db CPU/call %.0fµs", m.DBCPUPerCall)
-	}
+	extra += "  CPU µs/call client+server+db " + cpuColumns(m)
 	fmt.Fprintf(w, "    ops/s %.0f  errors %d  unexpected %d%s\n", m.OpsPerSecond(), m.Errors, m.Unexpected, extra)
 	if m.FirstError != "" {
 		fmt.Fprintf(w, "    first error: %s\n", m.FirstError)
@@ -592,7 +603,7 @@ func printReport(w io.Writer, r benchReport) {
 func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "target\tcallers\tpairs/s median (min–max)\tpair p50 ms\tpair p99 ms median (min–max)\tclaim p99 ms\tcommits/call\tserver µs/call\tdb µs/call\tpeak RSS MiB\t")
+	fmt.Fprintln(tw, "target\tcallers\tpairs/s median (min–max)\tpair p50 ms\tpair p99 ms median (min–max)\tclaim p99 ms\tcommits/call\tCPU µs/call client+server+db\tpeak RSS MiB\t")
 	for _, r := range reports {
 		cpc, rss := "-", "-"
 		if r.Median.CommitsPerCall >= 0 {
@@ -601,16 +612,10 @@ func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
 		if r.Median.PeakRSS > 0 {
 			rss = fmt.Sprintf("%.0f", float64(r.Median.PeakRSS)/(1<<20))
 		}
-		srvCPU, dbCPU := "-", "-"
-		if r.Median.ServerCPUPerCall >= 0 {
-			srvCPU = fmt.Sprintf("%.0f", r.Median.ServerCPUPerCall)
-		}
-		if r.Median.DBCPUPerCall >= 0 {
-			dbCPU = fmt.Sprintf("%.0f", r.Median.DBCPUPerCall)
-		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%.2f\t%s\t%.2f\t%s\t%s\t%s\t%s\t\n", r.Target, r.Callers, r.PairsPS.format("%.0f"),
+		cpu := cpuColumns(r.Median)
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%.2f\t%s\t%.2f\t%s\t%s\t%s\t\n", r.Target, r.Callers, r.PairsPS.format("%.0f"),
 			float64(r.Median.Pair.P50)/float64(time.Millisecond), r.PairP99.format("%.1f"),
-			float64(r.Median.Claim.P99)/float64(time.Millisecond), cpc, srvCPU, dbCPU, rss)
+			float64(r.Median.Claim.P99)/float64(time.Millisecond), cpc, cpu, rss)
 	}
 	tw.Flush()
 	// Ratios of every idemreg target against every baseline, per callers.
@@ -626,6 +631,19 @@ func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
 				r.PairsPS.Median/b.PairsPS.Median, r.PairP99.Median/b.PairP99.Median)
 		}
 	}
+}
+
+// cpuColumns is "client+server+db=total" in µs per call, "-" for a part
+// not measured (redis's server, say).
+func cpuColumns(r benchRun) string {
+	part := func(v float64) string {
+		if v < 0 {
+			return "-"
+		}
+		return fmt.Sprintf("%.0f", v)
+	}
+	total := r.ClientCPUPerCall + max(r.ServerCPUPerCall, 0) + max(r.DBCPUPerCall, 0)
+	return fmt.Sprintf("%s+%s+%s=%.0f", part(r.ClientCPUPerCall), part(r.ServerCPUPerCall), part(r.DBCPUPerCall), total)
 }
 
 func writeJSON(path string, cfg benchConfig, reports []benchReport) error {
