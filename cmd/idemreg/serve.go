@@ -33,6 +33,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	logger := cfg.logger(stderr)
+	tuneGC(logger)
 	stopPprof, err := startPprof(cfg.PprofListen, logger)
 	if err != nil {
 		return err
