@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -24,13 +25,36 @@ import (
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 )
 
+// built is the binary the tests run, built once per test process: linking
+// a -race binary takes seconds, and every test of the binary needs one.
+// TestMain removes it.
+var built struct {
+	once     sync.Once
+	dir, bin string
+	out      []byte
+	err      error
+}
+
 // buildBinary builds idemreg once per test run.
 func buildBinary(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "idemreg")
-	out, err := exec.Command("go", "build", "-race", "-o", bin, ".").CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
-	return bin
+	built.once.Do(func() {
+		if built.dir, built.err = os.MkdirTemp("", "idemreg-test-"); built.err != nil {
+			return
+		}
+		built.bin = filepath.Join(built.dir, "idemreg")
+		built.out, built.err = exec.Command("go", "build", "-race", "-o", built.bin, ".").CombinedOutput()
+	})
+	require.NoError(t, built.err, "go build: %s", built.out)
+	return built.bin
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if built.dir != "" {
+		_ = os.RemoveAll(built.dir)
+	}
+	os.Exit(code)
 }
 
 func freeAddr(t *testing.T) string {
