@@ -1,8 +1,11 @@
 package lincheck
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -99,27 +102,57 @@ var ErrNotLinearizable = errors.New("history is not linearizable")
 // run must not pass on an unknown result.
 var ErrCheckTimedOut = errors.New("linearizability check timed out")
 
-// Check checks history against Model within timeout. When the history is
-// not linearizable, or the check timed out, it writes porcupine's HTML
-// visualisation to htmlPath (if not empty) and says so in the error.
+// Check checks history against Model within timeout, one key at a time so
+// that a failure names its keys. When a key's history is not linearizable,
+// or its check ran out of time, it writes porcupine's HTML visualisation of
+// those keys to htmlPath and their calls as JSON beside it (if htmlPath is
+// not empty), and says so in the error.
 func Check(history []porcupine.Operation, timeout time.Duration, htmlPath string) error {
-	res := porcupine.CheckOperationsTimeout(Model, history, timeout)
-	if res == porcupine.Ok {
-		return nil
+	deadline := time.Now().Add(timeout)
+	var (
+		bad              []porcupine.Operation
+		illegal, unknown []string
+	)
+	for _, part := range Model.Partition(history) {
+		key := part[0].Input.(Input).Key
+		res := porcupine.Unknown
+		if left := time.Until(deadline); left > 0 {
+			res = porcupine.CheckOperationsTimeout(Model, part, min(left, perKeyTimeout))
+		}
+		switch res {
+		case porcupine.Illegal:
+			illegal = append(illegal, key)
+		case porcupine.Unknown:
+			unknown = append(unknown, key)
+		default:
+			continue
+		}
+		bad = append(bad, part...)
 	}
-	err := ErrNotLinearizable
-	if res == porcupine.Unknown {
-		err = ErrCheckTimedOut
+	var err error
+	switch {
+	case len(illegal) > 0:
+		err = fmt.Errorf("%w: keys %v (and %d keys unchecked for lack of time)", ErrNotLinearizable, illegal, len(unknown))
+	case len(unknown) > 0:
+		err = fmt.Errorf("%w: keys %v", ErrCheckTimedOut, unknown)
+	default:
+		return nil
 	}
 	if htmlPath == "" {
 		return err
 	}
-	_, info := porcupine.CheckOperationsVerbose(Model, history, timeout)
+	if b, jerr := json.MarshalIndent(bad, "", " "); jerr == nil {
+		_ = os.WriteFile(strings.TrimSuffix(htmlPath, ".html")+".json", b, 0o644)
+	}
+	_, info := porcupine.CheckOperationsVerbose(Model, bad, perKeyTimeout)
 	if verr := porcupine.VisualizePath(Model, info, htmlPath); verr != nil {
 		return fmt.Errorf("%w (writing the visualisation: %v)", err, verr)
 	}
 	return fmt.Errorf("%w: see %s", err, htmlPath)
 }
+
+// perKeyTimeout bounds the check of one key's history.
+const perKeyTimeout = 30 * time.Second
 
 // Classify turns an error of a registry call into the model's answer. The
 // registry's definite refusals (ErrorInfo reasons LEASE_LOST,

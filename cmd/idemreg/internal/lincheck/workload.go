@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
@@ -61,6 +62,7 @@ type Workload struct {
 	cfg  Config
 	rec  *Recorder
 	rpc  idemregv1.RegistryServiceClient
+	conn *grpc.ClientConn // nil when not a *grpc.ClientConn
 	born time.Time
 
 	mu         sync.Mutex
@@ -73,7 +75,8 @@ type Workload struct {
 // NewWorkload returns a workload on conn recording into rec.
 func NewWorkload(conn grpc.ClientConnInterface, rec *Recorder, cfg Config) *Workload {
 	cfg.setDefaults()
-	return &Workload{cfg: cfg, rec: rec, rpc: idemregv1.NewRegistryServiceClient(conn), born: time.Now(),
+	cc, _ := conn.(*grpc.ClientConn)
+	return &Workload{cfg: cfg, rec: rec, rpc: idemregv1.NewRegistryServiceClient(conn), conn: cc, born: time.Now(),
 		slots: make([]slot, cfg.Keys), seen: map[string][]int64{}, acked: map[string]Output{}}
 }
 
@@ -148,7 +151,11 @@ type worker struct {
 }
 
 func (wk *worker) run(ctx context.Context) {
+	failures := 0
 	for ctx.Err() == nil {
+		if !wk.w.connected(ctx) {
+			continue
+		}
 		in := wk.next()
 		call := wk.w.rec.Now()
 		out, err := wk.w.call(ctx, in)
@@ -159,17 +166,40 @@ func (wk *worker) run(ctx context.Context) {
 			wk.w.unexpected = append(wk.w.unexpected, fmt.Sprintf("%v: %v", in, err))
 			wk.w.mu.Unlock()
 		}
-		if out.Status == Unknown {
-			// The call stays open to the end of the history; the worker
-			// goes on as a new client, after a pause so an outage does
-			// not fill the history with ambiguous calls.
-			wk.client = wk.w.rec.NewClient()
-			select {
-			case <-ctx.Done():
-			case <-time.After(time.Duration(20+wk.rnd.IntN(30)) * time.Millisecond):
-			}
+		if out.Status != Unknown {
+			failures = 0
+			continue
+		}
+		// The call stays open to the end of the history, and the worker
+		// goes on as a new client. Every open call on a key multiplies the
+		// orders the checker may have to try, so during an outage the
+		// worker backs off: 20 ms, doubling up to a second.
+		wk.client = wk.w.rec.NewClient()
+		pause := min(20*time.Millisecond<<min(failures, 6), time.Second)
+		failures++
+		select {
+		case <-ctx.Done():
+		case <-time.After(pause/2 + time.Duration(wk.rnd.Int64N(int64(pause/2)))):
 		}
 	}
+}
+
+// connected reports whether the connection is ready; when it is not, it
+// waits a little for it. A call made without a connection is never sent,
+// yet would count as ambiguous: the workers do not make one.
+func (w *Workload) connected(ctx context.Context) bool {
+	if w.conn == nil {
+		return true
+	}
+	st := w.conn.GetState()
+	if st == connectivity.Ready {
+		return true
+	}
+	w.conn.Connect()
+	wctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	w.conn.WaitForStateChange(wctx, st)
+	return false
 }
 
 // key picks one of the current keys.
