@@ -29,6 +29,14 @@ const (
 	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
 	ReasonCanceled            = "CANCELED"
 	ReasonInternal            = "INTERNAL"
+	ReasonUnauthenticated     = "UNAUTHENTICATED"
+	ReasonPermissionDenied    = "PERMISSION_DENIED"
+	// ReasonRateLimited (code RESOURCE_EXHAUSTED, with QuotaFailure and
+	// RetryInfo): the consumer's rate limit was reached.
+	ReasonRateLimited = "RATE_LIMITED"
+	// ReasonOverloaded (code UNAVAILABLE, with RetryInfo): the registry has
+	// too many store operations in flight; it returns an *UnavailableError.
+	ReasonOverloaded = "OVERLOADED"
 
 	// ReasonInProgress (code ABORTED, with RetryInfo) is the interceptors'
 	// answer to a duplicate that arrives while the first call still runs.
@@ -58,6 +66,14 @@ var (
 	ErrDeadlineExceeded = errors.New("idemreg: deadline exceeded")
 	ErrCanceled         = errors.New("idemreg: canceled")
 	ErrInternal         = errors.New("idemreg: internal error")
+	// ErrUnauthenticated: the call carried no credentials the registry
+	// accepts.
+	ErrUnauthenticated = errors.New("idemreg: unauthenticated")
+	// ErrPermissionDenied: the caller's identity may not use the consumer.
+	ErrPermissionDenied = errors.New("idemreg: permission denied for the consumer")
+	// ErrRateLimited: the consumer's rate limit was reached; the *Error's
+	// RetryAfter says when to try again.
+	ErrRateLimited = errors.New("idemreg: rate limited")
 
 	// ErrInProgress: another holder is working on the key. The error is an
 	// *InProgressError carrying the time left on its lease.
@@ -77,6 +93,10 @@ var sentinelByReason = map[string]error{
 	ReasonDeadlineExceeded:    ErrDeadlineExceeded,
 	ReasonCanceled:            ErrCanceled,
 	ReasonInternal:            ErrInternal,
+	ReasonUnauthenticated:     ErrUnauthenticated,
+	ReasonPermissionDenied:    ErrPermissionDenied,
+	ReasonRateLimited:         ErrRateLimited,
+	ReasonOverloaded:          ErrUnavailable,
 	ReasonInProgress:          ErrInProgress,
 	ReasonMissingKey:          ErrMissingKey,
 }
@@ -104,6 +124,9 @@ type Error struct {
 	Metadata map[string]string
 	// FieldViolations lists the invalid fields of an INVALID_ARGUMENT.
 	FieldViolations []FieldViolation
+	// RetryAfter is the status's RetryInfo delay (RATE_LIMITED carries one),
+	// zero when it had none.
+	RetryAfter time.Duration
 
 	sentinel error
 	st       *status.Status
@@ -235,6 +258,7 @@ func FromStatus(st *status.Status) error {
 			}
 		}
 	}
+	e.RetryAfter = retryAfter
 	if e.Reason != "" {
 		e.sentinel = sentinelByReason[e.Reason]
 	} else {

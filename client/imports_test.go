@@ -78,6 +78,10 @@ func TestReasonsMatchServer(t *testing.T) {
 		client.ReasonDeadlineExceeded:    server.ReasonDeadlineExceeded,
 		client.ReasonCanceled:            server.ReasonCanceled,
 		client.ReasonInternal:            server.ReasonInternal,
+		client.ReasonUnauthenticated:     server.ReasonUnauthenticated,
+		client.ReasonPermissionDenied:    server.ReasonPermissionDenied,
+		client.ReasonRateLimited:         server.ReasonRateLimited,
+		client.ReasonOverloaded:          server.ReasonOverloaded,
 	} {
 		require.Equal(t, want, got)
 	}

@@ -1,0 +1,75 @@
+package client_test
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/idemreg/idemreg/client"
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/storage/pebble"
+)
+
+// TestAccessErrors checks that the registry's refusals (no credentials,
+// another team's consumer, a rate limit, overload) come back as typed
+// errors, from a real server with access control on.
+func TestAccessErrors(t *testing.T) {
+	set, err := access.Parse([]byte(`
+identities:
+  - name: billing
+    token_hashes: ["` + access.HashToken("billing-secret") + `"]
+    consumers: ["billing.*"]
+rate_limits:
+  - consumers: ["billing.limited"]
+    rate: 0.001
+    burst: 1
+`))
+	require.NoError(t, err)
+	store, err := pebble.Open(t.TempDir(), pebble.WithInMemory())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	srv, err := server.New(store, server.Config{Access: access.Static(set)})
+	require.NoError(t, err)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, lis) }()
+	t.Cleanup(func() { cancel(); <-done })
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	c := client.New(conn)
+
+	key := func(consumer string) client.ClaimParams {
+		return client.ClaimParams{Key: client.Key{Consumer: consumer, Kind: client.KindOperation, Key: "k-1"}}
+	}
+	authed := metadata.AppendToOutgoingContext(t.Context(), "authorization", "bearer billing-secret")
+
+	_, err = c.Claim(t.Context(), key("billing.payments"))
+	require.ErrorIs(t, err, client.ErrUnauthenticated)
+	require.Equal(t, codes.Unauthenticated, status.Code(err))
+
+	_, err = c.Claim(authed, key("orders.inbox"))
+	require.ErrorIs(t, err, client.ErrPermissionDenied)
+	require.Equal(t, codes.PermissionDenied, status.Code(err))
+
+	_, err = c.Claim(authed, key("billing.limited"))
+	require.NoError(t, err, "the burst allows one call")
+	_, err = c.Claim(authed, key("billing.limited"))
+	require.ErrorIs(t, err, client.ErrRateLimited)
+	var e *client.Error
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, client.ReasonRateLimited, e.Reason)
+	require.Greater(t, e.RetryAfter, time.Duration(0), "RATE_LIMITED carries the delay from RetryInfo")
+	require.Equal(t, codes.ResourceExhausted, status.Code(err))
+}
