@@ -1,21 +1,18 @@
 package client_test
 
 import (
-	"context"
-	"net"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/idemreg/idemreg/client"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/servertest"
 	"github.com/idemreg/idemreg/storage/pebble"
 )
 
@@ -37,18 +34,7 @@ rate_limits:
 	store, err := pebble.Open(t.TempDir(), pebble.WithInMemory())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })
-	srv, err := server.New(store, server.Config{Access: access.Static(set)})
-	require.NoError(t, err)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, lis) }()
-	t.Cleanup(func() { cancel(); <-done })
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = conn.Close() })
-	c := client.New(conn)
+	c := client.New(servertest.Start(t, store, server.Config{Access: access.Static(set)}))
 
 	key := func(consumer string) client.ClaimParams {
 		return client.ClaimParams{Key: client.Key{Consumer: consumer, Kind: client.KindOperation, Key: "k-1"}}

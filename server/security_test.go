@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509/pkix"
-	"net"
 	"os"
 	"path/filepath"
 	"sync/atomic"
@@ -23,6 +22,7 @@ import (
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/servertest"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
 	"github.com/idemreg/idemreg/storage/storagetest"
@@ -70,22 +70,11 @@ func (s *spyStore) Invalidate(ctx context.Context, p storage.InvalidateParams) (
 	return s.Store.(storage.Admin).Invalidate(ctx, p)
 }
 
-// serve starts srv on a loopback listener until the test ends and returns
-// its address.
+// serve starts a server on a loopback listener until the test ends and
+// returns its address.
 func serve(t *testing.T, store storage.Store, cfg server.Config) (string, *server.Server) {
 	t.Helper()
-	srv, err := server.New(store, cfg)
-	require.NoError(t, err)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, lis) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
-	return lis.Addr().String(), srv
+	return servertest.Serve(t, store, cfg)
 }
 
 func dial(t *testing.T, addr string, tlsCfg *tls.Config, opts ...grpc.DialOption) *grpc.ClientConn {
