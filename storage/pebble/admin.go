@@ -10,24 +10,15 @@ import (
 var _ storage.Admin = (*Store)(nil)
 
 // Inspect returns the stored record, expired or not, under the key's lock.
-func (s *Store) Inspect(ctx context.Context, k storage.Key) (storage.InspectResult, error) {
-	if err := s.begin(ctx); err != nil {
-		return storage.InspectResult{}, err
-	}
-	defer s.end()
-	key := recordKeyOf(k)
-	defer s.lockKey(key).Unlock()
-
-	var stored storage.Record
-	found, err := s.read(key, &stored)
-	if err != nil {
-		return storage.InspectResult{}, err
-	}
-	if !found {
-		return storage.InspectResult{}, storage.ErrNotFound
-	}
-	stored.Key = k
-	return storage.InspectResult{Record: stored, Now: s.clock()}, nil
+func (s *Store) Inspect(ctx context.Context, k storage.Key) (res storage.InspectResult, err error) {
+	err = s.withRecord(ctx, k, func(_ []byte, cur *storage.Record) error {
+		if cur == nil {
+			return storage.ErrNotFound
+		}
+		res = storage.InspectResult{Record: *cur, Now: s.clock()}
+		return nil
+	})
+	return res, err
 }
 
 // Invalidate decides by storage.DecideInvalidate under the key's lock. The

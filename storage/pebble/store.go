@@ -297,47 +297,11 @@ func recordKeyOf(k storage.Key) []byte {
 	return appendRecordKey(make([]byte, 0, 8+len(k.Consumer)+len(k.Key)), k)
 }
 
-// Claim decides by storage.DecideClaim under the key's lock.
-func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
+// withRecord runs fn under k's lock with k's stored record, nil when there
+// is none, and the encoded record key.
+func (s *Store) withRecord(ctx context.Context, k storage.Key, fn func(key []byte, cur *storage.Record) error) error {
 	if err := s.begin(ctx); err != nil {
-		return storage.ClaimResult{}, err
-	}
-	defer s.end()
-	key := recordKeyOf(p.Key)
-	defer s.lockKey(key).Unlock()
-
-	var stored storage.Record
-	found, err := s.read(key, &stored)
-	if err != nil {
-		return storage.ClaimResult{}, err
-	}
-	var prev, cur *storage.Record
-	if found {
-		stored.Key = p.Key
-		prev, cur = &stored, &stored
-	} else if floor := s.floor.Load(); floor > 0 {
-		// The key may have had a record the sweeper deleted; its tokens
-		// were at most the floor. Present it to DecideClaim as the expired
-		// record it was, so the new token exceeds them however the clock
-		// moved since.
-		cur = &storage.Record{Key: p.Key, Token: floor}
-	}
-	res, write, err := storage.DecideClaim(s.clock(), cur, p)
-	if err != nil || !write {
-		return res, err
-	}
-	normalize(&res.Record)
-	if err := s.write(key, prev, &res.Record); err != nil {
-		return storage.ClaimResult{}, err
-	}
-	return res, nil
-}
-
-// update runs a fenced decision on k under its lock and stores what it
-// decides to write.
-func (s *Store) update(ctx context.Context, k storage.Key, decide func(now time.Time, cur *storage.Record) (storage.Record, bool, error)) (storage.Record, error) {
-	if err := s.begin(ctx); err != nil {
-		return storage.Record{}, err
+		return err
 	}
 	defer s.end()
 	key := recordKeyOf(k)
@@ -346,19 +310,55 @@ func (s *Store) update(ctx context.Context, k storage.Key, decide func(now time.
 	var stored storage.Record
 	found, err := s.read(key, &stored)
 	if err != nil {
-		return storage.Record{}, err
+		return err
 	}
-	var cur *storage.Record
-	if found {
-		stored.Key = k
-		cur = &stored
+	if !found {
+		return fn(key, nil)
 	}
-	rec, write, err := decide(s.clock(), cur)
-	if err != nil || !write {
-		return rec, err
+	stored.Key = k
+	return fn(key, &stored)
+}
+
+// Claim decides by storage.DecideClaim under the key's lock.
+func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (res storage.ClaimResult, err error) {
+	err = s.withRecord(ctx, p.Key, func(key []byte, prev *storage.Record) error {
+		cur := prev
+		if prev == nil {
+			if floor := s.floor.Load(); floor > 0 {
+				// The key may have had a record the sweeper deleted; its
+				// tokens were at most the floor. Present it to DecideClaim
+				// as the expired record it was, so the new token exceeds
+				// them however the clock moved since.
+				cur = &storage.Record{Key: p.Key, Token: floor}
+			}
+		}
+		var write bool
+		res, write, err = storage.DecideClaim(s.clock(), cur, p)
+		if err != nil || !write {
+			return err
+		}
+		normalize(&res.Record)
+		return s.write(key, prev, &res.Record)
+	})
+	if err != nil {
+		return storage.ClaimResult{}, err
 	}
-	normalize(&rec)
-	if err := s.write(key, cur, &rec); err != nil {
+	return res, nil
+}
+
+// update runs a fenced decision on k under its lock and stores what it
+// decides to write.
+func (s *Store) update(ctx context.Context, k storage.Key, decide func(now time.Time, cur *storage.Record) (storage.Record, bool, error)) (rec storage.Record, err error) {
+	err = s.withRecord(ctx, k, func(key []byte, cur *storage.Record) error {
+		var write bool
+		rec, write, err = decide(s.clock(), cur)
+		if err != nil || !write {
+			return err
+		}
+		normalize(&rec)
+		return s.write(key, cur, &rec)
+	})
+	if err != nil {
 		return storage.Record{}, err
 	}
 	return rec, nil
@@ -386,25 +386,12 @@ func (s *Store) Extend(ctx context.Context, p storage.ExtendParams) (storage.Rec
 }
 
 // Lookup decides by storage.DecideLookup under the key's lock.
-func (s *Store) Lookup(ctx context.Context, k storage.Key) (storage.Record, error) {
-	if err := s.begin(ctx); err != nil {
-		return storage.Record{}, err
-	}
-	defer s.end()
-	key := recordKeyOf(k)
-	defer s.lockKey(key).Unlock()
-
-	var stored storage.Record
-	found, err := s.read(key, &stored)
-	if err != nil {
-		return storage.Record{}, err
-	}
-	var cur *storage.Record
-	if found {
-		stored.Key = k
-		cur = &stored
-	}
-	return storage.DecideLookup(s.clock(), cur)
+func (s *Store) Lookup(ctx context.Context, k storage.Key) (rec storage.Record, err error) {
+	err = s.withRecord(ctx, k, func(_ []byte, cur *storage.Record) error {
+		rec, err = storage.DecideLookup(s.clock(), cur)
+		return err
+	})
+	return rec, err
 }
 
 // Ping returns nil while the store is open.
