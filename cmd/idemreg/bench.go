@@ -30,7 +30,7 @@ import (
 
 // benchConfig is what `idemreg bench` reads from its flags.
 type benchConfig struct {
-	Targets     []string
+	Targets     []benchTarget
 	Callers     []int
 	Duration    time.Duration
 	Count       int
@@ -53,11 +53,13 @@ type benchConfig struct {
 const benchUsage = `idemreg bench drives the registry and hand-written baselines with the same
 load, back to back, and prints throughput and latency.
 
-Targets:
+Targets (they take turns, run after run, so that other load falls on all alike):
   idemreg           a server on --database-url, started for each run (or --addr)
   idemreg-embedded  a server on a fresh embedded store, started for each run
   sql               the hand-written inbox table on --database-url, with pgx
   redis             SET NX PX / SET XX on --redis-addr
+  idemreg[--flag NAME=value ...]
+                    a started server with extra flags and environment
 
 Flags:
 `
@@ -82,23 +84,29 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		reports []benchReport
 		series  []bench.Series
 	)
-	for _, target := range cfg.Targets {
-		s := bench.Series{Name: target}
-		for _, callers := range cfg.Callers {
-			var runs []benchRun
-			for rep := range cfg.Repeat {
-				run, err := benchOnce(ctx, cfg, target, callers, rep, stderr)
+	series = make([]bench.Series, len(cfg.Targets))
+	for i, t := range cfg.Targets {
+		series[i].Name = t.Label
+	}
+	// Targets take turns within each repetition, so that a change in
+	// what else the machine runs falls on all of them alike.
+	for _, callers := range cfg.Callers {
+		runs := make([][]benchRun, len(cfg.Targets))
+		for rep := range cfg.Repeat {
+			for i, t := range cfg.Targets {
+				run, err := benchOnce(ctx, cfg, t, callers, rep, stderr)
 				if err != nil {
-					return fmt.Errorf("%s with %d callers: %w", target, callers, err)
+					return fmt.Errorf("%s with %d callers: %w", t.Label, callers, err)
 				}
-				runs = append(runs, run)
+				runs[i] = append(runs[i], run)
 			}
-			rep := summarizeRuns(target, callers, runs)
+		}
+		for i, t := range cfg.Targets {
+			rep := summarizeRuns(t.Label, callers, runs[i])
 			reports = append(reports, rep)
 			printReport(stdout, rep)
-			s.Points = append(s.Points, bench.Point{Callers: callers, P50: rep.Median.Pair.P50, P99: rep.Median.Pair.P99, PairsPS: rep.PairsPS.Median})
+			series[i].Points = append(series[i].Points, bench.Point{Callers: callers, P50: rep.Median.Pair.P50, P99: rep.Median.Pair.P99, PairsPS: rep.PairsPS.Median})
 		}
-		series = append(series, s)
 	}
 	printTable(stdout, cfg, reports)
 	if cfg.JSON != "" {
@@ -133,7 +141,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, benchUsage); fs.PrintDefaults() }
 	var targets, callers, mix, serverFlags string
-	fs.StringVar(&targets, "targets", "idemreg,sql,redis", "comma-separated targets: idemreg, idemreg-embedded, sql, redis")
+	fs.StringVar(&targets, "targets", "idemreg,sql,redis", "comma-separated targets: idemreg, idemreg-embedded, sql, redis; a started server takes extra flags and environment in brackets, e.g. idemreg[--sql-batch-size=1 GOGC=100]")
 	fs.StringVar(&callers, "callers", "1,8,64", "comma-separated numbers of concurrent callers")
 	fs.DurationVar(&cfg.Duration, "duration", 10*time.Second, "measured time of each run")
 	fs.IntVar(&cfg.Count, "count", 0, "measure this many iterations per run instead of --duration")
@@ -155,17 +163,16 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 		return cfg, err
 	}
 	var errs []error
-	cfg.Targets = strings.Split(targets, ",")
-	for _, t := range cfg.Targets {
-		switch t {
-		case "idemreg", "sql":
-			if cfg.DatabaseURL == "" && (t == "sql" || cfg.Addr == "") {
-				errs = append(errs, fmt.Errorf("target %s needs --database-url", t))
-			}
-		case "idemreg-embedded", "redis":
-		default:
-			errs = append(errs, fmt.Errorf("unknown target %q", t))
+	for _, label := range strings.Split(targets, ",") {
+		t, err := parseTarget(label)
+		if err != nil {
+			errs = append(errs, err)
+			continue
 		}
+		if (t.Kind == "sql" || (t.Kind == "idemreg" && cfg.Addr == "")) && cfg.DatabaseURL == "" {
+			errs = append(errs, fmt.Errorf("target %s needs --database-url", label))
+		}
+		cfg.Targets = append(cfg.Targets, t)
 	}
 	for _, c := range strings.Split(callers, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(c))
@@ -193,6 +200,52 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	return cfg, errors.Join(errs...)
 }
 
+// benchTarget is one target of a run: its kind and, for a server the
+// bench starts, extra flags and environment, written
+// "idemreg[--sql-batch-size=1 GOGC=100]"; the whole text is its label.
+type benchTarget struct {
+	Label, Kind string
+	ServerArgs  []string
+	ServerEnv   []string
+}
+
+func parseTarget(s string) (benchTarget, error) {
+	t := benchTarget{Label: s, Kind: s}
+	if i := strings.IndexByte(s, '['); i >= 0 {
+		if !strings.HasSuffix(s, "]") {
+			return t, fmt.Errorf("target %q: missing ]", s)
+		}
+		t.Kind = s[:i]
+		for _, tok := range strings.Fields(s[i+1 : len(s)-1]) {
+			switch {
+			case strings.HasPrefix(tok, "-"):
+				t.ServerArgs = append(t.ServerArgs, tok)
+			case strings.Contains(tok, "="):
+				t.ServerEnv = append(t.ServerEnv, tok)
+			default:
+				return t, fmt.Errorf("target %q: %q is neither a --flag nor NAME=value", s, tok)
+			}
+		}
+		if t.Kind != "idemreg" && t.Kind != "idemreg-embedded" {
+			return t, fmt.Errorf("target %q: only a started server takes [flags]", s)
+		}
+	}
+	switch t.Kind {
+	case "idemreg", "idemreg-embedded", "sql", "redis":
+		return t, nil
+	}
+	return t, fmt.Errorf("unknown target %q", s)
+}
+
+func fileSafe(s string) string {
+	return strings.Map(func(r rune) rune {
+		if r == '-' || r == '.' || r == '_' || r >= '0' && r <= '9' || r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' {
+			return r
+		}
+		return '_'
+	}, s)
+}
+
 // benchRun is one run's figures.
 type benchRun struct {
 	bench.Result
@@ -211,8 +264,9 @@ type benchRun struct {
 	ClientCPUPerCall float64
 }
 
-func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep int, stderr io.Writer) (benchRun, error) {
+func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, rep int, stderr io.Writer) (benchRun, error) {
 	run := benchRun{CommitsPerCall: -1, ServerCPUPerCall: -1, DBCPUPerCall: -1}
+	target := bt.Kind
 	runID := fmt.Sprintf("%s-%d-%d-%d", target, callers, rep, time.Now().UnixNano())
 	// Round trips are counted as the database's commits, which its
 	// statistics show once the sessions that made them have ended: so only
@@ -241,7 +295,7 @@ func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep
 		addr := cfg.Addr
 		pid = cfg.ServerPID
 		if addr == "" {
-			srv, err = spawnServer(ctx, cfg, target, stderr)
+			srv, err = spawnServer(ctx, cfg, bt, stderr)
 			if err != nil {
 				return run, err
 			}
@@ -287,7 +341,7 @@ func benchOnce(ctx context.Context, cfg benchConfig, target string, callers, rep
 	var dbPIDs []int
 	bc.OnMeasure = func() {
 		if profileDone != nil {
-			path := filepath.Join(cfg.ProfileDir, fmt.Sprintf("cpu-%s-%d-%d.pprof", target, callers, rep))
+			path := filepath.Join(cfg.ProfileDir, fmt.Sprintf("cpu-%s-%d-%d.pprof", fileSafe(bt.Label), callers, rep))
 			go func() { profileDone <- fetchProfile(ctx, srv.pprof, cfg.Duration, path) }()
 		}
 		serverCPU0 = processCPU(pid)
@@ -362,7 +416,8 @@ func benchFreeAddr() (string, error) {
 	return ln.Addr().String(), nil
 }
 
-func spawnServer(ctx context.Context, cfg benchConfig, target string, stderr io.Writer) (*spawned, error) {
+func spawnServer(ctx context.Context, cfg benchConfig, bt benchTarget, stderr io.Writer) (*spawned, error) {
+	target := bt.Kind
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -389,7 +444,9 @@ func spawnServer(ctx context.Context, cfg benchConfig, target string, stderr io.
 		args = append(args, "--pprof-listen", s.pprof)
 	}
 	args = append(args, cfg.ServerFlags...)
+	args = append(args, bt.ServerArgs...)
 	s.cmd = exec.CommandContext(ctx, exe, args...)
+	s.cmd.Env = append(os.Environ(), bt.ServerEnv...)
 	s.cmd.Stdout, s.cmd.Stderr = stderr, stderr
 	if err := s.cmd.Start(); err != nil {
 		os.RemoveAll(dir)

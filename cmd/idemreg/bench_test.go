@@ -103,3 +103,31 @@ func TestBenchFlags(t *testing.T) {
 		})
 	}
 }
+
+func TestParseBenchTarget(t *testing.T) {
+	for _, tc := range []struct {
+		name, in string
+		want     benchTarget
+		err      bool
+	}{
+		{name: "plain", in: "sql", want: benchTarget{Label: "sql", Kind: "sql"}},
+		{name: "server flags and environment", in: "idemreg[--sql-batch-size=1 GOGC=100]", want: benchTarget{
+			Label: "idemreg[--sql-batch-size=1 GOGC=100]", Kind: "idemreg",
+			ServerArgs: []string{"--sql-batch-size=1"}, ServerEnv: []string{"GOGC=100"},
+		}},
+		{name: "flags on a baseline", in: "sql[--x]", err: true},
+		{name: "neither flag nor variable", in: "idemreg[junk]", err: true},
+		{name: "unclosed", in: "idemreg[--x", err: true},
+		{name: "unknown", in: "mysql", err: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseTarget(tc.in)
+			if tc.err {
+				require.Error(t, err)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, got)
+		})
+	}
+}
