@@ -20,9 +20,10 @@ import (
 type Recorder struct {
 	start time.Time
 
-	mu      sync.Mutex
-	ops     []porcupine.Operation
-	clients int
+	mu       sync.Mutex
+	ops      []porcupine.Operation
+	clients  int
+	barriers []int64
 }
 
 // NewRecorder starts an empty history.
@@ -52,39 +53,73 @@ func (r *Recorder) Add(client int, in Input, call int64, out Output, ret int64) 
 type Stats struct {
 	Calls     int
 	Ambiguous int
-	ByStatus  map[Status]int
-	Keys      int
+	// MaxAmbiguousPerKey is the most ambiguous calls on one key: the
+	// checker's work grows exponentially with it.
+	MaxAmbiguousPerKey int
+	ByStatus           map[Status]int
+	Keys               int
 }
 
 func (s Stats) String() string {
-	return fmt.Sprintf("%d calls on %d keys, %d ambiguous; %d acquired, %d in progress, %d completed replays, "+
+	return fmt.Sprintf("%d calls on %d keys, %d ambiguous (at most %d on a key); %d acquired, %d in progress, %d completed replays, "+
 		"%d ok, %d lease lost, %d not found, %d already completed, %d fingerprint mismatch",
-		s.Calls, s.Keys, s.Ambiguous, s.ByStatus[Acquired], s.ByStatus[InProgress], s.ByStatus[Completed],
+		s.Calls, s.Keys, s.Ambiguous, s.MaxAmbiguousPerKey, s.ByStatus[Acquired], s.ByStatus[InProgress], s.ByStatus[Completed],
 		s.ByStatus[OK], s.ByStatus[LeaseLost], s.ByStatus[NotFound], s.ByStatus[AlreadyCompleted], s.ByStatus[FingerprintMismatch])
+}
+
+// Barrier records that every call made so far that has not returned can
+// no longer take effect: the process serving them was killed and has
+// exited. An ambiguous call made before a barrier is closed there instead
+// of at the end of the history, which spares the checker from trying it in
+// every later position.
+func (r *Recorder) Barrier() {
+	now := r.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.barriers = append(r.barriers, now)
 }
 
 // History returns the recorded calls for the checker. A call that failed
 // ambiguously may take effect at any time after its invocation, so it is
-// open until after the last call returned, the way etcd's robustness tests
-// record them; an ambiguous Lookup tells nothing and is left out.
+// open until the next barrier, or until after the last call returned, the
+// way etcd's robustness tests record them. Ambiguous calls that cannot
+// have had any effect are left out: a Lookup, and a Complete, Release or
+// Extend with a token no Claim acquired (the model never matches it).
 func (r *Recorder) History() ([]porcupine.Operation, Stats) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	st := Stats{ByStatus: map[Status]int{}}
 	var last int64
+	acquired := map[string]map[int64]bool{}
 	for _, op := range r.ops {
 		last = max(last, op.Return)
+		in, o := op.Input.(Input), op.Output.(Output)
+		if in.Method == Claim && o.Status == Acquired {
+			if acquired[in.Key] == nil {
+				acquired[in.Key] = map[int64]bool{}
+			}
+			acquired[in.Key][o.Token] = true
+		}
 	}
 	keys := map[string]bool{}
+	ambiguous := map[string]int{}
 	out := make([]porcupine.Operation, 0, len(r.ops))
 	for _, op := range r.ops {
 		in, o := op.Input.(Input), op.Output.(Output)
 		if o.Status == Unknown {
-			if in.Method == Lookup {
+			if in.Method == Lookup || in.Method != Claim && !acquired[in.Key][in.Token] {
 				continue
 			}
 			st.Ambiguous++
+			ambiguous[in.Key]++
+			st.MaxAmbiguousPerKey = max(st.MaxAmbiguousPerKey, ambiguous[in.Key])
 			op.Return = last + 1
+			for _, b := range r.barriers {
+				if b >= op.Call {
+					op.Return = b
+					break
+				}
+			}
 		}
 		st.Calls++
 		st.ByStatus[o.Status]++

@@ -186,9 +186,17 @@ func TestHistoryOpensAmbiguousCalls(t *testing.T) {
 	c := r.NewClient()
 	r.Add(c, claim("A", "h"), 5, answer(Unknown), 6)
 	r.Add(c, lookup(), 7, answer(Unknown), 8)
+	r.Add(c, complete(1, "r"), 7, answer(Unknown), 8)
 	r.Add(c, lookup(), 9, answer(NotFound), 10)
 	h, st := r.History()
-	require.Len(t, h, 2, "an ambiguous Lookup is left out")
+	require.Len(t, h, 2, "an ambiguous Lookup, and a Complete with a token nobody acquired, are left out")
 	require.Equal(t, int64(11), h[0].Return, "an ambiguous call is open to the end")
 	require.Equal(t, 1, st.Ambiguous)
+
+	r = NewRecorder()
+	r.Add(c, claim("A", "h"), 0, answer(Unknown), 1)
+	r.Barrier()
+	r.Add(c, claim("A", "h2"), r.Now(), acquired(10, 1, "h2"), r.Now())
+	h, _ = r.History()
+	require.Less(t, h[0].Return, h[1].Call, "an ambiguous call before a barrier is closed there")
 }
