@@ -68,6 +68,7 @@ type Workload struct {
 	mu         sync.Mutex
 	slots      []slot
 	seen       map[string][]int64 // tokens acquired per key, by anyone
+	ambiguous  map[string]int     // ambiguous calls per key
 	acked      map[string]Output  // acknowledged Completes per key
 	unexpected []string
 }
@@ -77,8 +78,12 @@ func NewWorkload(conn grpc.ClientConnInterface, rec *Recorder, cfg Config) *Work
 	cfg.setDefaults()
 	cc, _ := conn.(*grpc.ClientConn)
 	return &Workload{cfg: cfg, rec: rec, rpc: idemregv1.NewRegistryServiceClient(conn), conn: cc, born: time.Now(),
-		slots: make([]slot, cfg.Keys), seen: map[string][]int64{}, acked: map[string]Output{}}
+		slots: make([]slot, cfg.Keys), seen: map[string][]int64{}, ambiguous: map[string]int{}, acked: map[string]Output{}}
 }
+
+// maxAmbiguousPerKey is how many ambiguous answers on a key make the
+// workers move on to a fresh one (calls in flight may add a few more).
+const maxAmbiguousPerKey = 3
 
 // slot is one of the keys in use: its generation names it.
 type slot struct {
@@ -306,6 +311,16 @@ func (wk *worker) observe(in Input, out Output) {
 	case out.Status == Completed && wk.rnd.IntN(3) == 0:
 		// Seen completed and replayed a few times: use a fresh key.
 		wk.w.retire(in.Key)
+	case out.Status == Unknown:
+		// The checker's work on a key grows exponentially with the
+		// ambiguous calls on it: spread them over fresh keys.
+		wk.w.mu.Lock()
+		wk.w.ambiguous[in.Key]++
+		n := wk.w.ambiguous[in.Key]
+		wk.w.mu.Unlock()
+		if n >= maxAmbiguousPerKey {
+			wk.w.retire(in.Key)
+		}
 	}
 	if in.Method == Claim || in.Method == Lookup || wk.held[in.Key] != in.Token {
 		return
