@@ -322,6 +322,11 @@ func TestChaosLedgerExactlyOnce(t *testing.T) {
 	t.Logf("ledger exact: %d payments once each, %d accounts, total %d minor units; the handler applied %d times "+
 		"(%d entries rewritten by a takeover under a larger token), %d duplicates replayed from the registry",
 		len(got), len(gotBalances), total, applied.Load(), rewritten, replayed.Load())
+	reg.mu.Lock()
+	for _, line := range reg.problems {
+		t.Errorf("idemreg serve: %s", line)
+	}
+	reg.mu.Unlock()
 	t.Logf("faults: %d consumer SIGKILLs, %d consumer exits on their own, %d registry SIGKILLs, %d database crashes (pg_ctl stop -m immediate)",
 		kills, exits.Load()-int64(kills), registryCrashes, databaseCrashes)
 }

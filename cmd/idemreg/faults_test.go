@@ -68,6 +68,8 @@ type harness struct {
 
 	mu     sync.Mutex
 	report []string
+	// problems are the data races and recovered panics the server logged.
+	problems []string
 }
 
 func newHarness(t *testing.T, env []string, args ...string) *harness {
@@ -106,7 +108,9 @@ func (h *harness) start() {
 				line = map[string]any{"msg": "unstructured: " + sc.Text()}
 			}
 			if strings.Contains(sc.Text(), "DATA RACE") || line["msg"] == "panic recovered" {
-				t.Errorf("idemreg serve: %s", sc.Text())
+				h.mu.Lock()
+				h.problems = append(h.problems, sc.Text())
+				h.mu.Unlock()
 			}
 			select {
 			case p.logs <- line:
@@ -161,6 +165,9 @@ func (h *harness) finish() {
 	h.mu.Lock()
 	for _, line := range h.report {
 		t.Log(line)
+	}
+	for _, line := range h.problems {
+		t.Errorf("idemreg serve: %s", line)
 	}
 	h.mu.Unlock()
 	out := *linOut
