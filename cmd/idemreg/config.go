@@ -39,6 +39,7 @@ type config struct {
 	// Claims and Completes on the SQL store (postgres.WithBatching).
 	SQLBatchSize   int
 	SQLBatchWindow time.Duration
+	SQLBatchSlots  int
 	// PprofListen serves net/http/pprof there when set.
 	PprofListen string
 }
@@ -54,6 +55,7 @@ func defaultConfig() config {
 
 		SQLBatchSize:   postgres.DefaultBatchSize,
 		SQLBatchWindow: postgres.DefaultBatchWindow,
+		SQLBatchSlots:  postgres.DefaultBatchInFlight,
 		// serve sweeps by default: the embedded store has no other sweeper
 		// (sweep cannot open it while serve holds it).
 		SweepInterval: retention.DefaultInterval,
@@ -81,7 +83,8 @@ func (c *config) bind(fs *flag.FlagSet, serve bool) {
 	fs.IntVar(&c.Sweep.BatchSize, "sweep-batch-size", c.Sweep.BatchSize, "most records one sweep batch deletes")
 	fs.DurationVar(&c.Sweep.BatchTimeout, "sweep-batch-timeout", c.Sweep.BatchTimeout, "timeout of one sweep batch (the batch halves after one)")
 	fs.IntVar(&c.SQLBatchSize, "sql-batch-size", c.SQLBatchSize, "SQL store: most concurrent Claims (or Completes) sent as one statement; 1 sends each alone")
-	fs.DurationVar(&c.SQLBatchWindow, "sql-batch-window", c.SQLBatchWindow, "SQL store: longest a queued Claim or Complete waits for its batch while every connection is busy")
+	fs.DurationVar(&c.SQLBatchWindow, "sql-batch-window", c.SQLBatchWindow, "SQL store: longest a queued Claim or Complete waits for a statement slot before its batch is sent anyway")
+	fs.IntVar(&c.SQLBatchSlots, "sql-batch-slots", c.SQLBatchSlots, "SQL store: statements of each kind (Claim, Complete) that run at once before calls queue into batches")
 	fs.StringVar(&c.PprofListen, "pprof-listen", c.PprofListen, "serve net/http/pprof on this address (off when empty; keep it on loopback)")
 	l := &c.Limits
 	fs.DurationVar(&l.DefaultLease, "default-lease", l.DefaultLease, "lease of a Claim or Extend that gives none")

@@ -157,7 +157,7 @@ func openStore(ctx context.Context, cfg *config, logger *slog.Logger) (storage.S
 			return nil, err
 		}
 		s, err := postgres.Open(ctx, cfg.DatabaseURL, postgres.WithLogger(logger),
-			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, 0),
+			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, cfg.SQLBatchSlots),
 			postgres.WithTracer(conflicts))
 		if err != nil {
 			return nil, fmt.Errorf("opening %s: %w", redact(cfg.DatabaseURL), err)
