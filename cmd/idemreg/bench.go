@@ -48,6 +48,7 @@ type benchConfig struct {
 	JSON        string
 	ResultBytes int
 	Label       string
+	Replot      string
 }
 
 const benchUsage = `idemreg bench drives the registry and hand-written baselines with the same
@@ -68,6 +69,9 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	cfg, err := parseBench(args, stderr)
 	if err != nil {
 		return err
+	}
+	if cfg.Replot != "" {
+		return replot(cfg)
 	}
 	if cfg.Preload > 0 {
 		fmt.Fprintf(stdout, "preloading %d records into %s ...\n", cfg.Preload, redact(cfg.DatabaseURL))
@@ -115,24 +119,61 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 	}
 	if cfg.Chart != "" {
-		f, err := os.Create(cfg.Chart)
-		if err != nil {
-			return err
-		}
-		title := "idemreg vs hand-written baselines: " + cfg.Mix.String()
-		if cfg.Label != "" {
-			title += " (" + cfg.Label + ")"
-		}
-		if err := bench.WriteChart(f, title, series); err != nil {
-			f.Close()
-			return err
-		}
-		if err := f.Close(); err != nil {
+		if err := writeChart(cfg, series); err != nil {
 			return err
 		}
 		fmt.Fprintln(stdout, "chart written to", cfg.Chart)
 	}
 	return nil
+}
+
+func writeChart(cfg benchConfig, series []bench.Series) error {
+	f, err := os.Create(cfg.Chart)
+	if err != nil {
+		return err
+	}
+	title := "idemreg vs hand-written baselines: " + cfg.Mix.String()
+	if cfg.Label != "" {
+		title += " (" + cfg.Label + ")"
+	}
+	if err := bench.WriteChart(f, title, series); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// replot draws --chart from the figures a run wrote with --json.
+func replot(cfg benchConfig) error {
+	if cfg.Chart == "" {
+		return errors.New("--replot needs --chart")
+	}
+	b, err := os.ReadFile(cfg.Replot)
+	if err != nil {
+		return err
+	}
+	var saved struct {
+		Config  struct{ Mix bench.Mix }
+		Reports []benchReport
+	}
+	if err := json.Unmarshal(b, &saved); err != nil {
+		return fmt.Errorf("%s: %w", cfg.Replot, err)
+	}
+	var series []bench.Series
+	index := map[string]int{}
+	for _, r := range saved.Reports {
+		i, ok := index[r.Target]
+		if !ok {
+			i = len(series)
+			index[r.Target] = i
+			series = append(series, bench.Series{Name: r.Target})
+		}
+		series[i].Points = append(series[i].Points, bench.Point{
+			Callers: r.Callers, P50: r.Median.Pair.P50, P99: r.Median.Pair.P99, PairsPS: r.PairsPS.Median,
+		})
+	}
+	cfg.Mix = saved.Config.Mix
+	return writeChart(cfg, series)
 }
 
 func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
@@ -159,8 +200,12 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.StringVar(&cfg.JSON, "json", "", "write every run's figures as JSON to this file")
 	fs.IntVar(&cfg.ResultBytes, "result-bytes", 64, "size of each stored result")
 	fs.StringVar(&cfg.Label, "label", "", "a note for the chart's title")
+	fs.StringVar(&cfg.Replot, "replot", "", "draw --chart from the figures a run wrote with --json, and run nothing")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
+	}
+	if cfg.Replot != "" {
+		return cfg, nil
 	}
 	var errs []error
 	for _, label := range strings.Split(targets, ",") {

@@ -82,6 +82,12 @@ func TestBenchSmoke(t *testing.T) {
 		require.Zero(t, r.Median.Unexpected, "%s/%d", r.Target, r.Callers)
 	}
 	require.NotContains(t, string(b), "secret")
+
+	replotted := filepath.Join(dir, "replot.svg")
+	require.NoError(t, run(t.Context(), []string{"bench", "--replot", js, "--chart", replotted}, &out, &errOut))
+	svg2, err := os.ReadFile(replotted)
+	require.NoError(t, err)
+	require.Equal(t, string(svg), string(svg2), "the chart drawn again from the JSON is the same")
 }
 
 func TestBenchFlags(t *testing.T) {

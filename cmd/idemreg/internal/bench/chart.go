@@ -35,7 +35,7 @@ func WriteChart(w io.Writer, title string, series []Series) error {
 		left, top      = 70, 50
 		gap            = 90
 		width          = left + 2*panelW + gap + 30
-		height         = top + panelH + 110
+		height         = top + panelH + 80
 	)
 	var callers []int
 	var latMin, latMax, tpMax float64 = math.Inf(1), 0, 0
@@ -103,6 +103,7 @@ func WriteChart(w io.Writer, title string, series []Series) error {
 		}
 		fmt.Fprintf(&b, `<text x="%.0f" y="%d" text-anchor="middle">concurrent callers</text>`+"\n", p.x0+panelW/2, top+panelH+34)
 	}
+	legendX := float64(left)
 	for i, s := range series {
 		color := palette[i%len(palette)]
 		pts := slices.Clone(s.Points)
@@ -120,7 +121,8 @@ func WriteChart(w io.Writer, title string, series []Series) error {
 			fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="3" fill="%s"/>`+"\n", xOf(panels[1].x0, p.Callers), yTP(p.PairsPS), color)
 			fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="3" fill="%s"/>`+"\n", xOf(panels[0].x0, p.Callers), yLat(p.P99), color)
 		}
-		lx := float64(left + i*170)
+		lx := legendX
+		legendX += 50 + 7*float64(len(s.Name))
 		ly := float64(top + panelH + 62)
 		fmt.Fprintf(&b, `<line x1="%.0f" x2="%.0f" y1="%.0f" y2="%.0f" stroke="%s" stroke-width="3"/>`+"\n", lx, lx+24, ly, ly, color)
 		fmt.Fprintf(&b, `<text x="%.0f" y="%.0f">%s</text>`+"\n", lx+30, ly+4, html.EscapeString(s.Name))
