@@ -14,13 +14,12 @@ import (
 
 // Coalescing.
 //
-// Each statement costs a commit, and on a small machine the commits, not the
-// rows, bound throughput: one multi-row statement of 16 claims writes many
-// times the rows per second of 16 single-row ones. So concurrent Claims, and
-// concurrent Completes, that arrive together are sent as one statement
-// (claimBatchSQL, completeBatchSQL), and each caller still gets the answer
-// for its own key, classified by the same storage.Decide* function as a
-// single call's.
+// Each statement costs a round trip, a commit and the database's fixed
+// work per statement; a multi-row statement pays them once for all its
+// rows. So concurrent Claims, and concurrent Completes, that arrive
+// together are sent as one statement (claimBatchSQL, completeBatchSQL), and
+// each caller still gets the answer for its own key, classified by the same
+// storage.Decide* function as a single call's.
 //
 // When batches form: each kind (Claim, Complete) has a number of statement
 // slots (WithBatching; one by default). A call that finds a slot of its kind
@@ -31,15 +30,15 @@ import (
 // maxSize calls, or the first call in it has waited window (a statement
 // stuck on a row lock then does not hold the others up for long).
 //
-// Why one slot: on a small machine the database's CPU, not its disk, runs
-// out first, and it is spent per statement as much as per row. One
-// statement of each kind at a time makes the batches as large as the load
-// allows (about half the callers each), so commits and statements per call
-// fall as the load grows; measured in docs/benchmarks.md. Calls on a key already pending
-// wait for the next batch (PostgreSQL refuses an ON CONFLICT DO UPDATE that
-// affects a row twice, and two operations on one key must be ordered
-// anyway). A batch is sorted by key, so concurrent batches lock rows in the
-// same order and rarely deadlock.
+// Why one slot: the database's cost is per statement as much as per row,
+// so one statement of each kind at a time makes the batches as large as the
+// load allows, and statements per call fall as the load grows. More slots
+// cost more CPU per call; measured in docs/benchmarks.md.
+//
+// Calls on a key already pending wait for the next batch (PostgreSQL
+// refuses an ON CONFLICT DO UPDATE that affects a row twice, and two
+// operations on one key must be ordered anyway). A batch is sorted by key,
+// so concurrent batches lock rows in the same order and rarely deadlock.
 //
 // Failures: a batch is one implicit transaction, so a serialization failure
 // or a deadlock rolled all of it back. It is split in two halves, retried
