@@ -103,8 +103,10 @@ func (c writeCountingConn) Write(b []byte) (int, error) {
 }
 
 // TestOneRoundTripPerCall counts statements (with a pgx tracer) and writes
-// on the connection for each kind of call: each is one statement, sent in
-// one write, from its first use on a connection.
+// on the connection for each kind of call made alone: each is one
+// statement, sent in one write, from its first use on a connection.
+// Concurrent calls share statements: TestOneStatementPerBatch counts one
+// statement and one write per batch.
 func TestOneRoundTripPerCall(t *testing.T) {
 	var (
 		queries queryCounter
@@ -331,6 +333,98 @@ func TestOneStatementPerBatch(t *testing.T) {
 		}
 		return expectOutcome(res, err, storage.OutcomeCompleted)
 	})
+}
+
+// TestBatchSplitOnSerializationFailure makes a batch of four Claims fail
+// with 40001: another SERIALIZABLE transaction inserts one of its keys and
+// commits while the batch waits on that row. The batch is split, the halves
+// run again, and every caller gets the answer of the record as it now is:
+// the key the other transaction took is IN_PROGRESS, the others ACQUIRED.
+func TestBatchSplitOnSerializationFailure(t *testing.T) {
+	databaseURL := pgtest.NewDatabase(t)
+	s := openStore(t, databaseURL, postgres.WithBatching(64, time.Hour, 1))
+	ctx := t.Context()
+	connect := func() *pgx.Conn {
+		conn, err := pgx.Connect(ctx, databaseURL)
+		require.NoError(t, err)
+		t.Cleanup(func() { conn.Close(context.Background()) })
+		return conn
+	}
+	other, lock, watch := connect(), connect(), connect()
+	key := func(name string) storage.Key {
+		return storage.Key{Consumer: "split", Kind: storage.KindOperation, Key: name}
+	}
+	claim := func(k storage.Key) storage.ClaimParams {
+		return storage.ClaimParams{Key: k, Lease: time.Minute, Retention: time.Hour, Holder: "batch"}
+	}
+
+	// The other transaction inserts "a", and does not commit yet.
+	tx, err := other.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+	require.NoError(t, err)
+	defer tx.Rollback(context.Background()) //nolint:errcheck // committed below
+	_, err = tx.Exec(ctx, `INSERT INTO idemreg_records (consumer, kind, key, state, fingerprint, token, attempt, holder,
+		created_at, lease_expires_at, completed_at, expires_at, retention_us, result)
+		VALUES ($1, $2, $3, 1, '', 1, 1, 'other', now(), now() + INTERVAL '1 hour', NULL, now() + INTERVAL '2 hours', 3600000000, NULL)`,
+		"split", int16(storage.KindOperation), "a")
+	require.NoError(t, err)
+
+	// A Claim waiting on a locked row holds the only Claim slot.
+	blocker := key("blocker")
+	_, err = s.Claim(ctx, claim(blocker))
+	require.NoError(t, err)
+	lockTx, err := lock.Begin(ctx)
+	require.NoError(t, err)
+	defer lockTx.Rollback(context.Background()) //nolint:errcheck // released below
+	_, err = lockTx.Exec(ctx, `SELECT 1 FROM idemreg_records WHERE consumer = $1 AND key = $2 FOR UPDATE`, blocker.Consumer, blocker.Key)
+	require.NoError(t, err)
+	blocked := make(chan error, 1)
+	go func() {
+		res, err := s.Claim(ctx, claim(blocker))
+		blocked <- expectOutcome(res, err, storage.OutcomeInProgress)
+	}()
+	require.Eventually(t, func() bool { inFlight, _ := postgres.Coalescing(s); return inFlight == 1 },
+		10*time.Second, time.Millisecond)
+
+	names := []string{"a", "b", "c", "d"}
+	type answer struct {
+		res storage.ClaimResult
+		err error
+	}
+	answers := make([]chan answer, len(names))
+	for i, name := range names {
+		answers[i] = make(chan answer, 1)
+		go func() {
+			res, err := s.Claim(ctx, claim(key(name)))
+			answers[i] <- answer{res, err}
+		}()
+	}
+	require.Eventually(t, func() bool { _, queued := postgres.Coalescing(s); return queued == len(names) },
+		10*time.Second, time.Millisecond, "every claim queued")
+	require.NoError(t, lockTx.Rollback(ctx))
+	require.NoError(t, <-blocked)
+
+	// The batch waits for the other transaction's row "a"; then that
+	// transaction commits and the batch fails with a serialization failure.
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
+		return err == nil && waiting == 1
+	}, 10*time.Second, time.Millisecond, "the batch waits on the other transaction")
+	require.NoError(t, tx.Commit(ctx))
+
+	for i, name := range names {
+		a := <-answers[i]
+		want := storage.OutcomeAcquired
+		if name == "a" {
+			want = storage.OutcomeInProgress
+		}
+		require.NoError(t, expectOutcome(a.res, a.err, want), name)
+		if name == "a" {
+			require.Equal(t, "other", a.res.Record.Holder)
+		}
+	}
+	require.Positive(t, postgres.BatchSplits(s), "the batch was split after its serialization failure")
 }
 
 func expectOutcome(res storage.ClaimResult, err error, want storage.Outcome) error {
