@@ -12,12 +12,7 @@ var _ storage.Admin = (*Store)(nil)
 // $5 clock offset µs. It keeps the row (see storage.DecideInvalidate): the
 // row's token is what keeps the key's next token above every earlier one.
 // Admin statements are rare, so they are not prepared on every connection.
-var invalidateSQL = `
-WITH clock AS (
-    SELECT now() + CAST($5 AS BIGINT) * INTERVAL '1 microsecond' AS now
-),
-w AS (
-    UPDATE idemreg_records AS r SET
+var invalidateSQL = fencedUpdateSQL(5, `
         state            = 1,                      -- StateInProgress
         fingerprint      = CAST('' AS BYTEA),      -- Fingerprint = nil
         -- NextToken(cur.Token, now) = max(prev+1, now in µs)
@@ -31,15 +26,7 @@ w AS (
     WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
       AND r.expires_at > c.now                             -- cur.Live(now)
       AND (CAST($4 AS BIGINT) = 0 OR r.token = $4)          -- p.Token == 0 || cur.Token == p.Token
-    RETURNING ` + recordColumnsNoResultOf("r") + `
-)
-SELECT true, c.now, ` + recordColumnsOf("w") + `
-FROM w CROSS JOIN clock c
-UNION ALL
-SELECT false, c.now, ` + recordColumnsNoResultOf("r") + `
-FROM idemreg_records r CROSS JOIN clock c
-WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
-  AND NOT EXISTS (SELECT 1 FROM w)`
+`, recordColumnsNoResultOf("r"))
 
 // Inspect returns the stored row, expired or not, and the database's clock.
 func (s *Store) Inspect(ctx context.Context, k storage.Key) (storage.InspectResult, error) {

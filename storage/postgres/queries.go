@@ -1,5 +1,7 @@
 package postgres
 
+import "fmt"
+
 // The statements below are the whole of the store's SQL. Each RPC runs one
 // of them as one implicit transaction: the conditional write and the read of
 // the record it did not write travel together, so there is no window between
@@ -106,12 +108,7 @@ const claimOnConflict = `    ON CONFLICT (consumer, kind, key) DO UPDATE SET
 // answer small keeps CockroachDB able to retry the statement server-side. A
 // repeated Complete is answered from the pre-image, which carries the stored
 // result (the first result stays).
-var completeSQL = `
-WITH clock AS (
-    SELECT now() + CAST($6 AS BIGINT) * INTERVAL '1 microsecond' AS now
-),
-w AS (
-    UPDATE idemreg_records AS r SET
+var completeSQL = fencedUpdateSQL(6, `
         state        = 2,                                                -- StateCompleted
         result       = $5,
         completed_at = c.now,
@@ -121,15 +118,7 @@ w AS (
       AND r.expires_at > c.now   -- fenced: cur.Live(now)
       AND r.token = $4           -- fenced: cur.Token == p.Token
       AND r.state = 1            -- cur.State != StateCompleted (a repeat is not written)
-    RETURNING ` + recordColumnsNoResultOf("r") + `
-)
-SELECT true, c.now, ` + recordColumnsOf("w") + `
-FROM w CROSS JOIN clock c
-UNION ALL
-SELECT false, c.now, ` + recordColumnsOf("r") + `
-FROM idemreg_records r CROSS JOIN clock c
-WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
-  AND NOT EXISTS (SELECT 1 FROM w)`
+`, recordColumnsOf("r"))
 
 // The batched statements below run the Claims or the Completes of many
 // callers, on distinct keys, as one statement (see batch.go). Each caller's
@@ -219,12 +208,7 @@ CROSS JOIN clock c
 WHERE NOT EXISTS (SELECT 1 FROM w WHERE w.consumer = i.consumer AND w.kind = i.kind AND w.key = i.key)`
 
 // releaseSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 clock offset µs.
-var releaseSQL = `
-WITH clock AS (
-    SELECT now() + CAST($5 AS BIGINT) * INTERVAL '1 microsecond' AS now
-),
-w AS (
-    UPDATE idemreg_records AS r SET
+var releaseSQL = fencedUpdateSQL(5, `
         lease_expires_at = c.now
     FROM clock c
     WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
@@ -232,24 +216,11 @@ w AS (
       AND r.token = $4                 -- fenced: cur.Token == p.Token
       AND r.state = 1                  -- cur.State != StateCompleted
       AND r.lease_expires_at > c.now   -- cur.LeaseLive(now): an ended lease is not written
-    RETURNING ` + recordColumnsNoResultOf("r") + `
-)
-SELECT true, c.now, ` + recordColumnsOf("w") + `
-FROM w CROSS JOIN clock c
-UNION ALL
-SELECT false, c.now, ` + recordColumnsNoResultOf("r") + `
-FROM idemreg_records r CROSS JOIN clock c
-WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
-  AND NOT EXISTS (SELECT 1 FROM w)`
+`, recordColumnsNoResultOf("r"))
 
 // extendSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 lease µs,
 // $6 clock offset µs.
-var extendSQL = `
-WITH clock AS (
-    SELECT now() + CAST($6 AS BIGINT) * INTERVAL '1 microsecond' AS now
-),
-w AS (
-    UPDATE idemreg_records AS r SET
+var extendSQL = fencedUpdateSQL(6, `
         -- LeaseExpiresAt = now + p.Lease
         lease_expires_at = c.now + CAST($5 AS BIGINT) * INTERVAL '1 microsecond',
         -- ExpiresAt = max(cur.ExpiresAt, now + p.Lease + cur.Retention)
@@ -260,15 +231,7 @@ w AS (
       AND r.expires_at > c.now   -- fenced: cur.Live(now)
       AND r.token = $4           -- fenced: cur.Token == p.Token
       AND r.state = 1            -- cur.State != StateCompleted
-    RETURNING ` + recordColumnsNoResultOf("r") + `
-)
-SELECT true, c.now, ` + recordColumnsOf("w") + `
-FROM w CROSS JOIN clock c
-UNION ALL
-SELECT false, c.now, ` + recordColumnsNoResultOf("r") + `
-FROM idemreg_records r CROSS JOIN clock c
-WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
-  AND NOT EXISTS (SELECT 1 FROM w)`
+`, recordColumnsNoResultOf("r"))
 
 // lookupSQL: $1 consumer, $2 kind, $3 key, $4 clock offset µs. Expired rows
 // stay until swept, so DecideLookup checks expiry on what this returns.
@@ -330,4 +293,28 @@ func recordColumnsNoResultOf(alias string) string {
 		alias + ".fingerprint, " + alias + ".token, " + alias + ".attempt, " + alias + ".holder, " +
 		alias + ".created_at, " + alias + ".lease_expires_at, " + alias + ".completed_at, " +
 		alias + ".expires_at, " + alias + ".retention_us, CAST(NULL AS BYTEA) AS result"
+}
+
+// fencedUpdateSQL is the shape of every single-row UPDATE (Complete,
+// Release, Extend, Invalidate): the clock (parameter $offset, the clock
+// offset in µs), the conditional UPDATE whose SET ... FROM clock c WHERE ...
+// clause is set, and the row as the statement's snapshot saw it (columns
+// preImage of alias r), read only when the UPDATE wrote nothing. $1, $2, $3
+// are the key.
+func fencedUpdateSQL(offset int, set, preImage string) string {
+	return fmt.Sprintf(`
+WITH clock AS (
+    SELECT now() + CAST($%d AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+w AS (
+    UPDATE idemreg_records AS r SET
+%s    RETURNING %s
+)
+SELECT true, c.now, %s
+FROM w CROSS JOIN clock c
+UNION ALL
+SELECT false, c.now, %s
+FROM idemreg_records r CROSS JOIN clock c
+WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+  AND NOT EXISTS (SELECT 1 FROM w)`, offset, set, recordColumnsNoResultOf("r"), recordColumnsOf("w"), preImage)
 }
