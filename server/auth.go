@@ -6,7 +6,6 @@ import (
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
-	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
 	"go.opentelemetry.io/otel/attribute"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
@@ -47,7 +46,7 @@ func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
 		s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", "unauthenticated")))
 		return nil, err
 	}
-	logging.AddFields(ctx, logging.Fields{"identity", id.Name})
+	noteIdentity(ctx, id.Name)
 	return context.WithValue(ctx, identityKey{}, id), nil
 }
 

@@ -46,13 +46,14 @@ type metrics struct {
 	storeErrors, overloaded, rateLimited, denied    metric.Int64Counter
 	adminActions                                    metric.Int64Counter
 	storeDuration                                   metric.Float64Histogram
-	inFlight                                        metric.Int64UpDownCounter
+	inFlight                                        metric.Int64ObservableUpDownCounter
+	meter                                           metric.Meter
 }
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m := mp.Meter(MeterName)
 	var (
-		out  metrics
+		out  = metrics{meter: m}
 		errs []error
 	)
 	counter := func(dst *metric.Int64Counter, name, unit, desc string) {
@@ -75,7 +76,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		metric.WithDescription("Duration of store calls (retries included), by op and outcome: ok, or the error type."),
 		metric.WithExplicitBucketBoundaries(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 	errs = append(errs, err)
-	out.inFlight, err = m.Int64UpDownCounter(MetricStoreInFlight, metric.WithUnit("{call}"),
+	out.inFlight, err = m.Int64ObservableUpDownCounter(MetricStoreInFlight, metric.WithUnit("{call}"),
 		metric.WithDescription("Store operations in flight."))
 	errs = append(errs, err)
 	if err := errors.Join(errs...); err != nil {

@@ -3,9 +3,11 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemreg/idemreg/storage"
 )
@@ -26,41 +28,84 @@ type observedStore struct {
 	m     *metrics
 }
 
-func newObservedStore(s storage.Store, maxInFlight int, m *metrics) *observedStore {
+func newObservedStore(s storage.Store, maxInFlight int, m *metrics) (*observedStore, error) {
 	o := &observedStore{Store: s, sem: make(chan struct{}, maxInFlight), m: m}
 	o.admin, _ = s.(storage.Admin)
-	return o
+	// The in-flight gauge is read off the bound when metrics are
+	// collected, which costs the calls nothing.
+	_, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
+		obs.ObserveInt64(m.inFlight, int64(len(o.sem)))
+		return nil
+	}, m.inFlight)
+	if err != nil {
+		return nil, fmt.Errorf("server: metrics: %w", err)
+	}
+	return o, nil
 }
 
+// opMeasures are one operation's attribute sets, built once: building a
+// set per call (sorting, hashing) cost more than recording it.
+type opMeasures struct {
+	name   string
+	ok     metric.MeasurementOption // idemreg.store.duration of a call that answered
+	method metric.MeasurementOption // idemreg.lease_lost
+}
+
+func newOpMeasures(op string) *opMeasures {
+	return &opMeasures{
+		name:   op,
+		ok:     attrs(attribute.String("op", op), attribute.String("outcome", "ok")),
+		method: attrs(attribute.String("method", op)),
+	}
+}
+
+var (
+	opClaim      = newOpMeasures("claim")
+	opComplete   = newOpMeasures("complete")
+	opRelease    = newOpMeasures("release")
+	opExtend     = newOpMeasures("extend")
+	opLookup     = newOpMeasures("lookup")
+	opInspect    = newOpMeasures("inspect")
+	opInvalidate = newOpMeasures("invalidate")
+)
+
+// claimOutcomes are the attribute sets of idemreg.claims, by outcome.
+var claimOutcomes = func() map[string]metric.MeasurementOption {
+	m := make(map[string]metric.MeasurementOption)
+	for _, o := range []string{ClaimAcquired, ClaimTakeover, ClaimInProgress, ClaimReplay, ClaimMismatch} {
+		m[o] = attrs(attribute.String("outcome", o))
+	}
+	return m
+}()
+
 // do runs one store call under the in-flight bound and records it.
-func (o *observedStore) do(ctx context.Context, op string, call func() error) error {
+func (o *observedStore) do(ctx context.Context, op *opMeasures, call func() error) error {
 	select {
 	case o.sem <- struct{}{}:
 	default:
 		o.m.overloaded.Add(ctx, 1)
 		return errOverloaded
 	}
-	opAttr := attribute.String("op", op)
-	o.m.inFlight.Add(ctx, 1, attrs(opAttr))
 	start := time.Now()
 	err := call()
 	elapsed := time.Since(start).Seconds()
-	o.m.inFlight.Add(ctx, -1, attrs(opAttr))
 	<-o.sem
-	outcome := "ok"
 	if err != nil && !isAnswer(err) {
-		outcome = errorType(err)
+		outcome := errorType(err)
+		opAttr := attribute.String("op", op.name)
 		o.m.storeErrors.Add(ctx, 1, attrs(opAttr, attribute.String("error.type", outcome)))
+		o.m.storeDuration.Record(ctx, elapsed, attrs(opAttr, attribute.String("outcome", outcome)))
+	} else {
+		o.m.storeDuration.Record(ctx, elapsed, op.ok)
 	}
-	o.m.storeDuration.Record(ctx, elapsed, attrs(opAttr, attribute.String("outcome", outcome)))
 	if errors.Is(err, storage.ErrLeaseLost) {
-		o.m.leaseLost.Add(ctx, 1, attrs(attribute.String("method", op)))
+		o.m.leaseLost.Add(ctx, 1, op.method)
 	}
 	return err
 }
 
 func (o *observedStore) Claim(ctx context.Context, p storage.ClaimParams) (res storage.ClaimResult, err error) {
-	err = o.do(ctx, "claim", func() error {
+	err = o.do(ctx, opClaim, func() error {
 		res, err = o.Store.Claim(ctx, p)
 		return err
 	})
@@ -79,12 +124,12 @@ func (o *observedStore) Claim(ctx context.Context, p storage.ClaimParams) (res s
 	case res.Outcome == storage.OutcomeCompleted:
 		outcome = ClaimReplay
 	}
-	o.m.claims.Add(ctx, 1, attrs(attribute.String("outcome", outcome)))
+	o.m.claims.Add(ctx, 1, claimOutcomes[outcome])
 	return res, err
 }
 
 func (o *observedStore) Complete(ctx context.Context, p storage.CompleteParams) (rec storage.Record, err error) {
-	err = o.do(ctx, "complete", func() error {
+	err = o.do(ctx, opComplete, func() error {
 		rec, err = o.Store.Complete(ctx, p)
 		return err
 	})
@@ -95,7 +140,7 @@ func (o *observedStore) Complete(ctx context.Context, p storage.CompleteParams) 
 }
 
 func (o *observedStore) Release(ctx context.Context, p storage.ReleaseParams) (rec storage.Record, err error) {
-	err = o.do(ctx, "release", func() error {
+	err = o.do(ctx, opRelease, func() error {
 		rec, err = o.Store.Release(ctx, p)
 		return err
 	})
@@ -106,7 +151,7 @@ func (o *observedStore) Release(ctx context.Context, p storage.ReleaseParams) (r
 }
 
 func (o *observedStore) Extend(ctx context.Context, p storage.ExtendParams) (rec storage.Record, err error) {
-	err = o.do(ctx, "extend", func() error {
+	err = o.do(ctx, opExtend, func() error {
 		rec, err = o.Store.Extend(ctx, p)
 		return err
 	})
@@ -117,7 +162,7 @@ func (o *observedStore) Extend(ctx context.Context, p storage.ExtendParams) (rec
 }
 
 func (o *observedStore) Lookup(ctx context.Context, k storage.Key) (rec storage.Record, err error) {
-	err = o.do(ctx, "lookup", func() error {
+	err = o.do(ctx, opLookup, func() error {
 		rec, err = o.Store.Lookup(ctx, k)
 		return err
 	})
@@ -125,7 +170,7 @@ func (o *observedStore) Lookup(ctx context.Context, k storage.Key) (rec storage.
 }
 
 func (o *observedStore) Inspect(ctx context.Context, k storage.Key) (res storage.InspectResult, err error) {
-	err = o.do(ctx, "inspect", func() error {
+	err = o.do(ctx, opInspect, func() error {
 		res, err = o.admin.Inspect(ctx, k)
 		return err
 	})
@@ -133,7 +178,7 @@ func (o *observedStore) Inspect(ctx context.Context, k storage.Key) (res storage
 }
 
 func (o *observedStore) Invalidate(ctx context.Context, p storage.InvalidateParams) (rec storage.Record, err error) {
-	err = o.do(ctx, "invalidate", func() error {
+	err = o.do(ctx, opInvalidate, func() error {
 		rec, err = o.admin.Invalidate(ctx, p)
 		return err
 	})

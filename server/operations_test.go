@@ -59,6 +59,23 @@ func (s *syncBuffer) lines(t *testing.T, msg string) []map[string]any {
 	return out
 }
 
+// TestLogsAtWarn: with the level at WARN, calls that succeed leave no line
+// and refusals still do.
+func TestLogsAtWarn(t *testing.T) {
+	var buf syncBuffer
+	logger := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	conn := start(t, memStore(t), server.Config{Logger: logger})
+	c := idemregv1.NewRegistryServiceClient(conn)
+	ctx := t.Context()
+	_, err := c.Claim(ctx, claimReq("warn-1", "fp-1"))
+	require.NoError(t, err)
+	_, err = c.Claim(ctx, claimReq("warn-1", "fp-2"))
+	requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+	calls := buf.lines(t, "finished call")
+	require.Len(t, calls, 1)
+	require.Equal(t, "FailedPrecondition", calls[0]["grpc.code"])
+}
+
 func jsonLogger(buf *syncBuffer) *slog.Logger {
 	return slog.New(slog.NewJSONHandler(buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 }
@@ -210,6 +227,12 @@ func TestLogs(t *testing.T) {
 		require.Contains(t, l, "grpc.time_ms")
 	}
 	require.Equal(t, "FailedPrecondition", calls[1]["grpc.code"])
+	require.Equal(t, "WARN", calls[1]["level"])
+	require.Contains(t, calls[1]["grpc.error"], "different fingerprint")
+	require.Equal(t, "INFO", calls[0]["level"])
+	require.Equal(t, "idemreg.v1.RegistryService", calls[0]["grpc.service"])
+	require.Equal(t, "Claim", calls[0]["grpc.method"])
+	require.NotContains(t, calls[0], "grpc.error")
 
 	audit := buf.lines(t, "admin action")
 	require.Len(t, audit, 1)

@@ -11,7 +11,6 @@ import (
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
-	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/selector"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
@@ -70,6 +69,12 @@ type Config struct {
 	// MaxInFlight bounds the store operations in flight; a call beyond it
 	// fails at once with UNAVAILABLE, reason OVERLOADED (DefaultMaxInFlight).
 	MaxInFlight int
+	// StreamWorkers is how many long-lived goroutines run calls
+	// (DefaultStreamWorkers); a call that finds none idle gets a goroutine
+	// of its own, as every call does when it is negative. Reused
+	// goroutines keep the stacks they grew, which a new goroutine per call
+	// grows again by copying: an eighth of the server's CPU under load.
+	StreamWorkers int
 	// Keepalive sets connection ages and pings; zero fields take the
 	// defaults of DefaultKeepalive.
 	Keepalive keepalive.ServerParameters
@@ -87,6 +92,11 @@ type Config struct {
 // well above what a store answers at once (a PostgreSQL pool holds tens of
 // connections), well below what makes every queued call miss its deadline.
 const DefaultMaxInFlight = 256
+
+// DefaultStreamWorkers is the default number of goroutines that run calls:
+// enough for the callers a replica serves at once, so that nearly every
+// call finds one idle, at a few KiB of stack each.
+const DefaultStreamWorkers = 128
 
 // DefaultKeepalive are the connection settings for load-balanced
 // deployments: connections are recycled every few minutes so that new
@@ -134,6 +144,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxInFlight <= 0 {
 		c.MaxInFlight = DefaultMaxInFlight
+	}
+	if c.StreamWorkers == 0 {
+		c.StreamWorkers = DefaultStreamWorkers
 	}
 	def := DefaultKeepalive()
 	k := &c.Keepalive
@@ -185,7 +198,10 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	observed := newObservedStore(store, cfg.MaxInFlight, m)
+	observed, err := newObservedStore(store, cfg.MaxInFlight, m)
+	if err != nil {
+		return nil, err
+	}
 	svc, err := NewService(observed, cfg.Limits, cfg.Logger)
 	if err != nil {
 		return nil, err
@@ -205,6 +221,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		grpc.MaxRecvMsgSize(cfg.Limits.MaxResultBytes + 64<<10),
 		grpc.KeepaliveParams(cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement),
+		grpc.NumStreamWorkers(uint32(max(cfg.StreamWorkers, 0))),
 	}
 	if cfg.TLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
@@ -324,21 +341,20 @@ func (s *Server) checkHealth(ctx context.Context) {
 // The middleware chain, outermost first. Before it, otelgrpc's stats
 // handler opens the call's span and measures it (every call, health checks
 // left out of traces).
-//  1. consumer fields: puts the request's consumer into the log fields;
-//  2. logging: one structured line per finished call (method, code,
-//     duration, consumer, identity) — never payloads, results,
-//     fingerprints or tokens;
-//  3. recovery: a panic, here or below, becomes INTERNAL and is logged
+//  1. access log (accesslog.go): one structured line per finished call
+//     (method, code, duration, consumer, identity) — never payloads,
+//     results, fingerprints or tokens;
+//  2. recovery: a panic, here or below, becomes INTERNAL and is logged
 //     with its stack;
-//  4. deadline: a request without a deadline gets RequestTimeout, a longer
+//  3. deadline: a request without a deadline gets RequestTimeout, a longer
 //     one is clamped to MaxRequestTimeout;
-//  5. authentication (go-grpc-middleware auth, skipped for health and
+//  4. authentication (go-grpc-middleware auth, skipped for health and
 //     reflection by selector): the caller's identity from a bearer token
 //     or a verified client certificate, or UNAUTHENTICATED;
-//  6. authorization (same selector): the identity may use the request's
+//  5. authorization (same selector): the identity may use the request's
 //     consumer (RegistryService) or administer it (AdminService), or
 //     PERMISSION_DENIED — before the handler has read anything;
-//  7. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
+//  6. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
 //     QuotaFailure and RetryInfo.
 //
 // Below the handler, the store is wrapped (observe.go) to bound the
@@ -348,8 +364,7 @@ func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
 	return []grpc.UnaryServerInterceptor{
-		consumerFields,
-		logging.UnaryServerInterceptor(interceptorLogger(logger), loggingOptions...),
+		accessLogger{logger}.unary,
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		s.deadline,
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
@@ -365,27 +380,12 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
 	return []grpc.StreamServerInterceptor{
-		logging.StreamServerInterceptor(interceptorLogger(logger), loggingOptions...),
+		accessLogger{logger}.stream,
 		recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
 			return newStatus(codes.PermissionDenied, ReasonPermissionDenied, "streaming methods are not open to identities", nil)
 		}, protected),
 	}
-}
-
-var loggingOptions = []logging.Option{logging.WithLogOnEvents(logging.FinishCall)}
-
-func interceptorLogger(l *slog.Logger) logging.Logger {
-	return logging.LoggerFunc(func(ctx context.Context, lvl logging.Level, msg string, fields ...any) {
-		l.Log(ctx, slog.Level(lvl), msg, fields...)
-	})
-}
-
-func consumerFields(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
-	if r, ok := req.(interface{ GetConsumer() string }); ok {
-		ctx = logging.InjectFields(ctx, logging.Fields{"consumer", r.GetConsumer()})
-	}
-	return next(ctx, req)
 }
 
 func panicHandler(logger *slog.Logger) recovery.RecoveryHandlerFuncContext {

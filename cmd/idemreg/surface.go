@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -44,6 +45,7 @@ type surfaceConfig struct {
 	RequestTimeout                  time.Duration
 	MaxRequestTimeout               time.Duration
 	MaxInFlight                     int
+	StreamWorkers                   int
 	MaxConnectionAge                time.Duration
 	DrainDelay, ShutdownTimeout     time.Duration
 	DisableReflection               bool
@@ -55,6 +57,7 @@ func defaultSurface() surfaceConfig {
 		RequestTimeout:    server.DefaultRequestTimeout,
 		MaxRequestTimeout: server.DefaultMaxRequestTimeout,
 		MaxInFlight:       server.DefaultMaxInFlight,
+		StreamWorkers:     server.DefaultStreamWorkers,
 		MaxConnectionAge:  ka.MaxConnectionAge,
 		ShutdownTimeout:   10 * time.Second,
 	}
@@ -71,6 +74,7 @@ func (s *surfaceConfig) bind(fs *flag.FlagSet) {
 	fs.DurationVar(&s.RequestTimeout, "request-timeout", s.RequestTimeout, "budget of a request that carries no deadline")
 	fs.DurationVar(&s.MaxRequestTimeout, "max-request-timeout", s.MaxRequestTimeout, "longest deadline a request may carry; longer ones are cut to it")
 	fs.IntVar(&s.MaxInFlight, "max-in-flight", s.MaxInFlight, "most store operations at once; beyond it calls fail at once with UNAVAILABLE (OVERLOADED)")
+	fs.IntVar(&s.StreamWorkers, "stream-workers", s.StreamWorkers, "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
 	fs.DurationVar(&s.MaxConnectionAge, "max-connection-age", s.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
 	fs.DurationVar(&s.DrainDelay, "drain-delay", s.DrainDelay, "on SIGTERM, keep serving this long after health turns NOT_SERVING, for load balancers to notice")
 	fs.DurationVar(&s.ShutdownTimeout, "shutdown-timeout", s.ShutdownTimeout, "on SIGTERM, longest wait for calls in flight before connections are cut")
@@ -98,6 +102,9 @@ func (s *surfaceConfig) validate(listen string) []error {
 	}
 	if s.MaxInFlight < 1 {
 		errs = append(errs, fmt.Errorf("--max-in-flight must be positive, got %d", s.MaxInFlight))
+	}
+	if s.StreamWorkers < 0 {
+		errs = append(errs, fmt.Errorf("--stream-workers must not be negative, got %d", s.StreamWorkers))
 	}
 	if s.MaxConnectionAge <= 0 {
 		errs = append(errs, fmt.Errorf("--max-connection-age must be positive, got %v", s.MaxConnectionAge))
@@ -192,6 +199,7 @@ func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config,
 		RequestTimeout:    sc.RequestTimeout,
 		MaxRequestTimeout: sc.MaxRequestTimeout,
 		MaxInFlight:       sc.MaxInFlight,
+		StreamWorkers:     cmp.Or(sc.StreamWorkers, -1),
 		DrainDelay:        sc.DrainDelay,
 		ShutdownTimeout:   sc.ShutdownTimeout,
 		DisableReflection: sc.DisableReflection,
