@@ -49,6 +49,7 @@ const (
 	MaxKeyBytes         = 256
 	MaxFingerprintBytes = 64
 	MaxHolderBytes      = 128
+	MaxRequestIDBytes   = 128
 )
 
 // DefaultLimits returns the limits used when none are configured.

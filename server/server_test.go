@@ -176,6 +176,39 @@ func TestSemanticsTable(t *testing.T) {
 	})
 }
 
+// TestRepeatedClaim: a Claim repeated with its request_id after a lost
+// reply gets its token back; nobody else does, and Lookup never shows the id.
+func TestRepeatedClaim(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, h *harness) {
+		ctx := t.Context()
+		c := h.client
+		req := claimReq("pay-r", "fp-1")
+		req.RequestId = "7f1c2a9e-0b1d-4c6e-9a51-3d2f8e6b4a10"
+		first, err := c.Claim(ctx, req)
+		require.NoError(t, err)
+		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, first.GetOutcome())
+
+		again, err := c.Claim(ctx, req)
+		require.NoError(t, err)
+		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, again.GetOutcome())
+		require.Equal(t, first.GetToken(), again.GetToken())
+		require.True(t, proto.Equal(first.GetRecord(), again.GetRecord()), "the same answer: %v, then %v", first.GetRecord(), again.GetRecord())
+
+		other := claimReq("pay-r", "fp-1")
+		other.RequestId = "another-claim"
+		busy, err := c.Claim(ctx, other)
+		require.NoError(t, err)
+		require.Equal(t, idemregv1.Outcome_OUTCOME_IN_PROGRESS, busy.GetOutcome())
+		require.Zero(t, busy.GetToken())
+
+		looked, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-r"})
+		require.NoError(t, err)
+		wire, err := proto.Marshal(looked)
+		require.NoError(t, err)
+		require.NotContains(t, string(wire), req.RequestId, "the request id is never handed out")
+	})
+}
+
 func TestFencedCalls(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, h *harness) {
 		ctx := t.Context()
@@ -265,6 +298,9 @@ func TestValidation(t *testing.T) {
 			{"retention too short", func() *idemregv1.ClaimRequest { r := ok(); r.Retention = durationpb.New(time.Second); return r }(), "retention"},
 			{"retention too long", func() *idemregv1.ClaimRequest { r := ok(); r.Retention = durationpb.New(31 * 24 * time.Hour); return r }(), "retention"},
 			{"holder too long", func() *idemregv1.ClaimRequest { r := ok(); r.Holder = strings.Repeat("h", 129); return r }(), "holder"},
+			{"request_id too long", func() *idemregv1.ClaimRequest { r := ok(); r.RequestId = strings.Repeat("r", 129); return r }(), "request_id"},
+			{"request_id with a space", func() *idemregv1.ClaimRequest { r := ok(); r.RequestId = "req 1"; return r }(), "request_id"},
+			{"request_id not ASCII", func() *idemregv1.ClaimRequest { r := ok(); r.RequestId = "req-é"; return r }(), "request_id"},
 		}
 		for _, tc := range cases {
 			t.Run(tc.name, func(t *testing.T) {

@@ -114,6 +114,11 @@ func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams,
 	case !utf8.ValidString(h):
 		v.add("holder", "must be valid UTF-8")
 	}
+	if id := r.GetRequestId(); len(id) > MaxRequestIDBytes {
+		v.add("request_id", "must be at most %d bytes, got %d", MaxRequestIDBytes, len(id))
+	} else if !printableASCII(id) {
+		v.add("request_id", "must be printable ASCII without spaces (0x21-0x7E)")
+	}
 	pol := s.policies.Current().For(k.Consumer)
 	p := storage.ClaimParams{
 		Key:         k,
@@ -121,9 +126,20 @@ func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams,
 		Lease:       v.duration("lease", r.GetLease(), pol.Lease, "lease", pol.Source),
 		Retention: v.duration("retention", r.GetRetention(), pol.Retention(k.Kind),
 			policy.RetentionField(k.Kind), pol.Source),
-		Holder: r.GetHolder(),
+		Holder:    r.GetHolder(),
+		RequestID: r.GetRequestId(),
 	}
 	return p, v.err()
+}
+
+// printableASCII reports whether s has only bytes 0x21-0x7E.
+func printableASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x21 || s[i] > 0x7E {
+			return false
+		}
+	}
+	return true
 }
 
 func (s *Service) validateComplete(r *idemregv1.CompleteRequest) (storage.CompleteParams, error) {

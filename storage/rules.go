@@ -38,7 +38,9 @@ func NextToken(prev int64, now time.Time) int64 {
 }
 
 // DecideClaim decides a Claim. On acquisition it returns the new record with
-// write set. Otherwise cur is unchanged and the result describes it.
+// write set. Otherwise cur is unchanged and the result describes it; a
+// repeat of the Claim that holds a live lease (same non-empty RequestID) is
+// answered OUTCOME_ACQUIRED with cur as it is, without a write.
 func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, write bool, err error) {
 	if !cur.Live(now) {
 		var prev int64
@@ -52,6 +54,7 @@ func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, wr
 			Token:          NextToken(prev, now),
 			Attempt:        1,
 			Holder:         p.Holder,
+			RequestID:      p.RequestID,
 			CreatedAt:      now,
 			LeaseExpiresAt: now.Add(p.Lease),
 			ExpiresAt:      now.Add(p.Lease + p.Retention),
@@ -65,6 +68,10 @@ func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, wr
 	switch {
 	case cur.State == StateCompleted:
 		return ClaimResult{Outcome: OutcomeCompleted, Record: *cur}, false, nil
+	case cur.LeaseLive(now) && p.RequestID != "" && p.RequestID == cur.RequestID:
+		// A repeat of the Claim that holds the lease (its reply was lost):
+		// the same answer again, nothing written.
+		return ClaimResult{Outcome: OutcomeAcquired, Record: *cur}, false, nil
 	case cur.LeaseLive(now):
 		return ClaimResult{Outcome: OutcomeInProgress, Record: *cur, RetryAfter: cur.LeaseExpiresAt.Sub(now)}, false, nil
 	}
@@ -76,6 +83,7 @@ func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, wr
 	rec.Token = NextToken(cur.Token, now)
 	rec.Attempt = cur.Attempt + 1
 	rec.Holder = p.Holder
+	rec.RequestID = p.RequestID
 	rec.LeaseExpiresAt = now.Add(p.Lease)
 	rec.ExpiresAt = now.Add(p.Lease + p.Retention)
 	rec.Retention = p.Retention

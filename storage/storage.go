@@ -66,8 +66,12 @@ type Record struct {
 	// Token is the current fencing token; tokens of one key strictly increase.
 	Token int64
 	// Attempt counts acquisitions since the record was created.
-	Attempt        int64
-	Holder         string
+	Attempt int64
+	Holder  string
+	// RequestID is the request_id of the Claim that acquired the current
+	// lease, empty when it sent none; a repeat of that Claim while the
+	// lease is live is answered with this record.
+	RequestID      string
 	CreatedAt      time.Time
 	LeaseExpiresAt time.Time
 	// CompletedAt is zero while in progress.
@@ -89,6 +93,9 @@ type ClaimParams struct {
 	Lease       time.Duration
 	Retention   time.Duration
 	Holder      string
+	// RequestID, when not empty, identifies this claim across repeats:
+	// see DecideClaim.
+	RequestID string
 }
 
 // ClaimResult is the answer of Store.Claim.

@@ -121,9 +121,16 @@ func decodeExpiryKey(b []byte) (expiresAt time.Time, recordKey []byte, err error
 //	| retention varint µs | fingerprint uvarint length + bytes
 //	| holder uvarint length + bytes | result: the rest of the value
 //
+// Version 2 is version 1 with the request id (uvarint length + bytes) after
+// the holder. It is written only for a record that has one, so a data
+// directory whose Claims send no request_id stays readable by a binary that
+// knows only version 1, and one that does fails loudly on a version it
+// does not know instead of reading the request id as part of the result.
+//
 // The key is not repeated: it is the record key.
 const (
 	valueVersion1   byte = 1
+	valueVersion2   byte = 2
 	flagCompletedAt byte = 1 << 0
 )
 
@@ -152,6 +159,9 @@ func recordSize(r *storage.Record) int {
 	if !r.CompletedAt.IsZero() {
 		n += varintLen(r.CompletedAt.UnixMicro())
 	}
+	if r.RequestID != "" {
+		n += uvarintLen(uint64(len(r.RequestID))) + len(r.RequestID)
+	}
 	return n
 }
 
@@ -160,7 +170,11 @@ func appendRecord(dst []byte, r *storage.Record) []byte {
 	if !r.CompletedAt.IsZero() {
 		flags |= flagCompletedAt
 	}
-	dst = append(dst, valueVersion1, byte(r.State), flags)
+	version := valueVersion1
+	if r.RequestID != "" {
+		version = valueVersion2
+	}
+	dst = append(dst, version, byte(r.State), flags)
 	dst = binary.AppendVarint(dst, r.Token)
 	dst = binary.AppendUvarint(dst, uint64(r.Attempt))
 	dst = binary.AppendVarint(dst, r.CreatedAt.UnixMicro())
@@ -174,6 +188,10 @@ func appendRecord(dst []byte, r *storage.Record) []byte {
 	dst = append(dst, r.Fingerprint...)
 	dst = binary.AppendUvarint(dst, uint64(len(r.Holder)))
 	dst = append(dst, r.Holder...)
+	if version == valueVersion2 {
+		dst = binary.AppendUvarint(dst, uint64(len(r.RequestID)))
+		dst = append(dst, r.RequestID...)
+	}
 	return append(dst, r.Result...)
 }
 
@@ -214,7 +232,8 @@ func decodeRecord(b []byte, r *storage.Record) error {
 	if len(b) < 3 {
 		return errBadValue
 	}
-	if b[0] != valueVersion1 {
+	version := b[0]
+	if version != valueVersion1 && version != valueVersion2 {
 		return fmt.Errorf("pebble: unknown record value version %d", b[0])
 	}
 	r.State = storage.State(b[1])
@@ -237,6 +256,10 @@ func decodeRecord(b []byte, r *storage.Record) error {
 	r.Retention = time.Duration(v.varint()) * time.Microsecond
 	fp := v.bytes()
 	holder := v.bytes()
+	var requestID []byte
+	if version == valueVersion2 {
+		requestID = v.bytes()
+	}
 	if v.bad {
 		return errBadValue
 	}
@@ -254,6 +277,7 @@ func decodeRecord(b []byte, r *storage.Record) error {
 		}
 	}
 	r.Holder = string(holder)
+	r.RequestID = string(requestID)
 	return nil
 }
 

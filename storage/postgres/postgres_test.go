@@ -452,7 +452,7 @@ func TestClaimFallbackNotExecutedWhenWritten(t *testing.T) {
 	preImageLoops := func() float64 {
 		var plan []map[string]any
 		err := conn.QueryRow(t.Context(), `EXPLAIN (ANALYZE, FORMAT JSON) `+postgres.ClaimSQL,
-			"plan", int16(storage.KindMessage), "k", []byte{}, "h", int64(10_000_000), int64(3_600_000_000), int64(0),
+			"plan", int16(storage.KindMessage), "k", []byte{}, "h", int64(10_000_000), int64(3_600_000_000), int64(0), "",
 		).Scan(&plan)
 		require.NoError(t, err)
 		var loops []float64
@@ -493,9 +493,10 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 		return out
 	}
 	first := applied()
-	require.Len(t, first, 2)
+	require.Len(t, first, 3)
 	require.Equal(t, "0001_records.sql", first[0].Name)
 	require.Equal(t, "0002_expires_at_index.sql", first[1].Name)
+	require.Equal(t, "0003_request_id.sql", first[2].Name)
 
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL))
 	require.Equal(t, first, applied(), "a second Migrate applies nothing")
@@ -504,7 +505,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_schema_migrations`)
 	require.NoError(t, err)
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL), "migrations are safe to repeat")
-	require.Len(t, applied(), 2)
+	require.Len(t, applied(), 3)
 }
 
 // closedPortURL is a database URL nothing listens at.

@@ -30,10 +30,10 @@ import "fmt"
 
 // recordColumns is the column list every statement returns, in scan order.
 const recordColumns = `consumer, kind, key, state, fingerprint, token, attempt, holder,
-    created_at, lease_expires_at, completed_at, expires_at, retention_us, result`
+    created_at, lease_expires_at, completed_at, expires_at, retention_us, result, request_id`
 
 // claimSQL: $1 consumer, $2 kind, $3 key, $4 fingerprint, $5 holder,
-// $6 lease µs, $7 retention µs, $8 clock offset µs.
+// $6 lease µs, $7 retention µs, $8 clock offset µs, $9 request id.
 //
 // The INSERT proposes a fresh record (DecideClaim on an absent key). On a
 // conflict, excluded.created_at is the statement's clock reading, and the
@@ -57,7 +57,8 @@ w AS (
         NULL,
         c.now + (CAST($6 AS BIGINT) + CAST($7 AS BIGINT)) * INTERVAL '1 microsecond',  -- now + Lease + Retention
         CAST($7 AS BIGINT),
-        NULL
+        NULL,
+        CAST($9 AS TEXT)
     FROM clock c
 ` + claimOnConflict + `    RETURNING ` + recordColumnsOf("r") + `
 )
@@ -86,6 +87,7 @@ const claimOnConflict = `    ON CONFLICT (consumer, kind, key) DO UPDATE SET
         -- takeover: Attempt = cur.Attempt + 1
         attempt          = CASE WHEN r.expires_at <= excluded.created_at THEN 1 ELSE r.attempt + 1 END,
         holder           = excluded.holder,
+        request_id       = excluded.request_id,
         -- a takeover keeps CreatedAt
         created_at       = CASE WHEN r.expires_at <= excluded.created_at THEN excluded.created_at ELSE r.created_at END,
         lease_expires_at = excluded.lease_expires_at,
@@ -130,8 +132,8 @@ var completeSQL = fencedUpdateSQL(6, `
 // as the statement's snapshot saw it. A key with no output row is absent.
 
 // claimBatchSQL: $1 consumers, $2 kinds, $3 keys, $4 fingerprints,
-// $5 holders, $6 leases µs, $7 retentions µs (arrays, one element per
-// caller), $8 clock offset µs. The keys are distinct: PostgreSQL refuses an
+// $5 holders, $6 leases µs, $7 retentions µs, $9 request ids (arrays, one
+// element per caller), $8 clock offset µs. The keys are distinct: PostgreSQL refuses an
 // ON CONFLICT DO UPDATE that affects a row twice.
 var claimBatchSQL = `
 WITH clock AS (
@@ -139,8 +141,9 @@ WITH clock AS (
 ),
 i AS (
     SELECT * FROM unnest(CAST($1 AS TEXT[]), CAST($2 AS SMALLINT[]), CAST($3 AS TEXT[]),
-                         CAST($4 AS BYTEA[]), CAST($5 AS TEXT[]), CAST($6 AS BIGINT[]), CAST($7 AS BIGINT[]))
-        WITH ORDINALITY AS i(consumer, kind, key, fingerprint, holder, lease_us, retention_us, ord)
+                         CAST($4 AS BYTEA[]), CAST($5 AS TEXT[]), CAST($6 AS BIGINT[]), CAST($7 AS BIGINT[]),
+                         CAST($9 AS TEXT[]))
+        WITH ORDINALITY AS i(consumer, kind, key, fingerprint, holder, lease_us, retention_us, request_id, ord)
 ),
 w AS (
     INSERT INTO idemreg_records AS r (` + recordColumns + `)
@@ -155,7 +158,8 @@ w AS (
         NULL,
         c.now + (i.lease_us + i.retention_us) * INTERVAL '1 microsecond',  -- now + Lease + Retention
         i.retention_us,
-        NULL
+        NULL,
+        i.request_id
     FROM i CROSS JOIN clock c
     ORDER BY i.ord                                          -- rows are locked in the caller's (sorted) order
 ` + claimOnConflict + `    RETURNING ` + recordColumnsOf("r") + `
@@ -282,7 +286,7 @@ func recordColumnsOf(alias string) string {
 	return alias + ".consumer, " + alias + ".kind, " + alias + ".key, " + alias + ".state, " +
 		alias + ".fingerprint, " + alias + ".token, " + alias + ".attempt, " + alias + ".holder, " +
 		alias + ".created_at, " + alias + ".lease_expires_at, " + alias + ".completed_at, " +
-		alias + ".expires_at, " + alias + ".retention_us, " + alias + ".result"
+		alias + ".expires_at, " + alias + ".retention_us, " + alias + ".result, " + alias + ".request_id"
 }
 
 // recordColumnsNoResultOf is recordColumnsOf with a NULL result, for answers
@@ -292,7 +296,7 @@ func recordColumnsNoResultOf(alias string) string {
 	return alias + ".consumer, " + alias + ".kind, " + alias + ".key, " + alias + ".state, " +
 		alias + ".fingerprint, " + alias + ".token, " + alias + ".attempt, " + alias + ".holder, " +
 		alias + ".created_at, " + alias + ".lease_expires_at, " + alias + ".completed_at, " +
-		alias + ".expires_at, " + alias + ".retention_us, CAST(NULL AS BYTEA) AS result"
+		alias + ".expires_at, " + alias + ".retention_us, CAST(NULL AS BYTEA) AS result, " + alias + ".request_id"
 }
 
 // fencedUpdateSQL is the shape of every single-row UPDATE (Complete,

@@ -131,7 +131,7 @@ func (s *Store) claimAlone(ctx context.Context, p storage.ClaimParams) (storage.
 		var err error
 		a, err = s.queryRecord(ctx, claimSQL,
 			p.Consumer, int16(p.Kind), p.Key.Key, nonNil(p.Fingerprint), p.Holder,
-			p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros())
+			p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros(), p.RequestID)
 		if err == nil && !a.found {
 			return errNoRow
 		}
@@ -167,15 +167,16 @@ func (s *Store) claimBatch(ctx context.Context, calls []*call[storage.ClaimParam
 		holders   = make([]string, n)
 		leases    = make([]int64, n)
 		retention = make([]int64, n)
+		requests  = make([]string, n)
 	)
 	for i, cl := range calls {
 		p := &cl.p
 		consumers[i], kinds[i], keys[i] = p.Consumer, int16(p.Kind), p.Key.Key
-		fps[i], holders[i] = nonNil(p.Fingerprint), p.Holder
+		fps[i], holders[i], requests[i] = nonNil(p.Fingerprint), p.Holder, p.RequestID
 		leases[i], retention[i] = p.Lease.Microseconds(), p.Retention.Microseconds()
 	}
 	answers, err := s.queryBatch(ctx, claimBatchSQL, n,
-		consumers, kinds, keys, fps, holders, leases, retention, s.offsetMicros())
+		consumers, kinds, keys, fps, holders, leases, retention, s.offsetMicros(), requests)
 	if err != nil {
 		return err
 	}
@@ -422,7 +423,7 @@ func scanAnswer(row pgx.Row, lead ...any) (answer, error) {
 	)
 	dest := append(lead, &a.written, &a.now,
 		&r.Consumer, &kind, &r.Key.Key, &state, &r.Fingerprint, &r.Token, &r.Attempt, &r.Holder,
-		&r.CreatedAt, &r.LeaseExpiresAt, &completedAt, &r.ExpiresAt, &retentionUS, &r.Result)
+		&r.CreatedAt, &r.LeaseExpiresAt, &completedAt, &r.ExpiresAt, &retentionUS, &r.Result, &r.RequestID)
 	if err := row.Scan(dest...); err != nil {
 		return answer{}, err
 	}

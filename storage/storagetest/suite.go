@@ -39,6 +39,8 @@ func Run(t *testing.T, newStore Factory) {
 		{"ClaimCompletedFingerprintMismatch", testClaimCompletedMismatch},
 		{"ClaimExpiredCompleted", testClaimExpiredCompleted},
 		{"ClaimExpiredInProgress", testClaimExpiredInProgress},
+		{"ClaimRepeatedRequestID", testClaimRepeatedRequestID},
+		{"ClaimRequestIDAfterLease", testClaimRequestIDAfterLease},
 		{"ExpiryBoundary", testExpiryBoundary},
 		{"ScopesAreIndependent", testScopes},
 		{"Complete", testComplete},
@@ -58,6 +60,7 @@ func Run(t *testing.T, newStore Factory) {
 		{"RaceCompleteVersusTakeover", testRaceCompleteVersusTakeover},
 		{"RaceFencedOperations", testRaceFenced},
 		{"RaceManyKeys", testRaceManyKeys},
+		{"RaceRepeatedRequestID", testRaceRepeatedRequestID},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -104,6 +107,7 @@ func requireSame(t *testing.T, want, got storage.Record) {
 	require.Equal(t, want.Token, got.Token)
 	require.Equal(t, want.Attempt, got.Attempt)
 	require.Equal(t, want.Holder, got.Holder)
+	require.Equal(t, want.RequestID, got.RequestID)
 	require.True(t, want.CreatedAt.Equal(got.CreatedAt), "created_at %v != %v", want.CreatedAt, got.CreatedAt)
 	require.True(t, want.LeaseExpiresAt.Equal(got.LeaseExpiresAt), "lease_expires_at %v != %v", want.LeaseExpiresAt, got.LeaseExpiresAt)
 	require.True(t, want.CompletedAt.Equal(got.CompletedAt), "completed_at %v != %v", want.CompletedAt, got.CompletedAt)
@@ -526,6 +530,77 @@ func testLargeResult(t *testing.T, s storage.Store, _ *Clock) {
 
 // parallel runs fn n times at once, released together, and returns the
 // results in order.
+// testClaimRepeatedRequestID: a repeat of the Claim that holds a live lease
+// (same request id) gets the same answer, token included, and writes
+// nothing; any other Claim, with another id or none, is IN_PROGRESS.
+func testClaimRepeatedRequestID(t *testing.T, s storage.Store, c *Clock) {
+	k := newKey(storage.KindOperation)
+	p := claimParams(k, "fp-1")
+	p.RequestID = "req-1"
+	first := acquire(t, s, p)
+	require.Equal(t, "req-1", first.RequestID)
+	c.Advance(2 * time.Second)
+
+	repeat := p
+	repeat.Holder = "holder-a-retry"
+	repeat.Lease = 2 * lease
+	res, err := s.Claim(t.Context(), repeat)
+	require.NoError(t, err)
+	require.Equal(t, storage.OutcomeAcquired, res.Outcome)
+	requireSame(t, first, res.Record) // same token, attempt, holder and lease: nothing written
+
+	for _, id := range []string{"req-2", ""} {
+		other := claimParams(k, "fp-1")
+		other.RequestID = id
+		res, err := s.Claim(t.Context(), other)
+		require.NoError(t, err)
+		require.Equal(t, storage.OutcomeInProgress, res.Outcome, "request id %q", id)
+		requireSame(t, first, res.Record)
+	}
+
+	mismatch := p
+	mismatch.Fingerprint = []byte("fp-2")
+	_, err = s.Claim(t.Context(), mismatch)
+	require.ErrorIs(t, err, storage.ErrFingerprintMismatch, "the request id does not bypass the fingerprint")
+
+	done := complete(t, s, k, first.Token, "result-1")
+	res, err = s.Claim(t.Context(), p)
+	require.NoError(t, err)
+	require.Equal(t, storage.OutcomeCompleted, res.Outcome, "after Complete a repeat replays")
+	requireSame(t, done, res.Record)
+
+	got, err := s.Lookup(t.Context(), k)
+	require.NoError(t, err)
+	requireSame(t, done, got)
+}
+
+// testClaimRequestIDAfterLease: once the lease ran out, a repeat with the
+// same request id is a takeover like any other Claim: a new token, and the
+// old one is fenced out.
+func testClaimRequestIDAfterLease(t *testing.T, s storage.Store, c *Clock) {
+	k := newKey(storage.KindOperation)
+	p := claimParams(k, "fp-1")
+	p.RequestID = "req-1"
+	first := acquire(t, s, p)
+	c.Advance(lease + time.Second)
+
+	second := acquire(t, s, p)
+	require.Greater(t, second.Token, first.Token)
+	require.EqualValues(t, 2, second.Attempt)
+	require.Equal(t, "req-1", second.RequestID)
+	_, err := s.Complete(t.Context(), storage.CompleteParams{Key: k, Token: first.Token, Result: []byte("stale")})
+	require.ErrorIs(t, err, storage.ErrLeaseLost)
+
+	// A takeover with another id, or none, replaces the stored id.
+	c.Advance(lease + time.Second)
+	p.RequestID = ""
+	third := acquire(t, s, p)
+	require.Empty(t, third.RequestID)
+	res, err := s.Claim(t.Context(), p)
+	require.NoError(t, err)
+	require.Equal(t, storage.OutcomeInProgress, res.Outcome, "an empty request id never matches")
+}
+
 func parallel[T any](n int, fn func(i int) T) []T {
 	out := make([]T, n)
 	var start, done sync.WaitGroup
@@ -569,6 +644,49 @@ func testRaceClaimNewKey(t *testing.T, s storage.Store, _ *Clock) {
 				require.Equal(t, storage.OutcomeInProgress, a.res.Outcome)
 				require.Equal(t, winner.Token, a.res.Record.Token)
 				require.Equal(t, winner.Holder, a.res.Record.Holder)
+			}
+		}
+	}
+}
+
+// testRaceRepeatedRequestID races repeats of one Claim (the same request
+// id, as a client retrying after a lost reply would send) against Claims
+// with ids of their own: one claim wins, and whoever sees ACQUIRED holds the
+// winner's token with the winner's id; nobody else does.
+func testRaceRepeatedRequestID(t *testing.T, s storage.Store, _ *Clock) {
+	for round := range 6 {
+		k := newKey(storage.KindMessage)
+		answers := parallel(32, func(i int) claimAnswer {
+			p := claimParams(k, "fp")
+			p.RequestID = fmt.Sprintf("own-%d", i)
+			if i%2 == 0 {
+				p.RequestID = "repeated"
+			}
+			res, err := s.Claim(context.Background(), p)
+			return claimAnswer{res, err}
+		})
+		var winner *storage.Record
+		for _, a := range answers {
+			require.NoError(t, a.err)
+			if a.res.Outcome == storage.OutcomeAcquired {
+				if winner == nil {
+					winner = &a.res.Record
+				}
+				require.Equal(t, winner.Token, a.res.Record.Token, "two tokens acquired for one key")
+			}
+		}
+		require.NotNil(t, winner, "nobody acquired (round %d)", round)
+		for i, a := range answers {
+			id := fmt.Sprintf("own-%d", i)
+			if i%2 == 0 {
+				id = "repeated"
+			}
+			require.Equal(t, winner.Token, a.res.Record.Token)
+			if a.res.Outcome == storage.OutcomeAcquired {
+				require.Equal(t, winner.RequestID, id, "caller %d got a token its request id did not win", i)
+			} else {
+				require.Equal(t, storage.OutcomeInProgress, a.res.Outcome)
+				require.NotEqual(t, winner.RequestID, id, "caller %d repeated the winning claim and was refused", i)
 			}
 		}
 	}

@@ -572,7 +572,19 @@ type ClaimRequest struct {
 	// server default for the kind when unset.
 	Retention *durationpb.Duration `protobuf:"bytes,6,opt,name=retention" json:"retention,omitempty"`
 	// Free text naming the holder, for diagnostics only (at most 128 bytes).
-	Holder        string `protobuf:"bytes,7,opt,name=holder" json:"holder,omitempty"`
+	Holder string `protobuf:"bytes,7,opt,name=holder" json:"holder,omitempty"`
+	// Optional, at most 128 bytes of printable ASCII: an id the caller picks
+	// for this claim (a random one, such as a UUID) and sends again when it
+	// repeats the same Claim after an ambiguous failure (a deadline, a lost
+	// connection). While the record is in progress under a live lease that a
+	// Claim with this request_id acquired, the repeat answers
+	// OUTCOME_ACQUIRED with the same token, lease and attempt instead of
+	// OUTCOME_IN_PROGRESS, so a lost reply does not strand the key until the
+	// lease runs out. Without it, or with another id, the answer is
+	// OUTCOME_IN_PROGRESS. It is not a credential: any caller allowed to use
+	// the consumer who knows the id gets the token, so pick an unguessable one
+	// and never reuse it for another claim.
+	RequestId     string `protobuf:"bytes,8,opt,name=request_id,json=requestId" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -652,6 +664,13 @@ func (x *ClaimRequest) GetRetention() *durationpb.Duration {
 func (x *ClaimRequest) GetHolder() string {
 	if x != nil {
 		return x.Holder
+	}
+	return ""
+}
+
+func (x *ClaimRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
 	}
 	return ""
 }
@@ -1218,7 +1237,7 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\fcompleted_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\vcompletedAt\x129\n" +
 	"\n" +
 	"expires_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12*\n" +
-	"\x06result\x18\r \x01(\v2\x12.idemreg.v1.ResultR\x06result\"\x86\x02\n" +
+	"\x06result\x18\r \x01(\v2\x12.idemreg.v1.ResultR\x06result\"\xa5\x02\n" +
 	"\fClaimRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
@@ -1226,7 +1245,9 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\vfingerprint\x18\x04 \x01(\fR\vfingerprint\x12/\n" +
 	"\x05lease\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x05lease\x127\n" +
 	"\tretention\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\tretention\x12\x16\n" +
-	"\x06holder\x18\a \x01(\tR\x06holder\"\xbc\x01\n" +
+	"\x06holder\x18\a \x01(\tR\x06holder\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\b \x01(\tR\trequestId\"\xbc\x01\n" +
 	"\rClaimResponse\x12-\n" +
 	"\aoutcome\x18\x01 \x01(\x0e2\x13.idemreg.v1.OutcomeR\aoutcome\x12\x14\n" +
 	"\x05token\x18\x02 \x01(\x03R\x05token\x12:\n" +
