@@ -2,6 +2,7 @@ package client
 
 import (
 	"context"
+	"crypto/rand"
 	"fmt"
 	"log/slog"
 	"os"
@@ -75,7 +76,16 @@ type ClaimParams struct {
 	Retention time.Duration
 	// Holder overrides the client's holder name for this claim.
 	Holder string
+	// RequestID, when set, identifies this claim across repeats: while the
+	// lease it acquired is live, a Claim with the same RequestID answers
+	// OutcomeAcquired with the same token, so a caller whose reply was lost
+	// can repeat it. Use an unguessable value (NewRequestID) and never reuse
+	// one for another claim. Once and the interceptors set one themselves.
+	RequestID string
 }
+
+// NewRequestID returns a random request id for ClaimParams.RequestID.
+func NewRequestID() string { return rand.Text() }
 
 // Claim is the answer to a Claim.
 type Claim struct {
@@ -112,6 +122,7 @@ func (c *Client) Claim(ctx context.Context, p ClaimParams) (Claim, error) {
 		Lease:       optDuration(p.Lease),
 		Retention:   optDuration(p.Retention),
 		Holder:      holder,
+		RequestId:   p.RequestID,
 	})
 	if err != nil {
 		return Claim{}, FromError(err)

@@ -3,13 +3,16 @@ package client_test
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	"github.com/idemreg/idemreg/client"
 	"github.com/idemreg/idemreg/client/registrytest"
@@ -140,4 +143,37 @@ func gatedClient(t *testing.T, reg *registrytest.Registry) (c *client.Client, se
 	t.Cleanup(func() { _ = conn.Close() })
 	var openOnce sync.Once
 	return client.New(conn), sentc, func() { openOnce.Do(func() { close(gate) }) }
+}
+
+// lossyClient is a client of reg whose first `lose` Claims reach the
+// registry and take effect, but whose replies are lost: the caller sees
+// UNAVAILABLE. It returns the request ids of every Claim it sent.
+func lossyClient(t *testing.T, reg *registrytest.Registry, lose int32) (*client.Client, func() []string) {
+	t.Helper()
+	var (
+		mu  sync.Mutex
+		ids []string
+		n   atomic.Int32
+	)
+	conn, err := grpc.NewClient(reg.Addr,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
+			err := invoker(ctx, method, req, reply, cc, callOpts...)
+			if r, ok := req.(*idemregv1.ClaimRequest); ok {
+				mu.Lock()
+				ids = append(ids, r.GetRequestId())
+				mu.Unlock()
+				if err == nil && n.Add(1) <= lose {
+					return status.Error(codes.Unavailable, "test: the reply was lost")
+				}
+			}
+			return err
+		}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return client.New(conn), func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), ids...)
+	}
 }

@@ -60,6 +60,66 @@ func TestOnceRunsAndReplays(t *testing.T) {
 	require.EqualValues(t, 2, runs.Load())
 }
 
+// TestOnceLostClaimReply: the registry acquires the key but the reply is
+// lost, twice. Once repeats the Claim with the same request id, gets the
+// token the first Claim acquired, and runs the work once, at attempt 1,
+// instead of finding the key in progress under a lease nobody holds.
+func TestOnceLostClaimReply(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, sent := lossyClient(t, reg, 2)
+	var runs atomic.Int64
+	var seen client.Attempt
+	res, err := c.Once(t.Context(), inbox, "msg-lost", func(_ context.Context, a client.Attempt) ([]byte, error) {
+		runs.Add(1)
+		seen = a
+		return []byte("applied"), nil
+	})
+	require.NoError(t, err)
+	require.True(t, res.Ran)
+	require.EqualValues(t, 1, runs.Load())
+	require.EqualValues(t, 1, seen.Attempt, "the first Claim's acquisition, not a takeover")
+	require.EqualValues(t, 1, res.Record.Attempt)
+	ids := sent()
+	require.Len(t, ids, 3, "two lost replies, then the answer")
+	require.NotEmpty(t, ids[0])
+	require.Equal(t, []string{ids[0], ids[0], ids[0]}, ids, "one request id for the repeats of one claim")
+
+	// Another call is another claim, with an id of its own.
+	_, err = c.Once(t.Context(), inbox, "msg-lost-2", func(context.Context, client.Attempt) ([]byte, error) { return nil, nil })
+	require.NoError(t, err)
+	ids = sent()
+	require.NotEqual(t, ids[0], ids[len(ids)-1])
+}
+
+// TestClaimRequestIDIsNotShared: two callers racing on one key each with
+// their own request id, one of them losing its reply: the repeat of the
+// lost one gets its token only if it won; the other never gets a token it
+// did not win. Exactly one runs the work.
+func TestClaimRequestIDIsNotShared(t *testing.T) {
+	reg := registrytest.Start(t)
+	for round := range 10 {
+		lossy, _ := lossyClient(t, reg, 1)
+		plain := reg.Client
+		var runs atomic.Int64
+		fn := func(context.Context, client.Attempt) ([]byte, error) {
+			runs.Add(1)
+			return []byte("done"), nil
+		}
+		id := fmt.Sprintf("race-%d", round)
+		var wg sync.WaitGroup
+		errs := make([]error, 2)
+		for i, c := range []*client.Client{lossy, plain} {
+			wg.Go(func() {
+				_, errs[i] = c.Once(t.Context(), inbox, id, fn, client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 10 * time.Millisecond}))
+			})
+		}
+		wg.Wait()
+		require.NoError(t, errs[0])
+		require.NoError(t, errs[1])
+		require.EqualValues(t, 1, runs.Load(), "round %d", round)
+	}
+}
+
 func TestOnceOptions(t *testing.T) {
 	reg := registrytest.Start(t)
 	c, ctx := reg.Client, t.Context()

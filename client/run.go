@@ -9,17 +9,45 @@ import (
 	"google.golang.org/grpc/status"
 )
 
+// claimRepeats is how many times claim repeats a Claim whose answer was
+// lost before it gives up.
+const claimRepeats = 3
+
 // claim claims p. While another holder has the key it returns an
 // *InProgressError, or, with s.wait, polls until the key is completed or
 // acquired or ctx ends.
+//
+// Every Claim it makes for p carries one request id, so that a Claim whose
+// reply was lost (the registry unavailable, or the bookkeeping timeout,
+// after the store acquired the key) can be repeated up to claimRepeats
+// times and get the same token back, instead of finding the key in
+// progress under a lease nobody holds.
 func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, error) {
+	if p.RequestID == "" {
+		p.RequestID = NewRequestID()
+	}
 	wait := s.wait
 	var delay time.Duration
 	if wait != nil {
 		delay = wait.Initial
 	}
+	repeats, repeatDelay := 0, DefaultBackoff.Initial
 	for {
 		cl, err := c.claimOnce(ctx, p, s)
+		if err != nil && repeats < claimRepeats && ctx.Err() == nil &&
+			(errors.Is(err, ErrUnavailable) || errors.Is(err, ErrDeadlineExceeded)) {
+			repeats++
+			sleep := jitter(repeatDelay)
+			var ue *UnavailableError
+			if errors.As(err, &ue) && ue.RetryAfter > sleep {
+				sleep = ue.RetryAfter
+			}
+			if !sleepCtx(ctx, sleep) {
+				return cl, contextError(ctx)
+			}
+			repeatDelay = min(2*repeatDelay, DefaultBackoff.Max)
+			continue
+		}
 		if err != nil || cl.Outcome != OutcomeInProgress {
 			return cl, err
 		}
@@ -32,14 +60,22 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 		if cl.RetryAfter > 0 && cl.RetryAfter < sleep {
 			sleep = cl.RetryAfter
 		}
-		t := time.NewTimer(sleep)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !sleepCtx(ctx, sleep) {
 			return cl, contextError(ctx)
-		case <-t.C:
 		}
 		delay = min(2*delay, wait.Max)
+	}
+}
+
+// sleepCtx sleeps for d, or until ctx ends, and reports whether it slept.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
 	}
 }
 
