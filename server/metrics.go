@@ -35,6 +35,7 @@ const (
 // Claim outcomes, the values of the "outcome" attribute of idemreg.claims.
 const (
 	ClaimAcquired   = "acquired"    // a new key, or one whose record had expired: attempt 1
+	ClaimRepeat     = "repeat"      // a repeat of the Claim that holds the lease (same request_id)
 	ClaimTakeover   = "takeover"    // a key released, invalidated or whose lease ran out: attempt > 1
 	ClaimInProgress = "in_progress" // another holder's lease is live
 	ClaimReplay     = "replay"      // completed: the stored result is replayed
@@ -61,7 +62,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		errs = append(errs, err)
 		*dst = c
 	}
-	counter(&out.claims, MetricClaims, "{claim}", "Claims answered, by outcome: acquired, takeover, in_progress, replay, mismatch.")
+	counter(&out.claims, MetricClaims, "{claim}", "Claims answered, by outcome: acquired, takeover, repeat, in_progress, replay, mismatch.")
 	counter(&out.completes, MetricCompletes, "{call}", "Successful Completes (a repeat with the same token counts again).")
 	counter(&out.releases, MetricReleases, "{call}", "Successful Releases.")
 	counter(&out.extends, MetricExtends, "{call}", "Successful Extends.")

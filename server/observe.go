@@ -72,7 +72,7 @@ var (
 // claimOutcomes are the attribute sets of idemreg.claims, by outcome.
 var claimOutcomes = func() map[string]metric.MeasurementOption {
 	m := make(map[string]metric.MeasurementOption)
-	for _, o := range []string{ClaimAcquired, ClaimTakeover, ClaimInProgress, ClaimReplay, ClaimMismatch} {
+	for _, o := range []string{ClaimAcquired, ClaimTakeover, ClaimRepeat, ClaimInProgress, ClaimReplay, ClaimMismatch} {
 		m[o] = attrs(attribute.String("outcome", o))
 	}
 	return m
@@ -115,6 +115,8 @@ func (o *observedStore) Claim(ctx context.Context, p storage.ClaimParams) (res s
 		outcome = ClaimMismatch
 	case err != nil:
 		return res, err
+	case res.Repeated:
+		outcome = ClaimRepeat
 	case res.Outcome == storage.OutcomeAcquired && res.Record.Attempt > 1:
 		outcome = ClaimTakeover
 	case res.Outcome == storage.OutcomeAcquired:

@@ -71,7 +71,7 @@ func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, wr
 	case cur.LeaseLive(now) && p.RequestID != "" && p.RequestID == cur.RequestID:
 		// A repeat of the Claim that holds the lease (its reply was lost):
 		// the same answer again, nothing written.
-		return ClaimResult{Outcome: OutcomeAcquired, Record: *cur}, false, nil
+		return ClaimResult{Outcome: OutcomeAcquired, Record: *cur, Repeated: true}, false, nil
 	case cur.LeaseLive(now):
 		return ClaimResult{Outcome: OutcomeInProgress, Record: *cur, RetryAfter: cur.LeaseExpiresAt.Sub(now)}, false, nil
 	}

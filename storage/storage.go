@@ -106,6 +106,9 @@ type ClaimResult struct {
 	Record Record
 	// RetryAfter is what is left of the holder's lease when in progress.
 	RetryAfter time.Duration
+	// Repeated is set when the answer is a repeat of the Claim that holds
+	// the lease (same RequestID): acquired, but nothing was written.
+	Repeated bool
 }
 
 // CompleteParams are the arguments of Store.Complete.

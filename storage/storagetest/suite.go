@@ -547,6 +547,7 @@ func testClaimRepeatedRequestID(t *testing.T, s storage.Store, c *Clock) {
 	res, err := s.Claim(t.Context(), repeat)
 	require.NoError(t, err)
 	require.Equal(t, storage.OutcomeAcquired, res.Outcome)
+	require.True(t, res.Repeated)
 	requireSame(t, first, res.Record) // same token, attempt, holder and lease: nothing written
 
 	for _, id := range []string{"req-2", ""} {
