@@ -622,14 +622,21 @@ type claimAnswer struct {
 	err error
 }
 
+// raceClaims runs n Claims at once, the i-th with params(i).
+func raceClaims(s storage.Store, n int, params func(i int) storage.ClaimParams) []claimAnswer {
+	return parallel(n, func(i int) claimAnswer {
+		res, err := s.Claim(context.Background(), params(i))
+		return claimAnswer{res, err}
+	})
+}
+
 func testRaceClaimNewKey(t *testing.T, s storage.Store, _ *Clock) {
 	for range 5 {
 		k := newKey(storage.KindMessage)
-		answers := parallel(64, func(i int) claimAnswer {
+		answers := raceClaims(s, 64, func(i int) storage.ClaimParams {
 			p := claimParams(k, "fp")
 			p.Holder = fmt.Sprintf("holder-%d", i)
-			res, err := s.Claim(context.Background(), p)
-			return claimAnswer{res, err}
+			return p
 		})
 		var winner *storage.Record
 		for _, a := range answers {
@@ -655,16 +662,18 @@ func testRaceClaimNewKey(t *testing.T, s storage.Store, _ *Clock) {
 // with ids of their own: one claim wins, and whoever sees ACQUIRED holds the
 // winner's token with the winner's id; nobody else does.
 func testRaceRepeatedRequestID(t *testing.T, s storage.Store, _ *Clock) {
+	idOf := func(i int) string {
+		if i%2 == 0 {
+			return "repeated"
+		}
+		return fmt.Sprintf("own-%d", i)
+	}
 	for round := range 6 {
 		k := newKey(storage.KindMessage)
-		answers := parallel(32, func(i int) claimAnswer {
+		answers := raceClaims(s, 32, func(i int) storage.ClaimParams {
 			p := claimParams(k, "fp")
-			p.RequestID = fmt.Sprintf("own-%d", i)
-			if i%2 == 0 {
-				p.RequestID = "repeated"
-			}
-			res, err := s.Claim(context.Background(), p)
-			return claimAnswer{res, err}
+			p.RequestID = idOf(i)
+			return p
 		})
 		var winner *storage.Record
 		for _, a := range answers {
@@ -678,10 +687,7 @@ func testRaceRepeatedRequestID(t *testing.T, s storage.Store, _ *Clock) {
 		}
 		require.NotNil(t, winner, "nobody acquired (round %d)", round)
 		for i, a := range answers {
-			id := fmt.Sprintf("own-%d", i)
-			if i%2 == 0 {
-				id = "repeated"
-			}
+			id := idOf(i)
 			require.Equal(t, winner.Token, a.res.Record.Token)
 			if a.res.Outcome == storage.OutcomeAcquired {
 				require.Equal(t, winner.RequestID, id, "caller %d got a token its request id did not win", i)
@@ -698,11 +704,10 @@ func testRaceTakeover(t *testing.T, s storage.Store, c *Clock) {
 		k := newKey(storage.KindOperation)
 		first := acquire(t, s, claimParams(k, "fp"))
 		c.Advance(lease + time.Second)
-		answers := parallel(32, func(i int) claimAnswer {
+		answers := raceClaims(s, 32, func(i int) storage.ClaimParams {
 			p := claimParams(k, "fp")
 			p.Holder = fmt.Sprintf("holder-%d", i)
-			res, err := s.Claim(context.Background(), p)
-			return claimAnswer{res, err}
+			return p
 		})
 		acquired := 0
 		var winner storage.Record
