@@ -162,6 +162,8 @@ func (h *harness) finish() {
 	}
 	history, st := h.rec.History()
 	t.Logf("history: %s; %d acknowledged Completes verified", st, len(h.work.Acknowledged()))
+	repeats, recovered := h.work.Repeats()
+	t.Logf("%d Claims repeated with their request id after a lost answer, %d of them ACQUIRED", repeats, recovered)
 	h.mu.Lock()
 	for _, line := range h.report {
 		t.Log(line)

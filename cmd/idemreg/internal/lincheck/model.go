@@ -56,8 +56,8 @@ type Input struct {
 	Key    string
 	// Token of Complete, Release and Extend.
 	Token int64
-	// Fingerprint and Holder of Claim.
-	Fingerprint, Holder string
+	// Fingerprint, Holder and RequestID of Claim.
+	Fingerprint, Holder, RequestID string
 	// Result of Complete: an identity unique to the call.
 	Result string
 }
@@ -114,6 +114,8 @@ type State struct {
 	Holder      string
 	Fingerprint string
 	Result      string
+	// RequestID is the request id of the Claim that acquired the lease.
+	RequestID string
 }
 
 func (s State) String() string {
@@ -134,7 +136,7 @@ func (s State) String() string {
 	} else {
 		fmt.Fprintf(&b, " t>%d", s.Token)
 	}
-	fmt.Fprintf(&b, " a=%d h=%s fp=%q", s.Attempt, s.Holder, s.Fingerprint)
+	fmt.Fprintf(&b, " a=%d h=%s fp=%q rid=%q", s.Attempt, s.Holder, s.Fingerprint, s.RequestID)
 	return b.String()
 }
 
@@ -205,7 +207,7 @@ func step(s State, in Input, out Output) []State {
 func stepClaim(s State, in Input, out Output) []State {
 	acquire := func(next State) []State {
 		next.Exists, next.Completed, next.LeaseLive = true, false, true
-		next.Holder = in.Holder
+		next.Holder, next.RequestID = in.Holder, in.RequestID
 		next.Result = ""
 		if out.Status == Unknown {
 			// Acquired by a caller that never learned its token: the token
@@ -229,6 +231,20 @@ func stepClaim(s State, in Input, out Output) []State {
 		return when(out.Status == Unknown || out.Status == FingerprintMismatch, s)
 	}
 	switch {
+	case s.LeaseLive && in.RequestID != "" && in.RequestID == s.RequestID:
+		// A repeat of the Claim that acquired the live lease: the same
+		// answer, and the caller learns the token even if the first
+		// answer was lost.
+		if out.Status == Unknown {
+			return []State{s}
+		}
+		if out.Status != Acquired || out.Attempt != s.Attempt || out.Holder != s.Holder ||
+			(s.TokenKnown && out.Token != s.Token) || (!s.TokenKnown && out.Token <= s.Token) {
+			return nil
+		}
+		next := s
+		next.Token, next.TokenKnown = out.Token, true
+		return []State{next}
 	case out.Status == Unknown && (s.Completed || s.LeaseLive):
 		return []State{s}
 	case s.Completed:
@@ -257,7 +273,7 @@ func when(ok bool, s State) []State {
 func (in Input) String() string {
 	switch in.Method {
 	case Claim:
-		return fmt.Sprintf("Claim(fp=%q, h=%s)", in.Fingerprint, in.Holder)
+		return fmt.Sprintf("Claim(fp=%q, h=%s, rid=%s)", in.Fingerprint, in.Holder, in.RequestID)
 	case Complete:
 		return fmt.Sprintf("Complete(t=%d, %q)", in.Token, in.Result)
 	case Release, Extend:

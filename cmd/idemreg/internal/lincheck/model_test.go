@@ -17,6 +17,9 @@ func op(c int, call, ret int64, in Input, out Output) porcupine.Operation {
 }
 
 func claim(fp, holder string) Input { return Input{Method: Claim, Fingerprint: fp, Holder: holder} }
+func claimID(fp, holder, rid string) Input {
+	return Input{Method: Claim, Fingerprint: fp, Holder: holder, RequestID: rid}
+}
 func complete(tok int64, res string) Input {
 	return Input{Method: Complete, Token: tok, Result: res}
 }
@@ -63,6 +66,24 @@ func TestModel(t *testing.T) {
 			op(0, 0, 10, claim("A", "h1"), acquired(10, 1, "h1")),
 			op(1, 0, 10, claim("A", "h2"), acquired(11, 1, "h2")),
 		}, false},
+		{"a repeat of a lost claim gets its token", []porcupine.Operation{
+			op(0, 0, open, claimID("A", "h1", "r1"), answer(Unknown)),
+			op(1, 1, 2, claimID("A", "h1", "r1"), acquired(10, 1, "h1")),
+			op(1, 3, 4, complete(10, "r"), done(10, 1, "h1", "r")),
+		}, true},
+		{"a repeat answers the token the first claim got", []porcupine.Operation{
+			op(0, 0, 1, claimID("A", "h1", "r1"), acquired(10, 1, "h1")),
+			op(1, 2, 3, claimID("A", "h1", "r1"), acquired(11, 1, "h1")),
+		}, false},
+		{"another request id does not get the token", []porcupine.Operation{
+			op(0, 0, 1, claimID("A", "h1", "r1"), acquired(10, 1, "h1")),
+			op(1, 2, 3, claimID("A", "h2", "r2"), acquired(10, 1, "h1")),
+		}, false},
+		{"a repeat after a release is a takeover", []porcupine.Operation{
+			op(0, 0, 1, claimID("A", "h1", "r1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, release(10), ok(10, 1, "h1")),
+			op(1, 4, 5, claimID("A", "h1", "r1"), acquired(11, 2, "h1")),
+		}, true},
 		{"concurrent claims: one owner, the other sees it", []porcupine.Operation{
 			op(0, 0, 10, claim("A", "h1"), acquired(10, 1, "h1")),
 			op(1, 0, 10, claim("", "h2"), inProgress(1, "h1")),

@@ -71,6 +71,9 @@ type Workload struct {
 	ambiguous  map[string]int     // ambiguous calls per key
 	acked      map[string]Output  // acknowledged Completes per key
 	unexpected []string
+	// repeats counts Claims repeated after a lost answer; recovered, those
+	// of them that answered ACQUIRED.
+	repeats, recovered int
 }
 
 // NewWorkload returns a workload on conn recording into rec.
@@ -114,6 +117,14 @@ func (w *Workload) Unexpected() []string {
 	return append([]string(nil), w.unexpected...)
 }
 
+// Repeats returns how many Claims were repeated with their request id
+// after a lost answer, and how many of those answered ACQUIRED.
+func (w *Workload) Repeats() (made, recovered int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.repeats, w.recovered
+}
+
 // Acknowledged returns the acknowledged Completes: key → the stored record.
 func (w *Workload) Acknowledged() map[string]Output {
 	w.mu.Lock()
@@ -153,6 +164,11 @@ type worker struct {
 	seq    int
 	rnd    *rand.Rand
 	held   map[string]int64 // tokens this worker acquired and still holds
+	// repeat is a Claim whose answer was lost, to be made again with its
+	// request id, as a client does; repeated marks that repeat, which is
+	// not repeated again.
+	repeat   *Input
+	repeated bool
 }
 
 func (wk *worker) run(ctx context.Context) {
@@ -237,6 +253,11 @@ func (w *Workload) retire(key string) {
 // issued) to exercise the fencing.
 func (wk *worker) next() Input {
 	wk.seq++
+	wk.repeated = false
+	if r := wk.repeat; r != nil {
+		wk.repeat, wk.repeated = nil, true
+		return *r
+	}
 	key := wk.key()
 	in := Input{Key: key}
 	p := wk.rnd.IntN(100)
@@ -276,6 +297,7 @@ func (wk *worker) next() Input {
 			in.Fingerprint = "B"
 		}
 		in.Holder = fmt.Sprintf("w%d-%d", wk.id, wk.seq)
+		in.RequestID = in.Holder
 	case Complete:
 		in.Result = fmt.Sprintf("r-w%d-%d", wk.id, wk.seq)
 	}
@@ -298,6 +320,14 @@ func (wk *worker) foreign(key string) (Method, int64) {
 }
 
 func (wk *worker) observe(in Input, out Output) {
+	if wk.repeated {
+		wk.w.mu.Lock()
+		wk.w.repeats++
+		if out.Status == Acquired {
+			wk.w.recovered++
+		}
+		wk.w.mu.Unlock()
+	}
 	switch {
 	case in.Method == Claim && out.Status == Acquired:
 		wk.held[in.Key] = out.Token
@@ -312,6 +342,9 @@ func (wk *worker) observe(in Input, out Output) {
 		// Seen completed and replayed a few times: use a fresh key.
 		wk.w.retire(in.Key)
 	case out.Status == Unknown:
+		if in.Method == Claim && !wk.repeated {
+			wk.repeat = &in
+		}
 		// The checker's work on a key grows exponentially with the
 		// ambiguous calls on it: spread them over fresh keys.
 		wk.w.mu.Lock()
@@ -348,7 +381,8 @@ func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
 	case Claim:
 		var res *idemregv1.ClaimResponse
 		res, err = w.rpc.Claim(ctx, &idemregv1.ClaimRequest{Consumer: c, Kind: kind, Key: in.Key,
-			Fingerprint: []byte(in.Fingerprint), Lease: leaseAndRetention, Retention: leaseAndRetention, Holder: in.Holder})
+			Fingerprint: []byte(in.Fingerprint), Lease: leaseAndRetention, Retention: leaseAndRetention, Holder: in.Holder,
+			RequestId: in.RequestID})
 		if err == nil {
 			rec = res.GetRecord()
 			switch res.GetOutcome() {
