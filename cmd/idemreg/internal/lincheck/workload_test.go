@@ -2,6 +2,7 @@ package lincheck
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"net"
 	"path/filepath"
@@ -99,21 +100,31 @@ func (s *staleWriter) Complete(ctx context.Context, p storage.CompleteParams) (s
 }
 
 // TestCheckerCatchesBrokenStores shows that the checker fails a run on a
-// registry that breaks the contract, and writes the visualisation.
+// registry that breaks the contract, and writes the visualisation. A
+// broken answer needs the right interleaving, which a short run on a busy
+// machine may not produce: each store gets up to ten one-second runs, each
+// on a fresh store with its own seed, and must be caught in one of them.
 func TestCheckerCatchesBrokenStores(t *testing.T) {
 	for name, wrap := range map[string]func(storage.Store) storage.Store{
 		"two owners":     func(s storage.Store) storage.Store { return &doubleOwner{Store: s} },
 		"stale Complete": func(s storage.Store) storage.Store { return &staleWriter{Store: s} },
 	} {
 		t.Run(name, func(t *testing.T) {
-			rec := NewRecorder()
-			w := NewWorkload(serve(t, wrap(memStore(t))), rec, Config{Clients: 6, Keys: 2, Rotate: 300 * time.Millisecond, Seed: 2})
-			ctx, cancel := context.WithTimeout(t.Context(), time.Second)
-			defer cancel()
-			w.Run(ctx)
-			h, _ := rec.History()
 			path := filepath.Join(t.TempDir(), "history.html")
-			require.ErrorIs(t, Check(h, time.Minute, path), ErrNotLinearizable)
+			var err error
+			for run := range 10 {
+				rec := NewRecorder()
+				w := NewWorkload(serve(t, wrap(memStore(t))), rec, Config{Clients: 6, Keys: 2, Rotate: 300 * time.Millisecond, Seed: uint64(2 + run)})
+				ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+				w.Run(ctx)
+				cancel()
+				h, _ := rec.History()
+				if err = Check(h, time.Minute, path); errors.Is(err, ErrNotLinearizable) {
+					t.Logf("caught in run %d", run+1)
+					break
+				}
+			}
+			require.ErrorIs(t, err, ErrNotLinearizable)
 			require.FileExists(t, path)
 		})
 	}
