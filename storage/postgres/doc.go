@@ -10,7 +10,10 @@
 // is a conditional INSERT ... ON CONFLICT DO UPDATE ... WHERE (Claim) or
 // UPDATE ... WHERE (Complete, Release, Extend) in a data-modifying CTE,
 // followed in the same statement by a read of the row as it was (the
-// pre-image) which runs only when nothing was written. The write conditions
+// pre-image) which runs only when nothing was written; the single-row
+// Claim reads the row first and attempts the insert only when that read
+// does not decide the answer on its own, so replays and in-progress
+// answers lock nothing. The write conditions
 // are the write conditions of storage/rules.go, written in SQL next to the
 // name of the rule each mirrors; an answer that was not written is
 // classified by handing the pre-image to the same storage.Decide* function

@@ -236,7 +236,10 @@ func TestOneStatementPerBatch(t *testing.T) {
 	round := func(name string, claims bool, call func(i int) error) {
 		blockers++
 		blocker := storage.Key{Consumer: "batch", Kind: storage.KindOperation, Key: fmt.Sprint("blocker-", blockers)}
-		res, err := s.Claim(ctx, storage.ClaimParams{Key: blocker, Lease: time.Minute, Retention: time.Hour})
+		// A lease that has run out by the time the blocked Claim comes: a
+		// takeover, which must lock the row (a Claim answered IN_PROGRESS
+		// takes no lock and would not block).
+		res, err := s.Claim(ctx, storage.ClaimParams{Key: blocker, Lease: time.Microsecond, Retention: time.Hour})
 		require.NoError(t, err)
 		tx, err := lock.Begin(ctx)
 		require.NoError(t, err)
@@ -249,7 +252,7 @@ func TestOneStatementPerBatch(t *testing.T) {
 		go func() {
 			if claims {
 				res, err := s.Claim(ctx, storage.ClaimParams{Key: blocker, Lease: time.Minute, Retention: time.Hour})
-				blocked <- expectOutcome(res, err, storage.OutcomeInProgress)
+				blocked <- expectOutcome(res, err, storage.OutcomeAcquired)
 				return
 			}
 			_, err := s.Complete(ctx, storage.CompleteParams{Key: blocker, Token: res.Record.Token, Result: []byte("r")})
@@ -437,41 +440,51 @@ func expectOutcome(res storage.ClaimResult, err error, want storage.Outcome) err
 	return nil
 }
 
-// TestClaimFallbackNotExecutedWhenWritten reads PostgreSQL's plan of the
-// Claim statement: the pre-image scan sits under a one-time filter and is
-// not executed when the insert wrote.
-func TestClaimFallbackNotExecutedWhenWritten(t *testing.T) {
+// TestClaimWritesOnlyWhenItMust runs the Claim statement in a transaction
+// and asks PostgreSQL whether it got a transaction id, which any write or
+// row lock assigns: a new key and a takeover must, a replay and an
+// in-progress answer must not (no lock, and a commit with nothing to
+// flush).
+func TestClaimWritesOnlyWhenItMust(t *testing.T) {
 	databaseURL := pgtest.NewDatabase(t)
 	if isCockroach(t, databaseURL) {
-		t.Skip("reads PostgreSQL's EXPLAIN output")
+		t.Skip("asks PostgreSQL for pg_current_xact_id_if_assigned()")
 	}
 	conn, err := pgx.Connect(t.Context(), databaseURL)
 	require.NoError(t, err)
 	defer conn.Close(context.Background())
 
-	preImageLoops := func() float64 {
-		var plan []map[string]any
-		err := conn.QueryRow(t.Context(), `EXPLAIN (ANALYZE, FORMAT JSON) `+postgres.ClaimSQL,
-			"plan", int16(storage.KindMessage), "k", []byte{}, "h", int64(10_000_000), int64(3_600_000_000), int64(0), "",
-		).Scan(&plan)
+	claim := func(key string, leaseMicros int64) (written, xid bool) {
+		tx, err := conn.Begin(t.Context())
 		require.NoError(t, err)
-		var loops []float64
-		var walk func(node map[string]any)
-		walk = func(node map[string]any) {
-			if node["Relation Name"] == "idemreg_records" && strings.Contains(fmt.Sprint(node["Node Type"]), "Scan") {
-				loops = append(loops, node["Actual Loops"].(float64))
-			}
-			children, _ := node["Plans"].([]any)
-			for _, c := range children {
-				walk(c.(map[string]any))
-			}
-		}
-		walk(plan[0]["Plan"].(map[string]any))
-		require.Len(t, loops, 1, "one scan of the table: the pre-image")
-		return loops[0]
+		defer tx.Rollback(context.Background()) //nolint:errcheck // committed below
+		rows, err := tx.Query(t.Context(), postgres.ClaimSQL,
+			"plan", int16(storage.KindMessage), key, []byte{}, "h", leaseMicros, int64(3_600_000_000), int64(0), "")
+		require.NoError(t, err)
+		require.True(t, rows.Next())
+		vals, err := rows.Values()
+		require.NoError(t, err)
+		written = vals[0].(bool)
+		rows.Close()
+		require.NoError(t, rows.Err())
+		require.NoError(t, tx.QueryRow(t.Context(), `SELECT pg_current_xact_id_if_assigned() IS NOT NULL`).Scan(&xid))
+		require.NoError(t, tx.Commit(t.Context()))
+		return written, xid
 	}
-	require.Zero(t, preImageLoops(), "a new key: the insert wrote, the pre-image scan did not run")
-	require.EqualValues(t, 1, preImageLoops(), "an in-progress key: nothing written, the pre-image was read")
+	written, xid := claim("k", 10_000_000)
+	require.True(t, written && xid, "a new key is inserted")
+	written, xid = claim("k", 10_000_000)
+	require.False(t, written || xid, "in progress: nothing written, nothing locked")
+
+	written, xid = claim("gone", 1) // a lease of 1 µs, over by the next statement
+	require.True(t, written && xid)
+	written, xid = claim("gone", 10_000_000)
+	require.True(t, written && xid, "a takeover writes")
+
+	_, err = conn.Exec(t.Context(), `UPDATE idemreg_records SET state = 2, completed_at = now(), result = '\x00' WHERE key = 'k'`)
+	require.NoError(t, err)
+	written, xid = claim("k", 10_000_000)
+	require.False(t, written || xid, "a replay: nothing written, nothing locked")
 }
 
 func TestMigrateTwiceIsNoOp(t *testing.T) {

@@ -15,6 +15,8 @@ import "fmt"
 //	UNION ALL
 //	SELECT false, clock.now, <record> FROM idemreg_records WHERE <pk> AND NOT EXISTS (SELECT 1 FROM w)
 //
+// (The single-row Claim differs: it reads the row first, see claimSQL.)
+//
 // The second branch is the pre-image: the row as the statement's snapshot
 // saw it, read only when w wrote nothing (PostgreSQL plans NOT EXISTS over an
 // uncorrelated CTE as a one-time filter, so the scan is not executed when w
@@ -35,14 +37,23 @@ const recordColumns = `consumer, kind, key, state, fingerprint, token, attempt, 
 // claimSQL: $1 consumer, $2 kind, $3 key, $4 fingerprint, $5 holder,
 // $6 lease µs, $7 retention µs, $8 clock offset µs, $9 request id.
 //
-// The INSERT proposes a fresh record (DecideClaim on an absent key). On a
-// conflict, excluded.created_at is the statement's clock reading, and the
-// UPDATE's WHERE is DecideClaim's write condition: the stored record is not
-// live, or it is an in-progress record whose lease ran out and whose
-// fingerprint does not conflict (a takeover).
+// cur is the row as the statement's snapshot sees it. The INSERT proposes
+// a fresh record (DecideClaim on an absent key) only when cur does not
+// already decide the answer without a write (claimAnswersWithoutWrite: a
+// live completed record, a live lease, a fingerprint conflict): a replay or
+// an in-progress answer then takes no row lock, gets no transaction id and
+// commits without a WAL flush. On a conflict (a row the snapshot did not
+// see, or one cur says may be replaced), excluded.created_at is the
+// statement's clock reading, and the UPDATE's WHERE is DecideClaim's write
+// condition, evaluated on the latest row. The pre-image is cur.
 var claimSQL = `
 WITH clock AS (
     SELECT now() + CAST($8 AS BIGINT) * INTERVAL '1 microsecond' AS now
+),
+cur AS (
+    SELECT ` + recordColumnsOf("r") + `
+    FROM idemreg_records r
+    WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
 ),
 w AS (
     INSERT INTO idemreg_records AS r (` + recordColumns + `)
@@ -60,15 +71,28 @@ w AS (
         NULL,
         CAST($9 AS TEXT)
     FROM clock c
+    WHERE NOT EXISTS (SELECT 1 FROM cur WHERE ` + claimAnswersWithoutWrite("cur", "c.now", "CAST($4 AS BYTEA)") + `)
 ` + claimOnConflict + `    RETURNING ` + recordColumnsOf("r") + `
 )
 SELECT true, c.now, ` + recordColumnsOf("w") + `
 FROM w CROSS JOIN clock c
 UNION ALL
-SELECT false, c.now, ` + recordColumnsOf("r") + `
-FROM idemreg_records r CROSS JOIN clock c
-WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
-  AND NOT EXISTS (SELECT 1 FROM w)`
+SELECT false, c.now, ` + recordColumnsOf("cur") + `
+FROM cur CROSS JOIN clock c
+WHERE NOT EXISTS (SELECT 1 FROM w)`
+
+// claimAnswersWithoutWrite is the negation of DecideClaim's write
+// condition (claimOnConflict's WHERE) for the record alias r at now with
+// the given fingerprint: the record is live, and completed, or its lease
+// is live, or its fingerprint conflicts.
+func claimAnswersWithoutWrite(r, now, fingerprint string) string {
+	return fmt.Sprintf(`%[1]s.expires_at > %[2]s                  -- cur.Live(now)
+        AND (%[1]s.state = 2                                  -- completed: a replay
+             OR %[1]s.lease_expires_at > %[2]s                -- cur.LeaseLive(now)
+             OR (octet_length(%[1]s.fingerprint) > 0          -- FingerprintsConflict
+                 AND octet_length(%[3]s) > 0
+                 AND %[1]s.fingerprint <> %[3]s))`, r, now, fingerprint)
+}
 
 // claimOnConflict is the conflict branch of every Claim statement, the
 // single-row one and the batched one: on a conflict, excluded.created_at is
