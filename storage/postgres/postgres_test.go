@@ -371,9 +371,13 @@ func TestBatchSplitOnSerializationFailure(t *testing.T) {
 		"split", int16(storage.KindOperation), "a")
 	require.NoError(t, err)
 
-	// A Claim waiting on a locked row holds the only Claim slot.
+	// A Claim waiting on a locked row holds the only Claim slot: a takeover
+	// of a lease that has run out, which must lock the row (a Claim
+	// answered IN_PROGRESS takes no lock and would not wait).
 	blocker := key("blocker")
-	_, err = s.Claim(ctx, claim(blocker))
+	expired := claim(blocker)
+	expired.Lease = time.Microsecond
+	_, err = s.Claim(ctx, expired)
 	require.NoError(t, err)
 	lockTx, err := lock.Begin(ctx)
 	require.NoError(t, err)
@@ -383,7 +387,7 @@ func TestBatchSplitOnSerializationFailure(t *testing.T) {
 	blocked := make(chan error, 1)
 	go func() {
 		res, err := s.Claim(ctx, claim(blocker))
-		blocked <- expectOutcome(res, err, storage.OutcomeInProgress)
+		blocked <- expectOutcome(res, err, storage.OutcomeAcquired)
 	}()
 	require.Eventually(t, func() bool { inFlight, _ := postgres.Coalescing(s); return inFlight == 1 },
 		10*time.Second, time.Millisecond)
