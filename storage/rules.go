@@ -57,6 +57,7 @@ func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, wr
 			RequestID:      p.RequestID,
 			CreatedAt:      now,
 			LeaseExpiresAt: now.Add(p.Lease),
+			Lease:          p.Lease,
 			ExpiresAt:      now.Add(p.Lease + p.Retention),
 			Retention:      p.Retention,
 		}
@@ -85,6 +86,7 @@ func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, wr
 	rec.Holder = p.Holder
 	rec.RequestID = p.RequestID
 	rec.LeaseExpiresAt = now.Add(p.Lease)
+	rec.Lease = p.Lease
 	rec.ExpiresAt = now.Add(p.Lease + p.Retention)
 	rec.Retention = p.Retention
 	return ClaimResult{Outcome: OutcomeAcquired, Record: rec}, true, nil
@@ -138,7 +140,7 @@ func DecideRelease(now time.Time, cur *Record, p ReleaseParams) (rec Record, wri
 	return rec, true, nil
 }
 
-// DecideExtend decides an Extend: the lease runs for p.Lease from now, and
+// DecideExtend decides an Extend: the lease runs for ExtendLease from now, and
 // the record is kept at least its retention after the new lease ends.
 func DecideExtend(now time.Time, cur *Record, p ExtendParams) (rec Record, write bool, err error) {
 	if err := fenced(now, cur, p.Token); err != nil {
@@ -147,10 +149,25 @@ func DecideExtend(now time.Time, cur *Record, p ExtendParams) (rec Record, write
 	if cur.State == StateCompleted {
 		return Record{}, false, ErrAlreadyCompleted
 	}
+	lease := ExtendLease(cur, p)
 	rec = *cur
-	rec.LeaseExpiresAt = now.Add(p.Lease)
+	rec.LeaseExpiresAt = now.Add(lease)
+	rec.Lease = lease
 	rec.ExpiresAt = maxTime(cur.ExpiresAt, rec.LeaseExpiresAt.Add(cur.Retention))
 	return rec, true, nil
+}
+
+// ExtendLease is the lease an Extend grants: the one it asks for, else the
+// record's own, else the default (a record written before records kept
+// their lease).
+func ExtendLease(cur *Record, p ExtendParams) time.Duration {
+	switch {
+	case p.Lease > 0:
+		return p.Lease
+	case cur.Lease > 0:
+		return cur.Lease
+	}
+	return p.DefaultLease
 }
 
 // DecideLookup decides a Lookup.

@@ -68,6 +68,10 @@ type Record struct {
 	// Attempt counts acquisitions since the record was created.
 	Attempt int64
 	Holder  string
+	// Lease is the length of the current lease, as the Claim that acquired
+	// it or the last Extend set it; zero for a record written before
+	// records kept it. An Extend without a lease extends by it.
+	Lease time.Duration
 	// RequestID is the request_id of the Claim that acquired the current
 	// lease, empty when it sent none; a repeat of that Claim while the
 	// lease is live is answered with this record.
@@ -128,7 +132,10 @@ type ReleaseParams struct {
 type ExtendParams struct {
 	Key
 	Token int64
-	Lease time.Duration
+	// Lease is the new lease, counted from now; zero means the record's
+	// own (Record.Lease), or DefaultLease for a record that has none.
+	Lease        time.Duration
+	DefaultLease time.Duration
 }
 
 // Store keeps records. Every method is atomic per key and safe for

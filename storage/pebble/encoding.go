@@ -121,11 +121,12 @@ func decodeExpiryKey(b []byte) (expiresAt time.Time, recordKey []byte, err error
 //	| retention varint µs | fingerprint uvarint length + bytes
 //	| holder uvarint length + bytes | result: the rest of the value
 //
-// Version 2 is version 1 with the request id (uvarint length + bytes) after
-// the holder. It is written only for a record that has one, so a data
-// directory whose Claims send no request_id stays readable by a binary that
-// knows only version 1, and one that does fails loudly on a version it
-// does not know instead of reading the request id as part of the result.
+// Version 2 is version 1 with, after the holder, the request id (uvarint
+// length + bytes) and the lease (varint µs). It is written for every record
+// that has either, which is every record a Claim writes from this version
+// on: a binary that knows only version 1 then fails loudly on a version it
+// does not know instead of reading them as part of the result. Version 1
+// values, written before, still decode (no request id, no lease).
 //
 // The key is not repeated: it is the record key.
 const (
@@ -159,10 +160,18 @@ func recordSize(r *storage.Record) int {
 	if !r.CompletedAt.IsZero() {
 		n += varintLen(r.CompletedAt.UnixMicro())
 	}
-	if r.RequestID != "" {
-		n += uvarintLen(uint64(len(r.RequestID))) + len(r.RequestID)
+	if valueVersion(r) == valueVersion2 {
+		n += uvarintLen(uint64(len(r.RequestID))) + len(r.RequestID) + varintLen(r.Lease.Microseconds())
 	}
 	return n
+}
+
+// valueVersion is the layout appendRecord uses for r.
+func valueVersion(r *storage.Record) byte {
+	if r.RequestID != "" || r.Lease != 0 {
+		return valueVersion2
+	}
+	return valueVersion1
 }
 
 func appendRecord(dst []byte, r *storage.Record) []byte {
@@ -170,10 +179,7 @@ func appendRecord(dst []byte, r *storage.Record) []byte {
 	if !r.CompletedAt.IsZero() {
 		flags |= flagCompletedAt
 	}
-	version := valueVersion1
-	if r.RequestID != "" {
-		version = valueVersion2
-	}
+	version := valueVersion(r)
 	dst = append(dst, version, byte(r.State), flags)
 	dst = binary.AppendVarint(dst, r.Token)
 	dst = binary.AppendUvarint(dst, uint64(r.Attempt))
@@ -191,6 +197,7 @@ func appendRecord(dst []byte, r *storage.Record) []byte {
 	if version == valueVersion2 {
 		dst = binary.AppendUvarint(dst, uint64(len(r.RequestID)))
 		dst = append(dst, r.RequestID...)
+		dst = binary.AppendVarint(dst, r.Lease.Microseconds())
 	}
 	return append(dst, r.Result...)
 }
@@ -256,9 +263,13 @@ func decodeRecord(b []byte, r *storage.Record) error {
 	r.Retention = time.Duration(v.varint()) * time.Microsecond
 	fp := v.bytes()
 	holder := v.bytes()
-	var requestID []byte
+	var (
+		requestID []byte
+		lease     int64
+	)
 	if version == valueVersion2 {
 		requestID = v.bytes()
+		lease = v.varint()
 	}
 	if v.bad {
 		return errBadValue
@@ -278,6 +289,7 @@ func decodeRecord(b []byte, r *storage.Record) error {
 	}
 	r.Holder = string(holder)
 	r.RequestID = string(requestID)
+	r.Lease = time.Duration(lease) * time.Microsecond
 	return nil
 }
 
@@ -292,6 +304,7 @@ func normalize(r *storage.Record) {
 	}
 	r.ExpiresAt = truncTime(r.ExpiresAt)
 	r.Retention = r.Retention.Truncate(time.Microsecond)
+	r.Lease = r.Lease.Truncate(time.Microsecond)
 }
 
 func truncTime(t time.Time) time.Time { return t.Truncate(time.Microsecond).UTC() }

@@ -76,10 +76,11 @@ func TestExpiryKeyRoundTrip(t *testing.T) {
 }
 
 func FuzzRecordValue(f *testing.F) {
-	f.Add(uint8(2), []byte("fp"), int64(1_800_000_000_000_000), int64(3), "holder", int64(1_800_000_000_000_000), int64(10_000_000_000), true, int64(3_600_000_000_000), []byte("result"), "")
-	f.Add(uint8(1), []byte(nil), int64(1), int64(1), "", int64(0), int64(1), false, int64(1), []byte(nil), "")
-	f.Add(uint8(1), []byte("fp"), int64(7), int64(2), "pod-a", int64(1_800_000_000_000_000), int64(10_000_000_000), false, int64(1), []byte("r"), "0f8fad5b-d9cb-469f-a165-70867728950e")
-	f.Fuzz(func(t *testing.T, state uint8, fp []byte, token, attempt int64, holder string, createdNs, leaseNs int64, completed bool, retention int64, result []byte, requestID string) {
+	f.Add(uint8(2), []byte("fp"), int64(1_800_000_000_000_000), int64(3), "holder", int64(1_800_000_000_000_000), int64(10_000_000_000), true, int64(3_600_000_000_000), []byte("result"), "", int64(0))
+	f.Add(uint8(1), []byte(nil), int64(1), int64(1), "", int64(0), int64(1), false, int64(1), []byte(nil), "", int64(0))
+	f.Add(uint8(1), []byte("fp"), int64(7), int64(2), "pod-a", int64(1_800_000_000_000_000), int64(10_000_000_000), false, int64(1), []byte("r"), "0f8fad5b-d9cb-469f-a165-70867728950e", int64(30_000_000_000))
+	f.Add(uint8(1), []byte("fp"), int64(7), int64(2), "pod-a", int64(1_800_000_000_000_000), int64(10_000_000_000), false, int64(1), []byte("r"), "", int64(30_000_000_000))
+	f.Fuzz(func(t *testing.T, state uint8, fp []byte, token, attempt int64, holder string, createdNs, leaseNs int64, completed bool, retention int64, result []byte, requestID string, leaseLen int64) {
 		created := time.Unix(0, createdNs)
 		rec := storage.Record{
 			Key:            storage.Key{Consumer: "c", Kind: storage.KindOperation, Key: "k"},
@@ -89,6 +90,7 @@ func FuzzRecordValue(f *testing.F) {
 			Attempt:        attempt,
 			Holder:         holder,
 			RequestID:      requestID,
+			Lease:          time.Duration(leaseLen),
 			CreatedAt:      created,
 			LeaseExpiresAt: created.Add(time.Duration(leaseNs)),
 			ExpiresAt:      created.Add(time.Duration(leaseNs) + time.Duration(retention)),
@@ -111,8 +113,8 @@ func FuzzRecordValue(f *testing.F) {
 		require.NoError(t, decodeRecord(enc, &got))
 		require.Equal(t, rec, got)
 
-		if requestID == "" {
-			require.Equal(t, valueVersion1, enc[0], "a record without a request id keeps the version 1 layout")
+		if requestID == "" && rec.Lease == 0 {
+			require.Equal(t, valueVersion1, enc[0], "a record without a request id or a lease keeps the version 1 layout")
 		}
 
 		for n := range enc { // a truncated value fails or decodes, never panics

@@ -510,10 +510,11 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 		return out
 	}
 	first := applied()
-	require.Len(t, first, 3)
+	require.Len(t, first, 4)
 	require.Equal(t, "0001_records.sql", first[0].Name)
 	require.Equal(t, "0002_expires_at_index.sql", first[1].Name)
 	require.Equal(t, "0003_request_id.sql", first[2].Name)
+	require.Equal(t, "0004_lease_us.sql", first[3].Name)
 
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL))
 	require.Equal(t, first, applied(), "a second Migrate applies nothing")
@@ -522,7 +523,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_schema_migrations`)
 	require.NoError(t, err)
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL), "migrations are safe to repeat")
-	require.Len(t, applied(), 3)
+	require.Len(t, applied(), 4)
 }
 
 // closedPortURL is a database URL nothing listens at.
@@ -659,4 +660,27 @@ func BenchmarkClaimComplete(b *testing.B) {
 			}
 		})
 	}
+}
+
+// TestExtendRecordWithoutLease: a row written before records kept their
+// lease (lease_us 0, as migration 0004 leaves old rows) is extended by the
+// default lease when the Extend asks for none.
+func TestExtendRecordWithoutLease(t *testing.T) {
+	databaseURL := pgtest.NewDatabase(t)
+	s := openStore(t, databaseURL)
+	k := storage.Key{Consumer: "legacy", Kind: storage.KindOperation, Key: "k"}
+	res, err := s.Claim(t.Context(), storage.ClaimParams{Key: k, Lease: time.Hour, Retention: time.Hour})
+	require.NoError(t, err)
+	conn, err := pgx.Connect(t.Context(), databaseURL)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	_, err = conn.Exec(t.Context(), `UPDATE idemreg_records SET lease_us = 0 WHERE consumer = 'legacy'`)
+	require.NoError(t, err)
+
+	rec, err := s.Extend(t.Context(), storage.ExtendParams{Key: k, Token: res.Record.Token, DefaultLease: 2 * time.Minute})
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Minute, rec.Lease)
+	left := time.Until(rec.LeaseExpiresAt)
+	require.Greater(t, left, time.Minute, "the default, not zero")
+	require.Less(t, left, 30*time.Minute, "the default, not the hour it was claimed with")
 }

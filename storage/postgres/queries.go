@@ -32,7 +32,7 @@ import "fmt"
 
 // recordColumns is the column list every statement returns, in scan order.
 const recordColumns = `consumer, kind, key, state, fingerprint, token, attempt, holder,
-    created_at, lease_expires_at, completed_at, expires_at, retention_us, result, request_id`
+    created_at, lease_expires_at, completed_at, expires_at, retention_us, result, request_id, lease_us`
 
 // claimSQL: $1 consumer, $2 kind, $3 key, $4 fingerprint, $5 holder,
 // $6 lease µs, $7 retention µs, $8 clock offset µs, $9 request id.
@@ -69,7 +69,8 @@ w AS (
         c.now + (CAST($6 AS BIGINT) + CAST($7 AS BIGINT)) * INTERVAL '1 microsecond',  -- now + Lease + Retention
         CAST($7 AS BIGINT),
         NULL,
-        CAST($9 AS TEXT)
+        CAST($9 AS TEXT),
+        CAST($6 AS BIGINT)                                  -- Lease
     FROM clock c
     WHERE NOT EXISTS (SELECT 1 FROM cur WHERE ` + claimAnswersWithoutWrite("cur", "c.now", "CAST($4 AS BYTEA)") + `)
 ` + claimOnConflict + `    RETURNING ` + recordColumnsOf("r") + `
@@ -112,6 +113,7 @@ const claimOnConflict = `    ON CONFLICT (consumer, kind, key) DO UPDATE SET
         attempt          = CASE WHEN r.expires_at <= excluded.created_at THEN 1 ELSE r.attempt + 1 END,
         holder           = excluded.holder,
         request_id       = excluded.request_id,
+        lease_us         = excluded.lease_us,
         -- a takeover keeps CreatedAt
         created_at       = CASE WHEN r.expires_at <= excluded.created_at THEN excluded.created_at ELSE r.created_at END,
         lease_expires_at = excluded.lease_expires_at,
@@ -183,7 +185,8 @@ w AS (
         c.now + (i.lease_us + i.retention_us) * INTERVAL '1 microsecond',  -- now + Lease + Retention
         i.retention_us,
         NULL,
-        i.request_id
+        i.request_id,
+        i.lease_us                                          -- Lease
     FROM i CROSS JOIN clock c
     ORDER BY i.ord                                          -- rows are locked in the caller's (sorted) order
 ` + claimOnConflict + `    RETURNING ` + recordColumnsOf("r") + `
@@ -246,20 +249,26 @@ var releaseSQL = fencedUpdateSQL(5, `
       AND r.lease_expires_at > c.now   -- cur.LeaseLive(now): an ended lease is not written
 `, recordColumnsNoResultOf("r"))
 
-// extendSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 lease µs,
-// $6 clock offset µs.
+// extendSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 lease µs (0: the
+// record's own), $6 clock offset µs, $7 default lease µs (for a record
+// without one).
 var extendSQL = fencedUpdateSQL(6, `
-        -- LeaseExpiresAt = now + p.Lease
-        lease_expires_at = c.now + CAST($5 AS BIGINT) * INTERVAL '1 microsecond',
-        -- ExpiresAt = max(cur.ExpiresAt, now + p.Lease + cur.Retention)
+        -- LeaseExpiresAt = now + ExtendLease(cur, p)
+        lease_expires_at = c.now + `+extendLease+` * INTERVAL '1 microsecond',
+        lease_us         = `+extendLease+`,
+        -- ExpiresAt = max(cur.ExpiresAt, now + ExtendLease(cur, p) + cur.Retention)
         expires_at       = GREATEST(r.expires_at,
-                                    c.now + (CAST($5 AS BIGINT) + r.retention_us) * INTERVAL '1 microsecond')
+                                    c.now + (`+extendLease+` + r.retention_us) * INTERVAL '1 microsecond')
     FROM clock c
     WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
       AND r.expires_at > c.now   -- fenced: cur.Live(now)
       AND r.token = $4           -- fenced: cur.Token == p.Token
       AND r.state = 1            -- cur.State != StateCompleted
 `, recordColumnsNoResultOf("r"))
+
+// extendLease is storage.ExtendLease: the lease asked for, else the
+// record's, else the default.
+const extendLease = `COALESCE(NULLIF(CAST($5 AS BIGINT), 0), NULLIF(r.lease_us, 0), CAST($7 AS BIGINT))`
 
 // lookupSQL: $1 consumer, $2 kind, $3 key, $4 clock offset µs. Expired rows
 // stay until swept, so DecideLookup checks expiry on what this returns.
@@ -310,7 +319,7 @@ func recordColumnsOf(alias string) string {
 	return alias + ".consumer, " + alias + ".kind, " + alias + ".key, " + alias + ".state, " +
 		alias + ".fingerprint, " + alias + ".token, " + alias + ".attempt, " + alias + ".holder, " +
 		alias + ".created_at, " + alias + ".lease_expires_at, " + alias + ".completed_at, " +
-		alias + ".expires_at, " + alias + ".retention_us, " + alias + ".result, " + alias + ".request_id"
+		alias + ".expires_at, " + alias + ".retention_us, " + alias + ".result, " + alias + ".request_id, " + alias + ".lease_us"
 }
 
 // recordColumnsNoResultOf is recordColumnsOf with a NULL result, for answers
@@ -320,7 +329,7 @@ func recordColumnsNoResultOf(alias string) string {
 	return alias + ".consumer, " + alias + ".kind, " + alias + ".key, " + alias + ".state, " +
 		alias + ".fingerprint, " + alias + ".token, " + alias + ".attempt, " + alias + ".holder, " +
 		alias + ".created_at, " + alias + ".lease_expires_at, " + alias + ".completed_at, " +
-		alias + ".expires_at, " + alias + ".retention_us, CAST(NULL AS BYTEA) AS result, " + alias + ".request_id"
+		alias + ".expires_at, " + alias + ".retention_us, CAST(NULL AS BYTEA) AS result, " + alias + ".request_id, " + alias + ".lease_us"
 }
 
 // fencedUpdateSQL is the shape of every single-row UPDATE (Complete,

@@ -281,7 +281,7 @@ func (s *Store) Extend(ctx context.Context, p storage.ExtendParams) (storage.Rec
 	err := s.run(ctx, "extend", func(ctx context.Context) error {
 		var err error
 		a, err = s.queryRecord(ctx, extendSQL,
-			p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros())
+			p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds())
 		return err
 	})
 	if err != nil {
@@ -420,10 +420,11 @@ func scanAnswer(row pgx.Row, lead ...any) (answer, error) {
 		kind, state int16
 		completedAt *time.Time
 		retentionUS int64
+		leaseUS     int64
 	)
 	dest := append(lead, &a.written, &a.now,
 		&r.Consumer, &kind, &r.Key.Key, &state, &r.Fingerprint, &r.Token, &r.Attempt, &r.Holder,
-		&r.CreatedAt, &r.LeaseExpiresAt, &completedAt, &r.ExpiresAt, &retentionUS, &r.Result, &r.RequestID)
+		&r.CreatedAt, &r.LeaseExpiresAt, &completedAt, &r.ExpiresAt, &retentionUS, &r.Result, &r.RequestID, &leaseUS)
 	if err := row.Scan(dest...); err != nil {
 		return answer{}, err
 	}
@@ -438,6 +439,7 @@ func scanAnswer(row pgx.Row, lead ...any) (answer, error) {
 	}
 	r.ExpiresAt = r.ExpiresAt.UTC()
 	r.Retention = time.Duration(retentionUS) * time.Microsecond
+	r.Lease = time.Duration(leaseUS) * time.Microsecond
 	return a, nil
 }
 

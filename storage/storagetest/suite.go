@@ -51,6 +51,7 @@ func Run(t *testing.T, newStore Factory) {
 		{"Release", testRelease},
 		{"ReleaseErrors", testReleaseErrors},
 		{"Extend", testExtend},
+		{"ExtendKeepsTheLease", testExtendKeepsTheLease},
 		{"ExtendErrors", testExtendErrors},
 		{"LookupNotFound", testLookupNotFound},
 		{"TokensIncrease", testTokensIncrease},
@@ -108,6 +109,7 @@ func requireSame(t *testing.T, want, got storage.Record) {
 	require.Equal(t, want.Attempt, got.Attempt)
 	require.Equal(t, want.Holder, got.Holder)
 	require.Equal(t, want.RequestID, got.RequestID)
+	require.Equal(t, want.Lease, got.Lease)
 	require.True(t, want.CreatedAt.Equal(got.CreatedAt), "created_at %v != %v", want.CreatedAt, got.CreatedAt)
 	require.True(t, want.LeaseExpiresAt.Equal(got.LeaseExpiresAt), "lease_expires_at %v != %v", want.LeaseExpiresAt, got.LeaseExpiresAt)
 	require.True(t, want.CompletedAt.Equal(got.CompletedAt), "completed_at %v != %v", want.CompletedAt, got.CompletedAt)
@@ -459,6 +461,44 @@ func testExtend(t *testing.T, s storage.Store, c *Clock) {
 	ext2, err := s.Extend(t.Context(), storage.ExtendParams{Key: k, Token: first.Token, Lease: time.Minute})
 	require.NoError(t, err)
 	require.True(t, ext2.LeaseExpiresAt.After(ext.LeaseExpiresAt))
+}
+
+// testExtendKeepsTheLease: an Extend without a lease extends by the lease
+// the key was claimed with, or by the last one an Extend asked for.
+func testExtendKeepsTheLease(t *testing.T, s storage.Store, c *Clock) {
+	k := newKey(storage.KindOperation)
+	p := claimParams(k, "fp-1")
+	p.Lease = 20 * time.Second
+	first := acquire(t, s, p)
+	require.Equal(t, 20*time.Second, first.Lease)
+	const fallback = 7 * time.Second // for records without a lease; not used here
+
+	c.Advance(5 * time.Second)
+	ext, err := s.Extend(t.Context(), storage.ExtendParams{Key: k, Token: first.Token, DefaultLease: fallback})
+	require.NoError(t, err)
+	require.Equal(t, 20*time.Second, ext.Lease)
+	// now + the claimed lease; loose, since a store's clock runs on: the
+	// fallback would give -8 s, the lease asked for next +25 s.
+	requireBetween(t, ext.LeaseExpiresAt.Sub(first.LeaseExpiresAt), 5*time.Second, 15*time.Second, "now + the claimed lease")
+
+	ext, err = s.Extend(t.Context(), storage.ExtendParams{Key: k, Token: first.Token, Lease: 40 * time.Second, DefaultLease: fallback})
+	require.NoError(t, err)
+	require.Equal(t, 40*time.Second, ext.Lease)
+	c.Advance(time.Second)
+	again, err := s.Extend(t.Context(), storage.ExtendParams{Key: k, Token: first.Token, DefaultLease: fallback})
+	require.NoError(t, err)
+	require.Equal(t, 40*time.Second, again.Lease)
+	requireBetween(t, again.LeaseExpiresAt.Sub(ext.LeaseExpiresAt), time.Second, 11*time.Second, "now + the last lease asked for")
+
+	got, err := s.Lookup(t.Context(), k)
+	require.NoError(t, err)
+	requireSame(t, again, got)
+}
+
+func requireBetween(t *testing.T, d, lo, hi time.Duration, msg string) {
+	t.Helper()
+	require.GreaterOrEqual(t, d, lo, msg)
+	require.Less(t, d, hi, msg)
 }
 
 func testExtendErrors(t *testing.T, s storage.Store, c *Clock) {

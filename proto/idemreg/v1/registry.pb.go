@@ -985,7 +985,9 @@ type ExtendRequest struct {
 	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
 	Key      string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
 	Token    int64                  `protobuf:"varint,4,opt,name=token" json:"token,omitempty"`
-	// The new lease, counted from now; server default when unset.
+	// The new lease, counted from now. Unset: the lease the key was claimed
+	// with, or the last one an Extend asked for (the server default for a
+	// record written before the registry kept it).
 	Lease         *durationpb.Duration `protobuf:"bytes,5,opt,name=lease" json:"lease,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
