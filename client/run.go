@@ -37,12 +37,7 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 		if err != nil && repeats < claimRepeats && ctx.Err() == nil &&
 			(errors.Is(err, ErrUnavailable) || errors.Is(err, ErrDeadlineExceeded)) {
 			repeats++
-			sleep := jitter(repeatDelay)
-			var ue *UnavailableError
-			if errors.As(err, &ue) && ue.RetryAfter > sleep {
-				sleep = ue.RetryAfter
-			}
-			if !sleepCtx(ctx, sleep) {
+			if !sleepCtx(ctx, retryWait(repeatDelay, err)) {
 				return cl, contextError(ctx)
 			}
 			repeatDelay = min(2*repeatDelay, DefaultBackoff.Max)
@@ -65,6 +60,17 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 		}
 		delay = min(2*delay, wait.Max)
 	}
+}
+
+// retryWait is how long to wait before repeating a call that failed with
+// err, delay being the backoff so far: the jittered delay, or the
+// registry's RetryInfo when that is longer.
+func retryWait(delay time.Duration, err error) time.Duration {
+	wait := jitter(delay)
+	if ue := (*UnavailableError)(nil); errors.As(err, &ue) {
+		wait = max(wait, ue.RetryAfter)
+	}
+	return wait
 }
 
 // sleepCtx sleeps for d, or until ctx ends, and reports whether it slept.
@@ -191,13 +197,8 @@ func (c *Client) complete(ctx context.Context, k Key, token int64, r Result) (Re
 		if err == nil || !errors.As(err, &ue) {
 			return rec, err
 		}
-		wait := max(jitter(delay), ue.RetryAfter)
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !sleepCtx(ctx, retryWait(delay, err)) {
 			return rec, err
-		case <-t.C:
 		}
 		delay = min(2*delay, DefaultBackoff.Max)
 	}
