@@ -25,6 +25,25 @@ import (
 
 const envCockroachURL = "IDEMREG_TEST_COCKROACH_URL"
 
+// countingPool limits the store's pool to maxConns connections whose
+// network writes are counted in writes.
+func countingPool(maxConns int32, writes *atomic.Int64) postgres.Option {
+	return postgres.WithPoolConfig(func(cfg *pgxpool.Config) {
+		cfg.MaxConns = maxConns
+		// pgxpool pings a connection idle for over a second before handing
+		// it out; a slow machine must not make that count.
+		cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+		var d net.Dialer
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			conn, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return writeCountingConn{Conn: conn, n: writes}, nil
+		}
+	})
+}
+
 func openStore(t *testing.T, databaseURL string, opts ...postgres.Option) *postgres.Store {
 	t.Helper()
 	s, err := postgres.Open(t.Context(), databaseURL, opts...)
@@ -116,20 +135,7 @@ func TestOneRoundTripPerCall(t *testing.T) {
 	s := openStore(t, pgtest.NewDatabase(t),
 		postgres.WithClockOffset(clock.Offset),
 		postgres.WithTracer(&queries),
-		postgres.WithPoolConfig(func(cfg *pgxpool.Config) {
-			cfg.MaxConns = 1
-			// pgxpool pings a connection idle for over a second before
-			// handing it out; a slow machine must not make that count.
-			cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
-			var d net.Dialer
-			cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-				conn, err := d.DialContext(ctx, network, addr)
-				if err != nil {
-					return nil, err
-				}
-				return writeCountingConn{Conn: conn, n: &writes}, nil
-			}
-		}))
+		countingPool(1, &writes))
 	require.NoError(t, s.Ping(t.Context())) // connects and prepares
 
 	ctx := t.Context()
@@ -213,18 +219,7 @@ func TestOneStatementPerBatch(t *testing.T) {
 	s := openStore(t, databaseURL,
 		postgres.WithTracer(&queries),
 		postgres.WithBatching(64, time.Hour, 1),
-		postgres.WithPoolConfig(func(cfg *pgxpool.Config) {
-			cfg.MaxConns = 2
-			cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
-			var d net.Dialer
-			cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-				conn, err := d.DialContext(ctx, network, addr)
-				if err != nil {
-					return nil, err
-				}
-				return writeCountingConn{Conn: conn, n: &writes}, nil
-			}
-		}))
+		countingPool(2, &writes))
 	ctx := t.Context()
 	lock, err := pgx.Connect(ctx, databaseURL)
 	require.NoError(t, err)

@@ -191,6 +191,12 @@ w AS (
     ORDER BY i.ord                                          -- rows are locked in the caller's (sorted) order
 ` + claimOnConflict + `    RETURNING ` + recordColumnsOf("r") + `
 )
+` + batchAnswers
+
+// batchAnswers ends both batched statements: for each input (ordinal
+// i.ord) the row w wrote, or else the row as the statement's snapshot saw
+// it (the pre-image).
+var batchAnswers = `
 SELECT i.ord, true, c.now, ` + recordColumnsOf("w") + `
 FROM w
 JOIN i ON i.consumer = w.consumer AND i.kind = w.kind AND i.key = w.key
@@ -227,16 +233,7 @@ w AS (
       AND r.state = 1            -- cur.State != StateCompleted (a repeat is not written)
     RETURNING ` + recordColumnsNoResultOf("r") + `
 )
-SELECT i.ord, true, c.now, ` + recordColumnsOf("w") + `
-FROM w
-JOIN i ON i.consumer = w.consumer AND i.kind = w.kind AND i.key = w.key
-CROSS JOIN clock c
-UNION ALL
-SELECT i.ord, false, c.now, ` + recordColumnsOf("r") + `
-FROM i
-JOIN idemreg_records r ON r.consumer = i.consumer AND r.kind = i.kind AND r.key = i.key
-CROSS JOIN clock c
-WHERE NOT EXISTS (SELECT 1 FROM w WHERE w.consumer = i.consumer AND w.kind = i.kind AND w.key = i.key)`
+` + batchAnswers
 
 // releaseSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 clock offset µs.
 var releaseSQL = fencedUpdateSQL(5, `

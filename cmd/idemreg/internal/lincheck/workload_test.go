@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"net"
 	"path/filepath"
 	"sync/atomic"
 	"testing"
@@ -12,33 +11,12 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/servertest"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
 )
-
-// serve runs the registry's gRPC server on store over loopback and returns
-// a connection to it.
-func serve(t *testing.T, store storage.Store) *grpc.ClientConn {
-	t.Helper()
-	srv, err := server.New(store, server.Config{})
-	require.NoError(t, err)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, lis) }()
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = conn.Close()
-		cancel()
-		require.NoError(t, <-done)
-	})
-	return conn
-}
 
 func memStore(t *testing.T) storage.Store {
 	t.Helper()
@@ -64,7 +42,7 @@ func runWorkload(t *testing.T, conn *grpc.ClientConn, d time.Duration) (*Workloa
 // server on the in-memory embedded store and checks it: the cheap version
 // of the fault-injecting runs in cmd/idemreg, run by every `go test`.
 func TestWorkloadOnEmbeddedStore(t *testing.T) {
-	_, rec := runWorkload(t, serve(t, memStore(t)), 1500*time.Millisecond)
+	_, rec := runWorkload(t, servertest.Start(t, memStore(t), server.Config{}), 1500*time.Millisecond)
 	h, st := rec.History()
 	t.Log(st)
 	require.Greater(t, st.ByStatus[Acquired], 10)
@@ -114,7 +92,7 @@ func TestCheckerCatchesBrokenStores(t *testing.T) {
 			var err error
 			for run := range 10 {
 				rec := NewRecorder()
-				w := NewWorkload(serve(t, wrap(memStore(t))), rec, Config{Clients: 6, Keys: 2, Rotate: 300 * time.Millisecond, Seed: uint64(2 + run)})
+				w := NewWorkload(servertest.Start(t, wrap(memStore(t)), server.Config{}), rec, Config{Clients: 6, Keys: 2, Rotate: 300 * time.Millisecond, Seed: uint64(2 + run)})
 				ctx, cancel := context.WithTimeout(t.Context(), time.Second)
 				w.Run(ctx)
 				cancel()
