@@ -315,6 +315,12 @@ func TestMetrics(t *testing.T) {
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("m-1", "fp")) // replay
 	require.NoError(t, err)
+	withID := claimReq("m-2", "fp")
+	withID.RequestId = "req-m-2"
+	for range 2 { // acquired, then a repeat
+		_, err = c.Claim(ctx, withID)
+		require.NoError(t, err)
+	}
 
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(ctx, &rm))
@@ -342,13 +348,16 @@ func TestMetrics(t *testing.T) {
 			}
 		}
 	}
-	for _, outcome := range []string{server.ClaimAcquired, server.ClaimInProgress, server.ClaimMismatch, server.ClaimTakeover, server.ClaimReplay} {
+	for _, outcome := range []string{server.ClaimInProgress, server.ClaimMismatch, server.ClaimTakeover, server.ClaimReplay, server.ClaimRepeat} {
 		require.EqualValues(t, 1, sums[server.MetricClaims+" outcome="+outcome], "claims with outcome %s; got %v", outcome, sums)
 	}
+	require.EqualValues(t, 2, sums[server.MetricClaims+" outcome="+server.ClaimAcquired], "m-1 and m-2; got %v", sums)
+	require.Contains(t, names, server.MetricStoreInFlight, "the in-flight gauge is observed")
+	require.Zero(t, sums[server.MetricStoreInFlight], "nothing in flight once the calls returned")
 	require.EqualValues(t, 1, sums[server.MetricCompletes])
 	require.EqualValues(t, 1, sums[server.MetricReleases])
 	require.EqualValues(t, 1, sums[server.MetricLeaseLost+" method=extend"])
-	require.EqualValues(t, 8, storeDurations, "every store call is timed")
+	require.EqualValues(t, 10, storeDurations, "every store call is timed")
 	require.Contains(t, names, "rpc.server.call.duration", "otelgrpc's RPC metrics share the provider; got %v", names)
 }
 

@@ -51,6 +51,7 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"missing TLS files", []string{"--tls-cert", "missing.pem", "--tls-key", "missing-key.pem", "--data-dir", filepath.Join(dir, "data")}, "missing.pem"},
 		{"timeouts", []string{"--request-timeout", "10s", "--max-request-timeout", "5s"}, "--max-request-timeout"},
 		{"in flight", []string{"--max-in-flight", "0"}, "--max-in-flight must be positive"},
+		{"stream workers", []string{"--stream-workers", "-1"}, "--stream-workers must not be negative"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
