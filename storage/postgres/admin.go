@@ -47,22 +47,15 @@ func (s *Store) Inspect(ctx context.Context, k storage.Key) (storage.InspectResu
 
 // Invalidate decides by storage.DecideInvalidate in one statement.
 func (s *Store) Invalidate(ctx context.Context, p storage.InvalidateParams) (storage.Record, error) {
-	var a answer
-	err := s.run(ctx, "invalidate", func(ctx context.Context) error {
-		var err error
-		a, err = s.queryRecord(ctx, invalidateSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros())
-		return err
-	})
+	rec, err := s.fencedUpdate(ctx, "invalidate", func(a answer) (storage.Record, bool, error) {
+		return storage.DecideInvalidate(a.now, a.current(), p)
+	}, invalidateSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros())
 	if err != nil {
 		return storage.Record{}, err
 	}
-	if a.written {
-		a.rec.Fingerprint = nil // stored as empty, as the rules leave it
-		return a.rec, nil
-	}
-	rec, write, err := storage.DecideInvalidate(a.now, a.current(), p)
-	if write {
-		return storage.Record{}, s.disagree(ctx, "invalidate", a)
-	}
-	return rec, err
+	// Only a written row succeeds (DecideInvalidate always writes a live,
+	// fenced record); its fingerprint is stored as empty, as the rules
+	// leave it nil.
+	rec.Fingerprint = nil
+	return rec, nil
 }

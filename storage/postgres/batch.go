@@ -40,13 +40,24 @@ import (
 // operations on one key must be ordered anyway). A batch is sorted by key,
 // so concurrent batches lock rows in the same order and rarely deadlock.
 //
+// Size: a batch carries at most DefaultBatchBytes of parameters
+// (CockroachDB refuses a pgwire message over 16 MiB, and 64 results of up
+// to 1 MiB would exceed it). A pending batch that reaches the bound is sent
+// at once, and a batch over it when sent is split in halves, so a call
+// with a large result travels alone or with few others.
+//
 // Failures: a batch is one implicit transaction, so a serialization failure
 // or a deadlock rolled all of it back. It is split in two halves, retried
 // after a jittered pause, recursively; a single call left over runs alone,
 // through the single-row statement and its own retry loop (run), with its
 // caller's context. The conflicting key is so isolated in a few steps while
-// the others still share statements. Any other error is every member's
-// answer, as it would be for a single call. A call whose context ends while
+// the others still share statements. A batch the database refused because
+// of one member's input (a data exception, an integrity violation, a
+// program limit: memberError) is split the same way, without the pause: the
+// member left alone gets its own error from the single-row statement, and
+// the others their normal answers. Any other error (the connection lost,
+// the database shutting down) is every member's answer, as it would be for
+// a single call. A call whose context ends while
 // it waits returns the context's error; if its batch was not sent yet it
 // is dropped from it, and if it was, the outcome is as ambiguous as that of
 // a single statement cut off mid-flight (see semantics.md). A batch's
@@ -62,14 +73,17 @@ const (
 	DefaultBatchWindow = 10 * time.Millisecond
 	// DefaultBatchInFlight is the number of statement slots of each kind.
 	DefaultBatchInFlight = 1
+	// DefaultBatchBytes bounds the parameters of one batched statement.
+	DefaultBatchBytes = 8 << 20
 )
 
 // coalescer holds what the batchers of one store share: their settings,
 // the mutex that guards their queues, and their statistics.
 type coalescer struct {
-	maxSize int
-	window  time.Duration
-	limit   int // statement slots per kind
+	maxSize  int
+	maxBytes int // parameters of one batched statement
+	window   time.Duration
+	limit    int // statement slots per kind
 
 	mu sync.Mutex
 
@@ -77,8 +91,10 @@ type coalescer struct {
 	// call and the calls they carried, for tests and the bench.
 	batches, batchedCalls atomic.Int64
 	// splits counts batches split after a serialization failure or a
-	// deadlock.
-	splits atomic.Int64
+	// deadlock, memberSplits those split after a member's input was
+	// refused, and largestBytes is the most parameter bytes one batched
+	// statement carried.
+	splits, memberSplits, largestBytes atomic.Int64
 }
 
 // acquireLocked takes a statement slot of b's kind if one is free.
@@ -111,6 +127,7 @@ type call[P, R any] struct {
 	ctx  context.Context
 	p    P
 	key  storage.Key
+	size int             // bytes of its parameters in a batched statement
 	done chan outcome[R] // buffered: the sender never blocks
 }
 
@@ -128,6 +145,8 @@ type batcher[P, R any] struct {
 	s     *Store
 	op    string
 	keyOf func(P) storage.Key
+	// sizeOf is the bytes a call's parameters add to a batched statement.
+	sizeOf func(P) int
 	// alone runs one call with the single-row statement and its retries.
 	alone func(context.Context, P) (R, error)
 	// exec runs one statement for calls (distinct keys, sorted). When it
@@ -138,16 +157,17 @@ type batcher[P, R any] struct {
 	// Guarded by c.mu.
 	inFlight int // statements of this kind running, alone or batched
 	pending  []*call[P, R]
+	bytes    int // sum of the pending calls' sizes
 	keys     map[storage.Key]struct{}
 	deferred []*call[P, R] // keys already pending, for the next batch
 	timer    *time.Timer
 	armed    bool
 }
 
-func newBatcher[P, R any](c *coalescer, s *Store, op string, keyOf func(P) storage.Key,
+func newBatcher[P, R any](c *coalescer, s *Store, op string, keyOf func(P) storage.Key, sizeOf func(P) int,
 	alone func(context.Context, P) (R, error), exec func(context.Context, []*call[P, R]) error,
 ) *batcher[P, R] {
-	b := &batcher[P, R]{c: c, s: s, op: op, keyOf: keyOf, alone: alone, exec: exec, keys: map[storage.Key]struct{}{}}
+	b := &batcher[P, R]{c: c, s: s, op: op, keyOf: keyOf, sizeOf: sizeOf, alone: alone, exec: exec, keys: map[storage.Key]struct{}{}}
 	b.timer = time.AfterFunc(time.Hour, b.windowEnded)
 	b.timer.Stop()
 	return b
@@ -163,10 +183,10 @@ func (b *batcher[P, R]) do(ctx context.Context, p P) (R, error) {
 		defer b.release()
 		return b.alone(ctx, p)
 	}
-	cl := &call[P, R]{ctx: ctx, p: p, key: b.keyOf(p), done: make(chan outcome[R], 1)}
+	cl := &call[P, R]{ctx: ctx, p: p, key: b.keyOf(p), size: b.sizeOf(p), done: make(chan outcome[R], 1)}
 	b.addLocked(cl)
 	var send func()
-	if len(b.pending) >= c.maxSize {
+	if len(b.pending) >= c.maxSize || b.bytes >= c.maxBytes {
 		b.inFlight++ // over the limit: a full batch does not wait for a slot
 		send = b.takeLocked()
 	} else if !b.armed {
@@ -197,6 +217,7 @@ func (b *batcher[P, R]) do(ctx context.Context, p P) (R, error) {
 func (b *batcher[P, R]) dropLocked(cl *call[P, R]) {
 	if i := slices.Index(b.pending, cl); i >= 0 {
 		b.pending = slices.Delete(b.pending, i, i+1)
+		b.bytes -= cl.size
 		delete(b.keys, cl.key)
 		return
 	}
@@ -212,6 +233,7 @@ func (b *batcher[P, R]) addLocked(cl *call[P, R]) {
 	}
 	b.keys[cl.key] = struct{}{}
 	b.pending = append(b.pending, cl)
+	b.bytes += cl.size
 }
 
 // takeLocked removes the pending batch, if any, and returns the function
@@ -222,7 +244,7 @@ func (b *batcher[P, R]) takeLocked() func() {
 		return nil
 	}
 	batch := b.pending
-	b.pending = nil
+	b.pending, b.bytes = nil, 0
 	clear(b.keys)
 	deferred := b.deferred
 	b.deferred = nil
@@ -257,7 +279,8 @@ func (b *batcher[P, R]) windowEnded() {
 	}
 }
 
-// send runs batch as one statement, splitting it on serialization failures.
+// send runs batch as one statement, splitting it when it is over the size
+// bound, on serialization failures and on a member's refused input.
 func (b *batcher[P, R]) send(batch []*call[P, R]) {
 	live := batch[:0]
 	for _, cl := range batch {
@@ -273,29 +296,52 @@ func (b *batcher[P, R]) send(batch []*call[P, R]) {
 		return
 	}
 	slices.SortFunc(live, func(x, y *call[P, R]) int { return compareKeys(x.key, y.key) })
+	size := 0
+	for _, cl := range live {
+		size += cl.size
+	}
+	if size > b.c.maxBytes {
+		b.split(live)
+		return
+	}
 	ctx, cancel := batchContext(live)
 	defer cancel()
 	b.c.batches.Add(1)
 	b.c.batchedCalls.Add(int64(len(live)))
-	err := b.exec(ctx, live)
-	if err == nil {
-		return
+	for largest := b.c.largestBytes.Load(); int64(size) > largest; largest = b.c.largestBytes.Load() {
+		if b.c.largestBytes.CompareAndSwap(largest, int64(size)) {
+			break
+		}
 	}
-	if retryable(err) {
+	err := b.exec(ctx, live)
+	switch {
+	case err == nil:
+		return
+	case retryable(err):
 		b.c.splits.Add(1)
 		b.s.logger.DebugContext(ctx, "postgres: batch conflicted, splitting it", "op", b.op, "calls", len(live), "error", err)
 		_ = sleep(ctx, backoff(1))
-		half := len(live) / 2
-		var wg sync.WaitGroup
-		wg.Go(func() { b.send(live[:half]) })
-		b.send(live[half:])
-		wg.Wait()
+		b.split(live)
+		return
+	case memberError(err):
+		b.c.memberSplits.Add(1)
+		b.s.logger.DebugContext(ctx, "postgres: batch refused, splitting it to find the member", "op", b.op, "calls", len(live), "error", err)
+		b.split(live)
 		return
 	}
 	err = fmt.Errorf("%w: postgres %s: %w", storage.ErrUnavailable, b.op, detachContext(err))
 	for _, cl := range live {
 		cl.done <- outcome[R]{err: err}
 	}
+}
+
+// split sends the two halves of batch concurrently.
+func (b *batcher[P, R]) split(batch []*call[P, R]) {
+	half := len(batch) / 2
+	var wg sync.WaitGroup
+	wg.Go(func() { b.send(batch[:half]) })
+	b.send(batch[half:])
+	wg.Wait()
 }
 
 func compareKeys(x, y storage.Key) int {
@@ -313,6 +359,21 @@ func compareKeys(x, y storage.Key) int {
 func retryable(err error) bool {
 	switch sqlState(err) {
 	case sqlStateSerializationFailure, sqlStateDeadlockDetected, "CR000":
+		return true
+	}
+	return false
+}
+
+// memberError reports an error by which the database refused a statement
+// for what one of its rows carried, so that a batch holding that row must
+// not fail the others: a data exception (SQLSTATE class 22, such as a NUL
+// byte in a text value), an integrity constraint violation (23) or a
+// program limit (54). The statement was rolled back whole.
+func memberError(err error) bool {
+	switch code := sqlState(err); {
+	case len(code) != 5:
+		return false
+	case code[:2] == "22", code[:2] == "23", code[:2] == "54":
 		return true
 	}
 	return false

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemreg/idemreg/storage"
@@ -24,7 +25,7 @@ type fakeOps struct {
 	alone   []string
 	// fail returns the error exec fails with for a batch, or nil.
 	fail func(keys []string) error
-	// hold, when set, blocks alone until closed.
+	// hold, when set, blocks the call "blocker" running alone until closed.
 	hold chan struct{}
 }
 
@@ -37,7 +38,7 @@ func (f *fakeOps) runAlone(ctx context.Context, p string) (string, error) {
 	f.alone = append(f.alone, p)
 	hold := f.hold
 	f.mu.Unlock()
-	if hold != nil {
+	if hold != nil && p == "blocker" {
 		select {
 		case <-hold:
 		case <-ctx.Done():
@@ -70,9 +71,18 @@ func (f *fakeOps) exec(_ context.Context, calls []*call[string, string]) error {
 func newFake(t *testing.T, limit int) (*fakeOps, *coalescer, *batcher[string, string]) {
 	t.Helper()
 	f := &fakeOps{}
-	c := &coalescer{maxSize: 64, window: time.Hour, limit: limit}
+	c := &coalescer{maxSize: 64, maxBytes: DefaultBatchBytes, window: time.Hour, limit: limit}
 	s := &Store{logger: slog.New(slog.DiscardHandler)}
-	return f, c, newBatcher(c, s, "fake", f.keyOf, f.runAlone, f.exec)
+	return f, c, newBatcher(c, s, "fake", f.keyOf, fakeSize, f.runAlone, f.exec)
+}
+
+// fakeSize is a key's size: its length, or n MiB for a key "big-n-...".
+func fakeSize(p string) int {
+	var n int
+	if _, err := fmt.Sscanf(p, "big-%d-", &n); err == nil {
+		return n << 20
+	}
+	return len(p)
 }
 
 func (b *batcher[P, R]) pendingCalls() int {
@@ -207,6 +217,93 @@ func TestBatcherReportsOtherErrorsToEveryCaller(t *testing.T) {
 		require.Contains(t, g, storage.ErrUnavailable.Error())
 		require.Contains(t, g, "connection refused")
 	}
+}
+
+func TestBatcherSplitsABatchRefusedForOneMember(t *testing.T) {
+	f, c, b := newFake(t, 1)
+	f.fail = func(keys []string) error {
+		if slices.Contains(keys, "c") { // "c" alone fails too, in runAlone's stead
+			return fmt.Errorf("wrapped: %w", &pgconn.PgError{Code: "22021"})
+		}
+		return nil
+	}
+	release := occupy(t, f, c, b)
+	got := queued(t, t.Context(), c, b, release, "a", "b", "c", "d", "e", "f")
+	// a..f is refused: a..c is refused, d..f passes; a runs alone, b..c is
+	// refused; b and c run alone, and c gets its own error there.
+	require.Equal(t, []string{"alone:a", "alone:b", "alone:c", "batch:d", "batch:e", "batch:f"}, got)
+	require.ElementsMatch(t, []string{"blocker", "a", "b", "c"}, f.alone)
+	require.EqualValues(t, 3, c.memberSplits.Load())
+	require.Zero(t, c.splits.Load(), "no pause: nothing conflicted")
+}
+
+func TestMemberError(t *testing.T) {
+	for _, tc := range []struct {
+		code string
+		want bool
+	}{
+		{"22021", true}, // a NUL byte in text
+		{"22003", true}, // numeric value out of range
+		{"23505", true}, // unique violation
+		{"54000", true}, // program limit exceeded
+		{"40001", false},
+		{"57P01", false}, // admin shutdown: every member's answer
+		{"08006", false},
+		{"", false},
+	} {
+		t.Run(tc.code, func(t *testing.T) {
+			require.Equal(t, tc.want, memberError(fmt.Errorf("w: %w", &pgconn.PgError{Code: tc.code})))
+		})
+	}
+	require.False(t, memberError(errors.New("connection refused")))
+}
+
+func TestBatcherBoundsTheBytesOfAStatement(t *testing.T) {
+	f, c, b := newFake(t, 1)
+	release := occupy(t, f, c, b)
+	// Ten calls of 1 MiB and two small ones; the bound is 8 MiB.
+	keys := []string{"a", "z"}
+	for i := range 10 {
+		keys = append(keys, fmt.Sprintf("big-1-%d", i))
+	}
+	// The pending batch is sent as it reaches the bound, slot or not.
+	var wg sync.WaitGroup
+	for _, k := range keys {
+		wg.Go(func() {
+			got, err := b.do(t.Context(), k)
+			assert.NoError(t, err, k)
+			assert.Contains(t, got, k)
+		})
+	}
+	require.Eventually(t, func() bool {
+		f.mu.Lock()
+		sent := 0
+		for _, batch := range f.batches {
+			sent += len(batch)
+		}
+		f.mu.Unlock()
+		return sent+b.pendingCalls() == len(keys)
+	}, 10*time.Second, time.Millisecond)
+	release()
+	wg.Wait()
+	for _, batch := range f.batches {
+		size := 0
+		for _, k := range batch {
+			size += fakeSize(k)
+		}
+		require.LessOrEqual(t, size, DefaultBatchBytes, "batch %v", batch)
+	}
+	require.LessOrEqual(t, c.largestBytes.Load(), int64(DefaultBatchBytes))
+	require.Greater(t, len(f.batches), 1, "more than one statement")
+
+	// A call over the bound by itself runs alone at once, slot or not.
+	f, c, b = newFake(t, 1)
+	release = occupy(t, f, c, b)
+	defer release()
+	got, err := b.do(t.Context(), "big-9-x")
+	require.NoError(t, err)
+	require.Equal(t, "alone:big-9-x", got)
+	require.Empty(t, f.batches)
 }
 
 func TestBatcherDropsACallWhoseContextEnded(t *testing.T) {

@@ -21,3 +21,14 @@ func Coalescing(s *Store) (inFlight, queued int) {
 	return s.claims.inFlight + s.completes.inFlight, len(s.claims.pending) + len(s.claims.deferred) +
 		len(s.completes.pending) + len(s.completes.deferred)
 }
+
+// StaleReads reports how many statements (or batch members) ran again
+// because their pre-image was older than the row they declined to write.
+func StaleReads(s *Store) int64 { return s.staleReads.Load() }
+
+// MemberSplits reports how many batches were split after the database
+// refused one member's input, and the most parameter bytes one batched
+// statement carried.
+func MemberSplits(s *Store) (splits, largestBytes int64) {
+	return s.coalescer.memberSplits.Load(), s.coalescer.largestBytes.Load()
+}

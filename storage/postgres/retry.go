@@ -107,14 +107,10 @@ func (e *retryableError) Error() string    { return e.err.Error() }
 func (e *retryableError) Unwrap() error    { return e.err }
 func (e *retryableError) SQLState() string { return sqlStateSerializationFailure }
 
-// errNoRow: a Claim statement returned no row, which cannot happen at
-// SERIALIZABLE (the insert writes, or the row it conflicted with is read).
-// It is retried like a serialization failure.
-var errNoRow = &retryableError{err: errors.New("claim statement returned no row")}
-
-// errRulesDisagree: the database declined a write that storage's rules say
-// it should have made. A bug, never an answer: it is logged and returned.
-var errRulesDisagree = errors.New("the statement and the registry rules disagree")
+// errStale: a statement's pre-image was older than the row its
+// conditional write saw (see Store.decided). It is retried like a
+// serialization failure: nothing was written.
+var errStale = &retryableError{err: errors.New("the statement's pre-image is older than the row it declined to write")}
 
 // detachContext keeps a driver-internal timeout (a connect timeout, say)
 // from passing for the caller's own deadline: when the caller's context is

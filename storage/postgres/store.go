@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -20,6 +21,11 @@ type Store struct {
 	clockOffset func() time.Duration
 	maxRetries  int
 	logger      *slog.Logger
+
+	// staleReads counts statements run again because the pre-image they
+	// read was older than the row their conditional write saw (see
+	// isolation in doc.go).
+	staleReads atomic.Int64
 
 	// claims and completes coalesce concurrent calls (batch.go); nil when
 	// batching is off.
@@ -37,9 +43,9 @@ var (
 // has created. Connections are made on demand, so Open succeeds while the
 // database is down; Ping tells whether it can serve.
 //
-// Every connection runs at SERIALIZABLE (PostgreSQL's default is READ
-// COMMITTED; CockroachDB's is SERIALIZABLE already): the statements rely on
-// it to read the same row version they declined to write.
+// Connections to PostgreSQL run at READ COMMITTED and connections to
+// CockroachDB at SERIALIZABLE, whatever the role's default: doc.go
+// ("Isolation") says why each statement is correct at both.
 func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, error) {
 	o := defaultOptions()
 	for _, opt := range opts {
@@ -67,6 +73,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 				return err
 			}
 		}
+		if err := setIsolation(ctx, conn); err != nil {
+			return err
+		}
 		return prepare(ctx, conn)
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
@@ -79,13 +88,26 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		if limit <= 0 {
 			limit = DefaultBatchInFlight
 		}
-		s.coalescer = &coalescer{maxSize: o.batchSize, window: o.batchWindow, limit: limit}
+		s.coalescer = &coalescer{maxSize: o.batchSize, maxBytes: DefaultBatchBytes, window: o.batchWindow, limit: limit}
 		s.claims = newBatcher(s.coalescer, s, "claim",
-			func(p storage.ClaimParams) storage.Key { return p.Key }, s.claimAlone, s.claimBatch)
+			func(p storage.ClaimParams) storage.Key { return p.Key }, claimBytes, s.claimAlone, s.claimBatch)
 		s.completes = newBatcher(s.coalescer, s, "complete",
-			func(p storage.CompleteParams) storage.Key { return p.Key }, s.completeAlone, s.completeBatch)
+			func(p storage.CompleteParams) storage.Key { return p.Key }, completeBytes, s.completeAlone, s.completeBatch)
 	}
 	return s, nil
+}
+
+// setIsolation lowers a PostgreSQL session to READ COMMITTED; a
+// CockroachDB session (it reports crdb_version when it connects) stays at
+// the SERIALIZABLE it was opened with.
+func setIsolation(ctx context.Context, conn *pgx.Conn) error {
+	if conn.PgConn().ParameterStatus("crdb_version") != "" {
+		return nil
+	}
+	if _, err := conn.Exec(ctx, "SET default_transaction_isolation = 'read committed'"); err != nil {
+		return fmt.Errorf("postgres: set isolation: %w", err)
+	}
+	return nil
 }
 
 // prepare prepares the store's statements on a new connection, keyed by
@@ -124,39 +146,52 @@ func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (storage.Claim
 	return s.claimAlone(ctx, p)
 }
 
-// claimAlone runs one Claim with the single-row statement.
-func (s *Store) claimAlone(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
-	var a answer
-	err := s.run(ctx, "claim", func(ctx context.Context) error {
-		var err error
-		a, err = s.queryRecord(ctx, claimSQL,
-			p.Consumer, int16(p.Kind), p.Key.Key, nonNil(p.Fingerprint), p.Holder,
-			p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros(), p.RequestID)
-		if err == nil && !a.found {
-			return errNoRow
-		}
-		return err
-	})
-	if err != nil {
-		return storage.ClaimResult{}, err
-	}
-	return s.claimAnswer(ctx, a, p)
+// Bytes a call adds to a batched statement: its variable-length values,
+// and for each array element its 4-byte length and 8 bytes per fixed
+// value.
+func claimBytes(p storage.ClaimParams) int {
+	return len(p.Consumer) + len(p.Key.Key) + len(p.Fingerprint) + len(p.Holder) + len(p.RequestID) + 8*4 + 3*8
 }
 
-// claimAnswer classifies a Claim statement's row.
-func (s *Store) claimAnswer(ctx context.Context, a answer, p storage.ClaimParams) (storage.ClaimResult, error) {
-	if a.written {
-		return storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: a.rec}, nil
-	}
-	res, write, err := storage.DecideClaim(a.now, &a.rec, p)
-	if write {
-		return storage.ClaimResult{}, s.disagree(ctx, "claim", a)
+func completeBytes(p storage.CompleteParams) int {
+	return len(p.Consumer) + len(p.Key.Key) + len(p.Result) + 5*4 + 2*8
+}
+
+// claimAlone runs one Claim with the single-row statement.
+func (s *Store) claimAlone(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
+	var (
+		res storage.ClaimResult
+		err error
+	)
+	runErr := s.decided(ctx, "claim", func(a answer) (stale bool) {
+		res, stale, err = claimAnswer(a, p)
+		return stale
+	}, claimSQL,
+		p.Consumer, int16(p.Kind), p.Key.Key, nonNil(p.Fingerprint), p.Holder,
+		p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros(), p.RequestID)
+	if runErr != nil {
+		return storage.ClaimResult{}, runErr
 	}
 	return res, err
 }
 
-// claimBatch runs the Claims of calls as one statement. A key the
-// statement returned no row for (which SERIALIZABLE rules out) runs alone.
+// claimAnswer classifies a Claim statement's row. It is stale when the
+// statement wrote nothing and its pre-image does not explain why: no row
+// (the insert met a row its snapshot did not see), or a row the rules
+// would have written.
+func claimAnswer(a answer, p storage.ClaimParams) (res storage.ClaimResult, stale bool, err error) {
+	if a.written {
+		return storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: a.rec}, false, nil
+	}
+	if !a.found {
+		return storage.ClaimResult{}, true, nil
+	}
+	res, write, err := storage.DecideClaim(a.now, &a.rec, p)
+	return res, write, err
+}
+
+// claimBatch runs the Claims of calls as one statement. A call whose answer
+// is stale (see claimAnswer) runs again alone.
 func (s *Store) claimBatch(ctx context.Context, calls []*call[storage.ClaimParams, storage.ClaimResult]) error {
 	n := len(calls)
 	var (
@@ -181,11 +216,12 @@ func (s *Store) claimBatch(ctx context.Context, calls []*call[storage.ClaimParam
 		return err
 	}
 	for i, cl := range calls {
-		if !answers[i].found {
+		res, stale, err := claimAnswer(answers[i], cl.p)
+		if stale {
+			s.staleReads.Add(1)
 			cl.done <- outcome[storage.ClaimResult]{alone: true}
 			continue
 		}
-		res, err := s.claimAnswer(ctx, answers[i], cl.p)
 		cl.done <- outcome[storage.ClaimResult]{r: res, err: err}
 	}
 	return nil
@@ -202,30 +238,28 @@ func (s *Store) Complete(ctx context.Context, p storage.CompleteParams) (storage
 
 // completeAlone runs one Complete with the single-row statement.
 func (s *Store) completeAlone(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
-	var a answer
-	err := s.run(ctx, "complete", func(ctx context.Context) error {
-		var err error
-		a, err = s.queryRecord(ctx, completeSQL,
-			p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Result, s.offsetMicros())
-		return err
-	})
-	if err != nil {
-		return storage.Record{}, err
-	}
-	return s.completeAnswer(ctx, a, p)
-}
-
-// completeAnswer classifies a Complete statement's row (or its absence).
-func (s *Store) completeAnswer(ctx context.Context, a answer, p storage.CompleteParams) (storage.Record, error) {
-	if a.written {
-		a.rec.Result = p.Result // not sent back: see completeSQL
-		return a.rec, nil
-	}
-	rec, write, err := storage.DecideComplete(a.now, a.current(), p)
-	if write {
-		return storage.Record{}, s.disagree(ctx, "complete", a)
+	var (
+		rec storage.Record
+		err error
+	)
+	runErr := s.decided(ctx, "complete", func(a answer) (stale bool) {
+		rec, stale, err = completeAnswer(a, p)
+		return stale
+	}, completeSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Result, s.offsetMicros())
+	if runErr != nil {
+		return storage.Record{}, runErr
 	}
 	return rec, err
+}
+
+// completeAnswer classifies a Complete statement's row (or its absence);
+// stale as in claimAnswer.
+func completeAnswer(a answer, p storage.CompleteParams) (rec storage.Record, stale bool, err error) {
+	if a.written {
+		a.rec.Result = p.Result // not sent back: see completeSQL
+		return a.rec, false, nil
+	}
+	return storage.DecideComplete(a.now, a.current(), p)
 }
 
 // completeBatch runs the Completes of calls as one statement.
@@ -248,7 +282,12 @@ func (s *Store) completeBatch(ctx context.Context, calls []*call[storage.Complet
 		return err
 	}
 	for i, cl := range calls {
-		rec, err := s.completeAnswer(ctx, answers[i], cl.p)
+		rec, stale, err := completeAnswer(answers[i], cl.p)
+		if stale {
+			s.staleReads.Add(1)
+			cl.done <- outcome[storage.Record]{alone: true}
+			continue
+		}
 		cl.done <- outcome[storage.Record]{r: rec, err: err}
 	}
 	return nil
@@ -256,43 +295,36 @@ func (s *Store) completeBatch(ctx context.Context, calls []*call[storage.Complet
 
 // Release decides by storage.DecideRelease in one statement.
 func (s *Store) Release(ctx context.Context, p storage.ReleaseParams) (storage.Record, error) {
-	var a answer
-	err := s.run(ctx, "release", func(ctx context.Context) error {
-		var err error
-		a, err = s.queryRecord(ctx, releaseSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros())
-		return err
-	})
-	if err != nil {
-		return storage.Record{}, err
-	}
-	if a.written {
-		return a.rec, nil
-	}
-	rec, write, err := storage.DecideRelease(a.now, a.current(), p)
-	if write {
-		return storage.Record{}, s.disagree(ctx, "release", a)
-	}
-	return rec, err
+	return s.fencedUpdate(ctx, "release", func(a answer) (storage.Record, bool, error) {
+		return storage.DecideRelease(a.now, a.current(), p)
+	}, releaseSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros())
 }
 
 // Extend decides by storage.DecideExtend in one statement.
 func (s *Store) Extend(ctx context.Context, p storage.ExtendParams) (storage.Record, error) {
-	var a answer
-	err := s.run(ctx, "extend", func(ctx context.Context) error {
-		var err error
-		a, err = s.queryRecord(ctx, extendSQL,
-			p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds())
-		return err
-	})
-	if err != nil {
-		return storage.Record{}, err
-	}
-	if a.written {
-		return a.rec, nil
-	}
-	rec, write, err := storage.DecideExtend(a.now, a.current(), p)
-	if write {
-		return storage.Record{}, s.disagree(ctx, "extend", a)
+	return s.fencedUpdate(ctx, "extend", func(a answer) (storage.Record, bool, error) {
+		return storage.DecideExtend(a.now, a.current(), p)
+	}, extendSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds())
+}
+
+// fencedUpdate runs one of the fencedUpdateSQL statements: the written row
+// is the answer, and a declined write is answered by decide on the
+// pre-image.
+func (s *Store) fencedUpdate(ctx context.Context, op string, decide func(answer) (storage.Record, bool, error), sql string, args ...any) (storage.Record, error) {
+	var (
+		rec storage.Record
+		err error
+	)
+	runErr := s.decided(ctx, op, func(a answer) (stale bool) {
+		if a.written {
+			rec, err = a.rec, nil
+			return false
+		}
+		rec, stale, err = decide(a)
+		return stale
+	}, sql, args...)
+	if runErr != nil {
+		return storage.Record{}, runErr
 	}
 	return rec, err
 }
@@ -349,13 +381,34 @@ func (s *Store) OldestExpiry(ctx context.Context) (oldest, now time.Time, ok boo
 
 func (s *Store) offsetMicros() int64 { return s.clockOffset().Microseconds() }
 
-// disagree reports a declined write that the rules would have made.
-func (s *Store) disagree(ctx context.Context, op string, a answer) error {
-	s.logger.ErrorContext(ctx, "postgres: statement declined a write the rules require",
-		"op", op, "consumer", a.rec.Consumer, "kind", a.rec.Kind, "key", a.rec.Key,
-		"state", a.rec.State, "token", a.rec.Token, "now", a.now,
-		"lease_expires_at", a.rec.LeaseExpiresAt, "expires_at", a.rec.ExpiresAt)
-	return fmt.Errorf("postgres %s: %w", op, errRulesDisagree)
+// decided runs a single-row statement and hands its row to classify, until
+// classify no longer says the answer is stale: the statement declined a
+// write that the rules would have made on its pre-image, which happens
+// when the row changed after the statement's snapshot (READ COMMITTED lets
+// the conditional write see the newer version; doc.go, "Isolation"). Run
+// again, the statement sees that version. Staleness that outlasts the
+// retries would mean the SQL and the rules disagree: it is logged as an
+// error and the call fails with storage.ErrUnavailable.
+func (s *Store) decided(ctx context.Context, op string, classify func(answer) (stale bool), sql string, args ...any) error {
+	var a answer
+	err := s.run(ctx, op, func(ctx context.Context) error {
+		var err error
+		if a, err = s.queryRecord(ctx, sql, args...); err != nil {
+			return err
+		}
+		if classify(a) {
+			s.staleReads.Add(1)
+			return errStale
+		}
+		return nil
+	})
+	if errors.Is(err, errStale) {
+		s.logger.ErrorContext(ctx, "postgres: statement declined a write the rules require",
+			"op", op, "found", a.found, "consumer", a.rec.Consumer, "kind", a.rec.Kind, "key", a.rec.Key,
+			"state", a.rec.State, "token", a.rec.Token, "now", a.now,
+			"lease_expires_at", a.rec.LeaseExpiresAt, "expires_at", a.rec.ExpiresAt)
+	}
+	return err
 }
 
 // answer is one row of a record statement: whether the statement wrote it,

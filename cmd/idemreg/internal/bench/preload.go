@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/protobuf/proto"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
@@ -34,7 +35,7 @@ ON CONFLICT DO NOTHING`
 // ones with one INSERT ... SELECT generate_series, and returns how many it
 // inserted and the table's row count.
 func Preload(ctx context.Context, databaseURL string, n int) (inserted, total int64, err error) {
-	conn, err := pgx.Connect(ctx, databaseURL)
+	conn, err := connect(ctx, databaseURL)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -66,7 +67,7 @@ func Preload(ctx context.Context, databaseURL string, n int) (inserted, total in
 // DBCommits reads the database's committed transactions so far. The
 // statistics lag by up to a second (backends flush them when idle).
 func DBCommits(ctx context.Context, databaseURL string) (int64, error) {
-	conn, err := pgx.Connect(ctx, databaseURL)
+	conn, err := connect(ctx, databaseURL)
 	if err != nil {
 		return 0, err
 	}
@@ -82,7 +83,7 @@ func settleStats(ctx context.Context) { sleep(ctx, 1500*time.Millisecond) }
 // BackendPIDs lists the process ids of the sessions on databaseURL's
 // database whose application_name is app, to read their CPU time.
 func BackendPIDs(ctx context.Context, databaseURL, app string) ([]int, error) {
-	conn, err := pgx.Connect(ctx, databaseURL)
+	conn, err := connect(ctx, databaseURL)
 	if err != nil {
 		return nil, err
 	}
@@ -97,4 +98,14 @@ func BackendPIDs(ctx context.Context, databaseURL, app string) ([]int, error) {
 		out[i] = int(p)
 	}
 	return out, err
+}
+
+// connect opens one connection to databaseURL, which may carry the pool
+// settings (pool_max_conns, ...) that the server's URL takes.
+func connect(ctx context.Context, databaseURL string) (*pgx.Conn, error) {
+	cfg, err := pgxpool.ParseConfig(databaseURL)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.ConnectConfig(ctx, cfg.ConnConfig)
 }
