@@ -23,6 +23,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	grpchealth "google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/bench"
@@ -59,6 +60,10 @@ Targets (they take turns, run after run, so that other load falls on all alike):
   idemreg-embedded  a server on a fresh embedded store, started for each run
   sql               the hand-written inbox table on --database-url, with pgx
   redis             SET NX PX / SET XX on --redis-addr
+  grpc-floor        a bare grpc-go server (no interceptors, no store), started
+                    for each run, whose Claim and Complete are each one
+                    health Check: what any gRPC hop costs on this machine.
+                    It runs every iteration as a new key.
   idemreg[--flag NAME=value ...]
                     a started server with extra flags and environment
 
@@ -276,7 +281,7 @@ func parseTarget(s string) (benchTarget, error) {
 		}
 	}
 	switch t.Kind {
-	case "idemreg", "idemreg-embedded", "sql", "redis":
+	case "idemreg", "idemreg-embedded", "sql", "redis", "grpc-floor":
 		return t, nil
 	}
 	return t, fmt.Errorf("unknown target %q", s)
@@ -336,6 +341,14 @@ func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, re
 		err error
 	)
 	switch target {
+	case "grpc-floor":
+		srv, err = spawnServer(ctx, cfg, bt, stderr)
+		if err != nil {
+			return run, err
+		}
+		defer srv.stop()
+		pid = srv.cmd.Process.Pid
+		t, err = bench.NewFloor(srv.addr)
 	case "idemreg", "idemreg-embedded":
 		addr := cfg.Addr
 		pid = cfg.ServerPID
@@ -367,6 +380,9 @@ func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, re
 	bc := bench.Config{
 		Callers: callers, Duration: cfg.Duration, Count: cfg.Count, Warmup: cfg.Warmup, Mix: cfg.Mix,
 		KeyPrefix: runID + "-", Result: make([]byte, cfg.ResultBytes),
+	}
+	if target == "grpc-floor" {
+		bc.Mix = bench.Mix{} // it knows no outcomes
 	}
 	if cfg.Preload > 0 && target == "idemreg" {
 		bc.ReplayKeys, bc.PreloadKey = cfg.Preload, bench.PreloadKey
@@ -476,20 +492,25 @@ func spawnServer(ctx context.Context, cfg benchConfig, bt benchTarget, stderr io
 		return nil, err
 	}
 	args := []string{"serve", "--listen", addr, "--log-level", "warn", "--log-format", "text"}
-	if target == "idemreg" {
+	switch target {
+	case "idemreg":
 		args = append(args, "--database-url", cfg.DatabaseURL)
-	} else {
+	case "idemreg-embedded":
 		args = append(args, "--database-url", "", "--data-dir", filepath.Join(dir, "data"))
+	case "grpc-floor":
+		args = []string{floorServerCommand, "--listen", addr}
 	}
 	s := &spawned{addr: addr, dir: dir, done: make(chan error, 1)}
-	if cfg.ProfileDir != "" {
+	if cfg.ProfileDir != "" && target != "grpc-floor" {
 		if s.pprof, err = benchFreeAddr(); err != nil {
 			return nil, err
 		}
 		args = append(args, "--pprof-listen", s.pprof)
 	}
-	args = append(args, cfg.ServerFlags...)
-	args = append(args, bt.ServerArgs...)
+	if target != "grpc-floor" {
+		args = append(args, cfg.ServerFlags...)
+		args = append(args, bt.ServerArgs...)
+	}
 	s.cmd = exec.CommandContext(ctx, exe, args...)
 	s.cmd.Env = append(os.Environ(), bt.ServerEnv...)
 	s.cmd.Stdout, s.cmd.Stderr = stderr, stderr
@@ -673,6 +694,9 @@ func summarizeRuns(target string, callers int, runs []benchRun) benchReport {
 func printMachine(w io.Writer, cfg benchConfig) {
 	load, _ := os.ReadFile("/proc/loadavg")
 	fmt.Fprintf(w, "machine: %s/%s, %d CPUs, %s; load average %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.Version(), load)
+	if p50, p99, err := fsyncTime(os.TempDir()); err == nil {
+		fmt.Fprintf(w, "fsync (8 KiB write + fdatasync in %s): p50 %d µs, p99 %d µs\n", os.TempDir(), p50.Microseconds(), p99.Microseconds())
+	}
 	fmt.Fprintf(w, "mix %s, %s measured after %s warmup, %d runs each\n", cfg.Mix, durationOrCount(cfg), cfg.Warmup, cfg.Repeat)
 }
 
@@ -720,7 +744,8 @@ func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
 			float64(r.Median.Claim.P99)/float64(time.Millisecond), cpc, cpu, rss)
 	}
 	tw.Flush()
-	// Ratios of every idemreg target against every baseline, per callers.
+	// Ratios of every idemreg target against every baseline, per callers;
+	// against the floor, the server's CPU and the latency it adds.
 	for _, r := range reports {
 		if !strings.HasPrefix(r.Target, "idemreg") {
 			continue
@@ -729,10 +754,68 @@ func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
 			if b.Callers != r.Callers || strings.HasPrefix(b.Target, "idemreg") {
 				continue
 			}
-			fmt.Fprintf(w, "ratio %s/%s at %d callers: throughput %.2f×, pair p99 %.2f×\n", r.Target, b.Target, r.Callers,
-				r.PairsPS.Median/b.PairsPS.Median, r.PairP99.Median/b.PairP99.Median)
+			if strings.HasPrefix(b.Target, "grpc-floor") {
+				fmt.Fprintf(w, "floor %s/%s at %d callers: server CPU per call %.2f×, pair p50 %.2f ms over the floor's %.2f ms\n",
+					r.Target, b.Target, r.Callers, r.Median.ServerCPUPerCall/b.Median.ServerCPUPerCall,
+					float64(r.Median.Pair.P50-b.Median.Pair.P50)/float64(time.Millisecond), float64(b.Median.Pair.P50)/float64(time.Millisecond))
+				continue
+			}
+			fmt.Fprintf(w, "ratio %s/%s at %d callers: throughput %.2f×, pair p50 %.2f×, pair p99 %.2f×\n", r.Target, b.Target, r.Callers,
+				r.PairsPS.Median/b.PairsPS.Median, float64(r.Median.Pair.P50)/float64(b.Median.Pair.P50), r.PairP99.Median/b.PairP99.Median)
 		}
 	}
+}
+
+// floorServerCommand is the hidden command that runs the grpc-floor
+// target's server.
+const floorServerCommand = "bench-floor-server"
+
+// floorServer serves grpc.health.v1 alone, on a grpc-go server with no
+// options, until ctx ends.
+func floorServer(ctx context.Context, args []string, stderr io.Writer) error {
+	fs := flag.NewFlagSet("idemreg "+floorServerCommand, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	listen := fs.String("listen", "127.0.0.1:0", "address to listen on")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return err
+	}
+	srv := grpc.NewServer()
+	healthpb.RegisterHealthServer(srv, grpchealth.NewServer())
+	go func() {
+		<-ctx.Done()
+		srv.GracefulStop()
+	}()
+	return srv.Serve(ln)
+}
+
+// fsyncTime measures what a durable commit costs the machine at least:
+// the median and 99th percentile of writing 8 KiB and fdatasync-ing it,
+// in dir, 200 times.
+func fsyncTime(dir string) (p50, p99 time.Duration, err error) {
+	f, err := os.CreateTemp(dir, "idemreg-bench-fsync-")
+	if err != nil {
+		return 0, 0, err
+	}
+	defer os.Remove(f.Name())
+	defer f.Close()
+	buf := make([]byte, 8<<10)
+	times := make([]time.Duration, 200)
+	for i := range times {
+		t0 := time.Now()
+		if _, err := f.WriteAt(buf, int64(i)*int64(len(buf))); err != nil {
+			return 0, 0, err
+		}
+		if err := syscall.Fdatasync(int(f.Fd())); err != nil {
+			return 0, 0, err
+		}
+		times[i] = time.Since(t0)
+	}
+	slices.Sort(times)
+	return times[len(times)/2], times[len(times)*99/100], nil
 }
 
 // cpuColumns is "client+server+db=total" in µs per call, "-" for a part

@@ -14,6 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
@@ -245,3 +246,39 @@ func (r *Redis) Cleanup(ctx context.Context) error {
 	}
 	return iter.Err()
 }
+
+// Floor is the floor of any gRPC service on this machine: each Claim and
+// each Complete is one grpc.health.v1 Check of a bare grpc-go server (no
+// interceptors, no store), on one client connection as for Registry. It
+// knows no outcomes: every Claim answers Acquired, so it runs with every
+// iteration a new key (a pair is two trivial calls).
+type Floor struct {
+	conn   *grpc.ClientConn
+	health healthpb.HealthClient
+}
+
+// NewFloor connects to the bare server at addr.
+func NewFloor(addr string) (*Floor, error) {
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	return &Floor{conn: conn, health: healthpb.NewHealthClient(conn)}, nil
+}
+
+// Claim implements Target.
+func (f *Floor) Claim(ctx context.Context, _ string) (Outcome, int64, error) {
+	if _, err := f.health.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+		return 0, 0, err
+	}
+	return Acquired, 1, nil
+}
+
+// Complete implements Target.
+func (f *Floor) Complete(ctx context.Context, _ string, _ int64, _ []byte) error {
+	_, err := f.health.Check(ctx, &healthpb.HealthCheckRequest{})
+	return err
+}
+
+// Close implements Target.
+func (f *Floor) Close() error { return f.conn.Close() }
