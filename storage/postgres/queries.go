@@ -22,7 +22,8 @@ import "fmt"
 // uncorrelated CTE as a one-time filter, so the scan is not executed when w
 // returned a row). The Go side hands the pre-image to the storage.Decide*
 // function, which classifies the answer; if that function says it would have
-// written, the SQL and the rules disagree, and the call fails loudly.
+// written, the row changed after the statement's snapshot and the statement
+// runs again (doc.go, "Isolation").
 //
 // Every predicate that decides a write carries a comment naming the rule in
 // storage/rules.go it mirrors. Durations travel as microsecond BIGINTs and
@@ -279,7 +280,8 @@ WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3`
 
 // sweepSQL: $1 limit, $2 clock offset µs. The outer expiry predicate repeats
 // the inner one so that a record re-claimed after the inner select read it
-// is kept (at SERIALIZABLE such a race aborts with 40001 and is retried).
+// is kept (the DELETE re-checks it on the row's latest version at READ
+// COMMITTED; at SERIALIZABLE such a race aborts with 40001 and is retried).
 // Expired is !Live: expires_at <= now.
 const sweepSQL = `
 WITH clock AS (

@@ -1,0 +1,232 @@
+package storage_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemreg/idemreg/storage"
+)
+
+// The table tests below hold the state machine to docs/semantics.md row by
+// row, without a store: what each Decide function answers, and the record
+// it writes, for a given stored record at a given instant.
+
+var (
+	t0  = time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	key = storage.Key{Consumer: "c", Kind: storage.KindOperation, Key: "k"}
+)
+
+// stored is a record claimed at t0 with a 10 s lease and 1 h retention by
+// holder "a" with fingerprint "fp" and request id "r1", changed by edit.
+func stored(edit func(r *storage.Record)) *storage.Record {
+	r := &storage.Record{
+		Key: key, State: storage.StateInProgress, Fingerprint: []byte("fp"),
+		Token: t0.UnixMicro(), Attempt: 1, Holder: "a", RequestID: "r1",
+		CreatedAt: t0, LeaseExpiresAt: t0.Add(10 * time.Second), Lease: 10 * time.Second,
+		ExpiresAt: t0.Add(10*time.Second + time.Hour), Retention: time.Hour,
+	}
+	if edit != nil {
+		edit(r)
+	}
+	return r
+}
+
+func completed(r *storage.Record) {
+	r.State, r.Result, r.CompletedAt = storage.StateCompleted, []byte("result"), t0.Add(time.Second)
+	r.ExpiresAt = t0.Add(time.Second + time.Hour)
+}
+
+func TestDecideClaim(t *testing.T) {
+	claim := func(fp, holder, requestID string) storage.ClaimParams {
+		return storage.ClaimParams{Key: key, Fingerprint: []byte(fp), Lease: 20 * time.Second, Retention: 2 * time.Hour,
+			Holder: holder, RequestID: requestID}
+	}
+	fresh := func(now time.Time, prev int64, fp string) storage.Record {
+		return storage.Record{
+			Key: key, State: storage.StateInProgress, Fingerprint: []byte(fp),
+			Token: max(prev+1, now.UnixMicro()), Attempt: 1, Holder: "b", RequestID: "r2",
+			CreatedAt: now, LeaseExpiresAt: now.Add(20 * time.Second), Lease: 20 * time.Second,
+			ExpiresAt: now.Add(20*time.Second + 2*time.Hour), Retention: 2 * time.Hour,
+		}
+	}
+	for _, tc := range []struct {
+		name      string
+		now       time.Time
+		cur       *storage.Record
+		p         storage.ClaimParams
+		want      storage.ClaimResult
+		wantWrite bool
+		wantErr   error
+	}{
+		{name: "absent: acquired, fresh record", now: t0, p: claim("fp", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: fresh(t0, 0, "fp")}, wantWrite: true},
+		{name: "expired in progress: a fresh record, tokens keep increasing",
+			now: t0.Add(2 * time.Hour), cur: stored(func(r *storage.Record) { r.Token = t0.Add(3 * time.Hour).UnixMicro() }), p: claim("fp", "b", "r2"),
+			want:      storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: fresh(t0.Add(2*time.Hour), t0.Add(3*time.Hour).UnixMicro(), "fp")},
+			wantWrite: true},
+		{name: "expired at the instant ExpiresAt is reached", now: t0.Add(time.Second + time.Hour), cur: stored(completed), p: claim("fp", "b", "r2"),
+			want:      storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: fresh(t0.Add(time.Second+time.Hour), t0.UnixMicro(), "fp")},
+			wantWrite: true},
+		{name: "expired completed with another fingerprint: no conflict, fresh record",
+			now: t0.Add(2 * time.Hour), cur: stored(completed), p: claim("other", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: fresh(t0.Add(2*time.Hour), t0.UnixMicro(), "other")}, wantWrite: true},
+		{name: "completed: replay", now: t0.Add(time.Minute), cur: stored(completed), p: claim("fp", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeCompleted, Record: *stored(completed)}},
+		{name: "completed, no fingerprint given: replay", now: t0.Add(time.Minute), cur: stored(completed), p: claim("", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeCompleted, Record: *stored(completed)}},
+		{name: "completed, other fingerprint", now: t0.Add(time.Minute), cur: stored(completed), p: claim("other", "b", "r2"),
+			wantErr: storage.ErrFingerprintMismatch},
+		{name: "live lease: in progress with what is left of it", now: t0.Add(4 * time.Second), cur: stored(nil), p: claim("fp", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeInProgress, Record: *stored(nil), RetryAfter: 6 * time.Second}},
+		{name: "live lease, other fingerprint", now: t0.Add(4 * time.Second), cur: stored(nil), p: claim("other", "b", "r2"),
+			wantErr: storage.ErrFingerprintMismatch},
+		{name: "live lease, same request id: a repeat, acquired without a write", now: t0.Add(4 * time.Second), cur: stored(nil), p: claim("fp", "a", "r1"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(nil), Repeated: true}},
+		{name: "live lease, both request ids empty: in progress", now: t0.Add(4 * time.Second),
+			cur: stored(func(r *storage.Record) { r.RequestID = "" }), p: claim("fp", "a", ""),
+			want: storage.ClaimResult{Outcome: storage.OutcomeInProgress, Record: *stored(func(r *storage.Record) { r.RequestID = "" }), RetryAfter: 6 * time.Second}},
+		{name: "lease over: takeover keeps the record, attempt + 1", now: t0.Add(10 * time.Second), cur: stored(nil), p: claim("fp", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
+				now := t0.Add(10 * time.Second)
+				r.Token, r.Attempt, r.Holder, r.RequestID = now.UnixMicro(), 2, "b", "r2"
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
+			})}, wantWrite: true},
+		{name: "lease over, same request id: a takeover, not a repeat", now: t0.Add(11 * time.Second), cur: stored(nil), p: claim("fp", "a", "r1"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
+				now := t0.Add(11 * time.Second)
+				r.Token, r.Attempt = now.UnixMicro(), 2
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
+			})}, wantWrite: true},
+		{name: "lease over, other fingerprint", now: t0.Add(11 * time.Second), cur: stored(nil), p: claim("other", "b", "r2"),
+			wantErr: storage.ErrFingerprintMismatch},
+		{name: "takeover of a record without fingerprint adopts the caller's", now: t0.Add(11 * time.Second),
+			cur: stored(func(r *storage.Record) { r.Fingerprint = nil }), p: claim("new", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
+				now := t0.Add(11 * time.Second)
+				r.Fingerprint, r.Token, r.Attempt, r.Holder, r.RequestID = []byte("new"), now.UnixMicro(), 2, "b", "r2"
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
+			})}, wantWrite: true},
+		{name: "takeover with a token ahead of the clock: token + 1", now: t0.Add(11 * time.Second),
+			cur: stored(func(r *storage.Record) { r.Token = t0.Add(time.Hour).UnixMicro() }), p: claim("fp", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
+				now := t0.Add(11 * time.Second)
+				r.Token, r.Attempt, r.Holder, r.RequestID = t0.Add(time.Hour).UnixMicro()+1, 2, "b", "r2"
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
+			})}, wantWrite: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			res, write, err := storage.DecideClaim(tc.now, tc.cur, tc.p)
+			if tc.wantErr != nil {
+				require.ErrorIs(t, err, tc.wantErr)
+				require.False(t, write)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.wantWrite, write)
+			require.Equal(t, tc.want, res)
+		})
+	}
+}
+
+func TestDecideFenced(t *testing.T) {
+	token := t0.UnixMicro()
+	complete := func(r *storage.Record) { // completed at t0+5s with "new"
+		r.State, r.Result, r.CompletedAt, r.ExpiresAt = storage.StateCompleted, []byte("new"), t0.Add(5*time.Second), t0.Add(5*time.Second+time.Hour)
+	}
+	type decide func(now time.Time, cur *storage.Record, token int64) (storage.Record, bool, error)
+	completeOp := func(now time.Time, cur *storage.Record, token int64) (storage.Record, bool, error) {
+		return storage.DecideComplete(now, cur, storage.CompleteParams{Key: key, Token: token, Result: []byte("new")})
+	}
+	releaseOp := func(now time.Time, cur *storage.Record, token int64) (storage.Record, bool, error) {
+		return storage.DecideRelease(now, cur, storage.ReleaseParams{Key: key, Token: token})
+	}
+	extendOp := func(lease time.Duration) decide {
+		return func(now time.Time, cur *storage.Record, token int64) (storage.Record, bool, error) {
+			return storage.DecideExtend(now, cur, storage.ExtendParams{Key: key, Token: token, Lease: lease, DefaultLease: time.Minute})
+		}
+	}
+	for _, tc := range []struct {
+		name      string
+		op        decide
+		now       time.Time
+		cur       *storage.Record
+		token     int64
+		want      *storage.Record
+		wantWrite bool
+		wantErr   error
+	}{
+		{name: "complete: absent", op: completeOp, now: t0, token: token, wantErr: storage.ErrNotFound},
+		{name: "complete: expired", op: completeOp, now: t0.Add(2 * time.Hour), cur: stored(nil), token: token, wantErr: storage.ErrNotFound},
+		{name: "complete: stale token", op: completeOp, now: t0.Add(time.Second), cur: stored(nil), token: token - 1, wantErr: storage.ErrLeaseLost},
+		{name: "complete: the holder", op: completeOp, now: t0.Add(5 * time.Second), cur: stored(nil), token: token,
+			want: stored(complete), wantWrite: true},
+		{name: "complete: after the lease ran out, nobody took over", op: completeOp, now: t0.Add(time.Minute), cur: stored(nil), token: token,
+			want: stored(func(r *storage.Record) {
+				r.State, r.Result, r.CompletedAt, r.ExpiresAt = storage.StateCompleted, []byte("new"), t0.Add(time.Minute), t0.Add(time.Minute+time.Hour)
+			}), wantWrite: true},
+		{name: "complete: repeated, the first result stays", op: completeOp, now: t0.Add(time.Minute), cur: stored(completed), token: token,
+			want: stored(completed)},
+		{name: "release: the holder, the lease ends now", op: releaseOp, now: t0.Add(time.Second), cur: stored(nil), token: token,
+			want: stored(func(r *storage.Record) { r.LeaseExpiresAt = t0.Add(time.Second) }), wantWrite: true},
+		{name: "release: a lease that already ended, no write", op: releaseOp, now: t0.Add(time.Minute), cur: stored(nil), token: token,
+			want: stored(nil)},
+		{name: "release: completed", op: releaseOp, now: t0.Add(time.Minute), cur: stored(completed), token: token, wantErr: storage.ErrAlreadyCompleted},
+		{name: "release: stale token", op: releaseOp, now: t0.Add(time.Second), cur: stored(nil), token: token + 1, wantErr: storage.ErrLeaseLost},
+		{name: "extend: by the record's own lease", op: extendOp(0), now: t0.Add(5 * time.Second), cur: stored(nil), token: token,
+			want: stored(func(r *storage.Record) {
+				r.LeaseExpiresAt, r.ExpiresAt = t0.Add(15*time.Second), t0.Add(15*time.Second+time.Hour)
+			}), wantWrite: true},
+		{name: "extend: by the lease asked for, which the record keeps", op: extendOp(time.Minute), now: t0.Add(5 * time.Second), cur: stored(nil), token: token,
+			want: stored(func(r *storage.Record) {
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt = t0.Add(65*time.Second), time.Minute, t0.Add(65*time.Second+time.Hour)
+			}), wantWrite: true},
+		{name: "extend: a record without a lease takes the default", op: extendOp(0), now: t0.Add(5 * time.Second),
+			cur: stored(func(r *storage.Record) { r.Lease = 0 }), token: token,
+			want: stored(func(r *storage.Record) {
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt = t0.Add(65*time.Second), time.Minute, t0.Add(65*time.Second+time.Hour)
+			}), wantWrite: true},
+		{name: "extend: never shortens the retention", op: extendOp(time.Second), now: t0.Add(5 * time.Second),
+			cur: stored(func(r *storage.Record) { r.ExpiresAt = t0.Add(5 * time.Hour) }), token: token,
+			want: stored(func(r *storage.Record) {
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt = t0.Add(6*time.Second), time.Second, t0.Add(5*time.Hour)
+			}), wantWrite: true},
+		{name: "extend: completed", op: extendOp(0), now: t0.Add(time.Minute), cur: stored(completed), token: token, wantErr: storage.ErrAlreadyCompleted},
+		{name: "extend: expired", op: extendOp(0), now: t0.Add(2 * time.Hour), cur: stored(nil), token: token, wantErr: storage.ErrNotFound},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec, write, err := tc.op(tc.now, tc.cur, tc.token)
+			if tc.wantErr != nil {
+				require.ErrorIs(t, err, tc.wantErr)
+				require.False(t, write)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.wantWrite, write)
+			require.Equal(t, *tc.want, rec)
+		})
+	}
+}
+
+func TestDecideLookup(t *testing.T) {
+	_, err := storage.DecideLookup(t0, nil)
+	require.ErrorIs(t, err, storage.ErrNotFound)
+	_, err = storage.DecideLookup(t0.Add(2*time.Hour), stored(nil))
+	require.ErrorIs(t, err, storage.ErrNotFound, "expired but not swept")
+	rec, err := storage.DecideLookup(t0.Add(time.Minute), stored(nil))
+	require.NoError(t, err)
+	require.Equal(t, *stored(nil), rec)
+}
+
+func TestNextTokenAndFingerprints(t *testing.T) {
+	require.Equal(t, t0.UnixMicro(), storage.NextToken(0, t0), "the clock in µs")
+	require.Equal(t, t0.UnixMicro()+1, storage.NextToken(t0.UnixMicro(), t0), "above the previous token")
+	require.Equal(t, int64(1<<60)+1, storage.NextToken(1<<60, t0), "a token ahead of the clock")
+	for _, tc := range []struct {
+		stored, given string
+		conflict      bool
+	}{{"", "", false}, {"a", "", false}, {"", "a", false}, {"a", "a", false}, {"a", "b", true}} {
+		require.Equal(t, tc.conflict, storage.FingerprintsConflict([]byte(tc.stored), []byte(tc.given)), "%q vs %q", tc.stored, tc.given)
+	}
+}
