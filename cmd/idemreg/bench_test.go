@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -136,4 +137,35 @@ func TestParseBenchTarget(t *testing.T) {
 			require.Equal(t, tc.want, got)
 		})
 	}
+}
+
+// TestBenchFloor runs the grpc-floor target from the built binary, which
+// starts its own bare server for the run, and checks that calls went
+// through it and nothing failed.
+func TestBenchFloor(t *testing.T) {
+	bin := buildBinary(t)
+	js := filepath.Join(t.TempDir(), "floor.json")
+	out, err := exec.CommandContext(t.Context(), bin, "bench", "--targets", "grpc-floor",
+		"--callers", "2", "--duration", "300ms", "--warmup", "0", "--repeat", "1", "--json", js).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	require.Contains(t, string(out), "fsync (8 KiB write + fdatasync")
+	var report struct {
+		Reports []struct {
+			Target string
+			Median struct {
+				Pairs, Errors, Unexpected int
+				ServerCPUPerCall          float64
+			}
+		}
+	}
+	b, err := os.ReadFile(js)
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &report))
+	require.Len(t, report.Reports, 1)
+	r := report.Reports[0]
+	require.Equal(t, "grpc-floor", r.Target)
+	require.Positive(t, r.Median.Pairs)
+	require.Zero(t, r.Median.Errors)
+	require.Zero(t, r.Median.Unexpected)
+	require.GreaterOrEqual(t, r.Median.ServerCPUPerCall, 0.0, "the started server's CPU is measured")
 }
