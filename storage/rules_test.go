@@ -38,6 +38,20 @@ func completed(r *storage.Record) {
 	r.ExpiresAt = t0.Add(time.Second + time.Hour)
 }
 
+// requireDecision checks what a Decide function returned: the error and no
+// write when one is wanted, else the answer and whether it writes.
+func requireDecision[T any](t *testing.T, want T, wantWrite bool, wantErr error, got T, write bool, err error) {
+	t.Helper()
+	if wantErr != nil {
+		require.ErrorIs(t, err, wantErr)
+		require.False(t, write, "an error writes nothing")
+		return
+	}
+	require.NoError(t, err)
+	require.Equal(t, wantWrite, write)
+	require.Equal(t, want, got)
+}
+
 func TestDecideClaim(t *testing.T) {
 	claim := func(fp, holder, requestID string) storage.ClaimParams {
 		return storage.ClaimParams{Key: key, Fingerprint: []byte(fp), Lease: 20 * time.Second, Retention: 2 * time.Hour,
@@ -118,14 +132,7 @@ func TestDecideClaim(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			res, write, err := storage.DecideClaim(tc.now, tc.cur, tc.p)
-			if tc.wantErr != nil {
-				require.ErrorIs(t, err, tc.wantErr)
-				require.False(t, write)
-				return
-			}
-			require.NoError(t, err)
-			require.Equal(t, tc.wantWrite, write)
-			require.Equal(t, tc.want, res)
+			requireDecision(t, tc.want, tc.wantWrite, tc.wantErr, res, write, err)
 		})
 	}
 }
@@ -197,14 +204,11 @@ func TestDecideFenced(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rec, write, err := tc.op(tc.now, tc.cur, tc.token)
-			if tc.wantErr != nil {
-				require.ErrorIs(t, err, tc.wantErr)
-				require.False(t, write)
-				return
+			var want storage.Record
+			if tc.want != nil {
+				want = *tc.want
 			}
-			require.NoError(t, err)
-			require.Equal(t, tc.wantWrite, write)
-			require.Equal(t, *tc.want, rec)
+			requireDecision(t, want, tc.wantWrite, tc.wantErr, rec, write, err)
 		})
 	}
 }

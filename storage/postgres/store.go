@@ -159,20 +159,9 @@ func completeBytes(p storage.CompleteParams) int {
 
 // claimAlone runs one Claim with the single-row statement.
 func (s *Store) claimAlone(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
-	var (
-		res storage.ClaimResult
-		err error
-	)
-	runErr := s.decided(ctx, "claim", func(a answer) (stale bool) {
-		res, stale, err = claimAnswer(a, p)
-		return stale
-	}, claimSQL,
-		p.Consumer, int16(p.Kind), p.Key.Key, nonNil(p.Fingerprint), p.Holder,
+	return decided(ctx, s, "claim", func(a answer) (storage.ClaimResult, bool, error) { return claimAnswer(a, p) },
+		claimSQL, p.Consumer, int16(p.Kind), p.Key.Key, nonNil(p.Fingerprint), p.Holder,
 		p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros(), p.RequestID)
-	if runErr != nil {
-		return storage.ClaimResult{}, runErr
-	}
-	return res, err
 }
 
 // claimAnswer classifies a Claim statement's row. It is stale when the
@@ -186,8 +175,7 @@ func claimAnswer(a answer, p storage.ClaimParams) (res storage.ClaimResult, stal
 	if !a.found {
 		return storage.ClaimResult{}, true, nil
 	}
-	res, write, err := storage.DecideClaim(a.now, &a.rec, p)
-	return res, write, err
+	return storage.DecideClaim(a.now, &a.rec, p)
 }
 
 // claimBatch runs the Claims of calls as one statement. A call whose answer
@@ -215,15 +203,7 @@ func (s *Store) claimBatch(ctx context.Context, calls []*call[storage.ClaimParam
 	if err != nil {
 		return err
 	}
-	for i, cl := range calls {
-		res, stale, err := claimAnswer(answers[i], cl.p)
-		if stale {
-			s.staleReads.Add(1)
-			cl.done <- outcome[storage.ClaimResult]{alone: true}
-			continue
-		}
-		cl.done <- outcome[storage.ClaimResult]{r: res, err: err}
-	}
+	deliver(s, calls, answers, claimAnswer)
 	return nil
 }
 
@@ -238,18 +218,8 @@ func (s *Store) Complete(ctx context.Context, p storage.CompleteParams) (storage
 
 // completeAlone runs one Complete with the single-row statement.
 func (s *Store) completeAlone(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
-	var (
-		rec storage.Record
-		err error
-	)
-	runErr := s.decided(ctx, "complete", func(a answer) (stale bool) {
-		rec, stale, err = completeAnswer(a, p)
-		return stale
-	}, completeSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Result, s.offsetMicros())
-	if runErr != nil {
-		return storage.Record{}, runErr
-	}
-	return rec, err
+	return decided(ctx, s, "complete", func(a answer) (storage.Record, bool, error) { return completeAnswer(a, p) },
+		completeSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Result, s.offsetMicros())
 }
 
 // completeAnswer classifies a Complete statement's row (or its absence);
@@ -281,15 +251,7 @@ func (s *Store) completeBatch(ctx context.Context, calls []*call[storage.Complet
 	if err != nil {
 		return err
 	}
-	for i, cl := range calls {
-		rec, stale, err := completeAnswer(answers[i], cl.p)
-		if stale {
-			s.staleReads.Add(1)
-			cl.done <- outcome[storage.Record]{alone: true}
-			continue
-		}
-		cl.done <- outcome[storage.Record]{r: rec, err: err}
-	}
+	deliver(s, calls, answers, completeAnswer)
 	return nil
 }
 
@@ -311,22 +273,12 @@ func (s *Store) Extend(ctx context.Context, p storage.ExtendParams) (storage.Rec
 // is the answer, and a declined write is answered by decide on the
 // pre-image.
 func (s *Store) fencedUpdate(ctx context.Context, op string, decide func(answer) (storage.Record, bool, error), sql string, args ...any) (storage.Record, error) {
-	var (
-		rec storage.Record
-		err error
-	)
-	runErr := s.decided(ctx, op, func(a answer) (stale bool) {
+	return decided(ctx, s, op, func(a answer) (storage.Record, bool, error) {
 		if a.written {
-			rec, err = a.rec, nil
-			return false
+			return a.rec, false, nil
 		}
-		rec, stale, err = decide(a)
-		return stale
+		return decide(a)
 	}, sql, args...)
-	if runErr != nil {
-		return storage.Record{}, runErr
-	}
-	return rec, err
 }
 
 // Lookup decides by storage.DecideLookup on one read.
@@ -381,34 +333,59 @@ func (s *Store) OldestExpiry(ctx context.Context) (oldest, now time.Time, ok boo
 
 func (s *Store) offsetMicros() int64 { return s.clockOffset().Microseconds() }
 
-// decided runs a single-row statement and hands its row to classify, until
-// classify no longer says the answer is stale: the statement declined a
-// write that the rules would have made on its pre-image, which happens
-// when the row changed after the statement's snapshot (READ COMMITTED lets
-// the conditional write see the newer version; doc.go, "Isolation"). Run
-// again, the statement sees that version. Staleness that outlasts the
-// retries would mean the SQL and the rules disagree: it is logged as an
-// error and the call fails with storage.ErrUnavailable.
-func (s *Store) decided(ctx context.Context, op string, classify func(answer) (stale bool), sql string, args ...any) error {
-	var a answer
+// decided runs a single-row statement and hands its row to classify,
+// which returns the call's answer, or stale when the statement declined a
+// write that the rules would have made on its pre-image. That happens when
+// the row changed after the statement's snapshot (READ COMMITTED lets the
+// conditional write see the newer version; doc.go, "Isolation"): the
+// statement runs again, and then sees that version. Staleness that
+// outlasts the retries would mean the SQL and the rules disagree: it is
+// logged as an error and the call fails with storage.ErrUnavailable. The
+// error classify returns is the call's answer (ErrLeaseLost, say), not a
+// failure of the statement.
+func decided[R any](ctx context.Context, s *Store, op string, classify func(answer) (R, bool, error), sql string, args ...any) (R, error) {
+	var (
+		a      answer
+		res    R
+		resErr error
+	)
 	err := s.run(ctx, op, func(ctx context.Context) error {
 		var err error
 		if a, err = s.queryRecord(ctx, sql, args...); err != nil {
 			return err
 		}
-		if classify(a) {
+		var stale bool
+		if res, stale, resErr = classify(a); stale {
 			s.staleReads.Add(1)
 			return errStale
 		}
 		return nil
 	})
-	if errors.Is(err, errStale) {
-		s.logger.ErrorContext(ctx, "postgres: statement declined a write the rules require",
-			"op", op, "found", a.found, "consumer", a.rec.Consumer, "kind", a.rec.Kind, "key", a.rec.Key,
-			"state", a.rec.State, "token", a.rec.Token, "now", a.now,
-			"lease_expires_at", a.rec.LeaseExpiresAt, "expires_at", a.rec.ExpiresAt)
+	if err != nil {
+		if errors.Is(err, errStale) {
+			s.logger.ErrorContext(ctx, "postgres: statement declined a write the rules require",
+				"op", op, "found", a.found, "consumer", a.rec.Consumer, "kind", a.rec.Kind, "key", a.rec.Key,
+				"state", a.rec.State, "token", a.rec.Token, "now", a.now,
+				"lease_expires_at", a.rec.LeaseExpiresAt, "expires_at", a.rec.ExpiresAt)
+		}
+		var zero R
+		return zero, err
 	}
-	return err
+	return res, resErr
+}
+
+// deliver hands each call of a batch the answer classify gives for its
+// row; a call whose answer is stale (see decided) runs again alone.
+func deliver[P, R any](s *Store, calls []*call[P, R], answers []answer, classify func(answer, P) (R, bool, error)) {
+	for i, cl := range calls {
+		r, stale, err := classify(answers[i], cl.p)
+		if stale {
+			s.staleReads.Add(1)
+			cl.done <- outcome[R]{alone: true}
+			continue
+		}
+		cl.done <- outcome[R]{r: r, err: err}
+	}
 }
 
 // answer is one row of a record statement: whether the statement wrote it,
