@@ -64,8 +64,10 @@ Targets (they take turns, run after run, so that other load falls on all alike):
                     for each run, whose Claim and Complete are each one
                     health Check: what any gRPC hop costs on this machine.
                     It runs every iteration as a new key.
-  idemreg[--flag NAME=value ...]
-                    a started server with extra flags and environment
+  idemreg[--flag NAME=value @binary ...]
+                    a started server with extra flags and environment, and
+                    optionally another idemreg binary to start (an older
+                    build, say, so that old and new take turns in one run)
 
 Flags:
 `
@@ -251,12 +253,14 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 }
 
 // benchTarget is one target of a run: its kind and, for a server the
-// bench starts, extra flags and environment, written
-// "idemreg[--sql-batch-size=1 GOGC=100]"; the whole text is its label.
+// bench starts, extra flags, environment and another binary to start,
+// written "idemreg[--sql-batch-size=1 GOGC=100 @/tmp/idemreg-old]"; the
+// whole text is its label.
 type benchTarget struct {
-	Label, Kind string
-	ServerArgs  []string
-	ServerEnv   []string
+	Label, Kind  string
+	ServerArgs   []string
+	ServerEnv    []string
+	ServerBinary string
 }
 
 func parseTarget(s string) (benchTarget, error) {
@@ -270,10 +274,12 @@ func parseTarget(s string) (benchTarget, error) {
 			switch {
 			case strings.HasPrefix(tok, "-"):
 				t.ServerArgs = append(t.ServerArgs, tok)
+			case strings.HasPrefix(tok, "@") && len(tok) > 1:
+				t.ServerBinary = tok[1:]
 			case strings.Contains(tok, "="):
 				t.ServerEnv = append(t.ServerEnv, tok)
 			default:
-				return t, fmt.Errorf("target %q: %q is neither a --flag nor NAME=value", s, tok)
+				return t, fmt.Errorf("target %q: %q is neither a --flag, NAME=value nor @binary", s, tok)
 			}
 		}
 		if t.Kind != "idemreg" && t.Kind != "idemreg-embedded" {
@@ -479,9 +485,12 @@ func benchFreeAddr() (string, error) {
 
 func spawnServer(ctx context.Context, cfg benchConfig, bt benchTarget, stderr io.Writer) (*spawned, error) {
 	target := bt.Kind
-	exe, err := os.Executable()
-	if err != nil {
-		return nil, err
+	exe := bt.ServerBinary
+	if exe == "" {
+		var err error
+		if exe, err = os.Executable(); err != nil {
+			return nil, err
+		}
 	}
 	addr, err := benchFreeAddr()
 	if err != nil {

@@ -122,6 +122,10 @@ func TestParseBenchTarget(t *testing.T) {
 			Label: "idemreg[--sql-batch-size=1 GOGC=100]", Kind: "idemreg",
 			ServerArgs: []string{"--sql-batch-size=1"}, ServerEnv: []string{"GOGC=100"},
 		}},
+		{name: "another binary", in: "idemreg[@/tmp/idemreg-old --sql-batch-size=1]", want: benchTarget{
+			Label: "idemreg[@/tmp/idemreg-old --sql-batch-size=1]", Kind: "idemreg",
+			ServerArgs: []string{"--sql-batch-size=1"}, ServerBinary: "/tmp/idemreg-old",
+		}},
 		{name: "flags on a baseline", in: "sql[--x]", err: true},
 		{name: "neither flag nor variable", in: "idemreg[junk]", err: true},
 		{name: "unclosed", in: "idemreg[--x", err: true},
@@ -168,4 +172,18 @@ func TestBenchFloor(t *testing.T) {
 	require.Zero(t, r.Median.Errors)
 	require.Zero(t, r.Median.Unexpected)
 	require.GreaterOrEqual(t, r.Median.ServerCPUPerCall, 0.0, "the started server's CPU is measured")
+}
+
+// TestBenchOtherBinary starts the server of a target from the binary its
+// label names: run in-process, the bench's own executable is the test
+// binary, which cannot serve, so the run completes only if the named
+// binary was started.
+func TestBenchOtherBinary(t *testing.T) {
+	bin := buildBinary(t)
+	var out bytes.Buffer
+	err := run(t.Context(), []string{"bench", "--targets", "idemreg-embedded[@" + bin + "]",
+		"--callers", "2", "--duration", "300ms", "--warmup", "0", "--repeat", "1"}, &out, &out)
+	require.NoError(t, err, "%s", out.String())
+	require.Contains(t, out.String(), "idemreg-embedded[@"+bin+"]")
+	require.Contains(t, out.String(), "errors 0  unexpected 0")
 }
