@@ -62,6 +62,8 @@ func TestHostileRequests(t *testing.T) {
 			r.Consumer, r.Key, r.Holder = "c\xff", "k\xc3\x28", "h\xed\xa0\x80" // a surrogate half
 		}), []string{"consumer", "holder", "key"}},
 		{"control characters and a non-ASCII space in the key", claim(func(r *idemregv1.ClaimRequest) { r.Key = "a\x00b\u00a0" }), []string{"key"}},
+		{"a NUL byte in the holder (PostgreSQL refuses it in text)", claim(func(r *idemregv1.ClaimRequest) { r.Holder = "h\x00" }), []string{"holder"}},
+		{"a newline in the holder", claim(func(r *idemregv1.ClaimRequest) { r.Holder = "h\nlevel=ERROR" }), []string{"holder"}},
 		{"a format character in the key", claim(func(r *idemregv1.ClaimRequest) { r.Key = "a\u200bb" }), []string{"key"}},
 		{"zero lease", claim(func(r *idemregv1.ClaimRequest) { r.Lease = &durationpb.Duration{} }), []string{"lease"}},
 		{"negative lease and retention", claim(func(r *idemregv1.ClaimRequest) {

@@ -60,17 +60,27 @@ func (v *violations) key(consumer string, kind idemregv1.Kind, key string) stora
 		v.add("key", "required")
 	case len(key) > MaxKeyBytes:
 		v.add("key", "must be at most %d bytes, got %d", MaxKeyBytes, len(key))
-	case !utf8.ValidString(key):
-		v.add("key", "must be valid UTF-8")
 	default:
-		for i, r := range key {
-			if !unicode.IsPrint(r) {
-				v.add("key", "must be printable, found U+%04X at byte %d", r, i)
-				break
-			}
-		}
+		v.printable("key", key)
 	}
 	return storage.Key{Consumer: consumer, Kind: k, Key: key}
+}
+
+// printable checks that s is valid UTF-8 of printable characters (letters,
+// marks, numbers, punctuation, symbols, the ASCII space): no NUL, which
+// PostgreSQL refuses in text while the embedded store would keep it, and
+// nothing that rewrites a log line.
+func (v *violations) printable(field, s string) {
+	if !utf8.ValidString(s) {
+		v.add(field, "must be valid UTF-8")
+		return
+	}
+	for i, r := range s {
+		if !unicode.IsPrint(r) {
+			v.add(field, "must be printable, found U+%04X at byte %d", r, i)
+			return
+		}
+	}
 }
 
 // duration validates an optional duration against the bounds b of a
@@ -111,8 +121,8 @@ func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams,
 	switch h := r.GetHolder(); {
 	case len(h) > MaxHolderBytes:
 		v.add("holder", "must be at most %d bytes, got %d", MaxHolderBytes, len(h))
-	case !utf8.ValidString(h):
-		v.add("holder", "must be valid UTF-8")
+	default:
+		v.printable("holder", h)
 	}
 	if id := r.GetRequestId(); len(id) > MaxRequestIDBytes {
 		v.add("request_id", "must be at most %d bytes, got %d", MaxRequestIDBytes, len(id))

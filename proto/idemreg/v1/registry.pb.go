@@ -571,7 +571,8 @@ type ClaimRequest struct {
 	// How long the record is kept after its last lease or its completion;
 	// server default for the kind when unset.
 	Retention *durationpb.Duration `protobuf:"bytes,6,opt,name=retention" json:"retention,omitempty"`
-	// Free text naming the holder, for diagnostics only (at most 128 bytes).
+	// Free text naming the holder, for diagnostics only (at most 128 bytes of
+	// printable UTF-8).
 	Holder string `protobuf:"bytes,7,opt,name=holder" json:"holder,omitempty"`
 	// Optional, at most 128 bytes of printable ASCII: an id the caller picks
 	// for this claim (a random one, such as a UUID) and sends again when it
