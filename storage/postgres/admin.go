@@ -12,21 +12,18 @@ var _ storage.Admin = (*Store)(nil)
 // $5 clock offset µs. It keeps the row (see storage.DecideInvalidate): the
 // row's token is what keeps the key's next token above every earlier one.
 // Admin statements are rare, so they are not prepared on every connection.
-var invalidateSQL = fencedUpdateSQL(5, `
-        state            = 1,                      -- StateInProgress
+var invalidateSQL = fencedStatement(5,
+	single(param{1, "consumer", "TEXT"}, param{2, "kind", "SMALLINT"}, param{3, "key", "TEXT"}, param{4, "token", "BIGINT"}),
+	`        state            = 1,                      -- StateInProgress
         fingerprint      = CAST('' AS BYTEA),      -- Fingerprint = nil
-        -- NextToken(cur.Token, now) = max(prev+1, now in µs)
-        token            = GREATEST(r.token + 1, CAST(extract(epoch FROM c.now) * 1000000 AS BIGINT)),
+        token            = `+nextToken("r.token", "c.now")+`,
         lease_expires_at = c.now,                  -- the lease ends now
         completed_at     = NULL,
         result           = NULL,
         -- ExpiresAt = max(cur.ExpiresAt, now + cur.Retention)
-        expires_at       = GREATEST(r.expires_at, c.now + r.retention_us * INTERVAL '1 microsecond')
-    FROM clock c
-    WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
-      AND r.expires_at > c.now                             -- cur.Live(now)
-      AND (CAST($4 AS BIGINT) = 0 OR r.token = $4)          -- p.Token == 0 || cur.Token == p.Token
-`, recordColumnsNoResultOf("r"))
+        expires_at       = GREATEST(r.expires_at, c.now + `+micros("r.retention_us")+`)`,
+	live("r", "c.now")+" AND (i.token = 0 OR r.token = i.token)", // p.Token == 0 || cur.Token == p.Token
+	recordColumnsNoResultOf("r"))
 
 // Inspect returns the stored row, expired or not, and the database's clock.
 func (s *Store) Inspect(ctx context.Context, k storage.Key) (storage.InspectResult, error) {

@@ -10,12 +10,12 @@
 // is a conditional INSERT ... ON CONFLICT DO UPDATE ... WHERE (Claim) or
 // UPDATE ... WHERE (Complete, Release, Extend) in a data-modifying CTE,
 // followed in the same statement by a read of the row as it was (the
-// pre-image) which runs only when nothing was written; the single-row
-// Claim reads the row first and attempts the insert only when that read
+// pre-image) which is returned only for the keys nothing was written for;
+// a Claim reads the row first and attempts the insert only when that read
 // does not decide the answer on its own, so replays and in-progress
-// answers lock nothing. The write conditions
-// are the write conditions of storage/rules.go, written in SQL next to the
-// name of the rule each mirrors; an answer that was not written is
+// answers lock nothing. The write conditions are those of storage/rules.go,
+// built from SQL fragments named after the rules (queries.go), and one
+// template makes both the single-row and the batched form of a statement; an answer that was not written is
 // classified by handing the pre-image to the same storage.Decide* function
 // the embedded store uses, so the two backends cannot drift apart
 // silently: if that function says it would have written, the row changed

@@ -674,7 +674,7 @@ func TestClaimWritesOnlyWhenItMust(t *testing.T) {
 		require.True(t, rows.Next())
 		vals, err := rows.Values()
 		require.NoError(t, err)
-		written = vals[0].(bool)
+		written = vals[1].(bool) // after the ordinal
 		rows.Close()
 		require.NoError(t, rows.Err())
 		require.NoError(t, tx.QueryRow(t.Context(), `SELECT pg_current_xact_id_if_assigned() IS NOT NULL`).Scan(&xid))

@@ -269,7 +269,7 @@ func (s *Store) Extend(ctx context.Context, p storage.ExtendParams) (storage.Rec
 	}, extendSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds())
 }
 
-// fencedUpdate runs one of the fencedUpdateSQL statements: the written row
+// fencedUpdate runs one of the fencedStatement statements: the written row
 // is the answer, and a declined write is answered by decide on the
 // pre-image.
 func (s *Store) fencedUpdate(ctx context.Context, op string, decide func(answer) (storage.Record, bool, error), sql string, args ...any) (storage.Record, error) {
@@ -350,10 +350,11 @@ func decided[R any](ctx context.Context, s *Store, op string, classify func(answ
 		resErr error
 	)
 	err := s.run(ctx, op, func(ctx context.Context) error {
-		var err error
-		if a, err = s.queryRecord(ctx, sql, args...); err != nil {
+		answers, err := s.queryBatch(ctx, sql, 1, args...)
+		if err != nil {
 			return err
 		}
+		a = answers[0]
 		var stale bool
 		if res, stale, resErr = classify(a); stale {
 			s.staleReads.Add(1)
