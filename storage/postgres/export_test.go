@@ -1,5 +1,13 @@
 package postgres
 
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/idemreg/idemreg/storage"
+)
+
 // ClaimSQL is the Claim statement, for the plan test.
 var ClaimSQL = claimSQL
 
@@ -31,4 +39,33 @@ func StaleReads(s *Store) int64 { return s.staleReads.Load() }
 // statement carried.
 func MemberSplits(s *Store) (splits, largestBytes int64) {
 	return s.coalescer.memberSplits.Load(), s.coalescer.largestBytes.Load()
+}
+
+// Row runs one single-row statement of the store and returns its answer:
+// whether it wrote, the statement's clock, and the record it returned
+// (written, or the pre-image). op is claim, complete, release, extend or
+// invalidate, with p of the matching storage params type.
+func Row(ctx context.Context, s *Store, op string, p any) (written bool, now time.Time, rec storage.Record, err error) {
+	var sql string
+	var args []any
+	switch p := p.(type) {
+	case storage.ClaimParams:
+		sql, args = claimSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, nonNil(p.Fingerprint), p.Holder,
+			p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros(), p.RequestID}
+	case storage.CompleteParams:
+		sql, args = completeSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Result, s.offsetMicros()}
+	case storage.ReleaseParams:
+		sql, args = releaseSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros()}
+	case storage.ExtendParams:
+		sql, args = extendSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds()}
+	case storage.InvalidateParams:
+		sql, args = invalidateSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros()}
+	default:
+		return false, time.Time{}, storage.Record{}, fmt.Errorf("%s: params %T", op, p)
+	}
+	answers, err := s.queryBatch(ctx, sql, 1, args...)
+	if err != nil {
+		return false, time.Time{}, storage.Record{}, err
+	}
+	return answers[0].written, answers[0].now, answers[0].rec, nil
 }
