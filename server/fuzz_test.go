@@ -100,15 +100,21 @@ func expectedViolations(r request) []string {
 	if r.kind != idemregv1.Kind_KIND_MESSAGE && r.kind != idemregv1.Kind_KIND_OPERATION {
 		bad = append(bad, "kind")
 	}
-	keyOK := r.key != "" && len(r.key) <= 256 && utf8.ValidString(r.key)
-	for _, c := range r.key {
-		// Printable: letters, marks, numbers, punctuation, symbols, and
-		// the ASCII space (no other space, no control or format character).
-		if !unicode.In(c, unicode.L, unicode.M, unicode.N, unicode.P, unicode.S) && c != ' ' {
-			keyOK = false
+	// Printable: valid UTF-8 of letters, marks, numbers, punctuation,
+	// symbols, and the ASCII space (no other space, no control or format
+	// character).
+	printable := func(s string) bool {
+		if !utf8.ValidString(s) {
+			return false
 		}
+		for _, c := range s {
+			if !unicode.In(c, unicode.L, unicode.M, unicode.N, unicode.P, unicode.S) && c != ' ' {
+				return false
+			}
+		}
+		return true
 	}
-	if !keyOK {
+	if r.key == "" || len(r.key) > 256 || !printable(r.key) {
 		bad = append(bad, "key")
 	}
 	duration := func(field string, d *durationpb.Duration, lo, hi time.Duration) {
@@ -124,7 +130,7 @@ func expectedViolations(r request) []string {
 		if len(r.fingerprint) > 64 {
 			bad = append(bad, "fingerprint")
 		}
-		if len(r.holder) > 128 || !utf8.ValidString(r.holder) {
+		if len(r.holder) > 128 || !printable(r.holder) {
 			bad = append(bad, "holder")
 		}
 		duration("lease", r.lease, time.Second, time.Hour)
