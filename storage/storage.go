@@ -178,6 +178,22 @@ var (
 	ErrUnavailable = errors.New("store unavailable")
 )
 
+// ClaimKeys is implemented by stores that keep the registry's claim key:
+// random bytes created on first use and then the same for every server
+// that shares the store, across restarts. The server derives each claim's
+// secret from it (server/secret.go), so that only the caller a Claim
+// answered can complete, release or extend it. The key never leaves the
+// server.
+type ClaimKeys interface {
+	// ClaimKey returns the key, creating it when the store has none.
+	// Concurrent first calls, also from other processes, agree on one key.
+	// Errors: ErrUnavailable.
+	ClaimKey(ctx context.Context) ([]byte, error)
+}
+
+// ClaimKeySize is the length of a claim key.
+const ClaimKeySize = 32
+
 // Sweeper is implemented by stores that can delete expired records in
 // bounded batches; the retention package drives it.
 type Sweeper interface {

@@ -23,6 +23,8 @@ var (
 	// metaTokenFloor holds the greatest token of any record the sweeper
 	// deleted: the token a deleted key's next claim must exceed.
 	metaTokenFloor = []byte{prefixMeta, 't', 'o', 'k', 'e', 'n', '-', 'f', 'l', 'o', 'o', 'r'}
+	// metaClaimKey holds the claim key (storage.ClaimKeys).
+	metaClaimKey = []byte{prefixMeta, 'c', 'l', 'a', 'i', 'm', '-', 'k', 'e', 'y'}
 )
 
 // layoutVersion is the version of the key layout and of metaFormat.

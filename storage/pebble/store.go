@@ -89,6 +89,9 @@ type Store struct {
 	// floor mirrors metaTokenFloor. It only grows.
 	floor atomic.Int64
 
+	// keyMu serialises the creation of metaClaimKey.
+	keyMu sync.Mutex
+
 	// afterScan, when set by a test, runs between a sweep's index scan and
 	// its re-check under the key locks.
 	afterScan func()
@@ -96,7 +99,8 @@ type Store struct {
 
 var (
 	_ storage.Store   = (*Store)(nil)
-	_ storage.Sweeper = (*Store)(nil)
+	_ storage.Sweeper   = (*Store)(nil)
+	_ storage.ClaimKeys = (*Store)(nil)
 )
 
 // Open opens the store in dir, creating dir if it is missing. It fails with
