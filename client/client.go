@@ -92,6 +92,10 @@ type Claim struct {
 	Outcome Outcome
 	// Token is the fencing token; set when acquired.
 	Token int64
+	// Secret proves the claim to Complete, Release and Extend; set when
+	// acquired. Only this answer carries it: keep it as private as the
+	// work.
+	Secret []byte
 	// RetryAfter is what is left of the holder's lease; set when in progress.
 	RetryAfter time.Duration
 	// Record is the stored record: the caller's own when acquired, the other
@@ -130,19 +134,30 @@ func (c *Client) Claim(ctx context.Context, p ClaimParams) (Claim, error) {
 	return Claim{
 		Outcome:    Outcome(res.GetOutcome()),
 		Token:      res.GetToken(),
+		Secret:     res.GetClaimSecret(),
 		RetryAfter: res.GetRetryAfter().AsDuration(),
 		Record:     recordFromProto(res.GetRecord()),
 	}, nil
 }
 
-// Complete stores the result under the caller's token and returns the
-// stored record. Repeating a successful Complete with the same token
+// Fence proves a claim: its fencing token and the secret that only the
+// Claim's answer carried (Claim.Fence).
+type Fence struct {
+	Token  int64
+	Secret []byte
+}
+
+// Fence returns what Complete, Release and Extend of this claim need.
+func (c Claim) Fence() Fence { return Fence{Token: c.Token, Secret: c.Secret} }
+
+// Complete stores the result under the caller's claim and returns the
+// stored record. Repeating a successful Complete with the same fence
 // returns the record unchanged (the first result stays), so a caller whose
 // reply was lost may retry. Errors: ErrInvalidArgument, ErrLeaseLost,
 // ErrNotFound, ErrUnavailable.
-func (c *Client) Complete(ctx context.Context, k Key, token int64, r Result) (Record, error) {
+func (c *Client) Complete(ctx context.Context, k Key, f Fence, r Result) (Record, error) {
 	consumer, kind, key := k.proto()
-	res, err := c.rpc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: token, Result: r.proto()})
+	res, err := c.rpc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: f.Token, ClaimSecret: f.Secret, Result: r.proto()})
 	if err != nil {
 		return Record{}, FromError(err)
 	}
@@ -152,9 +167,9 @@ func (c *Client) Complete(ctx context.Context, k Key, token int64, r Result) (Re
 // Release gives up an in-progress claim without a result: nothing happened,
 // and the next Claim acquires at once. Errors: ErrInvalidArgument,
 // ErrLeaseLost, ErrAlreadyCompleted, ErrNotFound, ErrUnavailable.
-func (c *Client) Release(ctx context.Context, k Key, token int64) (Record, error) {
+func (c *Client) Release(ctx context.Context, k Key, f Fence) (Record, error) {
 	consumer, kind, key := k.proto()
-	res, err := c.rpc.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: key, Token: token})
+	res, err := c.rpc.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: key, Token: f.Token, ClaimSecret: f.Secret})
 	if err != nil {
 		return Record{}, FromError(err)
 	}
@@ -164,9 +179,9 @@ func (c *Client) Release(ctx context.Context, k Key, token int64) (Record, error
 // Extend renews the lease of an in-progress claim for lease from now (zero
 // takes the registry default). Errors: ErrInvalidArgument, ErrLeaseLost,
 // ErrAlreadyCompleted, ErrNotFound, ErrUnavailable.
-func (c *Client) Extend(ctx context.Context, k Key, token int64, lease time.Duration) (Record, error) {
+func (c *Client) Extend(ctx context.Context, k Key, f Fence, lease time.Duration) (Record, error) {
 	consumer, kind, key := k.proto()
-	res, err := c.rpc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: key, Token: token, Lease: optDuration(lease)})
+	res, err := c.rpc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: key, Token: f.Token, ClaimSecret: f.Secret, Lease: optDuration(lease)})
 	if err != nil {
 		return Record{}, FromError(err)
 	}

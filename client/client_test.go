@@ -44,14 +44,14 @@ func TestClientLifecycle(t *testing.T) {
 
 	before := first.Record.LeaseExpiresAt
 	clock.Advance(time.Second)
-	ext, err := c.Extend(ctx, opKey, first.Token, 20*time.Second)
+	ext, err := c.Extend(ctx, opKey, first.Fence(), 20*time.Second)
 	require.NoError(t, err)
 	require.True(t, ext.LeaseExpiresAt.After(before))
 
 	declined := status.New(codes.FailedPrecondition, "card declined")
 	declined, err = declined.WithDetails(&errdetails.ErrorInfo{Reason: "CARD_DECLINED", Domain: "payments.example"})
 	require.NoError(t, err)
-	done, err := c.Complete(ctx, opKey, first.Token, client.FailureResult(declined))
+	done, err := c.Complete(ctx, opKey, first.Fence(), client.FailureResult(declined))
 	require.NoError(t, err)
 	require.Equal(t, client.StateCompleted, done.State)
 	require.False(t, done.CompletedAt.IsZero())
@@ -68,7 +68,7 @@ func TestClientLifecycle(t *testing.T) {
 	require.Equal(t, "CARD_DECLINED", got.Details()[0].(*errdetails.ErrorInfo).GetReason())
 
 	// Repeating Complete with the same token returns the first result.
-	again, err := c.Complete(ctx, opKey, first.Token, client.ResponseResult("x", []byte("other")))
+	again, err := c.Complete(ctx, opKey, first.Fence(), client.ResponseResult("x", []byte("other")))
 	require.NoError(t, err)
 	require.NotNil(t, again.Result.Failure)
 
@@ -86,7 +86,7 @@ func TestMessageResult(t *testing.T) {
 	r, err := client.MessageResult(status.New(codes.OK, "").Proto())
 	require.NoError(t, err)
 	require.Equal(t, "google.rpc.Status", r.Response.Type)
-	_, err = c.Complete(ctx, opKey, cl.Token, r)
+	_, err = c.Complete(ctx, opKey, cl.Fence(), r)
 	require.NoError(t, err)
 	rec, err := c.Lookup(ctx, opKey)
 	require.NoError(t, err)
@@ -117,7 +117,7 @@ func TestTypedErrors(t *testing.T) {
 			return err
 		}, client.ErrFingerprintMismatch, codes.FailedPrecondition, client.ReasonFingerprintMismatch},
 		{"lease lost", func() error {
-			_, err := c.Release(ctx, msgKey, first.Token-1)
+			_, err := c.Release(ctx, msgKey, client.Fence{Token: first.Token - 1, Secret: first.Secret})
 			return err
 		}, client.ErrLeaseLost, codes.FailedPrecondition, client.ReasonLeaseLost},
 		{"not found", func() error {
@@ -162,11 +162,11 @@ func TestTypedErrors(t *testing.T) {
 	})
 
 	t.Run("already completed", func(t *testing.T) {
-		_, err := c.Complete(ctx, msgKey, first.Token, client.ResponseResult("", nil))
+		_, err := c.Complete(ctx, msgKey, first.Fence(), client.ResponseResult("", nil))
 		require.NoError(t, err)
-		_, err = c.Extend(ctx, msgKey, first.Token, 0)
+		_, err = c.Extend(ctx, msgKey, first.Fence(), 0)
 		require.ErrorIs(t, err, client.ErrAlreadyCompleted)
-		_, err = c.Release(ctx, msgKey, first.Token)
+		_, err = c.Release(ctx, msgKey, first.Fence())
 		require.ErrorIs(t, err, client.ErrAlreadyCompleted)
 	})
 

@@ -198,18 +198,18 @@ func UnaryClientInterceptor(c *Client, opts ...Option) grpc.UnaryClientIntercept
 			return status.Errorf(codes.Internal, "idemreg: unexpected claim outcome %v", cl.Outcome)
 		}
 
-		hb := c.startHeartbeat(ctx, k, cl.Token, s.lease, nil)
+		hb := c.startHeartbeat(ctx, k, cl.Fence(), s.lease, nil)
 		panicked := true
 		defer func() {
 			if panicked {
 				_ = hb.stop()
-				c.releaseAfterPanic(ctx, s, k, cl.Token)
+				c.releaseAfterPanic(ctx, s, k, cl.Fence())
 			}
 		}()
 		callErr := invoker(callCtx, method, req, reply, cc, callOpts...)
 		panicked = false
 		_ = hb.stop()
-		c.finish(ctx, s, k, cl.Token, callErr, replyMsg)
+		c.finish(ctx, s, k, cl.Fence(), callErr, replyMsg)
 		return callErr
 	}
 }
@@ -217,7 +217,7 @@ func UnaryClientInterceptor(c *Client, opts ...Option) grpc.UnaryClientIntercept
 // finish records the outcome of work done under a claim: the reply, a final
 // error, or a release for a retryable one. Failures are logged: the work's
 // own answer goes back to the caller whatever happens here.
-func (c *Client) finish(ctx context.Context, s *settings, k Key, token int64, workErr error, reply proto.Message) {
+func (c *Client) finish(ctx context.Context, s *settings, k Key, f Fence, workErr error, reply proto.Message) {
 	bctx, cancel := s.bookkeeping(ctx)
 	defer cancel()
 	bctx = registryContext(bctx)
@@ -226,12 +226,12 @@ func (c *Client) finish(ctx context.Context, s *settings, k Key, token int64, wo
 	case workErr == nil:
 		var r Result
 		if r, err = MessageResult(reply); err == nil {
-			_, err = c.complete(bctx, k, token, r)
+			_, err = c.complete(bctx, k, f, r)
 		}
 	case s.retryable(workErr):
-		_, err = c.Release(bctx, k, token)
+		_, err = c.Release(bctx, k, f)
 	default:
-		_, err = c.complete(bctx, k, token, FailureResult(status.Convert(workErr)))
+		_, err = c.complete(bctx, k, f, FailureResult(status.Convert(workErr)))
 	}
 	if err != nil {
 		c.logger.WarnContext(ctx, "idemreg: recording the outcome failed; the key stays claimed until its lease ends",
@@ -241,10 +241,10 @@ func (c *Client) finish(ctx context.Context, s *settings, k Key, token int64, wo
 
 // releaseAfterPanic gives the key back when the work panicked: nothing
 // is known about its outcome, so a retry must be able to run it.
-func (c *Client) releaseAfterPanic(ctx context.Context, s *settings, k Key, token int64) {
+func (c *Client) releaseAfterPanic(ctx context.Context, s *settings, k Key, f Fence) {
 	bctx, cancel := s.bookkeeping(ctx)
 	defer cancel()
-	if _, err := c.Release(registryContext(bctx), k, token); err != nil {
+	if _, err := c.Release(registryContext(bctx), k, f); err != nil {
 		c.logger.WarnContext(ctx, "idemreg: release after a panic failed", "consumer", k.Consumer, "error", err)
 	}
 }

@@ -108,20 +108,20 @@ func replayOnce(rec Record) (OnceResult, error) {
 }
 
 func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *settings) (res OnceResult, err error) {
-	token := cl.Token
+	fence := cl.Fence()
 	res = OnceResult{Ran: true, Record: cl.Record}
 	fnCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	hb := c.startHeartbeat(ctx, k, token, s.lease, func(err error) { cancel(err) })
+	hb := c.startHeartbeat(ctx, k, fence, s.lease, func(err error) { cancel(err) })
 
 	panicked := true
 	defer func() {
 		if panicked {
 			_ = hb.stop()
-			c.releaseAfterPanic(ctx, s, k, token)
+			c.releaseAfterPanic(ctx, s, k, fence)
 		}
 	}()
-	data, fnErr := fn(fnCtx, Attempt{Key: k, Token: token, Attempt: cl.Record.Attempt})
+	data, fnErr := fn(fnCtx, Attempt{Key: k, Token: fence.Token, Attempt: cl.Record.Attempt})
 	panicked = false
 	lostErr := hb.stop()
 	res.Data = data
@@ -131,7 +131,7 @@ func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *se
 	bctx = registryContext(bctx)
 	switch {
 	case fnErr == nil:
-		rec, cerr := c.complete(bctx, k, token, ResponseResult("", data))
+		rec, cerr := c.complete(bctx, k, fence, ResponseResult("", data))
 		if cerr != nil {
 			return res, fmt.Errorf("idemreg: the handler succeeded but its outcome was not recorded: %w", cerr)
 		}
@@ -142,7 +142,7 @@ func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *se
 		if !ok {
 			st = status.New(codes.Unknown, fnErr.Error())
 		}
-		rec, cerr := c.complete(bctx, k, token, FailureResult(st))
+		rec, cerr := c.complete(bctx, k, fence, FailureResult(st))
 		if cerr != nil {
 			return res, errors.Join(fnErr, fmt.Errorf("idemreg: the final failure was not recorded: %w", cerr))
 		}
@@ -153,7 +153,7 @@ func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *se
 			// Nothing to release: the key is someone else's now.
 			return res, errors.Join(fnErr, lostErr)
 		}
-		if _, rerr := c.Release(bctx, k, token); rerr != nil {
+		if _, rerr := c.Release(bctx, k, fence); rerr != nil {
 			c.logger.WarnContext(ctx, "idemreg: release after a retryable error failed; the key frees when its lease ends",
 				"consumer", k.Consumer, "error", rerr)
 		}

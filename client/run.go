@@ -118,7 +118,7 @@ func (c *Client) claimOnce(ctx context.Context, p ClaimParams, s *settings) (Cla
 		}
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.bookkeepingTimeout)
 		defer cancel()
-		if _, err := c.Release(rctx, p.Key, a.cl.Token); err != nil {
+		if _, err := c.Release(rctx, p.Key, a.cl.Fence()); err != nil {
 			c.logger.WarnContext(rctx, "idemreg: releasing a claim its caller gave up on failed; the key frees when its lease ends",
 				"consumer", p.Consumer, "error", err)
 		}
@@ -143,7 +143,7 @@ type heartbeat struct {
 	err    error
 }
 
-func (c *Client) startHeartbeat(ctx context.Context, k Key, token int64, lease time.Duration, lost func(error)) *heartbeat {
+func (c *Client) startHeartbeat(ctx context.Context, k Key, f Fence, lease time.Duration, lost func(error)) *heartbeat {
 	ctx, cancel := context.WithCancel(context.WithoutCancel(registryContext(ctx)))
 	h := &heartbeat{cancel: cancel, done: make(chan struct{})}
 	go func() {
@@ -157,7 +157,7 @@ func (c *Client) startHeartbeat(ctx context.Context, k Key, token int64, lease t
 			case <-t.C:
 			}
 			ectx, ecancel := context.WithTimeout(ctx, lease/2)
-			_, err := c.Extend(ectx, k, token, lease)
+			_, err := c.Extend(ectx, k, f, lease)
 			ecancel()
 			if errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrNotFound) || errors.Is(err, ErrAlreadyCompleted) {
 				h.mu.Lock()
@@ -189,10 +189,10 @@ func (h *heartbeat) stop() error {
 
 // complete stores r, retrying while the registry is unavailable: repeating
 // a Complete with the same token is safe, and the work it records is done.
-func (c *Client) complete(ctx context.Context, k Key, token int64, r Result) (Record, error) {
+func (c *Client) complete(ctx context.Context, k Key, f Fence, r Result) (Record, error) {
 	delay := DefaultBackoff.Initial
 	for {
-		rec, err := c.Complete(ctx, k, token, r)
+		rec, err := c.Complete(ctx, k, f, r)
 		var ue *UnavailableError
 		if err == nil || !errors.As(err, &ue) {
 			return rec, err

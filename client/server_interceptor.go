@@ -87,12 +87,12 @@ func UnaryServerInterceptor(c *Client, opts ...Option) grpc.UnaryServerIntercept
 			return nil, status.Errorf(codes.Internal, "idempotency interceptor: unexpected claim outcome %v", cl.Outcome)
 		}
 
-		hb := c.startHeartbeat(ctx, k, cl.Token, s.lease, nil)
+		hb := c.startHeartbeat(ctx, k, cl.Fence(), s.lease, nil)
 		panicked := true
 		defer func() {
 			if panicked {
 				_ = hb.stop()
-				c.releaseAfterPanic(ctx, s, k, cl.Token)
+				c.releaseAfterPanic(ctx, s, k, cl.Fence())
 			}
 		}()
 		resp, herr := handler(ctx, req)
@@ -100,10 +100,10 @@ func UnaryServerInterceptor(c *Client, opts ...Option) grpc.UnaryServerIntercept
 		_ = hb.stop()
 		respMsg, ok := resp.(proto.Message)
 		if herr == nil && !ok {
-			c.releaseAfterPanic(ctx, s, k, cl.Token)
+			c.releaseAfterPanic(ctx, s, k, cl.Fence())
 			return resp, herr
 		}
-		c.finish(ctx, s, k, cl.Token, herr, respMsg)
+		c.finish(ctx, s, k, cl.Fence(), herr, respMsg)
 		return resp, herr
 	}
 }

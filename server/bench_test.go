@@ -58,7 +58,7 @@ func BenchmarkServerClaimComplete(b *testing.B) {
 				return
 			}
 			if _, err := c.Complete(ctx, &idemregv1.CompleteRequest{
-				Consumer: "bench", Kind: idemregv1.Kind_KIND_MESSAGE, Key: key, Token: res.GetToken(), Result: result,
+				Consumer: "bench", Kind: idemregv1.Kind_KIND_MESSAGE, Key: key, Token: res.GetToken(), ClaimSecret: res.GetClaimSecret(), Result: result,
 			}); err != nil {
 				b.Error(err)
 				return

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
 	"slices"
 	"testing"
@@ -52,6 +53,17 @@ func (s *echoStore) Release(_ context.Context, p storage.ReleaseParams) (storage
 
 func (s *echoStore) Extend(_ context.Context, p storage.ExtendParams) (storage.Record, error) {
 	return s.record(p.Key), nil
+}
+
+// echoKey is the echo store's claim key, so that the fuzz targets can
+// send the right claim secret with any token.
+var echoKey = bytes.Repeat([]byte{0x5A}, storage.ClaimKeySize)
+
+func (s *echoStore) ClaimKey(context.Context) ([]byte, error) { return echoKey, nil }
+
+// secretOf is what the holder of token for r's key would send.
+func secretOf(r request) []byte {
+	return server.DeriveClaimSecret(echoKey, storage.Key{Consumer: r.consumer, Kind: storage.Kind(r.kind), Key: r.key}, r.token)
 }
 
 func (s *echoStore) Lookup(_ context.Context, k storage.Key) (storage.Record, error) {
@@ -185,16 +197,16 @@ func call(svc *server.Service, r request) (*status.Status, *idemregv1.Record) {
 	case 1:
 		var res *idemregv1.CompleteResponse
 		res, err = svc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key,
-			Token: r.token, Result: r.result})
+			Token: r.token, ClaimSecret: secretOf(r), Result: r.result})
 		rec = res.GetRecord()
 	case 2:
 		var res *idemregv1.ReleaseResponse
-		res, err = svc.Release(ctx, &idemregv1.ReleaseRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key, Token: r.token})
+		res, err = svc.Release(ctx, &idemregv1.ReleaseRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key, Token: r.token, ClaimSecret: secretOf(r)})
 		rec = res.GetRecord()
 	case 3:
 		var res *idemregv1.ExtendResponse
 		res, err = svc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key,
-			Token: r.token, Lease: r.lease})
+			Token: r.token, ClaimSecret: secretOf(r), Lease: r.lease})
 		rec = res.GetRecord()
 	default:
 		var res *idemregv1.LookupResponse

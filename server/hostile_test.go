@@ -41,7 +41,7 @@ func TestHostileRequests(t *testing.T) {
 	}
 	complete := func(res *idemregv1.Result) func() error {
 		return func() error {
-			_, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: op, Key: "k", Token: 1, Result: res})
+			_, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: op, Key: "k", Token: 1, ClaimSecret: forged, Result: res})
 			return err
 		}
 	}
@@ -89,11 +89,11 @@ func TestHostileRequests(t *testing.T) {
 		{"empty result", complete(&idemregv1.Result{}), []string{"result"}},
 		{"zero and negative tokens", func() error {
 			for _, tok := range []int64{0, -1, -1 << 63} {
-				if _, err := c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: op, Key: "k", Token: tok}); status.Code(err) != codes.InvalidArgument {
+				if _, err := c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: op, Key: "k", Token: tok, ClaimSecret: forged}); status.Code(err) != codes.InvalidArgument {
 					return fmt.Errorf("token %d: %v", tok, err)
 				}
 			}
-			_, err := c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: op, Key: "k", Token: -5, Lease: durationpb.New(0)})
+			_, err := c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: op, Key: "k", Token: -5, ClaimSecret: forged, Lease: durationpb.New(0)})
 			return err
 		}, []string{"lease", "token"}},
 	}
@@ -123,7 +123,7 @@ func TestHostileMessages(t *testing.T) {
 	require.NoError(t, err, "unknown fields are ignored")
 	require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome())
 
-	big := &idemregv1.CompleteRequest{Consumer: "hostile.test", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k", Token: 1,
+	big := &idemregv1.CompleteRequest{Consumer: "hostile.test", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k", Token: 1, ClaimSecret: forged,
 		Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "t", Data: make([]byte, 4<<20)}}}}
 	_, err = c.Complete(ctx, big)
 	require.Equal(t, codes.ResourceExhausted, status.Code(err), "over the server's maximum message size: %v", err)
@@ -156,7 +156,7 @@ func TestDeadlineAlreadyPast(t *testing.T) {
 	require.NoError(t, err)
 	_, err = svc.Claim(ctx, req)
 	requireStatus(t, err, codes.DeadlineExceeded, server.ReasonDeadlineExceeded)
-	_, err = svc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: req.Consumer, Kind: req.Kind, Key: req.Key, Token: 1, Result: response("r")})
+	_, err = svc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: req.Consumer, Kind: req.Kind, Key: req.Key, Token: 1, ClaimSecret: forged, Result: response("r")})
 	requireStatus(t, err, codes.DeadlineExceeded, server.ReasonDeadlineExceeded)
 
 	_, err = c.Lookup(t.Context(), &idemregv1.LookupRequest{Consumer: req.Consumer, Kind: req.Kind, Key: req.Key})

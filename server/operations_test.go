@@ -204,9 +204,9 @@ func TestLogs(t *testing.T) {
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("log-1", "fp-OTHER-SECRET"))
 	requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
-	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken() + 1, Result: response(result)})
+	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken() + 1, ClaimSecret: claimed.GetClaimSecret(), Result: response(result)})
 	requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
-	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken(), Result: response(result)})
+	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken(), ClaimSecret: claimed.GetClaimSecret(), Result: response(result)})
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("log-1", fingerprint))
 	require.NoError(t, err)
@@ -274,7 +274,7 @@ func TestAdminService(t *testing.T) {
 		require.NoError(t, err)
 		require.Greater(t, inv.GetRecord().GetToken(), first.GetToken())
 
-		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "adm-1", Token: first.GetToken(), Result: response("late")})
+		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "adm-1", Token: first.GetToken(), ClaimSecret: first.GetClaimSecret(), Result: response("late")})
 		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
 		again, err := c.Claim(ctx, claimReq("adm-1", "fp-2"))
 		require.NoError(t, err)
@@ -305,13 +305,13 @@ func TestMetrics(t *testing.T) {
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("m-1", "other")) // mismatch
 	require.Error(t, err)
-	_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1", Token: first.GetToken()})
+	_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1", Token: first.GetToken(), ClaimSecret: first.GetClaimSecret()})
 	require.NoError(t, err)
 	second, err := c.Claim(ctx, claimReq("m-1", "fp")) // takeover
 	require.NoError(t, err)
-	_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1", Token: first.GetToken()}) // lease lost
+	_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1", Token: first.GetToken(), ClaimSecret: first.GetClaimSecret()}) // lease lost
 	require.Error(t, err)
-	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1", Token: second.GetToken(), Result: response("r")})
+	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1", Token: second.GetToken(), ClaimSecret: second.GetClaimSecret(), Result: response("r")})
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("m-1", "fp")) // replay
 	require.NoError(t, err)

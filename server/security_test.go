@@ -115,15 +115,15 @@ var everyCall = []teamCall{
 		return err
 	}},
 	{"Complete", func(ctx context.Context, conn *grpc.ClientConn, consumer, key string, token int64) error {
-		_, err := idemregv1.NewRegistryServiceClient(conn).Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key, Token: token, Result: response("stolen")})
+		_, err := idemregv1.NewRegistryServiceClient(conn).Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key, Token: token, ClaimSecret: forged, Result: response("stolen")})
 		return err
 	}},
 	{"Release", func(ctx context.Context, conn *grpc.ClientConn, consumer, key string, token int64) error {
-		_, err := idemregv1.NewRegistryServiceClient(conn).Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key, Token: token})
+		_, err := idemregv1.NewRegistryServiceClient(conn).Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key, Token: token, ClaimSecret: forged})
 		return err
 	}},
 	{"Extend", func(ctx context.Context, conn *grpc.ClientConn, consumer, key string, token int64) error {
-		_, err := idemregv1.NewRegistryServiceClient(conn).Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key, Token: token})
+		_, err := idemregv1.NewRegistryServiceClient(conn).Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key, Token: token, ClaimSecret: forged})
 		return err
 	}},
 	{"Lookup", func(ctx context.Context, conn *grpc.ClientConn, consumer, key string, _ int64) error {
@@ -177,6 +177,7 @@ identities:
 			ctx := t.Context()
 			conns := map[string]*grpc.ClientConn{}
 			tokens := map[string]int64{}
+			secrets := map[string][]byte{}
 			for _, team := range teams {
 				conn := dial(t, addr, ca.clientTLS(team.cert))
 				conns[team.name] = conn
@@ -184,6 +185,7 @@ identities:
 				require.NoError(t, err, "%s uses its own consumer", team.name)
 				require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome())
 				tokens[team.name] = res.GetToken()
+				secrets[team.name] = res.GetClaimSecret()
 			}
 
 			for _, caller := range teams {
@@ -213,7 +215,7 @@ identities:
 				require.NoError(t, err)
 				require.Equal(t, idemregv1.State_STATE_IN_PROGRESS, got.GetRecord().GetState())
 				require.EqualValues(t, 1, got.GetRecord().GetAttempt())
-				_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: team.consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: "shared-key", Token: tokens[team.name], Result: response(team.name)})
+				_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: team.consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: "shared-key", Token: tokens[team.name], ClaimSecret: secrets[team.name], Result: response(team.name)})
 				require.NoError(t, err)
 				insp, err := idemregv1.NewAdminServiceClient(conns[team.name]).InspectRecord(ctx, &idemregv1.InspectRecordRequest{Consumer: team.consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: "shared-key"})
 				require.NoError(t, err, "each team administers its own consumer")

@@ -202,7 +202,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	svc, err := NewService(observed, cfg.Limits, cfg.Logger)
+	svc, err := newService(observed, store, cfg.Limits, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
 	"net"
 	"os"
@@ -83,6 +84,9 @@ func claimReq(key, fp string) *idemregv1.ClaimRequest {
 	}
 }
 
+// forged is a claim secret of the right size that proves no claim.
+var forged = bytes.Repeat([]byte{0xA5}, server.ClaimSecretSize)
+
 func response(data string) *idemregv1.Result {
 	return &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "test.Reply", Data: []byte(data)}}}
 }
@@ -146,9 +150,9 @@ func TestSemanticsTable(t *testing.T) {
 		require.EqualValues(t, 2, second.GetRecord().GetAttempt())
 
 		// the stale holder cannot complete; the new one can
-		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1", Token: first.GetToken(), Result: response("stale")})
+		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1", Token: first.GetToken(), ClaimSecret: first.GetClaimSecret(), Result: response("stale")})
 		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
-		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1", Token: second.GetToken(), Result: response("charged")})
+		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1", Token: second.GetToken(), ClaimSecret: second.GetClaimSecret(), Result: response("charged")})
 		require.NoError(t, err)
 		require.Equal(t, idemregv1.State_STATE_COMPLETED, done.GetRecord().GetState())
 		require.NotNil(t, done.GetRecord().GetCompletedAt())
@@ -217,11 +221,25 @@ func TestFencedCalls(t *testing.T) {
 		kind := idemregv1.Kind_KIND_MESSAGE
 		claim := &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: "msg-1"}
 
-		_, err := c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5})
+		// Without the claim's secret nothing is fenced in, whether or not
+		// the record exists: the answer is the same as for a lost lease.
+		_, err := c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, ClaimSecret: forged})
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, ClaimSecret: forged})
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, ClaimSecret: forged, Result: response("x")})
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+
+		// A real claim's holder finds its record gone once it expired.
+		gone := &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: "msg-0", Lease: durationpb.New(time.Second), Retention: durationpb.New(time.Hour)}
+		old, err := c.Claim(ctx, gone)
+		require.NoError(t, err)
+		h.clock.Advance(2 * time.Hour)
+		_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-0", Token: old.GetToken(), ClaimSecret: old.GetClaimSecret()})
 		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
-		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5})
+		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-0", Token: old.GetToken(), ClaimSecret: old.GetClaimSecret()})
 		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
-		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, Result: response("x")})
+		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-0", Token: old.GetToken(), ClaimSecret: old.GetClaimSecret(), Result: response("x")})
 		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
 
 		got, err := c.Claim(ctx, claim)
@@ -229,7 +247,7 @@ func TestFencedCalls(t *testing.T) {
 		require.Equal(t, 7*24*time.Hour+30*time.Second, got.GetRecord().GetExpiresAt().AsTime().Sub(got.GetRecord().GetCreatedAt().AsTime()),
 			"defaults: 30s lease, 7 days retention for messages")
 
-		ext, err := c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: got.GetToken(), Lease: durationpb.New(time.Minute)})
+		ext, err := c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: got.GetToken(), ClaimSecret: got.GetClaimSecret(), Lease: durationpb.New(time.Minute)})
 		require.NoError(t, err)
 		require.Equal(t, got.GetToken(), ext.GetRecord().GetToken())
 		require.True(t, ext.GetRecord().GetLeaseExpiresAt().AsTime().After(got.GetRecord().GetLeaseExpiresAt().AsTime()))
@@ -239,26 +257,26 @@ func TestFencedCalls(t *testing.T) {
 		require.Zero(t, lookup.GetRecord().GetToken(), "Lookup withholds a live claim's token")
 		require.Equal(t, idemregv1.State_STATE_IN_PROGRESS, lookup.GetRecord().GetState())
 
-		_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: got.GetToken()})
+		_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: got.GetToken(), ClaimSecret: got.GetClaimSecret()})
 		require.NoError(t, err)
 		again, err := c.Claim(ctx, claim)
 		require.NoError(t, err)
 		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, again.GetOutcome(), "a released key is acquired at once")
 
-		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: got.GetToken()})
+		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: got.GetToken(), ClaimSecret: got.GetClaimSecret()})
 		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
 
 		failure := &idemregv1.Result{Outcome: &idemregv1.Result_Failure{Failure: &idemregv1.Failure{Code: int32(codes.FailedPrecondition), Message: "card declined"}}}
-		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken(), Result: failure})
+		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken(), ClaimSecret: again.GetClaimSecret(), Result: failure})
 		require.NoError(t, err)
-		repeat, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken(), Result: response("other")})
+		repeat, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken(), ClaimSecret: again.GetClaimSecret(), Result: response("other")})
 		require.NoError(t, err, "repeating a Complete is safe")
 		require.Equal(t, "card declined", repeat.GetRecord().GetResult().GetFailure().GetMessage())
 		require.Equal(t, done.GetRecord().GetCompletedAt().AsTime(), repeat.GetRecord().GetCompletedAt().AsTime())
 
-		_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken()})
+		_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken(), ClaimSecret: again.GetClaimSecret()})
 		requireStatus(t, err, codes.FailedPrecondition, server.ReasonAlreadyCompleted)
-		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken()})
+		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken(), ClaimSecret: again.GetClaimSecret()})
 		requireStatus(t, err, codes.FailedPrecondition, server.ReasonAlreadyCompleted)
 
 		replay, err := c.Claim(ctx, claim)
@@ -324,9 +342,9 @@ func TestValidation(t *testing.T) {
 		// Several bad fields are all reported.
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Kind: idemregv1.Kind_KIND_MESSAGE})
 		st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
-		require.ElementsMatch(t, []string{"consumer", "key", "token", "result"}, violatedFields(st))
+		require.ElementsMatch(t, []string{"consumer", "key", "token", "claim_secret", "result"}, violatedFields(st))
 
-		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k", Token: 1,
+		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k", Token: 1, ClaimSecret: forged,
 			Result: &idemregv1.Result{Outcome: &idemregv1.Result_Failure{Failure: &idemregv1.Failure{Code: 0}}}})
 		st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
 		require.Equal(t, []string{"result.failure.code"}, violatedFields(st))
@@ -358,23 +376,23 @@ func TestResultSizeLimit(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, h *harness) {
 		ctx := t.Context()
 		c := h.client
-		claim := func(key string) int64 {
+		claim := func(key string) *idemregv1.ClaimResponse {
 			res, err := c.Claim(ctx, claimReq(key, ""))
 			require.NoError(t, err)
-			return res.GetToken()
+			return res
 		}
 		// The largest result that fits in 1 MiB once encoded.
 		data := strings.Repeat("d", server.DefaultMaxResultBytes)
 		for proto.Size(response(data)) > server.DefaultMaxResultBytes {
 			data = data[1:]
 		}
-		token := claim("big")
-		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "big", Token: token, Result: response(data)})
+		cl := claim("big")
+		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "big", Token: cl.GetToken(), ClaimSecret: cl.GetClaimSecret(), Result: response(data)})
 		require.NoError(t, err)
 		require.Len(t, done.GetRecord().GetResult().GetResponse().GetData(), len(data))
 
-		token = claim("too-big")
-		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "too-big", Token: token, Result: response(data + "xx")})
+		cl = claim("too-big")
+		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "too-big", Token: cl.GetToken(), ClaimSecret: cl.GetClaimSecret(), Result: response(data + "xx")})
 		st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
 		require.Equal(t, []string{"result"}, violatedFields(st))
 		got, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "too-big"})
@@ -482,7 +500,7 @@ consumers:
 	require.NoError(t, err)
 	require.Equal(t, 10*day, retentionOf(res.GetRecord()), "the prefix's default retention")
 	require.Equal(t, 2*time.Minute, leaseOf(res.GetRecord()), "the prefix's default lease")
-	ext, err := c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "orders.inbox", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-1", Token: res.GetToken()})
+	ext, err := c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "orders.inbox", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-1", Token: res.GetToken(), ClaimSecret: res.GetClaimSecret()})
 	require.NoError(t, err)
 	extended := ext.GetRecord().GetLeaseExpiresAt().AsTime().Sub(res.GetRecord().GetCreatedAt().AsTime())
 	require.GreaterOrEqual(t, extended, 2*time.Minute, "an Extend without a lease extends by the claimed lease, here the prefix's default")
@@ -491,7 +509,7 @@ consumers:
 	short.Lease = durationpb.New(90 * time.Second)
 	res, err = c.Claim(ctx, short)
 	require.NoError(t, err)
-	ext, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "orders.inbox", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-3", Token: res.GetToken()})
+	ext, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "orders.inbox", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-3", Token: res.GetToken(), ClaimSecret: res.GetClaimSecret()})
 	require.NoError(t, err)
 	extended = ext.GetRecord().GetLeaseExpiresAt().AsTime().Sub(res.GetRecord().GetCreatedAt().AsTime())
 	require.GreaterOrEqual(t, extended, 90*time.Second, "an Extend without a lease extends by the lease the key was claimed with")

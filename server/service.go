@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -19,12 +20,19 @@ type Service struct {
 	// policies give each consumer its lease and retention bounds; by
 	// default every consumer gets those of limits.
 	policies *policy.Source
+	secrets  *claimSecrets
 	logger   *slog.Logger
 }
 
 // NewService returns the registry service. It fails when limits contradict
 // each other.
 func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Service, error) {
+	return newService(store, store, limits, logger)
+}
+
+// newService builds the service on store; backend is the store as its
+// package made it, before decorators hid its optional capabilities.
+func newService(store, backend storage.Store, limits Limits, logger *slog.Logger) (*Service, error) {
 	if err := limits.Validate(); err != nil {
 		return nil, err
 	}
@@ -35,7 +43,11 @@ func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Servi
 	if err != nil {
 		return nil, err
 	}
-	return &Service{store: marginStore{store}, limits: limits, policies: policy.Static(set), logger: logger}, nil
+	secrets, perProcess := newClaimSecrets(backend)
+	if perProcess {
+		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", backend))
+	}
+	return &Service{store: marginStore{store}, limits: limits, policies: policy.Static(set), secrets: secrets, logger: logger}, nil
 }
 
 // Claim implements RegistryServiceServer.
@@ -43,6 +55,12 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 	p, err := s.validateClaim(req)
 	if err != nil {
 		return nil, err
+	}
+	// Read before the claim, so that no claim is acquired without an
+	// answer that proves it.
+	key, err := s.secrets.load(ctx)
+	if err != nil {
+		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
 	res, err := s.store.Claim(ctx, p)
 	if err != nil {
@@ -57,6 +75,7 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 	switch res.Outcome {
 	case storage.OutcomeAcquired:
 		out.Token = res.Record.Token
+		out.ClaimSecret = derive(key, p.Key, res.Record.Token)
 	case storage.OutcomeInProgress:
 		out.RetryAfter = durationpb.New(res.RetryAfter)
 	}
@@ -69,7 +88,7 @@ func (s *Service) Complete(ctx context.Context, req *idemregv1.CompleteRequest) 
 	if err != nil {
 		return nil, err
 	}
-	rec, err := s.fenced(ctx, "Complete", p.Key, func() (storage.Record, error) { return s.store.Complete(ctx, p) })
+	rec, err := s.fenced(ctx, "Complete", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) { return s.store.Complete(ctx, p) })
 	if err != nil {
 		return nil, err
 	}
@@ -82,7 +101,7 @@ func (s *Service) Release(ctx context.Context, req *idemregv1.ReleaseRequest) (*
 	if err != nil {
 		return nil, err
 	}
-	rec, err := s.fenced(ctx, "Release", p.Key, func() (storage.Record, error) { return s.store.Release(ctx, p) })
+	rec, err := s.fenced(ctx, "Release", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) { return s.store.Release(ctx, p) })
 	if err != nil {
 		return nil, err
 	}
@@ -95,7 +114,7 @@ func (s *Service) Extend(ctx context.Context, req *idemregv1.ExtendRequest) (*id
 	if err != nil {
 		return nil, err
 	}
-	rec, err := s.fenced(ctx, "Extend", p.Key, func() (storage.Record, error) { return s.store.Extend(ctx, p) })
+	rec, err := s.fenced(ctx, "Extend", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) { return s.store.Extend(ctx, p) })
 	if err != nil {
 		return nil, err
 	}
@@ -119,9 +138,13 @@ func (s *Service) Lookup(ctx context.Context, req *idemregv1.LookupRequest) (*id
 	return &idemregv1.LookupResponse{Record: rec}, nil
 }
 
-// fenced runs a token-fenced store call; the caller proved it holds the
-// token, so the record comes back with it.
-func (s *Service) fenced(ctx context.Context, method string, k storage.Key, call func() (storage.Record, error)) (*idemregv1.Record, error) {
+// fenced runs a token-fenced store call once the caller proved, with the
+// claim's secret, that a Claim gave it the token; so the record comes back
+// with it.
+func (s *Service) fenced(ctx context.Context, method string, k storage.Key, token int64, secret []byte, call func() (storage.Record, error)) (*idemregv1.Record, error) {
+	if err := s.secrets.check(ctx, k, token, secret); err != nil {
+		return nil, s.toStatus(ctx, method, k, err)
+	}
 	got, err := call()
 	if err != nil {
 		return nil, s.toStatus(ctx, method, k, err)

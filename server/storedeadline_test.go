@@ -19,7 +19,8 @@ import (
 // silentStore never answers: every call waits for its context, the way a
 // statement on a connection that went silent waits (a black-holed network
 // between the service and its database). Ping answers, so health does not
-// get in the way.
+// get in the way. Claims of other keys than m-1 reach the store it wraps,
+// so that a test can hold a claim to Complete.
 type silentStore struct{ storage.Store }
 
 func (silentStore) wait(ctx context.Context, op string) error {
@@ -27,7 +28,10 @@ func (silentStore) wait(ctx context.Context, op string) error {
 	return fmt.Errorf("postgres %s: %w", op, ctx.Err())
 }
 
-func (s silentStore) Claim(ctx context.Context, _ storage.ClaimParams) (storage.ClaimResult, error) {
+func (s silentStore) Claim(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
+	if p.Key.Key != "m-1" {
+		return s.Store.Claim(ctx, p)
+	}
 	return storage.ClaimResult{}, s.wait(ctx, "claim")
 }
 
@@ -49,7 +53,7 @@ func TestSilentStoreAnswersUnavailableBeforeTheDeadline(t *testing.T) {
 	// Deadlines are long enough that the server's margin (a tenth of the
 	// time left) outlasts scheduling delays on a loaded machine; the
 	// subtests run in parallel so the test still takes one deadline.
-	conn := start(t, silentStore{}, server.Config{RequestTimeout: 5 * time.Second})
+	conn := start(t, silentStore{memStore(t)}, server.Config{RequestTimeout: 5 * time.Second})
 	c := idemregv1.NewRegistryServiceClient(conn)
 	k := func() (string, idemregv1.Kind, string) { return "silent.test", idemregv1.Kind_KIND_MESSAGE, "m-1" }
 
@@ -64,8 +68,12 @@ func TestSilentStoreAnswersUnavailableBeforeTheDeadline(t *testing.T) {
 			return err
 		}},
 		{"Complete", 4 * time.Second, func(ctx context.Context) error {
-			consumer, kind, key := k()
-			_, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: 1,
+			consumer, kind, _ := k()
+			cl, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: "c-1"})
+			if err != nil {
+				return err
+			}
+			_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "c-1", Token: cl.GetToken(), ClaimSecret: cl.GetClaimSecret(),
 				Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "t"}}}})
 			return err
 		}},

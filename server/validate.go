@@ -106,9 +106,18 @@ func (v *violations) duration(field string, d *durationpb.Duration, b policy.Bou
 	return got.Truncate(time.Microsecond)
 }
 
-func (v *violations) token(t int64) {
+// fence checks the token and claim secret of a Complete, Release or
+// Extend; whether the secret is the token's is decided after validation
+// (claimSecrets.check).
+func (v *violations) fence(t int64, secret []byte) {
 	if t <= 0 {
 		v.add("token", "required: the positive token returned by Claim")
+	}
+	switch n := len(secret); {
+	case n == 0:
+		v.add("claim_secret", "required: the claim_secret returned by the Claim that acquired the token")
+	case n != ClaimSecretSize:
+		v.add("claim_secret", "must be %d bytes, got %d", ClaimSecretSize, n)
 	}
 }
 
@@ -155,7 +164,7 @@ func printableASCII(s string) bool {
 func (s *Service) validateComplete(r *idemregv1.CompleteRequest) (storage.CompleteParams, error) {
 	var v violations
 	p := storage.CompleteParams{Key: v.key(r.GetConsumer(), r.GetKind(), r.GetKey()), Token: r.GetToken()}
-	v.token(r.GetToken())
+	v.fence(r.GetToken(), r.GetClaimSecret())
 	res := r.GetResult()
 	switch o := res.GetOutcome().(type) {
 	case nil:
@@ -187,7 +196,7 @@ func (s *Service) validateComplete(r *idemregv1.CompleteRequest) (storage.Comple
 func (s *Service) validateRelease(r *idemregv1.ReleaseRequest) (storage.ReleaseParams, error) {
 	var v violations
 	p := storage.ReleaseParams{Key: v.key(r.GetConsumer(), r.GetKind(), r.GetKey()), Token: r.GetToken()}
-	v.token(r.GetToken())
+	v.fence(r.GetToken(), r.GetClaimSecret())
 	return p, v.err()
 }
 
@@ -203,7 +212,7 @@ func (s *Service) validateExtend(r *idemregv1.ExtendRequest) (storage.ExtendPara
 	if r.GetLease() != nil { // unset: the record's own lease (storage.ExtendLease)
 		p.Lease = v.duration("lease", r.GetLease(), pol.Lease, "lease", pol.Source)
 	}
-	v.token(r.GetToken())
+	v.fence(r.GetToken(), r.GetClaimSecret())
 	return p, v.err()
 }
 

@@ -32,6 +32,7 @@ func TestServeSurvivesSIGKILL(t *testing.T) {
 	type acked struct {
 		key      string
 		token    int64
+		secret   []byte
 		complete bool
 	}
 	var (
@@ -56,16 +57,16 @@ func TestServeSurvivesSIGKILL(t *testing.T) {
 					return // the server died
 				}
 				mu.Lock()
-				acks = append(acks, acked{key: key, token: res.GetToken()})
+				acks = append(acks, acked{key: key, token: res.GetToken(), secret: res.GetClaimSecret()})
 				mu.Unlock()
 				if i%4 == 3 {
 					continue // leave some claims in progress
 				}
-				if _, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: res.GetToken(), Result: result(key)}); err != nil {
+				if _, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: res.GetToken(), ClaimSecret: res.GetClaimSecret(), Result: result(key)}); err != nil {
 					return
 				}
 				mu.Lock()
-				acks = append(acks, acked{key: key, token: res.GetToken(), complete: true})
+				acks = append(acks, acked{key: key, token: res.GetToken(), secret: res.GetClaimSecret(), complete: true})
 				mu.Unlock()
 			}
 		})
@@ -102,12 +103,17 @@ func TestServeSurvivesSIGKILL(t *testing.T) {
 			require.Equal(t, "result-of-"+a.key, string(got.GetRecord().GetResult().GetResponse().GetData()))
 		}
 		// The acknowledged token still fences the key: an older one is refused.
-		_, err = c.Complete(t.Context(), &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: a.key, Token: a.token - 1, Result: result("zombie")})
+		_, err = c.Complete(t.Context(), &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: a.key, Token: a.token - 1, ClaimSecret: a.secret, Result: result("zombie")})
 		require.Equal(t, codes.FailedPrecondition, status.Code(err), "key %s", a.key)
 		// And a Claim does not hand the key to someone else.
 		res, err := c.Claim(t.Context(), &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: a.key})
 		require.NoError(t, err)
 		require.NotEqual(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome(), "key %s acquired twice", a.key)
+		if !completed[a.key] {
+			// The holder's claim secret survived the restart.
+			_, err = c.Complete(t.Context(), &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: a.key, Token: a.token, ClaimSecret: a.secret, Result: result(a.key)})
+			require.NoError(t, err, "key %s: the holder completes after the restart", a.key)
+		}
 		checked++
 	}
 	t.Logf("checked %d acknowledged claims (%d completed) after SIGKILL", checked, len(completed))

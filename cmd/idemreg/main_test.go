@@ -183,7 +183,7 @@ func TestServePostgres(t *testing.T) {
 		if i == 0 {
 			require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome())
 			token = res.GetToken()
-			_, err = c.Complete(t.Context(), &idemregv1.CompleteRequest{Consumer: req.Consumer, Kind: req.Kind, Key: req.Key, Token: token,
+			_, err = c.Complete(t.Context(), &idemregv1.CompleteRequest{Consumer: req.Consumer, Kind: req.Kind, Key: req.Key, Token: token, ClaimSecret: res.GetClaimSecret(),
 				Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "t", Data: []byte("d")}}}})
 			require.NoError(t, err)
 		} else {

@@ -98,7 +98,7 @@ type Store struct {
 }
 
 var (
-	_ storage.Store   = (*Store)(nil)
+	_ storage.Store     = (*Store)(nil)
 	_ storage.Sweeper   = (*Store)(nil)
 	_ storage.ClaimKeys = (*Store)(nil)
 )

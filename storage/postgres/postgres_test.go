@@ -716,11 +716,12 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 		return out
 	}
 	first := applied()
-	require.Len(t, first, 4)
+	require.Len(t, first, 5)
 	require.Equal(t, "0001_records.sql", first[0].Name)
 	require.Equal(t, "0002_expires_at_index.sql", first[1].Name)
 	require.Equal(t, "0003_request_id.sql", first[2].Name)
 	require.Equal(t, "0004_lease_us.sql", first[3].Name)
+	require.Equal(t, "0005_secrets.sql", first[4].Name)
 
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL))
 	require.Equal(t, first, applied(), "a second Migrate applies nothing")
@@ -729,7 +730,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_schema_migrations`)
 	require.NoError(t, err)
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL), "migrations are safe to repeat")
-	require.Len(t, applied(), 4)
+	require.Len(t, applied(), 5)
 }
 
 // closedPortURL is a database URL nothing listens at.

@@ -18,7 +18,7 @@
 //   reason                 code                  when
 //   INVALID_ARGUMENT       INVALID_ARGUMENT      a field is missing, malformed or out of bounds (BadRequest lists them)
 //   FINGERPRINT_MISMATCH   FAILED_PRECONDITION   the key is live with another fingerprint: same key, different parameters
-//   LEASE_LOST             FAILED_PRECONDITION   the token is not the record's current token (someone took over)
+//   LEASE_LOST             FAILED_PRECONDITION   the token is not the record's current token (someone took over), or claim_secret is not the one its Claim returned
 //   ALREADY_COMPLETED      FAILED_PRECONDITION   Release or Extend of a record already completed
 //   NOT_FOUND              NOT_FOUND             no live record (absent or expired)
 //   STORE_UNAVAILABLE      UNAVAILABLE           the store is down or kept conflicting; retry after RetryInfo
@@ -684,7 +684,13 @@ type ClaimResponse struct {
 	// Set when in progress: what is left of the holder's lease.
 	RetryAfter *durationpb.Duration `protobuf:"bytes,3,opt,name=retry_after,json=retryAfter" json:"retry_after,omitempty"`
 	// The stored record; with its result when completed.
-	Record        *Record `protobuf:"bytes,4,opt,name=record" json:"record,omitempty"`
+	Record *Record `protobuf:"bytes,4,opt,name=record" json:"record,omitempty"`
+	// Set when acquired: 16 bytes that Complete, Release and Extend of this
+	// token must carry. Only this answer (and a repeat of this Claim with
+	// its request_id) contains it, and nothing else any caller can see lets
+	// anyone compute it, so a caller that merely knows or guesses the token
+	// cannot act on the claim. Keep it as secret as the token.
+	ClaimSecret   []byte `protobuf:"bytes,5,opt,name=claim_secret,json=claimSecret" json:"claim_secret,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -747,6 +753,13 @@ func (x *ClaimResponse) GetRecord() *Record {
 	return nil
 }
 
+func (x *ClaimResponse) GetClaimSecret() []byte {
+	if x != nil {
+		return x.ClaimSecret
+	}
+	return nil
+}
+
 type CompleteRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Consumer string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
@@ -754,7 +767,9 @@ type CompleteRequest struct {
 	Key      string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
 	Token    int64                  `protobuf:"varint,4,opt,name=token" json:"token,omitempty"`
 	// Required; the response or final failure to replay.
-	Result        *Result `protobuf:"bytes,5,opt,name=result" json:"result,omitempty"`
+	Result *Result `protobuf:"bytes,5,opt,name=result" json:"result,omitempty"`
+	// Required: the claim_secret of the ClaimResponse that returned token.
+	ClaimSecret   []byte `protobuf:"bytes,6,opt,name=claim_secret,json=claimSecret" json:"claim_secret,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -824,6 +839,13 @@ func (x *CompleteRequest) GetResult() *Result {
 	return nil
 }
 
+func (x *CompleteRequest) GetClaimSecret() []byte {
+	if x != nil {
+		return x.ClaimSecret
+	}
+	return nil
+}
+
 type CompleteResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Record        *Record                `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
@@ -869,11 +891,13 @@ func (x *CompleteResponse) GetRecord() *Record {
 }
 
 type ReleaseRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Consumer      string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
-	Kind          Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
-	Key           string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
-	Token         int64                  `protobuf:"varint,4,opt,name=token" json:"token,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Consumer string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
+	Key      string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
+	Token    int64                  `protobuf:"varint,4,opt,name=token" json:"token,omitempty"`
+	// Required: the claim_secret of the ClaimResponse that returned token.
+	ClaimSecret   []byte `protobuf:"bytes,5,opt,name=claim_secret,json=claimSecret" json:"claim_secret,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -936,6 +960,13 @@ func (x *ReleaseRequest) GetToken() int64 {
 	return 0
 }
 
+func (x *ReleaseRequest) GetClaimSecret() []byte {
+	if x != nil {
+		return x.ClaimSecret
+	}
+	return nil
+}
+
 type ReleaseResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Record        *Record                `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
@@ -989,7 +1020,9 @@ type ExtendRequest struct {
 	// The new lease, counted from now. Unset: the lease the key was claimed
 	// with, or the last one an Extend asked for (the server default for a
 	// record written before the registry kept it).
-	Lease         *durationpb.Duration `protobuf:"bytes,5,opt,name=lease" json:"lease,omitempty"`
+	Lease *durationpb.Duration `protobuf:"bytes,5,opt,name=lease" json:"lease,omitempty"`
+	// Required: the claim_secret of the ClaimResponse that returned token.
+	ClaimSecret   []byte `protobuf:"bytes,6,opt,name=claim_secret,json=claimSecret" json:"claim_secret,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1055,6 +1088,13 @@ func (x *ExtendRequest) GetToken() int64 {
 func (x *ExtendRequest) GetLease() *durationpb.Duration {
 	if x != nil {
 		return x.Lease
+	}
+	return nil
+}
+
+func (x *ExtendRequest) GetClaimSecret() []byte {
+	if x != nil {
+		return x.ClaimSecret
 	}
 	return nil
 }
@@ -1250,34 +1290,38 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\tretention\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\tretention\x12\x16\n" +
 	"\x06holder\x18\a \x01(\tR\x06holder\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\b \x01(\tR\trequestId\"\xbc\x01\n" +
+	"request_id\x18\b \x01(\tR\trequestId\"\xdf\x01\n" +
 	"\rClaimResponse\x12-\n" +
 	"\aoutcome\x18\x01 \x01(\x0e2\x13.idemreg.v1.OutcomeR\aoutcome\x12\x14\n" +
 	"\x05token\x18\x02 \x01(\x03R\x05token\x12:\n" +
 	"\vretry_after\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\n" +
 	"retryAfter\x12*\n" +
-	"\x06record\x18\x04 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"\xa7\x01\n" +
+	"\x06record\x18\x04 \x01(\v2\x12.idemreg.v1.RecordR\x06record\x12!\n" +
+	"\fclaim_secret\x18\x05 \x01(\fR\vclaimSecret\"\xca\x01\n" +
 	"\x0fCompleteRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
 	"\x03key\x18\x03 \x01(\tR\x03key\x12\x14\n" +
 	"\x05token\x18\x04 \x01(\x03R\x05token\x12*\n" +
-	"\x06result\x18\x05 \x01(\v2\x12.idemreg.v1.ResultR\x06result\">\n" +
+	"\x06result\x18\x05 \x01(\v2\x12.idemreg.v1.ResultR\x06result\x12!\n" +
+	"\fclaim_secret\x18\x06 \x01(\fR\vclaimSecret\">\n" +
 	"\x10CompleteResponse\x12*\n" +
-	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"z\n" +
+	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"\x9d\x01\n" +
 	"\x0eReleaseRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
 	"\x03key\x18\x03 \x01(\tR\x03key\x12\x14\n" +
-	"\x05token\x18\x04 \x01(\x03R\x05token\"=\n" +
+	"\x05token\x18\x04 \x01(\x03R\x05token\x12!\n" +
+	"\fclaim_secret\x18\x05 \x01(\fR\vclaimSecret\"=\n" +
 	"\x0fReleaseResponse\x12*\n" +
-	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"\xaa\x01\n" +
+	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"\xcd\x01\n" +
 	"\rExtendRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
 	"\x03key\x18\x03 \x01(\tR\x03key\x12\x14\n" +
 	"\x05token\x18\x04 \x01(\x03R\x05token\x12/\n" +
-	"\x05lease\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x05lease\"<\n" +
+	"\x05lease\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x05lease\x12!\n" +
+	"\fclaim_secret\x18\x06 \x01(\fR\vclaimSecret\"<\n" +
 	"\x0eExtendResponse\x12*\n" +
 	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"c\n" +
 	"\rLookupRequest\x12\x1a\n" +

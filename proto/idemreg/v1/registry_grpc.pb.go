@@ -18,7 +18,7 @@
 //   reason                 code                  when
 //   INVALID_ARGUMENT       INVALID_ARGUMENT      a field is missing, malformed or out of bounds (BadRequest lists them)
 //   FINGERPRINT_MISMATCH   FAILED_PRECONDITION   the key is live with another fingerprint: same key, different parameters
-//   LEASE_LOST             FAILED_PRECONDITION   the token is not the record's current token (someone took over)
+//   LEASE_LOST             FAILED_PRECONDITION   the token is not the record's current token (someone took over), or claim_secret is not the one its Claim returned
 //   ALREADY_COMPLETED      FAILED_PRECONDITION   Release or Extend of a record already completed
 //   NOT_FOUND              NOT_FOUND             no live record (absent or expired)
 //   STORE_UNAVAILABLE      UNAVAILABLE           the store is down or kept conflicting; retry after RetryInfo

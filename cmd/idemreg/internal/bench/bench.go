@@ -42,13 +42,21 @@ func (o Outcome) String() string {
 	return "outcome(" + strconv.Itoa(int(o)) + ")"
 }
 
+// Fence is what a target's Complete needs from its Claim: a token, and the
+// registry's claim secret.
+type Fence struct {
+	Token  int64
+	Secret []byte
+}
+
 // Target is what the callers drive: the registry or a baseline. It is safe
 // for concurrent use.
 type Target interface {
-	// Claim claims key and returns the outcome and, when acquired, a token.
-	Claim(ctx context.Context, key string) (Outcome, int64, error)
-	// Complete stores result for key, fenced by token where the target can.
-	Complete(ctx context.Context, key string, token int64, result []byte) error
+	// Claim claims key and returns the outcome and, when acquired, what
+	// fences the claim.
+	Claim(ctx context.Context, key string) (Outcome, Fence, error)
+	// Complete stores result for key, fenced by f where the target can.
+	Complete(ctx context.Context, key string, f Fence, result []byte) error
 	// Close releases the target's connections.
 	Close() error
 }

@@ -19,20 +19,20 @@ type memTarget struct {
 	calls int
 }
 
-func (m *memTarget) Claim(_ context.Context, key string) (Outcome, int64, error) {
+func (m *memTarget) Claim(_ context.Context, key string) (Outcome, Fence, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.calls++
 	switch s := m.state[key]; s {
 	case 0:
 		m.state[key] = InProgress
-		return Acquired, 1, nil
+		return Acquired, Fence{Token: 1}, nil
 	default:
-		return s, 0, nil
+		return s, Fence{}, nil
 	}
 }
 
-func (m *memTarget) Complete(_ context.Context, key string, _ int64, _ []byte) error {
+func (m *memTarget) Complete(_ context.Context, key string, _ Fence, _ []byte) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.calls++

@@ -44,21 +44,21 @@ func NewRegistry(addr, consumer string) (*Registry, error) {
 }
 
 // Claim implements Target.
-func (r *Registry) Claim(ctx context.Context, key string) (Outcome, int64, error) {
+func (r *Registry) Claim(ctx context.Context, key string) (Outcome, Fence, error) {
 	res, err := r.client.Claim(ctx, &idemregv1.ClaimRequest{
 		Consumer: r.consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: key,
 		Lease: durationpb.New(Lease), Retention: durationpb.New(Retention), Holder: "bench",
 	})
 	if err != nil {
-		return 0, 0, err
+		return 0, Fence{}, err
 	}
-	return Outcome(res.GetOutcome()), res.GetToken(), nil
+	return Outcome(res.GetOutcome()), Fence{Token: res.GetToken(), Secret: res.GetClaimSecret()}, nil
 }
 
 // Complete implements Target.
-func (r *Registry) Complete(ctx context.Context, key string, token int64, result []byte) error {
+func (r *Registry) Complete(ctx context.Context, key string, f Fence, result []byte) error {
 	_, err := r.client.Complete(ctx, &idemregv1.CompleteRequest{
-		Consumer: r.consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: key, Token: token,
+		Consumer: r.consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: key, Token: f.Token, ClaimSecret: f.Secret,
 		Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "bench.v1.Done", Data: result}}},
 	})
 	return err
@@ -128,29 +128,29 @@ func NewSQLInbox(ctx context.Context, databaseURL, consumer string, conns int) (
 }
 
 // Claim implements Target.
-func (s *SQLInbox) Claim(ctx context.Context, key string) (Outcome, int64, error) {
+func (s *SQLInbox) Claim(ctx context.Context, key string) (Outcome, Fence, error) {
 	token := rand.Int64N(1<<62) + 1
 	var got int64
 	err := s.pool.QueryRow(ctx, sqlInboxClaim, s.consumer, key, token, Lease.Microseconds(), (Lease + Retention).Microseconds()).Scan(&got)
 	if err == nil {
-		return Acquired, got, nil
+		return Acquired, Fence{Token: got}, nil
 	}
 	if !errors.Is(err, pgx.ErrNoRows) {
-		return 0, 0, err
+		return 0, Fence{}, err
 	}
 	var state int16
 	if err := s.pool.QueryRow(ctx, sqlInboxRead, s.consumer, key).Scan(&state); err != nil {
-		return 0, 0, err
+		return 0, Fence{}, err
 	}
 	if state == 2 {
-		return Completed, 0, nil
+		return Completed, Fence{}, nil
 	}
-	return InProgress, 0, nil
+	return InProgress, Fence{}, nil
 }
 
 // Complete implements Target.
-func (s *SQLInbox) Complete(ctx context.Context, key string, token int64, result []byte) error {
-	tag, err := s.pool.Exec(ctx, sqlInboxComplete, s.consumer, key, token, result, Retention.Microseconds())
+func (s *SQLInbox) Complete(ctx context.Context, key string, f Fence, result []byte) error {
+	tag, err := s.pool.Exec(ctx, sqlInboxComplete, s.consumer, key, f.Token, result, Retention.Microseconds())
 	if err != nil {
 		return err
 	}
@@ -190,27 +190,27 @@ func (r *Redis) key(k string) string { return "idemreg-bench:" + r.consumer + ":
 var doneMark = []byte("done:")
 
 // Claim implements Target.
-func (r *Redis) Claim(ctx context.Context, key string) (Outcome, int64, error) {
+func (r *Redis) Claim(ctx context.Context, key string) (Outcome, Fence, error) {
 	token := rand.Int64N(1<<62) + 1
 	ok, err := r.client.SetNX(ctx, r.key(key), "held:"+strconv.FormatInt(token, 10), Lease).Result()
 	if err != nil {
-		return 0, 0, err
+		return 0, Fence{}, err
 	}
 	if ok {
-		return Acquired, token, nil
+		return Acquired, Fence{Token: token}, nil
 	}
 	v, err := r.client.Get(ctx, r.key(key)).Bytes()
 	if err != nil {
-		return 0, 0, err
+		return 0, Fence{}, err
 	}
 	if bytes.HasPrefix(v, doneMark) {
-		return Completed, 0, nil
+		return Completed, Fence{}, nil
 	}
-	return InProgress, 0, nil
+	return InProgress, Fence{}, nil
 }
 
 // Complete implements Target.
-func (r *Redis) Complete(ctx context.Context, key string, _ int64, result []byte) error {
+func (r *Redis) Complete(ctx context.Context, key string, _ Fence, result []byte) error {
 	v := append(append([]byte{}, doneMark...), result...)
 	ok, err := r.client.SetXX(ctx, r.key(key), v, Retention).Result()
 	if err != nil {
@@ -267,15 +267,15 @@ func NewFloor(addr string) (*Floor, error) {
 }
 
 // Claim implements Target.
-func (f *Floor) Claim(ctx context.Context, _ string) (Outcome, int64, error) {
+func (f *Floor) Claim(ctx context.Context, _ string) (Outcome, Fence, error) {
 	if _, err := f.health.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
-		return 0, 0, err
+		return 0, Fence{}, err
 	}
-	return Acquired, 1, nil
+	return Acquired, Fence{Token: 1}, nil
 }
 
 // Complete implements Target.
-func (f *Floor) Complete(ctx context.Context, _ string, _ int64, _ []byte) error {
+func (f *Floor) Complete(ctx context.Context, _ string, _ Fence, _ []byte) error {
 	_, err := f.health.Check(ctx, &healthpb.HealthCheckRequest{})
 	return err
 }

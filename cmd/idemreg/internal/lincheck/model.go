@@ -56,6 +56,9 @@ type Input struct {
 	Key    string
 	// Token of Complete, Release and Extend.
 	Token int64
+	// Forged: the call's claim secret is not its token's (a caller that
+	// knows or guessed the token but did not acquire it).
+	Forged bool
 	// Fingerprint, Holder and RequestID of Claim.
 	Fingerprint, Holder, RequestID string
 	// Result of Complete: an identity unique to the call.
@@ -166,9 +169,15 @@ func step(s State, in Input, out Output) []State {
 		return when(ok, s)
 	}
 
-	// Complete, Release and Extend are fenced by the token: an absent key
-	// is NOT_FOUND, another token LEASE_LOST. A token nobody learned is
-	// never presented, so it never matches.
+	// Complete, Release and Extend are fenced by the claim secret first:
+	// without its token's, nothing happens and the answer is LEASE_LOST,
+	// whether or not the key exists.
+	if in.Forged {
+		return when(out.Status == Unknown || out.Status == LeaseLost, s)
+	}
+	// Then by the token: an absent key is NOT_FOUND, another token
+	// LEASE_LOST. A token nobody learned is never presented, so it never
+	// matches.
 	switch {
 	case out.Status == Unknown && (!s.Exists || !s.TokenKnown || s.Token != in.Token):
 		return keep
@@ -275,11 +284,18 @@ func (in Input) String() string {
 	case Claim:
 		return fmt.Sprintf("Claim(fp=%q, h=%s, rid=%s)", in.Fingerprint, in.Holder, in.RequestID)
 	case Complete:
-		return fmt.Sprintf("Complete(t=%d, %q)", in.Token, in.Result)
+		return fmt.Sprintf("Complete(t=%d%s, %q)", in.Token, forgedMark(in), in.Result)
 	case Release, Extend:
-		return fmt.Sprintf("%s(t=%d)", in.Method, in.Token)
+		return fmt.Sprintf("%s(t=%d%s)", in.Method, in.Token, forgedMark(in))
 	}
 	return in.Method.String() + "()"
+}
+
+func forgedMark(in Input) string {
+	if in.Forged {
+		return ", forged"
+	}
+	return ""
 }
 
 func (out Output) String() string {

@@ -23,6 +23,7 @@ func claimID(fp, holder, rid string) Input {
 func complete(tok int64, res string) Input {
 	return Input{Method: Complete, Token: tok, Result: res}
 }
+func forged(in Input) Input   { in.Forged = true; return in }
 func release(tok int64) Input { return Input{Method: Release, Token: tok} }
 func extend(tok int64) Input  { return Input{Method: Extend, Token: tok} }
 func lookup() Input           { return Input{Method: Lookup} }
@@ -143,6 +144,22 @@ func TestModel(t *testing.T) {
 			op(0, 2, 3, release(1), answer(NotFound)),
 			op(0, 4, 5, lookup(), answer(NotFound)),
 		}, true},
+		{"a forged secret is refused whatever the record", []porcupine.Operation{
+			op(0, 0, 1, forged(complete(1, "r")), answer(LeaseLost)),
+			op(0, 2, 3, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 4, 5, forged(complete(10, "intruder")), answer(LeaseLost)),
+			op(1, 6, open, forged(release(10)), answer(Unknown)),
+			op(0, 8, 9, complete(10, "r1"), done(10, 1, "h1", "r1")),
+		}, true},
+		{"a forged Complete takes effect", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, 3, forged(complete(10, "intruder")), done(10, 1, "h1", "intruder")),
+		}, false},
+		{"an ambiguous forged Release frees the key", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, open, forged(release(10)), answer(Unknown)),
+			op(2, 4, 5, claim("A", "h2"), acquired(20, 2, "h2")),
+		}, false},
 		{"a takeover keeps the stored fingerprint or records one", []porcupine.Operation{
 			op(0, 0, 1, claim("", "h1"), acquired(10, 1, "h1")),
 			op(0, 2, 3, release(10), ok(10, 1, "h1")),

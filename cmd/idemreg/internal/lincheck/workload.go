@@ -68,6 +68,7 @@ type Workload struct {
 	mu         sync.Mutex
 	slots      []slot
 	seen       map[string][]int64 // tokens acquired per key, by anyone
+	secrets    map[fence][]byte   // the claim secret of every acquired token
 	ambiguous  map[string]int     // ambiguous calls per key
 	acked      map[string]Output  // acknowledged Completes per key
 	unexpected []string
@@ -81,7 +82,31 @@ func NewWorkload(conn grpc.ClientConnInterface, rec *Recorder, cfg Config) *Work
 	cfg.setDefaults()
 	cc, _ := conn.(*grpc.ClientConn)
 	return &Workload{cfg: cfg, rec: rec, rpc: idemregv1.NewRegistryServiceClient(conn), conn: cc, born: time.Now(),
-		slots: make([]slot, cfg.Keys), seen: map[string][]int64{}, ambiguous: map[string]int{}, acked: map[string]Output{}}
+		slots: make([]slot, cfg.Keys), seen: map[string][]int64{}, secrets: map[fence][]byte{}, ambiguous: map[string]int{}, acked: map[string]Output{}}
+}
+
+// fence names an acquired token.
+type fence struct {
+	key   string
+	token int64
+}
+
+// forgedSecret is the claim secret of a caller that knows or guessed a
+// token without having acquired it.
+var forgedSecret = make([]byte, 16)
+
+// secretOf returns the claim secret of in's token, or forgedSecret when
+// the call is forged or nobody acquired the token.
+func (w *Workload) secretOf(in Input) []byte {
+	if in.Forged {
+		return forgedSecret
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if s, ok := w.secrets[fence{in.Key, in.Token}]; ok {
+		return s
+	}
+	return forgedSecret
 }
 
 // maxAmbiguousPerKey is how many ambiguous answers on a key make the
@@ -275,7 +300,7 @@ func (wk *worker) next() Input {
 		case p < 95:
 			in.Method = Lookup
 		default:
-			in.Method, in.Token = wk.foreign(key)
+			in.Method, in.Token, in.Forged = wk.foreign(key)
 		}
 	} else {
 		switch {
@@ -284,7 +309,7 @@ func (wk *worker) next() Input {
 		case p < 80:
 			in.Method = Lookup
 		default:
-			in.Method, in.Token = wk.foreign(key)
+			in.Method, in.Token, in.Forged = wk.foreign(key)
 		}
 	}
 	switch in.Method {
@@ -307,16 +332,17 @@ func (wk *worker) next() Input {
 // foreign picks a fenced call with a token this worker does not hold: one
 // acquired by anyone on the key (possibly the current one), or 1, which is
 // never issued.
-func (wk *worker) foreign(key string) (Method, int64) {
-	m := []Method{Complete, Release, Extend}[wk.rnd.IntN(3)]
+func (wk *worker) foreign(key string) (m Method, tok int64, forged bool) {
+	m = []Method{Complete, Release, Extend}[wk.rnd.IntN(3)]
 	wk.w.mu.Lock()
+	defer wk.w.mu.Unlock()
 	seen := wk.w.seen[key]
-	var tok int64 = 1
-	if len(seen) > 0 && wk.rnd.IntN(4) > 0 {
-		tok = seen[wk.rnd.IntN(len(seen))]
+	if len(seen) == 0 || wk.rnd.IntN(4) == 0 {
+		return m, 1, true // never issued
 	}
-	wk.w.mu.Unlock()
-	return m, tok
+	// A copied token, with its claim's secret (a peer that was handed the
+	// whole claim) or without it (one that derived or guessed the token).
+	return m, seen[wk.rnd.IntN(len(seen))], wk.rnd.IntN(3) == 0
 }
 
 func (wk *worker) observe(in Input, out Output) {
@@ -391,6 +417,9 @@ func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
 				if res.GetToken() != rec.GetToken() {
 					return Output{}, fmt.Errorf("acquired token %d, record token %d", res.GetToken(), rec.GetToken())
 				}
+				w.mu.Lock()
+				w.secrets[fence{in.Key, res.GetToken()}] = res.GetClaimSecret()
+				w.mu.Unlock()
 			case idemregv1.Outcome_OUTCOME_IN_PROGRESS:
 				out.Status = InProgress
 				if rec.GetToken() != 0 {
@@ -404,17 +433,17 @@ func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
 		}
 	case Complete:
 		var res *idemregv1.CompleteResponse
-		res, err = w.rpc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token,
+		res, err = w.rpc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token, ClaimSecret: w.secretOf(in),
 			Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{
 				Type: "lincheck.Result", Data: []byte(in.Result)}}}})
 		rec = res.GetRecord()
 	case Release:
 		var res *idemregv1.ReleaseResponse
-		res, err = w.rpc.Release(ctx, &idemregv1.ReleaseRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token})
+		res, err = w.rpc.Release(ctx, &idemregv1.ReleaseRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token, ClaimSecret: w.secretOf(in)})
 		rec = res.GetRecord()
 	case Extend:
 		var res *idemregv1.ExtendResponse
-		res, err = w.rpc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token, Lease: leaseAndRetention})
+		res, err = w.rpc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token, ClaimSecret: w.secretOf(in), Lease: leaseAndRetention})
 		rec = res.GetRecord()
 	case Lookup:
 		var res *idemregv1.LookupResponse
