@@ -13,7 +13,7 @@ import (
 // a concurrent first insert is waited for, so every server gets one key.
 const claimKeySQL = `
 INSERT INTO idemreg_secrets (name, value) VALUES ('claim', $1)
-ON CONFLICT (name) DO UPDATE SET name = idemreg_secrets.name
+ON CONFLICT (name) DO UPDATE SET value = idemreg_secrets.value
 RETURNING value`
 
 // ClaimKey implements storage.ClaimKeys.
