@@ -61,9 +61,14 @@ var echoKey = bytes.Repeat([]byte{0x5A}, storage.ClaimKeySize)
 
 func (s *echoStore) ClaimKey(context.Context) ([]byte, error) { return echoKey, nil }
 
-// secretOf is what the holder of token for r's key would send.
+// secretOf is what the holder of token for r's key would send, or a part
+// of it.
 func secretOf(r request) []byte {
-	return server.DeriveClaimSecret(echoKey, storage.Key{Consumer: r.consumer, Kind: storage.Kind(r.kind), Key: r.key}, r.token)
+	s := server.DeriveClaimSecret(echoKey, storage.Key{Consumer: r.consumer, Kind: storage.Kind(r.kind), Key: r.key}, r.token)
+	if r.shortSecret {
+		return s[:r.token&0xF] // 0 to 15 bytes
+	}
+	return s
 }
 
 func (s *echoStore) Lookup(_ context.Context, k storage.Key) (storage.Record, error) {
@@ -91,6 +96,7 @@ type request struct {
 	fingerprint      []byte
 	holder           string
 	token            int64
+	shortSecret      bool // send the claim secret cut short
 	lease, retention *durationpb.Duration
 	result           *idemregv1.Result
 }
@@ -148,6 +154,9 @@ func expectedViolations(r request) []string {
 		duration("lease", r.lease, time.Second, time.Hour)
 		duration("retention", r.retention, time.Minute, 30*24*time.Hour)
 	case 1: // Complete
+		if r.shortSecret {
+			bad = append(bad, "claim_secret")
+		}
 		if r.token <= 0 {
 			bad = append(bad, "token")
 		}
@@ -170,6 +179,9 @@ func expectedViolations(r request) []string {
 			bad = append(bad, "result")
 		}
 	case 2, 3: // Release, Extend
+		if r.shortSecret {
+			bad = append(bad, "claim_secret")
+		}
 		if r.token <= 0 {
 			bad = append(bad, "token")
 		}
@@ -270,6 +282,7 @@ func FuzzValidation(f *testing.F) {
 		if durations&2 != 0 {
 			r.retention = &durationpb.Duration{Seconds: retSec, Nanos: retNanos}
 		}
+		r.shortSecret = durations&4 != 0
 		switch resultKind % 4 {
 		case 1:
 			r.result = &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: typ, Data: data}}}
