@@ -178,6 +178,33 @@ var (
 	ErrUnavailable = errors.New("store unavailable")
 )
 
+// Batcher is implemented by stores that decide many calls at once, in
+// fewer round trips or writes than one per call. Each item is decided
+// exactly as its single call would be (DecideClaim, DecideComplete); items
+// on one key are decided in their order in the batch, each seeing the
+// effect of the ones before it. One item's error is its answer alone,
+// unless the store could not answer at all (ErrUnavailable for every item).
+type Batcher interface {
+	// ClaimBatch returns one answer per item of ps, in order.
+	ClaimBatch(ctx context.Context, ps []ClaimParams) []ClaimAnswer
+	// CompleteBatch returns one answer per item of ps, in order.
+	CompleteBatch(ctx context.Context, ps []CompleteParams) []CompleteAnswer
+}
+
+// ClaimAnswer is one item's answer of Batcher.ClaimBatch: what Claim would
+// have returned.
+type ClaimAnswer struct {
+	Result ClaimResult
+	Err    error
+}
+
+// CompleteAnswer is one item's answer of Batcher.CompleteBatch: what
+// Complete would have returned.
+type CompleteAnswer struct {
+	Record Record
+	Err    error
+}
+
 // ClaimKeys is implemented by stores that keep the registry's claim key:
 // random bytes created on first use and then the same for every server
 // that shares the store, across restarts. The server derives each claim's

@@ -101,6 +101,7 @@ var (
 	_ storage.Store     = (*Store)(nil)
 	_ storage.Sweeper   = (*Store)(nil)
 	_ storage.ClaimKeys = (*Store)(nil)
+	_ storage.Batcher   = (*Store)(nil)
 )
 
 // Open opens the store in dir, creating dir if it is missing. It fails with
@@ -265,10 +266,22 @@ func (s *Store) read(recordKey []byte, r *storage.Record) (bool, error) {
 // record's expiry index entry, in one batch synced to the WAL before it
 // returns.
 func (s *Store) write(recordKey []byte, prev, next *storage.Record) error {
-	size := recordSize(next)
-	b := s.db.NewBatchWithSize(size + 3*(len(recordKey)+expiryHeader+16))
+	b := s.db.NewBatchWithSize(recordSize(next) + 3*(len(recordKey)+expiryHeader+16))
 	defer b.Close()
+	if err := addWrite(b, recordKey, prev, next); err != nil {
+		return err
+	}
+	if err := b.Commit(pebble.Sync); err != nil {
+		return unavailable("commit", err)
+	}
+	return nil
+}
 
+// addWrite adds to b the write of next in place of prev: the record and
+// the move of its expiry index entry. Writes of one key added in turn to
+// one batch apply in turn.
+func addWrite(b *pebble.Batch, recordKey []byte, prev, next *storage.Record) error {
+	size := recordSize(next)
 	op := b.SetDeferred(len(recordKey), size)
 	copy(op.Key, recordKey)
 	if n := len(appendRecord(op.Value[:0], next)); n != size {
@@ -290,9 +303,6 @@ func (s *Store) write(recordKey []byte, prev, next *storage.Record) error {
 		if err := op.Finish(); err != nil {
 			return unavailable("batch", err)
 		}
-	}
-	if err := b.Commit(pebble.Sync); err != nil {
-		return unavailable("commit", err)
 	}
 	return nil
 }

@@ -212,6 +212,61 @@ func (b *batcher[P, R]) do(ctx context.Context, p P) (R, error) {
 	}
 }
 
+// MaxExplicitBatch is the most items of an explicit batch (ClaimBatch,
+// CompleteBatch) one statement carries; the byte bound may split it more.
+const MaxExplicitBatch = 1000
+
+// many runs the items of an explicit batch, bypassing the slots: the
+// caller asked for them together, so they go out together. Round k holds
+// the k-th item of each key, so items on one key run in their order, each
+// after the statement of the one before it; each round is one statement
+// (split by the size bound and on failures as in send). A single item left
+// alone runs through the single-row statement.
+func (b *batcher[P, R]) many(ctx context.Context, ps []P) ([]R, []error) {
+	rs, errs := make([]R, len(ps)), make([]error, len(ps))
+	var rounds [][]int
+	seen := make(map[storage.Key]int, len(ps))
+	for i, p := range ps {
+		k := b.keyOf(p)
+		r := seen[k]
+		seen[k] = r + 1
+		if r == len(rounds) {
+			rounds = append(rounds, nil)
+		}
+		rounds[r] = append(rounds[r], i)
+	}
+	for _, round := range rounds {
+		for len(round) > 0 {
+			chunk := round[:min(len(round), MaxExplicitBatch)]
+			round = round[len(chunk):]
+			if len(chunk) == 1 {
+				i := chunk[0]
+				rs[i], errs[i] = b.alone(ctx, ps[i])
+				continue
+			}
+			calls := make([]*call[P, R], len(chunk))
+			for j, i := range chunk {
+				calls[j] = &call[P, R]{ctx: ctx, p: ps[i], key: b.keyOf(ps[i]), size: b.sizeOf(ps[i]), done: make(chan outcome[R], 1)}
+			}
+			b.send(slices.Clone(calls)) // send sorts its slice
+			for j, cl := range calls {
+				i := chunk[j]
+				select {
+				case o := <-cl.done:
+					if o.alone {
+						rs[i], errs[i] = b.alone(ctx, ps[i])
+					} else {
+						rs[i], errs[i] = o.r, o.err
+					}
+				case <-ctx.Done(): // send gave up on calls whose context ended
+					errs[i] = fmt.Errorf("postgres %s: %w", b.op, ctx.Err())
+				}
+			}
+		}
+	}
+	return rs, errs
+}
+
 // dropLocked removes a call whose caller left from the queue, if its batch
 // was not sent yet.
 func (b *batcher[P, R]) dropLocked(cl *call[P, R]) {

@@ -57,6 +57,12 @@
 // statement carries at most DefaultBatchBytes (8 MiB) of parameters:
 // CockroachDB refuses a pgwire message over 16 MiB.
 //
+// An explicit batch (ClaimBatch, CompleteBatch: the server's BatchClaim and
+// BatchComplete) does not wait for a slot: its items go out at once as one
+// batched statement, or one per round when a key appears more than once
+// (round k holds each key's k-th item, so a key's items run in order), with
+// the same splitting on failures and on the size bound.
+//
 // # Isolation
 //
 // PostgreSQL sessions run at READ COMMITTED, CockroachDB sessions at

@@ -27,8 +27,9 @@ type Store struct {
 	// isolation in doc.go).
 	staleReads atomic.Int64
 
-	// claims and completes coalesce concurrent calls (batch.go); nil when
-	// batching is off.
+	// claims and completes coalesce concurrent calls (batch.go) when
+	// coalesce is set, and send explicit batches (ClaimBatch) always.
+	coalesce  bool
 	coalescer *coalescer
 	claims    *batcher[storage.ClaimParams, storage.ClaimResult]
 	completes *batcher[storage.CompleteParams, storage.Record]
@@ -37,6 +38,7 @@ type Store struct {
 var (
 	_ storage.Store   = (*Store)(nil)
 	_ storage.Sweeper = (*Store)(nil)
+	_ storage.Batcher = (*Store)(nil)
 )
 
 // Open returns a Store on the database at databaseURL, whose schema Migrate
@@ -83,17 +85,16 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		return nil, fmt.Errorf("postgres: open pool: %w", err)
 	}
 	s := &Store{pool: pool, clockOffset: o.clockOffset, maxRetries: o.maxRetries, logger: o.logger}
-	if o.batchSize > 1 {
-		limit := o.batchInFlight
-		if limit <= 0 {
-			limit = DefaultBatchInFlight
-		}
-		s.coalescer = &coalescer{maxSize: o.batchSize, maxBytes: DefaultBatchBytes, window: o.batchWindow, limit: limit}
-		s.claims = newBatcher(s.coalescer, s, "claim",
-			func(p storage.ClaimParams) storage.Key { return p.Key }, claimBytes, s.claimAlone, s.claimBatch)
-		s.completes = newBatcher(s.coalescer, s, "complete",
-			func(p storage.CompleteParams) storage.Key { return p.Key }, completeBytes, s.completeAlone, s.completeBatch)
+	limit := o.batchInFlight
+	if limit <= 0 {
+		limit = DefaultBatchInFlight
 	}
+	s.coalesce = o.batchSize > 1
+	s.coalescer = &coalescer{maxSize: max(o.batchSize, 1), maxBytes: DefaultBatchBytes, window: o.batchWindow, limit: limit}
+	s.claims = newBatcher(s.coalescer, s, "claim",
+		func(p storage.ClaimParams) storage.Key { return p.Key }, claimBytes, s.claimAlone, s.claimBatch)
+	s.completes = newBatcher(s.coalescer, s, "complete",
+		func(p storage.CompleteParams) storage.Key { return p.Key }, completeBytes, s.completeAlone, s.completeBatch)
 	return s, nil
 }
 
@@ -140,7 +141,7 @@ func (s *Store) Ping(ctx context.Context) error {
 // Claim decides by storage.DecideClaim in one statement, alone or
 // coalesced with concurrent Claims (see batch.go).
 func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
-	if s.claims != nil {
+	if s.coalesce {
 		return s.claims.do(ctx, p)
 	}
 	return s.claimAlone(ctx, p)
@@ -210,7 +211,7 @@ func (s *Store) claimBatch(ctx context.Context, calls []*call[storage.ClaimParam
 // Complete decides by storage.DecideComplete in one statement, alone or
 // coalesced with concurrent Completes (see batch.go).
 func (s *Store) Complete(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
-	if s.completes != nil {
+	if s.coalesce {
 		return s.completes.do(ctx, p)
 	}
 	return s.completeAlone(ctx, p)
@@ -253,6 +254,27 @@ func (s *Store) completeBatch(ctx context.Context, calls []*call[storage.Complet
 	}
 	deliver(s, calls, answers, completeAnswer)
 	return nil
+}
+
+// ClaimBatch implements storage.Batcher: the items go out as one batched
+// statement per round of distinct keys (batch.go, many).
+func (s *Store) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
+	rs, errs := s.claims.many(ctx, ps)
+	out := make([]storage.ClaimAnswer, len(ps))
+	for i := range out {
+		out[i] = storage.ClaimAnswer{Result: rs[i], Err: errs[i]}
+	}
+	return out
+}
+
+// CompleteBatch implements storage.Batcher like ClaimBatch.
+func (s *Store) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
+	rs, errs := s.completes.many(ctx, ps)
+	out := make([]storage.CompleteAnswer, len(ps))
+	for i := range out {
+		out[i] = storage.CompleteAnswer{Record: rs[i], Err: errs[i]}
+	}
+	return out
 }
 
 // Release decides by storage.DecideRelease in one statement.

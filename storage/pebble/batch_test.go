@@ -1,0 +1,14 @@
+package pebble
+
+import (
+	"testing"
+
+	"github.com/idemreg/idemreg/storage"
+	"github.com/idemreg/idemreg/storage/storagetest"
+)
+
+func TestBatcherConformance(t *testing.T) {
+	storagetest.RunBatcher(t, func(t *testing.T, c *storagetest.Clock) storage.Store {
+		return openT(t, t.TempDir(), WithClock(c.Now))
+	})
+}
