@@ -85,6 +85,7 @@ func (a *AdminService) InvalidateRecord(ctx context.Context, req *idemregv1.Inva
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "InvalidateRecord", k, err)
 	}
+	a.svc.waiters.notify(k) // the lease ended: a waiter takes over
 	rec, err := toRecord(got, true)
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "InvalidateRecord", k, err)

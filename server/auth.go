@@ -10,6 +10,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
@@ -89,13 +90,27 @@ func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerI
 	if !ok {
 		return nil, newStatus(codes.Internal, ReasonInternal, "internal error", nil)
 	}
+	service, _, _ := strings.Cut(strings.TrimPrefix(info.FullMethod, "/"), "/")
+	if consumers, ok := batchConsumers(req); ok && service == idemregv1.RegistryService_ServiceDesc.ServiceName {
+		// Each item on its own: a refused item is that item's answer.
+		if err := batchBounds(req.(proto.Message), len(consumers)); err != nil {
+			return nil, err
+		}
+		verdicts, ctx := verdictsFor(ctx, len(consumers))
+		for i, c := range consumers {
+			if !id.MayUse(c) {
+				verdicts[i] = s.denied(ctx, id, c, "")
+			}
+		}
+		return next(ctx, req)
+	}
 	r, hasConsumer := req.(interface{ GetConsumer() string })
 	if !hasConsumer {
 		return nil, s.denied(ctx, id, "", "the method is not open to identities")
 	}
 	consumer := r.GetConsumer()
 	var allowed bool
-	switch service, _, _ := strings.Cut(strings.TrimPrefix(info.FullMethod, "/"), "/"); service {
+	switch service {
 	case idemregv1.RegistryService_ServiceDesc.ServiceName:
 		allowed = id.MayUse(consumer)
 	case idemregv1.AdminService_ServiceDesc.ServiceName:
@@ -118,16 +133,40 @@ func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg 
 
 func quote(s string) string { return "\"" + s + "\"" }
 
-// rateLimit applies the consumer's rate limit from the config file.
+// rateLimit applies the consumer's rate limit from the config file; to
+// each item of a batch on its own.
 func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
-	r, ok := req.(interface{ GetConsumer() string })
-	if !ok || !strings.HasPrefix(info.FullMethod, "/"+idemregv1.RegistryService_ServiceDesc.ServiceName+"/") {
+	if !strings.HasPrefix(info.FullMethod, "/"+idemregv1.RegistryService_ServiceDesc.ServiceName+"/") {
 		return next(ctx, req)
 	}
-	consumer := r.GetConsumer()
+	if consumers, ok := batchConsumers(req); ok {
+		if err := batchBounds(req.(proto.Message), len(consumers)); err != nil {
+			return nil, err
+		}
+		verdicts, ctx := verdictsFor(ctx, len(consumers))
+		for i, c := range consumers {
+			if verdicts[i] == nil {
+				verdicts[i] = s.allow(ctx, c)
+			}
+		}
+		return next(ctx, req)
+	}
+	r, ok := req.(interface{ GetConsumer() string })
+	if !ok {
+		return next(ctx, req)
+	}
+	if err := s.allow(ctx, r.GetConsumer()); err != nil {
+		return nil, err
+	}
+	return next(ctx, req)
+}
+
+// allow takes one call of consumer from its rate limit, or answers
+// RATE_LIMITED.
+func (s *Server) allow(ctx context.Context, consumer string) error {
 	l, limited := s.cfg.Access.Current().RateLimit(consumer)
 	if !limited {
-		return next(ctx, req)
+		return nil
 	}
 	if ok, wait := s.limiter.Allow(consumer, l); !ok {
 		name := ""
@@ -135,7 +174,7 @@ func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerI
 			name = id.Name
 		}
 		s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
-		return nil, newStatus(codes.ResourceExhausted, ReasonRateLimited,
+		return newStatus(codes.ResourceExhausted, ReasonRateLimited,
 			"consumer "+quote(consumer)+" is over its rate limit of "+l.String(),
 			map[string]string{"consumer": consumer},
 			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
@@ -144,5 +183,5 @@ func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerI
 			}}},
 			retryInfo(wait))
 	}
-	return next(ctx, req)
+	return nil
 }

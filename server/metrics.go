@@ -30,6 +30,21 @@ const (
 	MetricRateLimited   = "idemreg.rate_limited"
 	MetricDenied        = "idemreg.auth.denied"
 	MetricAdminActions  = "idemreg.admin.actions"
+	MetricBatchSize     = "idemreg.batch.size"
+	MetricWaits         = "idemreg.waits"
+	MetricWaitDuration  = "idemreg.wait.duration"
+)
+
+// How a waiting Claim ended, the values of the "ended" attribute of
+// idemreg.waits and idemreg.wait.duration.
+const (
+	WaitCompleted = "completed" // the record was completed: the result is replayed
+	WaitAcquired  = "acquired"  // the lease ended or was released: the caller took over
+	WaitElapsed   = "elapsed"   // wait passed with the key still in progress
+	WaitCanceled  = "canceled"  // the caller's context ended
+	WaitFull      = "full"      // the replica had MaxWaiters waiting: answered at once
+	WaitDrained   = "drained"   // the server was shutting down
+	WaitError     = "error"     // the store failed (or the fingerprint did not match)
 )
 
 // Claim outcomes, the values of the "outcome" attribute of idemreg.claims.
@@ -46,7 +61,9 @@ type metrics struct {
 	claims, completes, releases, extends, leaseLost metric.Int64Counter
 	storeErrors, overloaded, rateLimited, denied    metric.Int64Counter
 	adminActions                                    metric.Int64Counter
-	storeDuration                                   metric.Float64Histogram
+	storeDuration, waitDuration                     metric.Float64Histogram
+	batchSize                                       metric.Int64Histogram
+	waits                                           metric.Int64Counter
 	inFlight                                        metric.Int64ObservableUpDownCounter
 	meter                                           metric.Meter
 }
@@ -72,7 +89,16 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.rateLimited, MetricRateLimited, "{call}", "Calls refused with RATE_LIMITED, by identity.")
 	counter(&out.denied, MetricDenied, "{call}", "Calls refused with UNAUTHENTICATED or PERMISSION_DENIED, by code.")
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
+	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, elapsed, canceled, full, drained, error).")
 	var err error
+	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),
+		metric.WithDescription("How long Claims waited for a key in progress, by how they ended."),
+		metric.WithExplicitBucketBoundaries(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+	errs = append(errs, err)
+	out.batchSize, err = m.Int64Histogram(MetricBatchSize, metric.WithUnit("{item}"),
+		metric.WithDescription("Items of BatchClaim and BatchComplete calls that reached the store, by method."),
+		metric.WithExplicitBucketBoundaries(1, 2, 5, 10, 25, 50, 100, 250, 500))
+	errs = append(errs, err)
 	out.storeDuration, err = m.Float64Histogram(MetricStoreDuration, metric.WithUnit("s"),
 		metric.WithDescription("Duration of store calls (retries included), by op and outcome: ok, or the error type."),
 		metric.WithExplicitBucketBoundaries(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

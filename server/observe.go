@@ -60,13 +60,15 @@ func newOpMeasures(op string) *opMeasures {
 }
 
 var (
-	opClaim      = newOpMeasures("claim")
-	opComplete   = newOpMeasures("complete")
-	opRelease    = newOpMeasures("release")
-	opExtend     = newOpMeasures("extend")
-	opLookup     = newOpMeasures("lookup")
-	opInspect    = newOpMeasures("inspect")
-	opInvalidate = newOpMeasures("invalidate")
+	opClaim         = newOpMeasures("claim")
+	opComplete      = newOpMeasures("complete")
+	opRelease       = newOpMeasures("release")
+	opExtend        = newOpMeasures("extend")
+	opLookup        = newOpMeasures("lookup")
+	opInspect       = newOpMeasures("inspect")
+	opInvalidate    = newOpMeasures("invalidate")
+	opClaimBatch    = newOpMeasures("claim_batch")
+	opCompleteBatch = newOpMeasures("complete_batch")
 )
 
 // claimOutcomes are the attribute sets of idemreg.claims, by outcome.
@@ -109,12 +111,17 @@ func (o *observedStore) Claim(ctx context.Context, p storage.ClaimParams) (res s
 		res, err = o.Store.Claim(ctx, p)
 		return err
 	})
+	o.countClaim(ctx, res, err)
+	return res, err
+}
+
+func (o *observedStore) countClaim(ctx context.Context, res storage.ClaimResult, err error) {
 	var outcome string
 	switch {
 	case errors.Is(err, storage.ErrFingerprintMismatch):
 		outcome = ClaimMismatch
 	case err != nil:
-		return res, err
+		return
 	case res.Repeated:
 		outcome = ClaimRepeat
 	case res.Outcome == storage.OutcomeAcquired && res.Record.Attempt > 1:
@@ -127,7 +134,52 @@ func (o *observedStore) Claim(ctx context.Context, p storage.ClaimParams) (res s
 		outcome = ClaimReplay
 	}
 	o.m.claims.Add(ctx, 1, claimOutcomes[outcome])
-	return res, err
+}
+
+// ClaimBatch implements storage.Batcher: a batch is one operation in
+// flight, and each item counts as a Claim.
+func (o *observedStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) (out []storage.ClaimAnswer) {
+	err := o.do(ctx, opClaimBatch, func() error {
+		out = storage.ClaimBatch(ctx, o.Store, ps)
+		return nil
+	})
+	if err != nil {
+		out = make([]storage.ClaimAnswer, len(ps))
+		for i := range out {
+			out[i].Err = err
+		}
+		return out
+	}
+	o.m.batchSize.Record(ctx, int64(len(ps)), opClaimBatch.method)
+	for _, a := range out {
+		o.countClaim(ctx, a.Result, a.Err)
+	}
+	return out
+}
+
+// CompleteBatch implements storage.Batcher like ClaimBatch.
+func (o *observedStore) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) (out []storage.CompleteAnswer) {
+	err := o.do(ctx, opCompleteBatch, func() error {
+		out = storage.CompleteBatch(ctx, o.Store, ps)
+		return nil
+	})
+	if err != nil {
+		out = make([]storage.CompleteAnswer, len(ps))
+		for i := range out {
+			out[i].Err = err
+		}
+		return out
+	}
+	o.m.batchSize.Record(ctx, int64(len(ps)), opCompleteBatch.method)
+	for _, a := range out {
+		switch {
+		case a.Err == nil:
+			o.m.completes.Add(ctx, 1)
+		case errors.Is(a.Err, storage.ErrLeaseLost):
+			o.m.leaseLost.Add(ctx, 1, opComplete.method)
+		}
+	}
+	return out
 }
 
 func (o *observedStore) Complete(ctx context.Context, p storage.CompleteParams) (rec storage.Record, err error) {

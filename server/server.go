@@ -66,6 +66,12 @@ type Config struct {
 	// (DefaultRequestTimeout); MaxRequestTimeout caps a request's deadline
 	// (DefaultMaxRequestTimeout).
 	RequestTimeout, MaxRequestTimeout time.Duration
+	// MaxWaiters bounds the Claims waiting at once (ClaimRequest.wait); one
+	// beyond it answers at once (DefaultMaxWaiters). WaitRecheck is how
+	// often a waiter looks for changes made through other replicas
+	// (DefaultWaitRecheck): their bound on how late a waiter wakes.
+	MaxWaiters  int
+	WaitRecheck time.Duration
 	// MaxInFlight bounds the store operations in flight; a call beyond it
 	// fails at once with UNAVAILABLE, reason OVERLOADED (DefaultMaxInFlight).
 	MaxInFlight int
@@ -172,6 +178,7 @@ func (c *Config) setDefaults() {
 type Server struct {
 	cfg     Config
 	store   storage.Store
+	svc     *Service
 	grpc    *grpc.Server
 	health  *health.Server
 	metrics *metrics
@@ -202,14 +209,14 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	svc, err := newService(observed, store, cfg.Limits, cfg.Logger)
+	svc, err := newService(observed, store, cfg.Limits, cfg.Logger, m, waiting{maxWaiters: cfg.MaxWaiters, recheck: cfg.WaitRecheck})
 	if err != nil {
 		return nil, err
 	}
 	if cfg.Policy != nil {
 		svc.policies = cfg.Policy
 	}
-	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{})}
+	s := &Server{cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{})}
 	opts := []grpc.ServerOption{
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithMeterProvider(cfg.MeterProvider),
@@ -262,6 +269,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	case <-ctx.Done():
 	}
 	s.health.Shutdown() // every service NOT_SERVING, so load balancers drain us first
+	s.svc.waiters.drain() // waiting Claims answer now, as they are
 	if s.cfg.DrainDelay > 0 {
 		s.cfg.Logger.Info("not serving, waiting for load balancers", "drain_delay", s.cfg.DrainDelay)
 		select {

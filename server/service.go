@@ -1,9 +1,13 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
+	"time"
+
+	"go.opentelemetry.io/otel/metric/noop"
 
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -21,18 +25,31 @@ type Service struct {
 	// default every consumer gets those of limits.
 	policies *policy.Source
 	secrets  *claimSecrets
+	waiters  *waitHub
+	recheck  time.Duration // DefaultWaitRecheck
+	metrics  *metrics
 	logger   *slog.Logger
 }
 
 // NewService returns the registry service. It fails when limits contradict
 // each other.
 func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Service, error) {
-	return newService(store, store, limits, logger)
+	m, err := newMetrics(noop.NewMeterProvider())
+	if err != nil {
+		return nil, err
+	}
+	return newService(store, store, limits, logger, m, waiting{})
+}
+
+// waiting configures waiting Claims; zero fields take the defaults.
+type waiting struct {
+	maxWaiters int
+	recheck    time.Duration
 }
 
 // newService builds the service on store; backend is the store as its
 // package made it, before decorators hid its optional capabilities.
-func newService(store, backend storage.Store, limits Limits, logger *slog.Logger) (*Service, error) {
+func newService(store, backend storage.Store, limits Limits, logger *slog.Logger, m *metrics, w waiting) (*Service, error) {
 	if err := limits.Validate(); err != nil {
 		return nil, err
 	}
@@ -47,12 +64,14 @@ func newService(store, backend storage.Store, limits Limits, logger *slog.Logger
 	if perProcess {
 		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", backend))
 	}
-	return &Service{store: marginStore{store}, limits: limits, policies: policy.Static(set), secrets: secrets, logger: logger}, nil
+	return &Service{store: marginStore{store}, limits: limits, policies: policy.Static(set), secrets: secrets,
+		waiters: newWaitHub(cmp.Or(w.maxWaiters, DefaultMaxWaiters)), recheck: cmp.Or(w.recheck, DefaultWaitRecheck),
+		metrics: m, logger: logger}, nil
 }
 
 // Claim implements RegistryServiceServer.
 func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idemregv1.ClaimResponse, error) {
-	p, err := s.validateClaim(req)
+	p, wait, err := s.validateClaim(req)
 	if err != nil {
 		return nil, err
 	}
@@ -62,14 +81,20 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 	if err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
-	res, err := s.store.Claim(ctx, p)
+	res, err := s.claim(ctx, p, wait)
+	return s.claimResponse(ctx, "Claim", key, p, res, err)
+}
+
+// claimResponse is the answer to a Claim the store decided (res, err),
+// with the claim secret under key when acquired.
+func (s *Service) claimResponse(ctx context.Context, method string, key []byte, p storage.ClaimParams, res storage.ClaimResult, err error) (*idemregv1.ClaimResponse, error) {
 	if err != nil {
-		return nil, s.toStatus(ctx, "Claim", p.Key, err)
+		return nil, s.toStatus(ctx, method, p.Key, err)
 	}
 	acquired := res.Outcome == storage.OutcomeAcquired
 	rec, err := toRecord(res.Record, acquired)
 	if err != nil {
-		return nil, s.toStatus(ctx, "Claim", p.Key, err)
+		return nil, s.toStatus(ctx, method, p.Key, err)
 	}
 	out := &idemregv1.ClaimResponse{Outcome: idemregv1.Outcome(res.Outcome), Record: rec}
 	switch res.Outcome {
@@ -92,6 +117,7 @@ func (s *Service) Complete(ctx context.Context, req *idemregv1.CompleteRequest) 
 	if err != nil {
 		return nil, err
 	}
+	s.waiters.notify(p.Key)
 	return &idemregv1.CompleteResponse{Record: rec}, nil
 }
 
@@ -105,6 +131,7 @@ func (s *Service) Release(ctx context.Context, req *idemregv1.ReleaseRequest) (*
 	if err != nil {
 		return nil, err
 	}
+	s.waiters.notify(p.Key)
 	return &idemregv1.ReleaseResponse{Record: rec}, nil
 }
 

@@ -45,6 +45,18 @@ func (s marginStore) Complete(ctx context.Context, p storage.CompleteParams) (st
 	return s.Store.Complete(ctx, p)
 }
 
+func (s marginStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
+	ctx, cancel := storeContext(ctx)
+	defer cancel()
+	return storage.ClaimBatch(ctx, s.Store, ps)
+}
+
+func (s marginStore) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
+	ctx, cancel := storeContext(ctx)
+	defer cancel()
+	return storage.CompleteBatch(ctx, s.Store, ps)
+}
+
 func (s marginStore) Release(ctx context.Context, p storage.ReleaseParams) (storage.Record, error) {
 	ctx, cancel := storeContext(ctx)
 	defer cancel()

@@ -121,7 +121,7 @@ func (v *violations) fence(t int64, secret []byte) {
 	}
 }
 
-func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams, error) {
+func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams, time.Duration, error) {
 	var v violations
 	k := v.key(r.GetConsumer(), r.GetKind(), r.GetKey())
 	if n := len(r.GetFingerprint()); n > MaxFingerprintBytes {
@@ -148,7 +148,11 @@ func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams,
 		Holder:    r.GetHolder(),
 		RequestID: r.GetRequestId(),
 	}
-	return p, v.err()
+	var wait time.Duration
+	if w := r.GetWait(); w != nil {
+		wait = v.duration("wait", w, policy.Bounds{Min: 0, Max: MaxWait}, "wait", "the server")
+	}
+	return p, wait, v.err()
 }
 
 // printableASCII reports whether s has only bytes 0x21-0x7E.

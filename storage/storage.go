@@ -205,6 +205,31 @@ type CompleteAnswer struct {
 	Err    error
 }
 
+// ClaimBatch decides ps on s: in one batch when s is a Batcher, else one
+// Claim after the other, which answers the same.
+func ClaimBatch(ctx context.Context, s Store, ps []ClaimParams) []ClaimAnswer {
+	if b, ok := s.(Batcher); ok {
+		return b.ClaimBatch(ctx, ps)
+	}
+	out := make([]ClaimAnswer, len(ps))
+	for i, p := range ps {
+		out[i].Result, out[i].Err = s.Claim(ctx, p)
+	}
+	return out
+}
+
+// CompleteBatch decides ps on s like ClaimBatch.
+func CompleteBatch(ctx context.Context, s Store, ps []CompleteParams) []CompleteAnswer {
+	if b, ok := s.(Batcher); ok {
+		return b.CompleteBatch(ctx, ps)
+	}
+	out := make([]CompleteAnswer, len(ps))
+	for i, p := range ps {
+		out[i].Record, out[i].Err = s.Complete(ctx, p)
+	}
+	return out
+}
+
 // ClaimKeys is implemented by stores that keep the registry's claim key:
 // random bytes created on first use and then the same for every server
 // that shares the store, across restarts. The server derives each claim's

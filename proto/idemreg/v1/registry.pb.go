@@ -31,6 +31,7 @@
 package idemregv1
 
 import (
+	status "google.golang.org/genproto/googleapis/rpc/status"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
@@ -585,7 +586,15 @@ type ClaimRequest struct {
 	// OUTCOME_IN_PROGRESS. It is not a credential: any caller allowed to use
 	// the consumer who knows the id gets the token, so pick an unguessable one
 	// and never reuse it for another claim.
-	RequestId     string `protobuf:"bytes,8,opt,name=request_id,json=requestId" json:"request_id,omitempty"`
+	RequestId string `protobuf:"bytes,8,opt,name=request_id,json=requestId" json:"request_id,omitempty"`
+	// Optional: how long to wait when the key is in progress under someone
+	// else's live lease, instead of answering OUTCOME_IN_PROGRESS at once.
+	// The call answers as soon as the record is completed
+	// (OUTCOME_COMPLETED), the lease ends or is released (OUTCOME_ACQUIRED:
+	// this caller takes over), or wait has passed (OUTCOME_IN_PROGRESS). At
+	// most 30 s, and never past the request's deadline. A fingerprint
+	// mismatch still fails at once.
+	Wait          *durationpb.Duration `protobuf:"bytes,9,opt,name=wait" json:"wait,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -674,6 +683,13 @@ func (x *ClaimRequest) GetRequestId() string {
 		return x.RequestId
 	}
 	return ""
+}
+
+func (x *ClaimRequest) GetWait() *durationpb.Duration {
+	if x != nil {
+		return x.Wait
+	}
+	return nil
 }
 
 type ClaimResponse struct {
@@ -1247,12 +1263,356 @@ func (x *LookupResponse) GetRecord() *Record {
 	return nil
 }
 
+type BatchClaimRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Requests      []*ClaimRequest        `protobuf:"bytes,1,rep,name=requests" json:"requests,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchClaimRequest) Reset() {
+	*x = BatchClaimRequest{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchClaimRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchClaimRequest) ProtoMessage() {}
+
+func (x *BatchClaimRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchClaimRequest.ProtoReflect.Descriptor instead.
+func (*BatchClaimRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *BatchClaimRequest) GetRequests() []*ClaimRequest {
+	if x != nil {
+		return x.Requests
+	}
+	return nil
+}
+
+type BatchClaimResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per request, in order.
+	Results       []*BatchClaimResult `protobuf:"bytes,1,rep,name=results" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchClaimResponse) Reset() {
+	*x = BatchClaimResponse{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchClaimResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchClaimResponse) ProtoMessage() {}
+
+func (x *BatchClaimResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchClaimResponse.ProtoReflect.Descriptor instead.
+func (*BatchClaimResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *BatchClaimResponse) GetResults() []*BatchClaimResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+type BatchClaimResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Result:
+	//
+	//	*BatchClaimResult_Response
+	//	*BatchClaimResult_Error
+	Result        isBatchClaimResult_Result `protobuf_oneof:"result"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchClaimResult) Reset() {
+	*x = BatchClaimResult{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchClaimResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchClaimResult) ProtoMessage() {}
+
+func (x *BatchClaimResult) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchClaimResult.ProtoReflect.Descriptor instead.
+func (*BatchClaimResult) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *BatchClaimResult) GetResult() isBatchClaimResult_Result {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *BatchClaimResult) GetResponse() *ClaimResponse {
+	if x != nil {
+		if x, ok := x.Result.(*BatchClaimResult_Response); ok {
+			return x.Response
+		}
+	}
+	return nil
+}
+
+func (x *BatchClaimResult) GetError() *status.Status {
+	if x != nil {
+		if x, ok := x.Result.(*BatchClaimResult_Error); ok {
+			return x.Error
+		}
+	}
+	return nil
+}
+
+type isBatchClaimResult_Result interface {
+	isBatchClaimResult_Result()
+}
+
+type BatchClaimResult_Response struct {
+	Response *ClaimResponse `protobuf:"bytes,1,opt,name=response,oneof"`
+}
+
+type BatchClaimResult_Error struct {
+	// What Claim would have answered as an error, details included.
+	Error *status.Status `protobuf:"bytes,2,opt,name=error,oneof"`
+}
+
+func (*BatchClaimResult_Response) isBatchClaimResult_Result() {}
+
+func (*BatchClaimResult_Error) isBatchClaimResult_Result() {}
+
+type BatchCompleteRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Requests      []*CompleteRequest     `protobuf:"bytes,1,rep,name=requests" json:"requests,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchCompleteRequest) Reset() {
+	*x = BatchCompleteRequest{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchCompleteRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchCompleteRequest) ProtoMessage() {}
+
+func (x *BatchCompleteRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchCompleteRequest.ProtoReflect.Descriptor instead.
+func (*BatchCompleteRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *BatchCompleteRequest) GetRequests() []*CompleteRequest {
+	if x != nil {
+		return x.Requests
+	}
+	return nil
+}
+
+type BatchCompleteResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per request, in order.
+	Results       []*BatchCompleteResult `protobuf:"bytes,1,rep,name=results" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchCompleteResponse) Reset() {
+	*x = BatchCompleteResponse{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchCompleteResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchCompleteResponse) ProtoMessage() {}
+
+func (x *BatchCompleteResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchCompleteResponse.ProtoReflect.Descriptor instead.
+func (*BatchCompleteResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *BatchCompleteResponse) GetResults() []*BatchCompleteResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+type BatchCompleteResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Result:
+	//
+	//	*BatchCompleteResult_Response
+	//	*BatchCompleteResult_Error
+	Result        isBatchCompleteResult_Result `protobuf_oneof:"result"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchCompleteResult) Reset() {
+	*x = BatchCompleteResult{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchCompleteResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchCompleteResult) ProtoMessage() {}
+
+func (x *BatchCompleteResult) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchCompleteResult.ProtoReflect.Descriptor instead.
+func (*BatchCompleteResult) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *BatchCompleteResult) GetResult() isBatchCompleteResult_Result {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *BatchCompleteResult) GetResponse() *CompleteResponse {
+	if x != nil {
+		if x, ok := x.Result.(*BatchCompleteResult_Response); ok {
+			return x.Response
+		}
+	}
+	return nil
+}
+
+func (x *BatchCompleteResult) GetError() *status.Status {
+	if x != nil {
+		if x, ok := x.Result.(*BatchCompleteResult_Error); ok {
+			return x.Error
+		}
+	}
+	return nil
+}
+
+type isBatchCompleteResult_Result interface {
+	isBatchCompleteResult_Result()
+}
+
+type BatchCompleteResult_Response struct {
+	Response *CompleteResponse `protobuf:"bytes,1,opt,name=response,oneof"`
+}
+
+type BatchCompleteResult_Error struct {
+	// What Complete would have answered as an error, details included.
+	Error *status.Status `protobuf:"bytes,2,opt,name=error,oneof"`
+}
+
+func (*BatchCompleteResult_Response) isBatchCompleteResult_Result() {}
+
+func (*BatchCompleteResult_Error) isBatchCompleteResult_Result() {}
+
 var File_idemreg_v1_registry_proto protoreflect.FileDescriptor
 
 const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\n" +
 	"\x19idemreg/v1/registry.proto\x12\n" +
-	"idemreg.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"2\n" +
+	"idemreg.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\"2\n" +
 	"\bResponse\x12\x12\n" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\"Q\n" +
@@ -1280,7 +1640,7 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\fcompleted_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\vcompletedAt\x129\n" +
 	"\n" +
 	"expires_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12*\n" +
-	"\x06result\x18\r \x01(\v2\x12.idemreg.v1.ResultR\x06result\"\xa5\x02\n" +
+	"\x06result\x18\r \x01(\v2\x12.idemreg.v1.ResultR\x06result\"\xd4\x02\n" +
 	"\fClaimRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
@@ -1290,7 +1650,8 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\tretention\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\tretention\x12\x16\n" +
 	"\x06holder\x18\a \x01(\tR\x06holder\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\b \x01(\tR\trequestId\"\xdf\x01\n" +
+	"request_id\x18\b \x01(\tR\trequestId\x12-\n" +
+	"\x04wait\x18\t \x01(\v2\x19.google.protobuf.DurationR\x04wait\"\xdf\x01\n" +
 	"\rClaimResponse\x12-\n" +
 	"\aoutcome\x18\x01 \x01(\x0e2\x13.idemreg.v1.OutcomeR\aoutcome\x12\x14\n" +
 	"\x05token\x18\x02 \x01(\x03R\x05token\x12:\n" +
@@ -1329,7 +1690,23 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
 	"\x03key\x18\x03 \x01(\tR\x03key\"<\n" +
 	"\x0eLookupResponse\x12*\n" +
-	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record*B\n" +
+	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"I\n" +
+	"\x11BatchClaimRequest\x124\n" +
+	"\brequests\x18\x01 \x03(\v2\x18.idemreg.v1.ClaimRequestR\brequests\"L\n" +
+	"\x12BatchClaimResponse\x126\n" +
+	"\aresults\x18\x01 \x03(\v2\x1c.idemreg.v1.BatchClaimResultR\aresults\"\x81\x01\n" +
+	"\x10BatchClaimResult\x127\n" +
+	"\bresponse\x18\x01 \x01(\v2\x19.idemreg.v1.ClaimResponseH\x00R\bresponse\x12*\n" +
+	"\x05error\x18\x02 \x01(\v2\x12.google.rpc.StatusH\x00R\x05errorB\b\n" +
+	"\x06result\"O\n" +
+	"\x14BatchCompleteRequest\x127\n" +
+	"\brequests\x18\x01 \x03(\v2\x1b.idemreg.v1.CompleteRequestR\brequests\"R\n" +
+	"\x15BatchCompleteResponse\x129\n" +
+	"\aresults\x18\x01 \x03(\v2\x1f.idemreg.v1.BatchCompleteResultR\aresults\"\x87\x01\n" +
+	"\x13BatchCompleteResult\x12:\n" +
+	"\bresponse\x18\x01 \x01(\v2\x1c.idemreg.v1.CompleteResponseH\x00R\bresponse\x12*\n" +
+	"\x05error\x18\x02 \x01(\v2\x12.google.rpc.StatusH\x00R\x05errorB\b\n" +
+	"\x06result*B\n" +
 	"\x04Kind\x12\x14\n" +
 	"\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n" +
 	"\fKIND_MESSAGE\x10\x01\x12\x12\n" +
@@ -1342,13 +1719,16 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x14\n" +
 	"\x10OUTCOME_ACQUIRED\x10\x01\x12\x17\n" +
 	"\x13OUTCOME_IN_PROGRESS\x10\x02\x12\x15\n" +
-	"\x11OUTCOME_COMPLETED\x10\x032\xdc\x02\n" +
+	"\x11OUTCOME_COMPLETED\x10\x032\xff\x03\n" +
 	"\x0fRegistryService\x12<\n" +
 	"\x05Claim\x12\x18.idemreg.v1.ClaimRequest\x1a\x19.idemreg.v1.ClaimResponse\x12E\n" +
 	"\bComplete\x12\x1b.idemreg.v1.CompleteRequest\x1a\x1c.idemreg.v1.CompleteResponse\x12B\n" +
 	"\aRelease\x12\x1a.idemreg.v1.ReleaseRequest\x1a\x1b.idemreg.v1.ReleaseResponse\x12?\n" +
 	"\x06Extend\x12\x19.idemreg.v1.ExtendRequest\x1a\x1a.idemreg.v1.ExtendResponse\x12?\n" +
-	"\x06Lookup\x12\x19.idemreg.v1.LookupRequest\x1a\x1a.idemreg.v1.LookupResponseB>Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1\x92\x03\x04\b\x02 \x03b\beditionsp\xe8\a"
+	"\x06Lookup\x12\x19.idemreg.v1.LookupRequest\x1a\x1a.idemreg.v1.LookupResponse\x12K\n" +
+	"\n" +
+	"BatchClaim\x12\x1d.idemreg.v1.BatchClaimRequest\x1a\x1e.idemreg.v1.BatchClaimResponse\x12T\n" +
+	"\rBatchComplete\x12 .idemreg.v1.BatchCompleteRequest\x1a!.idemreg.v1.BatchCompleteResponseB>Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1\x92\x03\x04\b\x02 \x03b\beditionsp\xe8\a"
 
 var (
 	file_idemreg_v1_registry_proto_rawDescOnce sync.Once
@@ -1363,7 +1743,7 @@ func file_idemreg_v1_registry_proto_rawDescGZIP() []byte {
 }
 
 var file_idemreg_v1_registry_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_idemreg_v1_registry_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_idemreg_v1_registry_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_idemreg_v1_registry_proto_goTypes = []any{
 	(Kind)(0),                     // 0: idemreg.v1.Kind
 	(State)(0),                    // 1: idemreg.v1.State
@@ -1382,50 +1762,70 @@ var file_idemreg_v1_registry_proto_goTypes = []any{
 	(*ExtendResponse)(nil),        // 14: idemreg.v1.ExtendResponse
 	(*LookupRequest)(nil),         // 15: idemreg.v1.LookupRequest
 	(*LookupResponse)(nil),        // 16: idemreg.v1.LookupResponse
-	(*timestamppb.Timestamp)(nil), // 17: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 18: google.protobuf.Duration
+	(*BatchClaimRequest)(nil),     // 17: idemreg.v1.BatchClaimRequest
+	(*BatchClaimResponse)(nil),    // 18: idemreg.v1.BatchClaimResponse
+	(*BatchClaimResult)(nil),      // 19: idemreg.v1.BatchClaimResult
+	(*BatchCompleteRequest)(nil),  // 20: idemreg.v1.BatchCompleteRequest
+	(*BatchCompleteResponse)(nil), // 21: idemreg.v1.BatchCompleteResponse
+	(*BatchCompleteResult)(nil),   // 22: idemreg.v1.BatchCompleteResult
+	(*timestamppb.Timestamp)(nil), // 23: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
+	(*status.Status)(nil),         // 25: google.rpc.Status
 }
 var file_idemreg_v1_registry_proto_depIdxs = []int32{
 	3,  // 0: idemreg.v1.Result.response:type_name -> idemreg.v1.Response
 	4,  // 1: idemreg.v1.Result.failure:type_name -> idemreg.v1.Failure
 	0,  // 2: idemreg.v1.Record.kind:type_name -> idemreg.v1.Kind
 	1,  // 3: idemreg.v1.Record.state:type_name -> idemreg.v1.State
-	17, // 4: idemreg.v1.Record.created_at:type_name -> google.protobuf.Timestamp
-	17, // 5: idemreg.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
-	17, // 6: idemreg.v1.Record.completed_at:type_name -> google.protobuf.Timestamp
-	17, // 7: idemreg.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
+	23, // 4: idemreg.v1.Record.created_at:type_name -> google.protobuf.Timestamp
+	23, // 5: idemreg.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
+	23, // 6: idemreg.v1.Record.completed_at:type_name -> google.protobuf.Timestamp
+	23, // 7: idemreg.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
 	5,  // 8: idemreg.v1.Record.result:type_name -> idemreg.v1.Result
 	0,  // 9: idemreg.v1.ClaimRequest.kind:type_name -> idemreg.v1.Kind
-	18, // 10: idemreg.v1.ClaimRequest.lease:type_name -> google.protobuf.Duration
-	18, // 11: idemreg.v1.ClaimRequest.retention:type_name -> google.protobuf.Duration
-	2,  // 12: idemreg.v1.ClaimResponse.outcome:type_name -> idemreg.v1.Outcome
-	18, // 13: idemreg.v1.ClaimResponse.retry_after:type_name -> google.protobuf.Duration
-	6,  // 14: idemreg.v1.ClaimResponse.record:type_name -> idemreg.v1.Record
-	0,  // 15: idemreg.v1.CompleteRequest.kind:type_name -> idemreg.v1.Kind
-	5,  // 16: idemreg.v1.CompleteRequest.result:type_name -> idemreg.v1.Result
-	6,  // 17: idemreg.v1.CompleteResponse.record:type_name -> idemreg.v1.Record
-	0,  // 18: idemreg.v1.ReleaseRequest.kind:type_name -> idemreg.v1.Kind
-	6,  // 19: idemreg.v1.ReleaseResponse.record:type_name -> idemreg.v1.Record
-	0,  // 20: idemreg.v1.ExtendRequest.kind:type_name -> idemreg.v1.Kind
-	18, // 21: idemreg.v1.ExtendRequest.lease:type_name -> google.protobuf.Duration
-	6,  // 22: idemreg.v1.ExtendResponse.record:type_name -> idemreg.v1.Record
-	0,  // 23: idemreg.v1.LookupRequest.kind:type_name -> idemreg.v1.Kind
-	6,  // 24: idemreg.v1.LookupResponse.record:type_name -> idemreg.v1.Record
-	7,  // 25: idemreg.v1.RegistryService.Claim:input_type -> idemreg.v1.ClaimRequest
-	9,  // 26: idemreg.v1.RegistryService.Complete:input_type -> idemreg.v1.CompleteRequest
-	11, // 27: idemreg.v1.RegistryService.Release:input_type -> idemreg.v1.ReleaseRequest
-	13, // 28: idemreg.v1.RegistryService.Extend:input_type -> idemreg.v1.ExtendRequest
-	15, // 29: idemreg.v1.RegistryService.Lookup:input_type -> idemreg.v1.LookupRequest
-	8,  // 30: idemreg.v1.RegistryService.Claim:output_type -> idemreg.v1.ClaimResponse
-	10, // 31: idemreg.v1.RegistryService.Complete:output_type -> idemreg.v1.CompleteResponse
-	12, // 32: idemreg.v1.RegistryService.Release:output_type -> idemreg.v1.ReleaseResponse
-	14, // 33: idemreg.v1.RegistryService.Extend:output_type -> idemreg.v1.ExtendResponse
-	16, // 34: idemreg.v1.RegistryService.Lookup:output_type -> idemreg.v1.LookupResponse
-	30, // [30:35] is the sub-list for method output_type
-	25, // [25:30] is the sub-list for method input_type
-	25, // [25:25] is the sub-list for extension type_name
-	25, // [25:25] is the sub-list for extension extendee
-	0,  // [0:25] is the sub-list for field type_name
+	24, // 10: idemreg.v1.ClaimRequest.lease:type_name -> google.protobuf.Duration
+	24, // 11: idemreg.v1.ClaimRequest.retention:type_name -> google.protobuf.Duration
+	24, // 12: idemreg.v1.ClaimRequest.wait:type_name -> google.protobuf.Duration
+	2,  // 13: idemreg.v1.ClaimResponse.outcome:type_name -> idemreg.v1.Outcome
+	24, // 14: idemreg.v1.ClaimResponse.retry_after:type_name -> google.protobuf.Duration
+	6,  // 15: idemreg.v1.ClaimResponse.record:type_name -> idemreg.v1.Record
+	0,  // 16: idemreg.v1.CompleteRequest.kind:type_name -> idemreg.v1.Kind
+	5,  // 17: idemreg.v1.CompleteRequest.result:type_name -> idemreg.v1.Result
+	6,  // 18: idemreg.v1.CompleteResponse.record:type_name -> idemreg.v1.Record
+	0,  // 19: idemreg.v1.ReleaseRequest.kind:type_name -> idemreg.v1.Kind
+	6,  // 20: idemreg.v1.ReleaseResponse.record:type_name -> idemreg.v1.Record
+	0,  // 21: idemreg.v1.ExtendRequest.kind:type_name -> idemreg.v1.Kind
+	24, // 22: idemreg.v1.ExtendRequest.lease:type_name -> google.protobuf.Duration
+	6,  // 23: idemreg.v1.ExtendResponse.record:type_name -> idemreg.v1.Record
+	0,  // 24: idemreg.v1.LookupRequest.kind:type_name -> idemreg.v1.Kind
+	6,  // 25: idemreg.v1.LookupResponse.record:type_name -> idemreg.v1.Record
+	7,  // 26: idemreg.v1.BatchClaimRequest.requests:type_name -> idemreg.v1.ClaimRequest
+	19, // 27: idemreg.v1.BatchClaimResponse.results:type_name -> idemreg.v1.BatchClaimResult
+	8,  // 28: idemreg.v1.BatchClaimResult.response:type_name -> idemreg.v1.ClaimResponse
+	25, // 29: idemreg.v1.BatchClaimResult.error:type_name -> google.rpc.Status
+	9,  // 30: idemreg.v1.BatchCompleteRequest.requests:type_name -> idemreg.v1.CompleteRequest
+	22, // 31: idemreg.v1.BatchCompleteResponse.results:type_name -> idemreg.v1.BatchCompleteResult
+	10, // 32: idemreg.v1.BatchCompleteResult.response:type_name -> idemreg.v1.CompleteResponse
+	25, // 33: idemreg.v1.BatchCompleteResult.error:type_name -> google.rpc.Status
+	7,  // 34: idemreg.v1.RegistryService.Claim:input_type -> idemreg.v1.ClaimRequest
+	9,  // 35: idemreg.v1.RegistryService.Complete:input_type -> idemreg.v1.CompleteRequest
+	11, // 36: idemreg.v1.RegistryService.Release:input_type -> idemreg.v1.ReleaseRequest
+	13, // 37: idemreg.v1.RegistryService.Extend:input_type -> idemreg.v1.ExtendRequest
+	15, // 38: idemreg.v1.RegistryService.Lookup:input_type -> idemreg.v1.LookupRequest
+	17, // 39: idemreg.v1.RegistryService.BatchClaim:input_type -> idemreg.v1.BatchClaimRequest
+	20, // 40: idemreg.v1.RegistryService.BatchComplete:input_type -> idemreg.v1.BatchCompleteRequest
+	8,  // 41: idemreg.v1.RegistryService.Claim:output_type -> idemreg.v1.ClaimResponse
+	10, // 42: idemreg.v1.RegistryService.Complete:output_type -> idemreg.v1.CompleteResponse
+	12, // 43: idemreg.v1.RegistryService.Release:output_type -> idemreg.v1.ReleaseResponse
+	14, // 44: idemreg.v1.RegistryService.Extend:output_type -> idemreg.v1.ExtendResponse
+	16, // 45: idemreg.v1.RegistryService.Lookup:output_type -> idemreg.v1.LookupResponse
+	18, // 46: idemreg.v1.RegistryService.BatchClaim:output_type -> idemreg.v1.BatchClaimResponse
+	21, // 47: idemreg.v1.RegistryService.BatchComplete:output_type -> idemreg.v1.BatchCompleteResponse
+	41, // [41:48] is the sub-list for method output_type
+	34, // [34:41] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_idemreg_v1_registry_proto_init() }
@@ -1437,13 +1837,21 @@ func file_idemreg_v1_registry_proto_init() {
 		(*Result_Response)(nil),
 		(*Result_Failure)(nil),
 	}
+	file_idemreg_v1_registry_proto_msgTypes[16].OneofWrappers = []any{
+		(*BatchClaimResult_Response)(nil),
+		(*BatchClaimResult_Error)(nil),
+	}
+	file_idemreg_v1_registry_proto_msgTypes[19].OneofWrappers = []any{
+		(*BatchCompleteResult_Response)(nil),
+		(*BatchCompleteResult_Error)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idemreg_v1_registry_proto_rawDesc), len(file_idemreg_v1_registry_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   14,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

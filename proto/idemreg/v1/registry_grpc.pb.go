@@ -43,11 +43,13 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	RegistryService_Claim_FullMethodName    = "/idemreg.v1.RegistryService/Claim"
-	RegistryService_Complete_FullMethodName = "/idemreg.v1.RegistryService/Complete"
-	RegistryService_Release_FullMethodName  = "/idemreg.v1.RegistryService/Release"
-	RegistryService_Extend_FullMethodName   = "/idemreg.v1.RegistryService/Extend"
-	RegistryService_Lookup_FullMethodName   = "/idemreg.v1.RegistryService/Lookup"
+	RegistryService_Claim_FullMethodName         = "/idemreg.v1.RegistryService/Claim"
+	RegistryService_Complete_FullMethodName      = "/idemreg.v1.RegistryService/Complete"
+	RegistryService_Release_FullMethodName       = "/idemreg.v1.RegistryService/Release"
+	RegistryService_Extend_FullMethodName        = "/idemreg.v1.RegistryService/Extend"
+	RegistryService_Lookup_FullMethodName        = "/idemreg.v1.RegistryService/Lookup"
+	RegistryService_BatchClaim_FullMethodName    = "/idemreg.v1.RegistryService/BatchClaim"
+	RegistryService_BatchComplete_FullMethodName = "/idemreg.v1.RegistryService/BatchComplete"
 )
 
 // RegistryServiceClient is the client API for RegistryService service.
@@ -74,6 +76,17 @@ type RegistryServiceClient interface {
 	// Lookup returns the live record. Errors: INVALID_ARGUMENT, NOT_FOUND,
 	// STORE_UNAVAILABLE.
 	Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error)
+	// BatchClaim claims many keys in one call, such as a consumer's poll
+	// batch: one result per request, in order, each the answer (or the
+	// status, with the same details) that Claim would have given. Items are
+	// independent: each is authorised, validated, rate-limited and decided
+	// on its own, and may name any consumer, kind and key; a key that
+	// appears twice is decided twice, the second time after the first. At
+	// most 500 requests and 4 MiB in all; beyond that the call as a whole is
+	// INVALID_ARGUMENT.
+	BatchClaim(ctx context.Context, in *BatchClaimRequest, opts ...grpc.CallOption) (*BatchClaimResponse, error)
+	// BatchComplete completes many claims in one call, like BatchClaim.
+	BatchComplete(ctx context.Context, in *BatchCompleteRequest, opts ...grpc.CallOption) (*BatchCompleteResponse, error)
 }
 
 type registryServiceClient struct {
@@ -134,6 +147,26 @@ func (c *registryServiceClient) Lookup(ctx context.Context, in *LookupRequest, o
 	return out, nil
 }
 
+func (c *registryServiceClient) BatchClaim(ctx context.Context, in *BatchClaimRequest, opts ...grpc.CallOption) (*BatchClaimResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BatchClaimResponse)
+	err := c.cc.Invoke(ctx, RegistryService_BatchClaim_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *registryServiceClient) BatchComplete(ctx context.Context, in *BatchCompleteRequest, opts ...grpc.CallOption) (*BatchCompleteResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BatchCompleteResponse)
+	err := c.cc.Invoke(ctx, RegistryService_BatchComplete_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // RegistryServiceServer is the server API for RegistryService service.
 // All implementations must embed UnimplementedRegistryServiceServer
 // for forward compatibility.
@@ -158,6 +191,17 @@ type RegistryServiceServer interface {
 	// Lookup returns the live record. Errors: INVALID_ARGUMENT, NOT_FOUND,
 	// STORE_UNAVAILABLE.
 	Lookup(context.Context, *LookupRequest) (*LookupResponse, error)
+	// BatchClaim claims many keys in one call, such as a consumer's poll
+	// batch: one result per request, in order, each the answer (or the
+	// status, with the same details) that Claim would have given. Items are
+	// independent: each is authorised, validated, rate-limited and decided
+	// on its own, and may name any consumer, kind and key; a key that
+	// appears twice is decided twice, the second time after the first. At
+	// most 500 requests and 4 MiB in all; beyond that the call as a whole is
+	// INVALID_ARGUMENT.
+	BatchClaim(context.Context, *BatchClaimRequest) (*BatchClaimResponse, error)
+	// BatchComplete completes many claims in one call, like BatchClaim.
+	BatchComplete(context.Context, *BatchCompleteRequest) (*BatchCompleteResponse, error)
 	mustEmbedUnimplementedRegistryServiceServer()
 }
 
@@ -182,6 +226,12 @@ func (UnimplementedRegistryServiceServer) Extend(context.Context, *ExtendRequest
 }
 func (UnimplementedRegistryServiceServer) Lookup(context.Context, *LookupRequest) (*LookupResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Lookup not implemented")
+}
+func (UnimplementedRegistryServiceServer) BatchClaim(context.Context, *BatchClaimRequest) (*BatchClaimResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method BatchClaim not implemented")
+}
+func (UnimplementedRegistryServiceServer) BatchComplete(context.Context, *BatchCompleteRequest) (*BatchCompleteResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method BatchComplete not implemented")
 }
 func (UnimplementedRegistryServiceServer) mustEmbedUnimplementedRegistryServiceServer() {}
 func (UnimplementedRegistryServiceServer) testEmbeddedByValue()                         {}
@@ -294,6 +344,42 @@ func _RegistryService_Lookup_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _RegistryService_BatchClaim_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BatchClaimRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServiceServer).BatchClaim(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: RegistryService_BatchClaim_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServiceServer).BatchClaim(ctx, req.(*BatchClaimRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _RegistryService_BatchComplete_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BatchCompleteRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServiceServer).BatchComplete(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: RegistryService_BatchComplete_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServiceServer).BatchComplete(ctx, req.(*BatchCompleteRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // RegistryService_ServiceDesc is the grpc.ServiceDesc for RegistryService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -320,6 +406,14 @@ var RegistryService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Lookup",
 			Handler:    _RegistryService_Lookup_Handler,
+		},
+		{
+			MethodName: "BatchClaim",
+			Handler:    _RegistryService_BatchClaim_Handler,
+		},
+		{
+			MethodName: "BatchComplete",
+			Handler:    _RegistryService_BatchComplete_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -1,0 +1,221 @@
+package server
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// Batches.
+//
+// BatchClaim and BatchComplete carry items that are independent: each is
+// authorised and rate-limited by the interceptors (which leave a verdict per
+// item in the context, itemVerdicts, instead of refusing the call),
+// validated, and decided on its own, and its answer is what the unary call
+// would have answered, errors with the same details. The items that pass go
+// to the store together (storage.Batcher): one statement or one synced
+// write for all of them.
+
+// Bounds of a batch; a batch over them is refused as a whole.
+const (
+	MaxBatchItems = 500
+	MaxBatchBytes = 4 << 20
+)
+
+// batchBounds refuses a batch over the bounds, before anything else is
+// looked at: items of a refused batch consume no rate limit.
+func batchBounds(req proto.Message, items int) error {
+	var v violations
+	switch {
+	case items == 0:
+		v.add("requests", "required: at least one request")
+	case items > MaxBatchItems:
+		v.add("requests", "must hold at most %d requests, got %d", MaxBatchItems, items)
+	}
+	if n := proto.Size(req); n > MaxBatchBytes {
+		v.add("requests", "must be at most %d bytes in all, got %d", MaxBatchBytes, n)
+	}
+	return v.err()
+}
+
+// batchConsumers returns the consumers of a batch request's items, and
+// false for a request that is not a batch.
+func batchConsumers(req any) ([]string, bool) {
+	switch r := req.(type) {
+	case *idemregv1.BatchClaimRequest:
+		out := make([]string, len(r.GetRequests()))
+		for i, item := range r.GetRequests() {
+			out[i] = item.GetConsumer()
+		}
+		return out, true
+	case *idemregv1.BatchCompleteRequest:
+		out := make([]string, len(r.GetRequests()))
+		for i, item := range r.GetRequests() {
+			out[i] = item.GetConsumer()
+		}
+		return out, true
+	}
+	return nil, false
+}
+
+// itemVerdicts are the refusals of a batch's items by the interceptors,
+// one per item, nil for an item they let through.
+type itemVerdicts []error
+
+type verdictsKey struct{}
+
+// verdictsFor returns the verdicts of ctx's batch, creating them for n
+// items when no interceptor has yet; the second result is the context to
+// pass on.
+func verdictsFor(ctx context.Context, n int) (itemVerdicts, context.Context) {
+	if v, ok := ctx.Value(verdictsKey{}).(itemVerdicts); ok && len(v) == n {
+		return v, ctx
+	}
+	v := make(itemVerdicts, n)
+	return v, context.WithValue(ctx, verdictsKey{}, v)
+}
+
+func verdictsOf(ctx context.Context, n int) itemVerdicts {
+	if v, ok := ctx.Value(verdictsKey{}).(itemVerdicts); ok && len(v) == n {
+		return v
+	}
+	return make(itemVerdicts, n)
+}
+
+// statusOf is an item's error as the unary call would have returned it.
+func statusOf(err error) *status.Status {
+	if st, ok := status.FromError(err); ok {
+		return st
+	}
+	return status.Convert(newStatus(codes.Internal, ReasonInternal, "internal error", nil))
+}
+
+// BatchClaim implements RegistryServiceServer.
+func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimRequest) (*idemregv1.BatchClaimResponse, error) {
+	items := req.GetRequests()
+	if err := batchBounds(req, len(items)); err != nil {
+		return nil, err
+	}
+	verdicts := verdictsOf(ctx, len(items))
+	results := make([]*idemregv1.BatchClaimResult, len(items))
+	fail := func(i int, err error) {
+		results[i] = &idemregv1.BatchClaimResult{Result: &idemregv1.BatchClaimResult_Error{Error: statusOf(err).Proto()}}
+	}
+	type pending struct {
+		i    int
+		p    storage.ClaimParams
+		wait time.Duration
+		d    decision
+	}
+	var todo []*pending
+	for i, item := range items {
+		if verdicts[i] != nil {
+			fail(i, verdicts[i])
+			continue
+		}
+		p, wait, err := s.validateClaim(item)
+		if err != nil {
+			fail(i, err)
+			continue
+		}
+		todo = append(todo, &pending{i: i, p: p, wait: wait})
+	}
+	if len(todo) > 0 {
+		key, err := s.secrets.load(ctx)
+		if err != nil {
+			return nil, s.toStatus(ctx, "BatchClaim", todo[0].p.Key, err)
+		}
+		ps := make([]storage.ClaimParams, len(todo))
+		for j, t := range todo {
+			ps[j] = t.p
+			if t.wait > 0 { // registered before the decision, as in claim
+				t.d.w, t.d.joined = s.waiters.join(t.p.Key)
+			}
+		}
+		for j, a := range storage.ClaimBatch(ctx, s.store, ps) {
+			todo[j].d.res, todo[j].d.err = a.Result, a.Err
+		}
+		var wg sync.WaitGroup
+		for _, t := range todo {
+			if t.wait > 0 {
+				wg.Go(func() {
+					start, end := time.Now(), waitEnd(ctx, t.wait)
+					var ended string
+					t.d.res, t.d.err, ended = s.waitClaim(ctx, t.p, end, t.d)
+					if ended != "" {
+						d := attrs(attribute.String("ended", ended))
+						s.metrics.waits.Add(ctx, 1, d)
+						s.metrics.waitDuration.Record(ctx, time.Since(start).Seconds(), d)
+					}
+				})
+			}
+		}
+		wg.Wait()
+		for _, t := range todo {
+			res, err := s.claimResponse(ctx, "BatchClaim", key, t.p, t.d.res, t.d.err)
+			if err != nil {
+				fail(t.i, err)
+				continue
+			}
+			results[t.i] = &idemregv1.BatchClaimResult{Result: &idemregv1.BatchClaimResult_Response{Response: res}}
+		}
+	}
+	return &idemregv1.BatchClaimResponse{Results: results}, nil
+}
+
+// BatchComplete implements RegistryServiceServer.
+func (s *Service) BatchComplete(ctx context.Context, req *idemregv1.BatchCompleteRequest) (*idemregv1.BatchCompleteResponse, error) {
+	items := req.GetRequests()
+	if err := batchBounds(req, len(items)); err != nil {
+		return nil, err
+	}
+	verdicts := verdictsOf(ctx, len(items))
+	results := make([]*idemregv1.BatchCompleteResult, len(items))
+	fail := func(i int, err error) {
+		results[i] = &idemregv1.BatchCompleteResult{Result: &idemregv1.BatchCompleteResult_Error{Error: statusOf(err).Proto()}}
+	}
+	var (
+		idx []int
+		ps  []storage.CompleteParams
+	)
+	for i, item := range items {
+		if verdicts[i] != nil {
+			fail(i, verdicts[i])
+			continue
+		}
+		p, err := s.validateComplete(item)
+		if err != nil {
+			fail(i, err)
+			continue
+		}
+		if err := s.secrets.check(ctx, p.Key, p.Token, item.GetClaimSecret()); err != nil {
+			fail(i, s.toStatus(ctx, "BatchComplete", p.Key, err))
+			continue
+		}
+		idx, ps = append(idx, i), append(ps, p)
+	}
+	for j, a := range storage.CompleteBatch(ctx, s.store, ps) {
+		i, p := idx[j], ps[j]
+		if a.Err != nil {
+			fail(i, s.toStatus(ctx, "BatchComplete", p.Key, a.Err))
+			continue
+		}
+		s.waiters.notify(p.Key)
+		rec, err := toRecord(a.Record, true)
+		if err != nil {
+			fail(i, s.toStatus(ctx, "BatchComplete", p.Key, err))
+			continue
+		}
+		results[i] = &idemregv1.BatchCompleteResult{Result: &idemregv1.BatchCompleteResult_Response{Response: &idemregv1.CompleteResponse{Record: rec}}}
+	}
+	return &idemregv1.BatchCompleteResponse{Results: results}, nil
+}
+
