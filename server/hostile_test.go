@@ -124,7 +124,7 @@ func TestHostileMessages(t *testing.T) {
 	require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome())
 
 	big := &idemregv1.CompleteRequest{Consumer: "hostile.test", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k", Token: 1, ClaimSecret: forged,
-		Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "t", Data: make([]byte, 4<<20)}}}}
+		Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "t", Data: make([]byte, 6<<20)}}}}
 	_, err = c.Complete(ctx, big)
 	require.Equal(t, codes.ResourceExhausted, status.Code(err), "over the server's maximum message size: %v", err)
 

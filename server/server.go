@@ -224,8 +224,9 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 			otelgrpc.WithFilter(filters.Not(filters.HealthCheck())))),
 		grpc.ChainUnaryInterceptor(s.unaryInterceptors()...),
 		grpc.ChainStreamInterceptor(s.streamInterceptors()...),
-		// Room for the largest allowed result plus the rest of a request.
-		grpc.MaxRecvMsgSize(cfg.Limits.MaxResultBytes + 64<<10),
+		// Room for the largest allowed result plus the rest of a request, and for
+		// a batch a little over its bound, to be told INVALID_ARGUMENT.
+		grpc.MaxRecvMsgSize(max(cfg.Limits.MaxResultBytes+64<<10, MaxBatchBytes+1<<20)),
 		grpc.KeepaliveParams(cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement),
 		grpc.NumStreamWorkers(uint32(max(cfg.StreamWorkers, 0))),
@@ -248,6 +249,9 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	s.grpc, s.health = g, h
 	return s, nil
 }
+
+// Waiting reports how many Claims wait for a key in progress now.
+func (s *Server) Waiting() int { return s.svc.waiters.waiting() }
 
 // GRPCServer returns the underlying server, to register more services.
 func (s *Server) GRPCServer() *grpc.Server { return s.grpc }
