@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"runtime/debug"
@@ -78,6 +79,11 @@ type Config struct {
 	// Keepalive sets connection ages and pings; zero fields take the
 	// defaults of DefaultKeepalive.
 	Keepalive keepalive.ServerParameters
+	// Bounds limit what any peer that can connect may make the server
+	// hold (headers, streams, connections), on the gRPC listener and the
+	// health listener alike; zero fields take the defaults of
+	// DefaultBounds.
+	Bounds Bounds
 	// DrainDelay is how long the server keeps serving after reporting
 	// NOT_SERVING on shutdown, so load balancers and Kubernetes endpoints
 	// stop sending new calls before connections are drained (default 0).
@@ -158,6 +164,7 @@ func (c *Config) setDefaults() {
 			*f.v = *f.d
 		}
 	}
+	c.Bounds.setDefaults()
 	if c.MeterProvider == nil {
 		c.MeterProvider = otel.GetMeterProvider()
 	}
@@ -180,6 +187,9 @@ type Server struct {
 	done chan struct{}
 	// serving is the last status set; only Serve's health loop touches it.
 	serving healthpb.HealthCheckResponse_ServingStatus
+	// public bounds the streams that need no credentials, on both
+	// listeners together.
+	public *publicStreams
 }
 
 // healthServices are the names the health service reports readiness on:
@@ -193,6 +203,9 @@ const LivenessService = "liveness"
 
 // New builds a Server on store.
 func New(store storage.Store, cfg Config) (*Server, error) {
+	if err := cfg.Bounds.Validate(); err != nil {
+		return nil, fmt.Errorf("server: %w", err)
+	}
 	cfg.setDefaults()
 	m, err := newMetrics(cfg.MeterProvider)
 	if err != nil {
@@ -209,7 +222,8 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if cfg.Policy != nil {
 		svc.policies = cfg.Policy
 	}
-	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{})}
+	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
+		public: newPublicStreams(cfg.Bounds.MaxPublicStreams)}
 	opts := []grpc.ServerOption{
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithMeterProvider(cfg.MeterProvider),
@@ -223,6 +237,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement),
 		grpc.NumStreamWorkers(uint32(max(cfg.StreamWorkers, 0))),
 	}
+	opts = append(opts, cfg.Bounds.serverOptions()...)
 	if cfg.TLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
 	}
@@ -254,6 +269,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	s.checkHealth(ctx)
 	go s.watchHealth(ctx)
 
+	lis = limitConnections(lis, s.cfg.Bounds.MaxConnections)
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(lis) }()
 	select {
@@ -288,16 +304,29 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 // ServeHealth serves the health service alone, in plaintext, on lis, until
 // Serve returns: for Kubernetes' gRPC probes, which cannot speak TLS, and
 // other probes that should not need credentials. It reports the same
-// statuses as the health service of the main listener.
+// statuses as the health service of the main listener, under the same
+// bounds (its connections are counted apart, its Watch streams with those
+// of the main listener).
 func (s *Server) ServeHealth(lis net.Listener) error {
-	g := grpc.NewServer()
+	opts := append(s.cfg.Bounds.serverOptions(),
+		grpc.ChainStreamInterceptor(s.public.intercept),
+		// A health request is a service name.
+		grpc.MaxRecvMsgSize(healthMaxRecvMsgSize),
+		grpc.KeepaliveParams(s.cfg.Keepalive),
+		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))
+	g := grpc.NewServer(opts...)
 	healthpb.RegisterHealthServer(g, s.health)
+	lis = limitConnections(lis, s.cfg.Bounds.MaxConnections)
 	go func() { <-s.done; g.Stop() }()
 	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return err
 	}
 	return nil
 }
+
+// healthMaxRecvMsgSize bounds a request on the health listener: a
+// HealthCheckRequest is one service name.
+const healthMaxRecvMsgSize = 4 << 10
 
 func (s *Server) watchHealth(ctx context.Context) {
 	t := time.NewTicker(s.cfg.HealthInterval)
@@ -385,6 +414,9 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
 			return newStatus(codes.PermissionDenied, ReasonPermissionDenied, "streaming methods are not open to identities", nil)
 		}, protected),
+		// What is left is public: bounded in number, since no credential
+		// stands behind it.
+		s.public.intercept,
 	}
 }
 

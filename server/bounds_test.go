@@ -1,0 +1,368 @@
+package server_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"net"
+	"runtime"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+
+	"github.com/idemreg/idemreg/server"
+)
+
+// rawPeer is an HTTP/2 client that ignores what the server's SETTINGS ask
+// (header list size, concurrent streams), as an abusive peer would; a gRPC
+// client would refuse to send what these tests send.
+type rawPeer struct {
+	conn net.Conn
+	fr   *http2.Framer
+	next uint32
+}
+
+func dialRaw(t *testing.T, addr string) *rawPeer {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	p := &rawPeer{conn: c, fr: http2.NewFramer(c, c), next: 1}
+	p.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	_, err = c.Write([]byte(http2.ClientPreface))
+	require.NoError(t, err)
+	require.NoError(t, p.fr.WriteSettings())
+	return p
+}
+
+// open starts a call of method with pad bytes of extra headers (in fields
+// of 4 KiB, none indexed, so they arrive at full size) and, when withBody,
+// an empty request message that ends the client's side.
+func (p *rawPeer) open(method string, pad int, withBody bool) (uint32, error) {
+	var block []byte
+	buf := &appendWriter{&block}
+	enc := hpack.NewEncoder(buf)
+	for _, f := range [][2]string{
+		{":method", "POST"}, {":scheme", "http"}, {":path", method}, {":authority", "idemreg"},
+		{"content-type", "application/grpc"}, {"te", "trailers"},
+	} {
+		if err := enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]}); err != nil {
+			return 0, err
+		}
+	}
+	for i := 0; pad > 0; i++ {
+		n := min(pad, 4<<10)
+		pad -= n
+		if err := enc.WriteField(hpack.HeaderField{Name: "x-pad-" + strconv.Itoa(i), Value: randomText(n), Sensitive: true}); err != nil {
+			return 0, err
+		}
+	}
+	id := p.next
+	p.next += 2
+	const frame = 16 << 10
+	first := block[:min(len(block), frame)]
+	rest := block[len(first):]
+	if err := p.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: first, EndHeaders: len(rest) == 0}); err != nil {
+		return 0, err
+	}
+	for len(rest) > 0 {
+		chunk := rest[:min(len(rest), frame)]
+		rest = rest[len(chunk):]
+		if err := p.fr.WriteContinuation(id, len(rest) == 0, chunk); err != nil {
+			return 0, err
+		}
+	}
+	if withBody {
+		// An empty message: no compression, length 0.
+		if err := p.fr.WriteData(id, true, make([]byte, 5)); err != nil {
+			return 0, err
+		}
+	}
+	return id, nil
+}
+
+// answer is what became of one stream.
+type answer string
+
+const (
+	answerServed    answer = "served"  // a response message came
+	answerReset     answer = "reset"   // RST_STREAM: refused by the transport
+	answerConnGone  answer = "closed"  // the connection went away
+	answerPending   answer = "pending" // nothing yet
+	answerGRPCError answer = "status"  // a gRPC error status
+)
+
+// await reads until every stream of ids has an answer, and returns them
+// with the gRPC codes of the error statuses. The read deadline is only a
+// guard against a hang.
+func (p *rawPeer) await(ids []uint32) (map[uint32]answer, map[uint32]codes.Code) {
+	answers := map[uint32]answer{}
+	codesOf := map[uint32]codes.Code{}
+	for _, id := range ids {
+		answers[id] = answerPending
+	}
+	pending := len(ids)
+	settle := func(id uint32, a answer) {
+		if answers[id] == answerPending {
+			answers[id] = a
+			pending--
+		}
+	}
+	_ = p.conn.SetReadDeadline(time.Now().Add(30 * time.Second))
+	for pending > 0 {
+		f, err := p.fr.ReadFrame()
+		if err != nil {
+			for _, id := range ids {
+				settle(id, answerConnGone)
+			}
+			break
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				_ = p.fr.WriteSettingsAck()
+			}
+		case *http2.PingFrame:
+			if !f.IsAck() {
+				_ = p.fr.WritePing(true, f.Data)
+			}
+		case *http2.RSTStreamFrame:
+			settle(f.StreamID, answerReset)
+		case *http2.DataFrame:
+			settle(f.StreamID, answerServed)
+		case *http2.MetaHeadersFrame:
+			if v := f.PseudoValue("status"); v != "" && v != "200" {
+				settle(f.StreamID, answerGRPCError)
+			}
+			for _, hf := range f.RegularFields() {
+				if hf.Name == "grpc-status" {
+					n, _ := strconv.Atoi(hf.Value)
+					codesOf[f.StreamID] = codes.Code(n)
+					if n == 0 {
+						settle(f.StreamID, answerServed)
+					} else {
+						settle(f.StreamID, answerGRPCError)
+					}
+				}
+			}
+		case *http2.GoAwayFrame:
+			for _, id := range ids {
+				if id > f.LastStreamID {
+					settle(id, answerConnGone)
+				}
+			}
+		}
+	}
+	return answers, codesOf
+}
+
+type appendWriter struct{ b *[]byte }
+
+func (w *appendWriter) Write(p []byte) (int, error) { *w.b = append(*w.b, p...); return len(p), nil }
+
+func randomText(n int) string {
+	b := make([]byte, (n+1)/2)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)[:n]
+}
+
+func count(answers map[uint32]answer, want answer) int {
+	n := 0
+	for _, a := range answers {
+		if a == want {
+			n++
+		}
+	}
+	return n
+}
+
+// heapInUse is the heap in use after a collection.
+func heapInUse() uint64 {
+	runtime.GC()
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return ms.HeapInuse
+}
+
+const watchMethod = "/grpc.health.v1.Health/Watch"
+
+// TestAnonymousPeersCannotExhaustMemory attacks a real server, on its gRPC
+// listener and its health listener at once, the way the issue measured it
+// (health Watch streams with megabytes of headers), and with more streams
+// per connection and more Watch streams than the bounds allow, all held
+// open; the heap must stay within a few MiB of where it was, and each kind
+// of excess must be refused by the bound made for it. Without the bounds
+// the same attack pins the attack's size (64 MiB of headers) in the heap.
+func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
+	bounds := server.DefaultBounds()
+	srv, err := server.New(memStore(t), server.Config{HealthInterval: time.Hour, Bounds: bounds})
+	require.NoError(t, err)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	hlis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, lis) }()
+	healthDone := make(chan error, 1)
+	go func() { healthDone <- srv.ServeHealth(hlis) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+		require.NoError(t, <-healthDone)
+	})
+	addrs := []string{lis.Addr().String(), hlis.Addr().String()}
+	for _, addr := range addrs { // both serve before the baseline is taken
+		conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		require.NoError(t, err)
+		_, err = healthpb.NewHealthClient(conn).Check(t.Context(), &healthpb.HealthCheckRequest{Service: server.LivenessService})
+		require.NoError(t, err)
+		require.NoError(t, conn.Close())
+	}
+	before := heapInUse()
+
+	const (
+		bigConns, bigStreams, bigHeaders = 4, 16, 512 << 10 // per listener: 32 MiB of headers
+		manyConns                        = 2
+	)
+	manyStreams := int(bounds.MaxConcurrentStreams) + 16
+	type result struct {
+		kind    string
+		answers map[uint32]answer
+		codes   map[uint32]codes.Code
+	}
+	results := make(chan result, len(addrs)*(bigConns+manyConns))
+	var wg sync.WaitGroup
+	attack := func(kind, addr string, streams, pad int) {
+		p := dialRaw(t, addr)
+		wg.Go(func() {
+			var ids []uint32
+			var unsent int
+			for i := range streams {
+				id, err := p.open(watchMethod, pad, pad == 0)
+				if err != nil {
+					// The server closed the connection: what was not
+					// sent is refused with it.
+					unsent = streams - i
+					break
+				}
+				ids = append(ids, id)
+			}
+			a, c := p.await(ids)
+			for i := range unsent {
+				a[uint32(1<<30+i)] = answerConnGone
+			}
+			results <- result{kind: kind, answers: a, codes: c}
+		})
+	}
+	for _, addr := range addrs {
+		for range bigConns {
+			attack("big headers", addr, bigStreams, bigHeaders)
+		}
+		for range manyConns {
+			attack("many streams", addr, manyStreams, 0)
+		}
+	}
+	wg.Wait()
+	close(results)
+	// Measured while every connection and every accepted stream is open.
+	after := heapInUse()
+	grown := int64(after) - int64(before)
+	t.Logf("heap in use: %d MiB before, %d MiB under attack", before>>20, after>>20)
+	require.Less(t, grown, int64(16<<20), "the heap grew by %d MiB under the attack", grown>>20)
+
+	served, tooMany := 0, 0
+	for r := range results {
+		switch r.kind {
+		case "big headers":
+			require.Zero(t, count(r.answers, answerServed), "a stream over the header bound was served")
+			require.Equal(t, bigStreams, count(r.answers, answerReset)+count(r.answers, answerConnGone), "%v", r.answers)
+		case "many streams":
+			require.Equal(t, manyStreams-int(bounds.MaxConcurrentStreams), count(r.answers, answerReset),
+				"streams beyond the per-connection bound are refused")
+			served += count(r.answers, answerServed)
+			for id, a := range r.answers {
+				if a == answerGRPCError {
+					require.Equal(t, codes.ResourceExhausted, r.codes[id])
+					tooMany++
+				}
+			}
+		}
+	}
+	require.Equal(t, bounds.MaxPublicStreams, served, "Watch streams are served up to the bound, over both listeners")
+	require.Equal(t, len(addrs)*manyConns*int(bounds.MaxConcurrentStreams)-bounds.MaxPublicStreams, tooMany,
+		"the other Watch streams fail at once with RESOURCE_EXHAUSTED")
+}
+
+// TestPublicStreamBound: beyond MaxPublicStreams, a health Watch or a
+// reflection stream fails with RESOURCE_EXHAUSTED, reason
+// TOO_MANY_STREAMS, and a slot freed is taken again; headers over the
+// bound are refused to a well-behaved client too.
+func TestPublicStreamBound(t *testing.T) {
+	conn := start(t, memStore(t), server.Config{Bounds: server.Bounds{MaxPublicStreams: 2}})
+	hc := healthpb.NewHealthClient(conn)
+	watch := func(ctx context.Context) error {
+		w, err := hc.Watch(ctx, &healthpb.HealthCheckRequest{Service: server.LivenessService})
+		if err != nil {
+			return err
+		}
+		_, err = w.Recv()
+		return err
+	}
+	ctx1, cancel1 := context.WithCancel(t.Context())
+	defer cancel1()
+	require.NoError(t, watch(ctx1))
+	require.NoError(t, watch(t.Context()))
+	err := watch(t.Context())
+	requireStatus(t, err, codes.ResourceExhausted, server.ReasonTooManyStreams)
+
+	cancel1()
+	require.Eventually(t, func() bool { return watch(t.Context()) == nil }, 10*time.Second, 10*time.Millisecond,
+		"a Watch that ends frees its slot")
+
+	// Unary health checks are not streams: they stay open to probes.
+	_, err = hc.Check(t.Context(), &healthpb.HealthCheckRequest{})
+	require.NoError(t, err)
+
+	big := metadata.AppendToOutgoingContext(t.Context(), "x-pad", randomText(server.DefaultMaxHeaderListSize))
+	_, err = hc.Check(big, &healthpb.HealthCheckRequest{})
+	require.Error(t, err, "headers over the bound are refused")
+}
+
+func TestBoundsValidate(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		bounds server.Bounds
+		err    string
+	}{
+		{name: "zero takes the defaults", bounds: server.Bounds{}},
+		{name: "defaults", bounds: server.DefaultBounds()},
+		{name: "header list too small", bounds: server.Bounds{MaxHeaderListSize: 512}, err: "header list bound"},
+		{name: "header list no bound", bounds: server.Bounds{MaxHeaderListSize: 32 << 20}, err: "header list bound"},
+		{name: "negative connections", bounds: server.Bounds{MaxConnections: -1}, err: "connection bound"},
+		{name: "negative public streams", bounds: server.Bounds{MaxPublicStreams: -1}, err: "without credentials"},
+		{name: "negative handshake timeout", bounds: server.Bounds{ConnectionTimeout: -time.Second}, err: "handshake"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.bounds.Validate()
+			if tc.err == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tc.err)
+			_, err = server.New(memStore(t), server.Config{Bounds: tc.bounds})
+			require.ErrorContains(t, err, tc.err, "New refuses it too")
+		})
+	}
+}
