@@ -44,9 +44,13 @@ type Config struct {
 	Policy *policy.Source
 	// Logger receives structured logs; nil discards them.
 	Logger *slog.Logger
-	// HealthInterval is how often the store is pinged to drive the health
-	// service (default 2s); PingTimeout bounds each ping (default 1s).
+	// HealthInterval is how often the store is pinged and probed to drive
+	// the health service (default 2s); PingTimeout bounds each ping and
+	// each probe (default 1s).
 	HealthInterval, PingTimeout time.Duration
+	// Readiness decides when failing store calls make the server
+	// NOT_SERVING (readiness.go); zero fields take the defaults.
+	Readiness Readiness
 	// ShutdownTimeout bounds the graceful drain before connections are cut
 	// (default 10s).
 	ShutdownTimeout time.Duration
@@ -165,6 +169,7 @@ func (c *Config) setDefaults() {
 		}
 	}
 	c.Bounds.setDefaults()
+	c.Readiness.setDefaults()
 	if c.MeterProvider == nil {
 		c.MeterProvider = otel.GetMeterProvider()
 	}
@@ -190,6 +195,10 @@ type Server struct {
 	// public bounds the streams that need no credentials, on both
 	// listeners together.
 	public *publicStreams
+	// outcomes counts the service's store calls for readiness; window
+	// (health loop only) keeps the last intervals' counts.
+	outcomes *callOutcomes
+	window   *readinessWindow
 }
 
 // healthServices are the names the health service reports readiness on:
@@ -203,7 +212,7 @@ const LivenessService = "liveness"
 
 // New builds a Server on store.
 func New(store storage.Store, cfg Config) (*Server, error) {
-	if err := cfg.Bounds.Validate(); err != nil {
+	if err := errors.Join(cfg.Bounds.Validate(), cfg.Readiness.Validate()); err != nil {
 		return nil, fmt.Errorf("server: %w", err)
 	}
 	cfg.setDefaults()
@@ -211,7 +220,8 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	observed, err := newObservedStore(store, cfg.MaxInFlight, m)
+	outcomes := &callOutcomes{}
+	observed, err := newObservedStore(store, cfg.MaxInFlight, m, outcomes)
 	if err != nil {
 		return nil, err
 	}
@@ -223,7 +233,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		svc.policies = cfg.Policy
 	}
 	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
-		public: newPublicStreams(cfg.Bounds.MaxPublicStreams)}
+		public: newPublicStreams(cfg.Bounds.MaxPublicStreams), outcomes: outcomes, window: newReadinessWindow(cfg.Readiness)}
 	opts := []grpc.ServerOption{
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithMeterProvider(cfg.MeterProvider),
@@ -341,25 +351,40 @@ func (s *Server) watchHealth(ctx context.Context) {
 	}
 }
 
-// checkHealth pings the store and sets the serving status accordingly.
+// checkHealth pings the store, reads the probe record and counts the
+// interval's store calls (readiness.go), and sets the serving status
+// accordingly.
 func (s *Server) checkHealth(ctx context.Context) {
 	pctx, cancel := context.WithTimeout(ctx, s.cfg.PingTimeout)
 	err := s.store.Ping(pctx)
 	cancel()
+	if err == nil {
+		pctx, cancel = context.WithTimeout(ctx, s.cfg.PingTimeout)
+		_, err = s.store.Lookup(pctx, readinessProbeKey)
+		cancel()
+		if errors.Is(err, storage.ErrNotFound) {
+			err = nil
+		}
+	}
 	if ctx.Err() != nil {
 		return
 	}
+	calls, failing := s.window.add(s.outcomes)
 	st := healthpb.HealthCheckResponse_SERVING
-	if err != nil {
+	if err != nil || failing {
 		st = healthpb.HealthCheckResponse_NOT_SERVING
 	}
 	if st == s.serving {
 		return
 	}
 	s.serving = st
-	if err != nil {
+	switch {
+	case err != nil:
 		s.cfg.Logger.Warn("health changed", "status", st.String(), "error", err)
-	} else {
+	case failing:
+		s.cfg.Logger.Warn("health changed", "status", st.String(), "reason", "store calls failing",
+			"failed_calls", calls.failed, "calls", calls.ok+calls.failed, "window_intervals", s.cfg.Readiness.Window)
+	default:
 		s.cfg.Logger.Info("health changed", "status", st.String())
 	}
 	for _, name := range healthServices {
