@@ -54,6 +54,8 @@ type surfaceConfig struct {
 	// Bounds limit what any peer that connects may make serve hold, on
 	// the gRPC and the health listener.
 	Bounds server.Bounds
+	// Readiness decides when failing store calls make serve unready.
+	Readiness server.Readiness
 }
 
 func defaultSurface() surfaceConfig {
@@ -67,6 +69,11 @@ func defaultSurface() surfaceConfig {
 		MaxConnectionIdle: ka.MaxConnectionIdle,
 		ShutdownTimeout:   10 * time.Second,
 		Bounds:            server.DefaultBounds(),
+		Readiness: server.Readiness{
+			Window:          server.DefaultReadinessWindow,
+			MinCalls:        server.DefaultReadinessMinCalls,
+			MaxFailureRatio: server.DefaultReadinessMaxFailureRatio,
+		},
 	}
 }
 
@@ -98,6 +105,10 @@ func (s *surfaceConfig) bind(fs *flag.FlagSet) {
 	fs.IntVar(&b.MaxConnections, "max-connections", b.MaxConnections, "most connections each listener (gRPC, health) holds open; beyond it new ones wait to be accepted")
 	fs.IntVar(&b.MaxPublicStreams, "max-public-streams", b.MaxPublicStreams, "most health Watch and reflection streams (which need no credentials) open at once; beyond it they fail with RESOURCE_EXHAUSTED")
 	fs.DurationVar(&b.ConnectionTimeout, "connection-timeout", b.ConnectionTimeout, "longest a new connection may take over its TLS and HTTP/2 handshakes")
+	r := &s.Readiness
+	fs.IntVar(&r.Window, "readiness-window", r.Window, "health intervals (2 s each) over which the store calls' failure rate decides readiness")
+	fs.IntVar(&r.MinCalls, "readiness-min-calls", r.MinCalls, "fewest store calls in the readiness window for their failure rate to count")
+	fs.Float64Var(&r.MaxFailureRatio, "readiness-max-failure-ratio", r.MaxFailureRatio, "share of failed store calls in the readiness window, in (0, 1], at which serve reports NOT_SERVING")
 	fs.DurationVar(&s.DrainDelay, "drain-delay", s.DrainDelay, "on SIGTERM, keep serving this long after health turns NOT_SERVING, for load balancers to notice")
 	fs.DurationVar(&s.ShutdownTimeout, "shutdown-timeout", s.ShutdownTimeout, "on SIGTERM, longest wait for calls in flight before connections are cut")
 	fs.BoolVar(&s.DisableReflection, "disable-reflection", s.DisableReflection, "turn gRPC server reflection off")
@@ -138,6 +149,11 @@ func (s *surfaceConfig) validate(listen string) []error {
 		errs = append(errs, fmt.Errorf("--max-header-list-size (%d), --max-concurrent-streams (%d), --max-connections (%d), --max-public-streams (%d) and --connection-timeout (%v) must be positive",
 			b.MaxHeaderListSize, b.MaxConcurrentStreams, b.MaxConnections, b.MaxPublicStreams, b.ConnectionTimeout))
 	} else if err := b.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if r := s.Readiness; r.Window <= 0 || r.MinCalls <= 0 || r.MaxFailureRatio <= 0 {
+		errs = append(errs, fmt.Errorf("--readiness-window (%d), --readiness-min-calls (%d) and --readiness-max-failure-ratio (%v) must be positive", r.Window, r.MinCalls, r.MaxFailureRatio))
+	} else if err := r.Validate(); err != nil {
 		errs = append(errs, err)
 	}
 	if s.DrainDelay < 0 || s.ShutdownTimeout <= 0 {
@@ -235,6 +251,7 @@ func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config,
 		ShutdownTimeout:   sc.ShutdownTimeout,
 		DisableReflection: sc.DisableReflection,
 		Bounds:            sc.Bounds,
+		Readiness:         sc.Readiness,
 		MeterProvider:     s.telemetry.meters,
 		TracerProvider:    otel.GetTracerProvider(),
 	}

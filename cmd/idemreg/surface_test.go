@@ -62,6 +62,8 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"no public stream bound", []string{"--max-public-streams", "-1"}, "--max-public-streams (-1)"},
 		{"no handshake timeout", []string{"--connection-timeout", "0s"}, "--connection-timeout (0s)"},
 		{"no idle timeout", []string{"--max-connection-idle", "0s"}, "--max-connection-idle must be positive"},
+		{"no readiness window", []string{"--readiness-window", "0"}, "--readiness-window (0)"},
+		{"readiness ratio above one", []string{"--readiness-max-failure-ratio", "2"}, "failure ratio must be in (0, 1]"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
