@@ -1,14 +1,19 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+
+	"github.com/idemreg/idemreg/server/access"
 )
 
 // Bounds are what anyone who can open a connection may make the server
@@ -49,6 +54,13 @@ type Bounds struct {
 	// handshakes, so that a peer that connects and sends nothing does not
 	// keep a connection slot (DefaultConnectionTimeout).
 	ConnectionTimeout time.Duration
+	// MaxCallsPerIdentity bounds the calls of one identity in progress at
+	// once, over every connection, so that one caller cannot take every
+	// store slot (Config.MaxInFlight) from the others; a call beyond it
+	// fails at once with RESOURCE_EXHAUSTED, reason TOO_MANY_CALLS
+	// (DefaultMaxCallsPerIdentity). It applies when the server has
+	// identities; anonymous callers of an open server are one caller.
+	MaxCallsPerIdentity int
 }
 
 const (
@@ -71,6 +83,9 @@ const (
 	// DefaultConnectionTimeout: a handshake on a working network takes
 	// milliseconds.
 	DefaultConnectionTimeout = 10 * time.Second
+	// DefaultMaxCallsPerIdentity: half of DefaultMaxInFlight, so that one
+	// identity at its bound leaves the other half to the rest.
+	DefaultMaxCallsPerIdentity = DefaultMaxInFlight / 2
 )
 
 // Smallest and largest header list sizes Validate accepts: below the
@@ -89,6 +104,7 @@ func DefaultBounds() Bounds {
 		MaxConnections:       DefaultMaxConnections,
 		MaxPublicStreams:     DefaultMaxPublicStreams,
 		ConnectionTimeout:    DefaultConnectionTimeout,
+		MaxCallsPerIdentity:  DefaultMaxCallsPerIdentity,
 	}
 }
 
@@ -109,6 +125,9 @@ func (b *Bounds) setDefaults() {
 	if b.ConnectionTimeout == 0 {
 		b.ConnectionTimeout = d.ConnectionTimeout
 	}
+	if b.MaxCallsPerIdentity == 0 {
+		b.MaxCallsPerIdentity = d.MaxCallsPerIdentity
+	}
 }
 
 // Validate reports bounds that cannot work. Zero fields are valid: they
@@ -123,6 +142,9 @@ func (b Bounds) Validate() error {
 	}
 	if b.MaxPublicStreams < 0 {
 		errs = append(errs, fmt.Errorf("the bound on streams without credentials must be positive, got %d", b.MaxPublicStreams))
+	}
+	if b.MaxCallsPerIdentity < 0 {
+		errs = append(errs, fmt.Errorf("the bound on one identity's calls must be positive, got %d", b.MaxCallsPerIdentity))
 	}
 	if b.ConnectionTimeout < 0 {
 		errs = append(errs, fmt.Errorf("the connection handshake timeout must be positive, got %v", b.ConnectionTimeout))
@@ -203,4 +225,34 @@ func (p *publicStreams) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamS
 	}
 	defer func() { <-p.slots }()
 	return handler(srv, ss)
+}
+
+// identityCalls counts the calls in progress of each identity. Entries are
+// kept: there is one per identity of the config file, which is small.
+type identityCalls struct {
+	max   int64
+	calls sync.Map // identity name → *atomic.Int64
+}
+
+// intercept refuses a call of an identity at its bound. It runs after
+// authentication, so the identity is the one its credentials prove.
+func (c *identityCalls) intercept(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
+	id, ok := IdentityFrom(ctx)
+	if !ok || id == access.Anonymous {
+		return next(ctx, req)
+	}
+	v, _ := c.calls.LoadOrStore(id.Name, new(atomic.Int64))
+	n := v.(*atomic.Int64)
+	defer n.Add(-1)
+	if n.Add(1) > c.max {
+		return nil, newStatus(codes.ResourceExhausted, ReasonTooManyCalls,
+			"identity "+quote(id.Name)+" has too many calls in progress; retry later",
+			map[string]string{"identity": id.Name},
+			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
+				Subject:     "identity:" + id.Name,
+				Description: fmt.Sprintf("%d calls in progress", c.max),
+			}}},
+			retryInfo(overloadedRetryAfter))
+	}
+	return next(ctx, req)
 }

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
@@ -20,7 +21,11 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/storage/postgres"
+	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 )
 
 // rawPeer is an HTTP/2 client that ignores what the server's SETTINGS ask
@@ -166,6 +171,38 @@ func (p *rawPeer) await(ids []uint32) (map[uint32]answer, map[uint32]codes.Code)
 	return answers, codesOf
 }
 
+// resetsBefore sends a PING and reads until its acknowledgement, and
+// returns the streams reset before it. The server answers frames in the
+// order they came, so a stream it refused on arrival is reset by then;
+// streams it accepted and holds (waiting for a request that never comes)
+// get nothing.
+func (p *rawPeer) resetsBefore() (map[uint32]bool, error) {
+	data := [8]byte{'b', 'o', 'u', 'n', 'd', 's'}
+	if err := p.fr.WritePing(false, data); err != nil {
+		return nil, err
+	}
+	_ = p.conn.SetReadDeadline(time.Now().Add(30 * time.Second))
+	reset := map[uint32]bool{}
+	for {
+		f, err := p.fr.ReadFrame()
+		if err != nil {
+			return reset, err
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				_ = p.fr.WriteSettingsAck()
+			}
+		case *http2.PingFrame:
+			if f.IsAck() && f.Data == data {
+				return reset, nil
+			}
+		case *http2.RSTStreamFrame:
+			reset[f.StreamID] = f.ErrCode == http2.ErrCodeRefusedStream
+		}
+	}
+}
+
 type appendWriter struct{ b *[]byte }
 
 func (w *appendWriter) Write(p []byte) (int, error) { *w.b = append(*w.b, p...); return len(p), nil }
@@ -234,44 +271,66 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 
 	const (
 		bigConns, bigStreams, bigHeaders = 4, 16, 512 << 10 // per listener: 32 MiB of headers
-		manyConns                        = 2
+		heldConns, heldHeaders           = 2, 8 << 10       // under the header bound
+		watchConns, watchStreams         = 2, 40            // under the stream bound
 	)
-	manyStreams := int(bounds.MaxConcurrentStreams) + 16
+	heldStreams := int(bounds.MaxConcurrentStreams) + 16
 	type result struct {
-		kind    string
-		answers map[uint32]answer
-		codes   map[uint32]codes.Code
+		kind     string
+		answers  map[uint32]answer
+		codes    map[uint32]codes.Code
+		refused  int // streams reset with REFUSED_STREAM
+		syncErr  error
+		accepted int
 	}
-	results := make(chan result, len(addrs)*(bigConns+manyConns))
+	results := make(chan result, len(addrs)*(bigConns+heldConns+watchConns))
 	var wg sync.WaitGroup
-	attack := func(kind, addr string, streams, pad int) {
-		p := dialRaw(t, addr)
-		wg.Go(func() {
-			var ids []uint32
-			var unsent int
-			for i := range streams {
-				id, err := p.open(watchMethod, pad, pad == 0)
-				if err != nil {
-					// The server closed the connection: what was not
-					// sent is refused with it.
-					unsent = streams - i
-					break
-				}
-				ids = append(ids, id)
+	// open starts the streams; a connection the server closed refuses
+	// what was not sent.
+	open := func(p *rawPeer, method string, streams, pad int, withBody bool) (ids []uint32, unsent int) {
+		for i := range streams {
+			id, err := p.open(method, pad, withBody)
+			if err != nil {
+				return ids, streams - i
 			}
-			a, c := p.await(ids)
-			for i := range unsent {
-				a[uint32(1<<30+i)] = answerConnGone
-			}
-			results <- result{kind: kind, answers: a, codes: c}
-		})
+			ids = append(ids, id)
+		}
+		return ids, 0
 	}
 	for _, addr := range addrs {
 		for range bigConns {
-			attack("big headers", addr, bigStreams, bigHeaders)
+			p := dialRaw(t, addr)
+			wg.Go(func() {
+				ids, unsent := open(p, watchMethod, bigStreams, bigHeaders, false)
+				a, c := p.await(ids)
+				for i := range unsent {
+					a[uint32(1<<30+i)] = answerConnGone
+				}
+				results <- result{kind: "big headers", answers: a, codes: c}
+			})
 		}
-		for range manyConns {
-			attack("many streams", addr, manyStreams, 0)
+		for range heldConns {
+			// Unary calls whose request never comes: held open.
+			p := dialRaw(t, addr)
+			wg.Go(func() {
+				ids, _ := open(p, "/grpc.health.v1.Health/Check", heldStreams, heldHeaders, false)
+				reset, err := p.resetsBefore()
+				refused := 0
+				for _, r := range reset {
+					if r {
+						refused++
+					}
+				}
+				results <- result{kind: "held", refused: refused, accepted: len(ids) - len(reset), syncErr: err}
+			})
+		}
+		for range watchConns {
+			p := dialRaw(t, addr)
+			wg.Go(func() {
+				ids, _ := open(p, watchMethod, watchStreams, 0, true)
+				a, c := p.await(ids)
+				results <- result{kind: "watch", answers: a, codes: c}
+			})
 		}
 	}
 	wg.Wait()
@@ -288,9 +347,12 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 		case "big headers":
 			require.Zero(t, count(r.answers, answerServed), "a stream over the header bound was served")
 			require.Equal(t, bigStreams, count(r.answers, answerReset)+count(r.answers, answerConnGone), "%v", r.answers)
-		case "many streams":
-			require.Equal(t, manyStreams-int(bounds.MaxConcurrentStreams), count(r.answers, answerReset),
-				"streams beyond the per-connection bound are refused")
+		case "held":
+			require.NoError(t, r.syncErr)
+			require.Equal(t, heldStreams-int(bounds.MaxConcurrentStreams), r.refused, "streams beyond the per-connection bound are refused")
+			require.Equal(t, int(bounds.MaxConcurrentStreams), r.accepted)
+		case "watch":
+			require.Zero(t, count(r.answers, answerReset), "%v", r.answers)
 			served += count(r.answers, answerServed)
 			for id, a := range r.answers {
 				if a == answerGRPCError {
@@ -301,7 +363,7 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 		}
 	}
 	require.Equal(t, bounds.MaxPublicStreams, served, "Watch streams are served up to the bound, over both listeners")
-	require.Equal(t, len(addrs)*manyConns*int(bounds.MaxConcurrentStreams)-bounds.MaxPublicStreams, tooMany,
+	require.Equal(t, len(addrs)*watchConns*watchStreams-bounds.MaxPublicStreams, tooMany,
 		"the other Watch streams fail at once with RESOURCE_EXHAUSTED")
 }
 
@@ -352,6 +414,7 @@ func TestBoundsValidate(t *testing.T) {
 		{name: "header list no bound", bounds: server.Bounds{MaxHeaderListSize: 32 << 20}, err: "header list bound"},
 		{name: "negative connections", bounds: server.Bounds{MaxConnections: -1}, err: "connection bound"},
 		{name: "negative public streams", bounds: server.Bounds{MaxPublicStreams: -1}, err: "without credentials"},
+		{name: "negative calls per identity", bounds: server.Bounds{MaxCallsPerIdentity: -1}, err: "one identity's calls"},
 		{name: "negative handshake timeout", bounds: server.Bounds{ConnectionTimeout: -time.Second}, err: "handshake"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -364,5 +427,82 @@ func TestBoundsValidate(t *testing.T) {
 			_, err = server.New(memStore(t), server.Config{Bounds: tc.bounds})
 			require.ErrorContains(t, err, tc.err, "New refuses it too")
 		})
+	}
+}
+
+// TestCallsPerIdentity holds calls of one identity in progress on a real
+// PostgreSQL (its table locked by another session): beyond the bound the
+// identity's next call fails at once with TOO_MANY_CALLS, another
+// identity's calls are not refused, and the slots come back when the calls
+// end.
+func TestCallsPerIdentity(t *testing.T) {
+	dbURL := pgtest.NewDatabase(t)
+	store, err := postgres.Open(t.Context(), dbURL)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	const billingToken, ordersToken = "billing-token-0123456789abcdef", "orders-token-0123456789abcdef"
+	src := accessFile(t, `
+identities:
+  - name: billing
+    token_hashes: ["`+access.HashToken(billingToken)+`"]
+    consumers: ["billing.*"]
+  - name: orders
+    token_hashes: ["`+access.HashToken(ordersToken)+`"]
+    consumers: ["orders.*"]
+`)
+	// The health loop's probe would wait for the lock too: it runs once,
+	// at start.
+	conn := start(t, store, server.Config{Access: src, Bounds: server.Bounds{MaxCallsPerIdentity: 2}, HealthInterval: time.Hour})
+	c := idemregv1.NewRegistryServiceClient(conn)
+	lookup := func(ctx context.Context, token, consumer string) error {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+		_, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-1"})
+		return err
+	}
+	requireStatus(t, lookup(t.Context(), billingToken, "billing.worker"), codes.NotFound, server.ReasonNotFound)
+
+	locker, err := pgx.Connect(t.Context(), dbURL)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Close(context.Background()) })
+	admin, err := pgx.Connect(t.Context(), dbURL)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = admin.Close(context.Background()) })
+	tx, err := locker.Begin(t.Context())
+	require.NoError(t, err)
+	_, err = tx.Exec(t.Context(), `LOCK TABLE idemreg_records IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	held := make(chan error, 2)
+	for range 2 {
+		go func() {
+			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+			defer cancel()
+			held <- lookup(ctx, billingToken, "billing.worker")
+		}()
+	}
+	// Both are in progress once both wait for the lock in PostgreSQL.
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := admin.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
+		require.NoError(t, err)
+		return waiting == 2
+	}, 20*time.Second, time.Millisecond)
+	short := func(token, consumer string) error {
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		defer cancel()
+		return lookup(ctx, token, consumer)
+	}
+	st := requireStatus(t, short(billingToken, "billing.worker"), codes.ResourceExhausted, server.ReasonTooManyCalls)
+	require.Contains(t, st.Message(), `"billing"`)
+	require.NotEqual(t, codes.ResourceExhausted, statusCode(short(ordersToken, "orders.inbox")),
+		"orders is not held to billing's bound (its call waits for the lock like any other)")
+
+	require.NoError(t, tx.Commit(t.Context()))
+	for range 2 {
+		requireStatus(t, <-held, codes.NotFound, server.ReasonNotFound)
+	}
+	for range 3 {
+		requireStatus(t, lookup(t.Context(), billingToken, "billing.worker"), codes.NotFound, server.ReasonNotFound)
 	}
 }

@@ -195,6 +195,8 @@ type Server struct {
 	// public bounds the streams that need no credentials, on both
 	// listeners together.
 	public *publicStreams
+	// identityCalls bounds the calls in progress of each identity.
+	identityCalls *identityCalls
 	// outcomes counts the service's store calls for readiness; window
 	// (health loop only) keeps the last intervals' counts.
 	outcomes *callOutcomes
@@ -233,7 +235,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		svc.policies = cfg.Policy
 	}
 	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
-		public: newPublicStreams(cfg.Bounds.MaxPublicStreams), outcomes: outcomes, window: newReadinessWindow(cfg.Readiness)}
+		public: newPublicStreams(cfg.Bounds.MaxPublicStreams), identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity)}, outcomes: outcomes, window: newReadinessWindow(cfg.Readiness)}
 	opts := []grpc.ServerOption{
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithMeterProvider(cfg.MeterProvider),
@@ -408,7 +410,9 @@ func (s *Server) checkHealth(ctx context.Context) {
 //  5. authorization (same selector): the identity may use the request's
 //     consumer (RegistryService) or administer it (AdminService), or
 //     PERMISSION_DENIED — before the handler has read anything;
-//  6. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
+//  6. calls per identity (bounds.go): an identity with MaxCallsPerIdentity
+//     calls in progress gets RESOURCE_EXHAUSTED, TOO_MANY_CALLS;
+//  7. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
 //     QuotaFailure and RetryInfo.
 //
 // Below the handler, the store is wrapped (observe.go) to bound the
@@ -423,6 +427,7 @@ func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 		s.deadline,
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
 		selector.UnaryServerInterceptor(s.authorize, protected),
+		selector.UnaryServerInterceptor(s.identityCalls.intercept, protected),
 		s.rateLimit,
 	}
 }

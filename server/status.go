@@ -35,6 +35,7 @@ const (
 	ReasonRateLimited      = "RATE_LIMITED"
 	ReasonOverloaded       = "OVERLOADED"
 	ReasonTooManyStreams   = "TOO_MANY_STREAMS"
+	ReasonTooManyCalls     = "TOO_MANY_CALLS"
 )
 
 // unavailableRetryAfter is the RetryInfo delay suggested when the store is

@@ -104,6 +104,7 @@ func (s *surfaceConfig) bind(fs *flag.FlagSet) {
 	})
 	fs.IntVar(&b.MaxConnections, "max-connections", b.MaxConnections, "most connections each listener (gRPC, health) holds open; beyond it new ones wait to be accepted")
 	fs.IntVar(&b.MaxPublicStreams, "max-public-streams", b.MaxPublicStreams, "most health Watch and reflection streams (which need no credentials) open at once; beyond it they fail with RESOURCE_EXHAUSTED")
+	fs.IntVar(&b.MaxCallsPerIdentity, "max-calls-per-identity", b.MaxCallsPerIdentity, "most calls one identity of --config has in progress at once; beyond it they fail with RESOURCE_EXHAUSTED (TOO_MANY_CALLS)")
 	fs.DurationVar(&b.ConnectionTimeout, "connection-timeout", b.ConnectionTimeout, "longest a new connection may take over its TLS and HTTP/2 handshakes")
 	r := &s.Readiness
 	fs.IntVar(&r.Window, "readiness-window", r.Window, "health intervals (2 s each) over which the store calls' failure rate decides readiness")
@@ -145,9 +146,9 @@ func (s *surfaceConfig) validate(listen string) []error {
 	// Zero would take the server's default; on the command line it is
 	// more likely a mistake for "no bound", which there is not.
 	b := s.Bounds
-	if b.MaxHeaderListSize == 0 || b.MaxConcurrentStreams == 0 || b.MaxConnections <= 0 || b.MaxPublicStreams <= 0 || b.ConnectionTimeout <= 0 {
-		errs = append(errs, fmt.Errorf("--max-header-list-size (%d), --max-concurrent-streams (%d), --max-connections (%d), --max-public-streams (%d) and --connection-timeout (%v) must be positive",
-			b.MaxHeaderListSize, b.MaxConcurrentStreams, b.MaxConnections, b.MaxPublicStreams, b.ConnectionTimeout))
+	if b.MaxHeaderListSize == 0 || b.MaxConcurrentStreams == 0 || b.MaxConnections <= 0 || b.MaxPublicStreams <= 0 || b.MaxCallsPerIdentity <= 0 || b.ConnectionTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("--max-header-list-size (%d), --max-concurrent-streams (%d), --max-connections (%d), --max-public-streams (%d), --max-calls-per-identity (%d) and --connection-timeout (%v) must be positive",
+			b.MaxHeaderListSize, b.MaxConcurrentStreams, b.MaxConnections, b.MaxPublicStreams, b.MaxCallsPerIdentity, b.ConnectionTimeout))
 	} else if err := b.Validate(); err != nil {
 		errs = append(errs, err)
 	}
