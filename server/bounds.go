@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -169,6 +170,9 @@ func (b Bounds) serverOptions() []grpc.ServerOption {
 type limitListener struct {
 	net.Listener
 	slots chan struct{}
+	// conns is the connections open; slots also holds the one Accept
+	// waits for.
+	conns atomic.Int64
 	// closed ends the waits of Accept when the listener closes.
 	closed    chan struct{}
 	closeOnce sync.Once
@@ -189,8 +193,12 @@ func (l *limitListener) Accept() (net.Conn, error) {
 		<-l.slots
 		return nil, err
 	}
-	return &limitedConn{Conn: c, release: func() { <-l.slots }}, nil
+	l.conns.Add(1)
+	return &limitedConn{Conn: c, release: func() { l.conns.Add(-1); <-l.slots }}, nil
 }
+
+// open is the number of connections open now.
+func (l *limitListener) open() int64 { return l.conns.Load() }
 
 func (l *limitListener) Close() error {
 	l.closeOnce.Do(func() { close(l.closed) })
@@ -210,9 +218,15 @@ func (c *limitedConn) Close() error {
 }
 
 // publicStreams bounds the streaming calls that need no credentials.
-type publicStreams struct{ slots chan struct{} }
+type publicStreams struct {
+	slots   chan struct{}
+	refused func(context.Context)
+}
 
-func newPublicStreams(n int) *publicStreams { return &publicStreams{slots: make(chan struct{}, n)} }
+func newPublicStreams(n int, m *metrics) *publicStreams {
+	refused := attrs(attribute.String("bound", "public_streams"))
+	return &publicStreams{slots: make(chan struct{}, n), refused: func(ctx context.Context) { m.boundRefused.Add(ctx, 1, refused) }}
+}
 
 // intercept refuses a public stream beyond the bound at once: a watcher
 // that waited for a slot would hold its connection and headers anyway.
@@ -220,6 +234,7 @@ func (p *publicStreams) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamS
 	select {
 	case p.slots <- struct{}{}:
 	default:
+		p.refused(ss.Context())
 		return newStatus(codes.ResourceExhausted, ReasonTooManyStreams, "too many streams without credentials are open; retry later", nil,
 			retryInfo(unavailableRetryAfter))
 	}
@@ -232,6 +247,7 @@ func (p *publicStreams) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamS
 type identityCalls struct {
 	max   int64
 	calls sync.Map // identity name → *atomic.Int64
+	m     *metrics
 }
 
 // intercept refuses a call of an identity at its bound. It runs after
@@ -245,6 +261,7 @@ func (c *identityCalls) intercept(ctx context.Context, req any, _ *grpc.UnarySer
 	n := v.(*atomic.Int64)
 	defer n.Add(-1)
 	if n.Add(1) > c.max {
+		c.m.boundRefused.Add(ctx, 1, attrs(attribute.String("bound", "identity_calls"), attribute.String("identity", id.Name)))
 		return nil, newStatus(codes.ResourceExhausted, ReasonTooManyCalls,
 			"identity "+quote(id.Name)+" has too many calls in progress; retry later",
 			map[string]string{"identity": id.Name},

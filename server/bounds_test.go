@@ -13,6 +13,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
@@ -372,7 +374,9 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 // TOO_MANY_STREAMS, and a slot freed is taken again; headers over the
 // bound are refused to a well-behaved client too.
 func TestPublicStreamBound(t *testing.T) {
-	conn := start(t, memStore(t), server.Config{Bounds: server.Bounds{MaxPublicStreams: 2}})
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	conn := start(t, memStore(t), server.Config{Bounds: server.Bounds{MaxPublicStreams: 2}, MeterProvider: mp})
 	hc := healthpb.NewHealthClient(conn)
 	watch := func(ctx context.Context) error {
 		w, err := hc.Watch(ctx, &healthpb.HealthCheckRequest{Service: server.LivenessService})
@@ -388,6 +392,10 @@ func TestPublicStreamBound(t *testing.T) {
 	require.NoError(t, watch(t.Context()))
 	err := watch(t.Context())
 	requireStatus(t, err, codes.ResourceExhausted, server.ReasonTooManyStreams)
+
+	sums := collectSums(t, reader)
+	require.EqualValues(t, 1, sums[server.MetricBoundRefused+" bound=public_streams"], "%v", sums)
+	require.EqualValues(t, 1, sums[server.MetricConnections+" listener=grpc"], "the test's one connection; %v", sums)
 
 	cancel1()
 	require.Eventually(t, func() bool { return watch(t.Context()) == nil }, 10*time.Second, 10*time.Millisecond,
@@ -452,7 +460,9 @@ identities:
 `)
 	// The health loop's probe would wait for the lock too: it runs once,
 	// at start.
-	conn := start(t, store, server.Config{Access: src, Bounds: server.Bounds{MaxCallsPerIdentity: 2}, HealthInterval: time.Hour})
+	reader := sdkmetric.NewManualReader()
+	conn := start(t, store, server.Config{Access: src, Bounds: server.Bounds{MaxCallsPerIdentity: 2}, HealthInterval: time.Hour,
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
 	c := idemregv1.NewRegistryServiceClient(conn)
 	lookup := func(ctx context.Context, token, consumer string) error {
 		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
@@ -495,6 +505,8 @@ identities:
 	}
 	st := requireStatus(t, short(billingToken, "billing.worker"), codes.ResourceExhausted, server.ReasonTooManyCalls)
 	require.Contains(t, st.Message(), `"billing"`)
+	sums := collectSums(t, reader)
+	require.EqualValues(t, 1, sums[server.MetricBoundRefused+" bound=identity_calls identity=billing"], "%v", sums)
 	require.NotEqual(t, codes.ResourceExhausted, statusCode(short(ordersToken, "orders.inbox")),
 		"orders is not held to billing's bound (its call waits for the lock like any other)")
 
@@ -505,4 +517,27 @@ identities:
 	for range 3 {
 		requireStatus(t, lookup(t.Context(), billingToken, "billing.worker"), codes.NotFound, server.ReasonNotFound)
 	}
+}
+
+// collectSums reads the integer sums and gauges of reader, keyed by name
+// and attributes ("name k=v ...").
+func collectSums(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(t.Context(), &rm))
+	sums := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if d, ok := m.Data.(metricdata.Sum[int64]); ok {
+				for _, dp := range d.DataPoints {
+					key := m.Name
+					for _, kv := range dp.Attributes.ToSlice() {
+						key += " " + string(kv.Key) + "=" + kv.Value.Emit()
+					}
+					sums[key] += dp.Value
+				}
+			}
+		}
+	}
+	return sums
 }

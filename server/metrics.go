@@ -30,6 +30,8 @@ const (
 	MetricRateLimited   = "idemreg.rate_limited"
 	MetricDenied        = "idemreg.auth.denied"
 	MetricAdminActions  = "idemreg.admin.actions"
+	MetricBoundRefused  = "idemreg.bounds.refused"
+	MetricConnections   = "idemreg.connections"
 )
 
 // Claim outcomes, the values of the "outcome" attribute of idemreg.claims.
@@ -45,9 +47,9 @@ const (
 type metrics struct {
 	claims, completes, releases, extends, leaseLost metric.Int64Counter
 	storeErrors, overloaded, rateLimited, denied    metric.Int64Counter
-	adminActions                                    metric.Int64Counter
+	adminActions, boundRefused                      metric.Int64Counter
 	storeDuration                                   metric.Float64Histogram
-	inFlight                                        metric.Int64ObservableUpDownCounter
+	inFlight, connections                           metric.Int64ObservableUpDownCounter
 	meter                                           metric.Meter
 }
 
@@ -72,6 +74,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.rateLimited, MetricRateLimited, "{call}", "Calls refused with RATE_LIMITED, by identity.")
 	counter(&out.denied, MetricDenied, "{call}", "Calls refused with UNAUTHENTICATED or PERMISSION_DENIED, by code.")
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
+	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams (TOO_MANY_STREAMS) or identity_calls (TOO_MANY_CALLS).")
 	var err error
 	out.storeDuration, err = m.Float64Histogram(MetricStoreDuration, metric.WithUnit("s"),
 		metric.WithDescription("Duration of store calls (retries included), by op and outcome: ok, or the error type."),
@@ -79,6 +82,9 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	errs = append(errs, err)
 	out.inFlight, err = m.Int64ObservableUpDownCounter(MetricStoreInFlight, metric.WithUnit("{call}"),
 		metric.WithDescription("Store operations in flight."))
+	errs = append(errs, err)
+	out.connections, err = m.Int64ObservableUpDownCounter(MetricConnections, metric.WithUnit("{connection}"),
+		metric.WithDescription("Connections open, by listener (grpc, health); each is bounded by MaxConnections."))
 	errs = append(errs, err)
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("server: metrics: %w", err)

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
@@ -17,6 +18,7 @@ import (
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc/filters"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
@@ -197,6 +199,9 @@ type Server struct {
 	public *publicStreams
 	// identityCalls bounds the calls in progress of each identity.
 	identityCalls *identityCalls
+	// listeners are the bounded listeners, by name, once serving: read by
+	// the connections gauge.
+	listeners sync.Map // "grpc", "health" → *limitListener
 	// outcomes counts the service's store calls for readiness; window
 	// (health loop only) keeps the last intervals' counts.
 	outcomes *callOutcomes
@@ -235,7 +240,16 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		svc.policies = cfg.Policy
 	}
 	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
-		public: newPublicStreams(cfg.Bounds.MaxPublicStreams), identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity)}, outcomes: outcomes, window: newReadinessWindow(cfg.Readiness)}
+		public: newPublicStreams(cfg.Bounds.MaxPublicStreams, m), identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m}, outcomes: outcomes, window: newReadinessWindow(cfg.Readiness)}
+	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
+		s.listeners.Range(func(name, l any) bool {
+			obs.ObserveInt64(m.connections, l.(*limitListener).open(), metric.WithAttributes(attribute.String("listener", name.(string))))
+			return true
+		})
+		return nil
+	}, m.connections); err != nil {
+		return nil, fmt.Errorf("server: metrics: %w", err)
+	}
 	opts := []grpc.ServerOption{
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithMeterProvider(cfg.MeterProvider),
@@ -281,7 +295,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	s.checkHealth(ctx)
 	go s.watchHealth(ctx)
 
-	lis = limitConnections(lis, s.cfg.Bounds.MaxConnections)
+	lis = s.limitConnections("grpc", lis)
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(lis) }()
 	select {
@@ -328,12 +342,20 @@ func (s *Server) ServeHealth(lis net.Listener) error {
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))
 	g := grpc.NewServer(opts...)
 	healthpb.RegisterHealthServer(g, s.health)
-	lis = limitConnections(lis, s.cfg.Bounds.MaxConnections)
+	lis = s.limitConnections("health", lis)
 	go func() { <-s.done; g.Stop() }()
 	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return err
 	}
 	return nil
+}
+
+// limitConnections bounds the connections of a listener and shows their
+// number in the connections gauge.
+func (s *Server) limitConnections(name string, lis net.Listener) net.Listener {
+	l := limitConnections(lis, s.cfg.Bounds.MaxConnections)
+	s.listeners.Store(name, l)
+	return l
 }
 
 // healthMaxRecvMsgSize bounds a request on the health listener: a
