@@ -239,8 +239,13 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if cfg.Policy != nil {
 		svc.policies = cfg.Policy
 	}
-	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
-		public: newPublicStreams(cfg.Bounds.MaxPublicStreams, m), identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m}, outcomes: outcomes, window: newReadinessWindow(cfg.Readiness)}
+	s := &Server{
+		cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
+		public:        newPublicStreams(cfg.Bounds.MaxPublicStreams, m),
+		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
+		outcomes:      outcomes,
+		window:        newReadinessWindow(cfg.Readiness),
+	}
 	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
 		s.listeners.Range(func(name, l any) bool {
 			obs.ObserveInt64(m.connections, l.(*limitListener).open(), metric.WithAttributes(attribute.String("listener", name.(string))))
