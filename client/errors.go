@@ -34,6 +34,10 @@ const (
 	// ReasonRateLimited (code RESOURCE_EXHAUSTED, with QuotaFailure and
 	// RetryInfo): the consumer's rate limit was reached.
 	ReasonRateLimited = "RATE_LIMITED"
+	// ReasonTooManyCalls (code RESOURCE_EXHAUSTED, with QuotaFailure and
+	// RetryInfo): the caller's identity has as many calls in progress as
+	// the registry allows one identity; it matches ErrRateLimited.
+	ReasonTooManyCalls = "TOO_MANY_CALLS"
 	// ReasonOverloaded (code UNAVAILABLE, with RetryInfo): the registry has
 	// too many store operations in flight; it returns an *UnavailableError.
 	ReasonOverloaded = "OVERLOADED"
@@ -71,8 +75,9 @@ var (
 	ErrUnauthenticated = errors.New("idemreg: unauthenticated")
 	// ErrPermissionDenied: the caller's identity may not use the consumer.
 	ErrPermissionDenied = errors.New("idemreg: permission denied for the consumer")
-	// ErrRateLimited: the consumer's rate limit was reached; the *Error's
-	// RetryAfter says when to try again.
+	// ErrRateLimited: the consumer's rate limit, or the identity's bound on
+	// calls in progress, was reached; the *Error's RetryAfter says when to
+	// try again.
 	ErrRateLimited = errors.New("idemreg: rate limited")
 
 	// ErrInProgress: another holder is working on the key. The error is an
@@ -96,6 +101,7 @@ var sentinelByReason = map[string]error{
 	ReasonUnauthenticated:     ErrUnauthenticated,
 	ReasonPermissionDenied:    ErrPermissionDenied,
 	ReasonRateLimited:         ErrRateLimited,
+	ReasonTooManyCalls:        ErrRateLimited,
 	ReasonOverloaded:          ErrUnavailable,
 	ReasonInProgress:          ErrInProgress,
 	ReasonMissingKey:          ErrMissingKey,

@@ -82,6 +82,7 @@ func TestReasonsMatchServer(t *testing.T) {
 		client.ReasonPermissionDenied:    server.ReasonPermissionDenied,
 		client.ReasonRateLimited:         server.ReasonRateLimited,
 		client.ReasonOverloaded:          server.ReasonOverloaded,
+		client.ReasonTooManyCalls:        server.ReasonTooManyCalls,
 	} {
 		require.Equal(t, want, got)
 	}

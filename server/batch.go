@@ -218,4 +218,3 @@ func (s *Service) BatchComplete(ctx context.Context, req *idemregv1.BatchComplet
 	}
 	return &idemregv1.BatchCompleteResponse{Results: results}, nil
 }
-

@@ -79,8 +79,8 @@ func TestBatchClaimAnswersLikeClaim(t *testing.T) {
 			badWait := claimReq(prefix+"bad-wait", "")
 			badWait.Wait = durationpb.New(time.Hour)
 			return []*idemregv1.ClaimRequest{
-				claimReq(prefix+"new", "fp"), // acquired
-				claimReq(prefix+"busy", "fp"), // in progress
+				claimReq(prefix+"new", "fp"),    // acquired
+				claimReq(prefix+"busy", "fp"),   // in progress
 				claimReq(prefix+"done-2", "fp"), // replay
 				mismatch, bad, badLease, badWait,
 				claimReq(prefix+"twice", "fp"), claimReq(prefix+"twice", "fp"), // acquired, then in progress

@@ -30,6 +30,8 @@ const (
 	MetricRateLimited   = "idemreg.rate_limited"
 	MetricDenied        = "idemreg.auth.denied"
 	MetricAdminActions  = "idemreg.admin.actions"
+	MetricBoundRefused  = "idemreg.bounds.refused"
+	MetricConnections   = "idemreg.connections"
 	MetricBatchSize     = "idemreg.batch.size"
 	MetricWaits         = "idemreg.waits"
 	MetricWaitDuration  = "idemreg.wait.duration"
@@ -60,11 +62,10 @@ const (
 type metrics struct {
 	claims, completes, releases, extends, leaseLost metric.Int64Counter
 	storeErrors, overloaded, rateLimited, denied    metric.Int64Counter
-	adminActions                                    metric.Int64Counter
+	adminActions, boundRefused, waits               metric.Int64Counter
 	storeDuration, waitDuration                     metric.Float64Histogram
 	batchSize                                       metric.Int64Histogram
-	waits                                           metric.Int64Counter
-	inFlight                                        metric.Int64ObservableUpDownCounter
+	inFlight, connections                           metric.Int64ObservableUpDownCounter
 	meter                                           metric.Meter
 }
 
@@ -90,6 +91,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.denied, MetricDenied, "{call}", "Calls refused with UNAUTHENTICATED or PERMISSION_DENIED, by code.")
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
 	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, elapsed, canceled, full, drained, error).")
+	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams (TOO_MANY_STREAMS) or identity_calls (TOO_MANY_CALLS).")
 	var err error
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),
 		metric.WithDescription("How long Claims waited for a key in progress, by how they ended."),
@@ -105,6 +107,9 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	errs = append(errs, err)
 	out.inFlight, err = m.Int64ObservableUpDownCounter(MetricStoreInFlight, metric.WithUnit("{call}"),
 		metric.WithDescription("Store operations in flight."))
+	errs = append(errs, err)
+	out.connections, err = m.Int64ObservableUpDownCounter(MetricConnections, metric.WithUnit("{connection}"),
+		metric.WithDescription("Connections open, by listener (grpc, health); each is bounded by MaxConnections."))
 	errs = append(errs, err)
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("server: metrics: %w", err)

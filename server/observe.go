@@ -19,17 +19,20 @@ var errOverloaded = errors.New("too many store operations in flight")
 // observedStore wraps the store the service calls: it bounds the
 // operations in flight, so that overload is answered at once instead of
 // queueing behind the store's connection pool until deadlines run out, and
-// it measures every call. Ping bypasses both: health must see the store as
-// it is, not as the queue is.
+// it measures every call and counts its outcome for readiness. Ping
+// bypasses all three: health must see the store as it is, not as the
+// queue is.
 type observedStore struct {
 	storage.Store
 	admin storage.Admin // nil when the store has no admin capability
 	sem   chan struct{}
 	m     *metrics
+	// outcomes counts the calls that reached the store, for readiness.
+	outcomes *callOutcomes
 }
 
-func newObservedStore(s storage.Store, maxInFlight int, m *metrics) (*observedStore, error) {
-	o := &observedStore{Store: s, sem: make(chan struct{}, maxInFlight), m: m}
+func newObservedStore(s storage.Store, maxInFlight int, m *metrics, outcomes *callOutcomes) (*observedStore, error) {
+	o := &observedStore{Store: s, sem: make(chan struct{}, maxInFlight), m: m, outcomes: outcomes}
 	o.admin, _ = s.(storage.Admin)
 	// The in-flight gauge is read off the bound when metrics are
 	// collected, which costs the calls nothing.
@@ -92,6 +95,7 @@ func (o *observedStore) do(ctx context.Context, op *opMeasures, call func() erro
 	err := call()
 	elapsed := time.Since(start).Seconds()
 	<-o.sem
+	o.outcomes.record(err)
 	if err != nil && !isAnswer(err) {
 		outcome := errorType(err)
 		opAttr := attribute.String("op", op.name)

@@ -4,9 +4,11 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
@@ -16,6 +18,7 @@ import (
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc/filters"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
@@ -43,9 +46,13 @@ type Config struct {
 	Policy *policy.Source
 	// Logger receives structured logs; nil discards them.
 	Logger *slog.Logger
-	// HealthInterval is how often the store is pinged to drive the health
-	// service (default 2s); PingTimeout bounds each ping (default 1s).
+	// HealthInterval is how often the store is pinged and probed to drive
+	// the health service (default 2s); PingTimeout bounds each ping and
+	// each probe (default 1s).
 	HealthInterval, PingTimeout time.Duration
+	// Readiness decides when failing store calls make the server
+	// NOT_SERVING (readiness.go); zero fields take the defaults.
+	Readiness Readiness
 	// ShutdownTimeout bounds the graceful drain before connections are cut
 	// (default 10s).
 	ShutdownTimeout time.Duration
@@ -84,6 +91,11 @@ type Config struct {
 	// Keepalive sets connection ages and pings; zero fields take the
 	// defaults of DefaultKeepalive.
 	Keepalive keepalive.ServerParameters
+	// Bounds limit what any peer that can connect may make the server
+	// hold (headers, streams, connections), on the gRPC listener and the
+	// health listener alike; zero fields take the defaults of
+	// DefaultBounds.
+	Bounds Bounds
 	// DrainDelay is how long the server keeps serving after reporting
 	// NOT_SERVING on shutdown, so load balancers and Kubernetes endpoints
 	// stop sending new calls before connections are drained (default 0).
@@ -164,6 +176,8 @@ func (c *Config) setDefaults() {
 			*f.v = *f.d
 		}
 	}
+	c.Bounds.setDefaults()
+	c.Readiness.setDefaults()
 	if c.MeterProvider == nil {
 		c.MeterProvider = otel.GetMeterProvider()
 	}
@@ -187,6 +201,18 @@ type Server struct {
 	done chan struct{}
 	// serving is the last status set; only Serve's health loop touches it.
 	serving healthpb.HealthCheckResponse_ServingStatus
+	// public bounds the streams that need no credentials, on both
+	// listeners together.
+	public *publicStreams
+	// identityCalls bounds the calls in progress of each identity.
+	identityCalls *identityCalls
+	// listeners are the bounded listeners, by name, once serving: read by
+	// the connections gauge.
+	listeners sync.Map // "grpc", "health" → *limitListener
+	// outcomes counts the service's store calls for readiness; window
+	// (health loop only) keeps the last intervals' counts.
+	outcomes *callOutcomes
+	window   *readinessWindow
 }
 
 // healthServices are the names the health service reports readiness on:
@@ -200,12 +226,16 @@ const LivenessService = "liveness"
 
 // New builds a Server on store.
 func New(store storage.Store, cfg Config) (*Server, error) {
+	if err := errors.Join(cfg.Bounds.Validate(), cfg.Readiness.Validate()); err != nil {
+		return nil, fmt.Errorf("server: %w", err)
+	}
 	cfg.setDefaults()
 	m, err := newMetrics(cfg.MeterProvider)
 	if err != nil {
 		return nil, err
 	}
-	observed, err := newObservedStore(store, cfg.MaxInFlight, m)
+	outcomes := &callOutcomes{}
+	observed, err := newObservedStore(store, cfg.MaxInFlight, m, outcomes)
 	if err != nil {
 		return nil, err
 	}
@@ -216,7 +246,22 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if cfg.Policy != nil {
 		svc.policies = cfg.Policy
 	}
-	s := &Server{cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{})}
+	s := &Server{
+		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
+		public:        newPublicStreams(cfg.Bounds.MaxPublicStreams, m),
+		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
+		outcomes:      outcomes,
+		window:        newReadinessWindow(cfg.Readiness),
+	}
+	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
+		s.listeners.Range(func(name, l any) bool {
+			obs.ObserveInt64(m.connections, l.(*limitListener).open(), metric.WithAttributes(attribute.String("listener", name.(string))))
+			return true
+		})
+		return nil
+	}, m.connections); err != nil {
+		return nil, fmt.Errorf("server: metrics: %w", err)
+	}
 	opts := []grpc.ServerOption{
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithMeterProvider(cfg.MeterProvider),
@@ -231,6 +276,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement),
 		grpc.NumStreamWorkers(uint32(max(cfg.StreamWorkers, 0))),
 	}
+	opts = append(opts, cfg.Bounds.serverOptions()...)
 	if cfg.TLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
 	}
@@ -265,6 +311,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	s.checkHealth(ctx)
 	go s.watchHealth(ctx)
 
+	lis = s.limitConnections("grpc", lis)
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(lis) }()
 	select {
@@ -272,7 +319,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 		return err
 	case <-ctx.Done():
 	}
-	s.health.Shutdown() // every service NOT_SERVING, so load balancers drain us first
+	s.health.Shutdown()   // every service NOT_SERVING, so load balancers drain us first
 	s.svc.waiters.drain() // waiting Claims answer now, as they are
 	if s.cfg.DrainDelay > 0 {
 		s.cfg.Logger.Info("not serving, waiting for load balancers", "drain_delay", s.cfg.DrainDelay)
@@ -300,16 +347,37 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 // ServeHealth serves the health service alone, in plaintext, on lis, until
 // Serve returns: for Kubernetes' gRPC probes, which cannot speak TLS, and
 // other probes that should not need credentials. It reports the same
-// statuses as the health service of the main listener.
+// statuses as the health service of the main listener, under the same
+// bounds (its connections are counted apart, its Watch streams with those
+// of the main listener).
 func (s *Server) ServeHealth(lis net.Listener) error {
-	g := grpc.NewServer()
+	opts := append(s.cfg.Bounds.serverOptions(),
+		grpc.ChainStreamInterceptor(s.public.intercept),
+		// A health request is a service name.
+		grpc.MaxRecvMsgSize(healthMaxRecvMsgSize),
+		grpc.KeepaliveParams(s.cfg.Keepalive),
+		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))
+	g := grpc.NewServer(opts...)
 	healthpb.RegisterHealthServer(g, s.health)
+	lis = s.limitConnections("health", lis)
 	go func() { <-s.done; g.Stop() }()
 	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return err
 	}
 	return nil
 }
+
+// limitConnections bounds the connections of a listener and shows their
+// number in the connections gauge.
+func (s *Server) limitConnections(name string, lis net.Listener) net.Listener {
+	l := limitConnections(lis, s.cfg.Bounds.MaxConnections)
+	s.listeners.Store(name, l)
+	return l
+}
+
+// healthMaxRecvMsgSize bounds a request on the health listener: a
+// HealthCheckRequest is one service name.
+const healthMaxRecvMsgSize = 4 << 10
 
 func (s *Server) watchHealth(ctx context.Context) {
 	t := time.NewTicker(s.cfg.HealthInterval)
@@ -324,25 +392,40 @@ func (s *Server) watchHealth(ctx context.Context) {
 	}
 }
 
-// checkHealth pings the store and sets the serving status accordingly.
+// checkHealth pings the store, reads the probe record and counts the
+// interval's store calls (readiness.go), and sets the serving status
+// accordingly.
 func (s *Server) checkHealth(ctx context.Context) {
 	pctx, cancel := context.WithTimeout(ctx, s.cfg.PingTimeout)
 	err := s.store.Ping(pctx)
 	cancel()
+	if err == nil {
+		pctx, cancel = context.WithTimeout(ctx, s.cfg.PingTimeout)
+		_, err = s.store.Lookup(pctx, readinessProbeKey)
+		cancel()
+		if errors.Is(err, storage.ErrNotFound) {
+			err = nil
+		}
+	}
 	if ctx.Err() != nil {
 		return
 	}
+	calls, failing := s.window.add(s.outcomes)
 	st := healthpb.HealthCheckResponse_SERVING
-	if err != nil {
+	if err != nil || failing {
 		st = healthpb.HealthCheckResponse_NOT_SERVING
 	}
 	if st == s.serving {
 		return
 	}
 	s.serving = st
-	if err != nil {
+	switch {
+	case err != nil:
 		s.cfg.Logger.Warn("health changed", "status", st.String(), "error", err)
-	} else {
+	case failing:
+		s.cfg.Logger.Warn("health changed", "status", st.String(), "reason", "store calls failing",
+			"failed_calls", calls.failed, "calls", calls.ok+calls.failed, "window_intervals", s.cfg.Readiness.Window)
+	default:
 		s.cfg.Logger.Info("health changed", "status", st.String())
 	}
 	for _, name := range healthServices {
@@ -366,7 +449,9 @@ func (s *Server) checkHealth(ctx context.Context) {
 //  5. authorization (same selector): the identity may use the request's
 //     consumer (RegistryService) or administer it (AdminService), or
 //     PERMISSION_DENIED — before the handler has read anything;
-//  6. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
+//  6. calls per identity (bounds.go): an identity with MaxCallsPerIdentity
+//     calls in progress gets RESOURCE_EXHAUSTED, TOO_MANY_CALLS;
+//  7. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
 //     QuotaFailure and RetryInfo.
 //
 // Below the handler, the store is wrapped (observe.go) to bound the
@@ -381,6 +466,7 @@ func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 		s.deadline,
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
 		selector.UnaryServerInterceptor(s.authorize, protected),
+		selector.UnaryServerInterceptor(s.identityCalls.intercept, protected),
 		s.rateLimit,
 	}
 }
@@ -397,6 +483,9 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
 			return newStatus(codes.PermissionDenied, ReasonPermissionDenied, "streaming methods are not open to identities", nil)
 		}, protected),
+		// What is left is public: bounded in number, since no credential
+		// stands behind it.
+		s.public.intercept,
 	}
 }
 

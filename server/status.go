@@ -28,11 +28,14 @@ const (
 	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
 	ReasonCanceled            = "CANCELED"
 	ReasonInternal            = "INTERNAL"
-	// The middleware's own answers (auth.go, deadline.go, observe.go).
+	// The middleware's own answers (auth.go, deadline.go, observe.go,
+	// bounds.go).
 	ReasonUnauthenticated  = "UNAUTHENTICATED"
 	ReasonPermissionDenied = "PERMISSION_DENIED"
 	ReasonRateLimited      = "RATE_LIMITED"
 	ReasonOverloaded       = "OVERLOADED"
+	ReasonTooManyStreams   = "TOO_MANY_STREAMS"
+	ReasonTooManyCalls     = "TOO_MANY_CALLS"
 )
 
 // unavailableRetryAfter is the RetryInfo delay suggested when the store is

@@ -25,15 +25,22 @@ import (
 
 // waitHarness is a server whose waiters a test can count.
 type waitHarness struct {
-	srv *server.Server
-	c   idemregv1.RegistryServiceClient
+	srv  *server.Server
+	c    idemregv1.RegistryServiceClient
+	addr string
+}
+
+// newClient connects another client: a connection carries at most 64
+// calls at once (server.Bounds), and a waiting Claim is one of them.
+func (h waitHarness) newClient(t *testing.T) idemregv1.RegistryServiceClient {
+	return idemregv1.NewRegistryServiceClient(servertest.Dial(t, h.addr))
 }
 
 func forEachWaitBackend(t *testing.T, cfg server.Config, fn func(t *testing.T, h waitHarness)) {
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			addr, srv := servertest.Serve(t, b.open(t, &storagetest.Clock{}), cfg)
-			fn(t, waitHarness{srv: srv, c: idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))})
+			fn(t, waitHarness{srv: srv, c: idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr)), addr: addr})
 		})
 	}
 }
@@ -215,8 +222,9 @@ func TestRaceWaiters(t *testing.T) {
 			holder, err := h.c.Claim(t.Context(), r)
 			require.NoError(t, err)
 			var answers []<-chan claimAnswer
-			for range 64 {
-				answers = append(answers, claimAsync(t.Context(), h.c, waiting(key, 20*time.Second)))
+			waiters := []idemregv1.RegistryServiceClient{h.newClient(t), h.newClient(t)}
+			for i := range 64 {
+				answers = append(answers, claimAsync(t.Context(), waiters[i%2], waiting(key, 20*time.Second)))
 			}
 			h.waitersReach(t, 64)
 			want := "by the holder"

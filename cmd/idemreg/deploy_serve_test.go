@@ -5,11 +5,14 @@ import (
 	"errors"
 	"flag"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -33,10 +36,21 @@ type deployment struct {
 	Spec struct {
 		Replicas int `yaml:"replicas"`
 		Template struct {
+			Metadata struct {
+				Labels map[string]string `yaml:"labels"`
+			} `yaml:"metadata"`
 			Spec struct {
 				TerminationGracePeriodSeconds int `yaml:"terminationGracePeriodSeconds"`
 				Containers                    []struct {
-					Args  []string `yaml:"args"`
+					Args []string `yaml:"args"`
+					Env  []struct {
+						Name      string `yaml:"name"`
+						ValueFrom struct {
+							FieldRef struct {
+								FieldPath string `yaml:"fieldPath"`
+							} `yaml:"fieldRef"`
+						} `yaml:"valueFrom"`
+					} `yaml:"env"`
 					Ports []struct {
 						Name          string `yaml:"name"`
 						ContainerPort int    `yaml:"containerPort"`
@@ -63,22 +77,7 @@ type deployment struct {
 // health listener (liveness on the process, readiness on the store), the
 // grace period covers the drain, and the config file it mounts is valid.
 func TestDeployServe(t *testing.T) {
-	raw, err := os.ReadFile("../../deploy/idemreg.yaml")
-	require.NoError(t, err)
-	var d deployment
-	dec := yaml.NewDecoder(bytes.NewReader(raw))
-	for {
-		var doc deployment
-		err := dec.Decode(&doc)
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		require.NoError(t, err)
-		if doc.Kind == "Deployment" {
-			d = doc
-		}
-	}
-	require.Equal(t, "Deployment", d.Kind)
+	d := readDeployment(t)
 	require.GreaterOrEqual(t, d.Spec.Replicas, 2, "several replicas on a shared store")
 	pod := d.Spec.Template.Spec
 	require.Len(t, pod.Containers, 1)
@@ -137,6 +136,28 @@ func TestDeployServe(t *testing.T) {
 	require.True(t, limited)
 }
 
+// readDeployment reads the Deployment of deploy/idemreg.yaml.
+func readDeployment(t *testing.T) deployment {
+	t.Helper()
+	raw, err := os.ReadFile("../../deploy/idemreg.yaml")
+	require.NoError(t, err)
+	var d deployment
+	dec := yaml.NewDecoder(bytes.NewReader(raw))
+	for {
+		var doc deployment
+		err := dec.Decode(&doc)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		require.NoError(t, err)
+		if doc.Kind == "Deployment" {
+			d = doc
+		}
+	}
+	require.Equal(t, "Deployment", d.Kind)
+	return d
+}
+
 func port(t *testing.T, addr string) int {
 	t.Helper()
 	_, p, err := net.SplitHostPort(addr)
@@ -160,4 +181,95 @@ func TestDockerfileBuildsLikeMake(t *testing.T) {
 	require.Equal(t, string(m[1]), string(d[1]))
 	require.Contains(t, string(docker), "HEALTHCHECK")
 	require.Regexp(t, `(?m)^USER 65532`, string(docker), "non-root, numeric so runAsNonRoot can check it")
+}
+
+// TestDeployExposure checks what deploy/ opens to whom: health and metrics
+// listen on the pod's IP alone (where the kubelet's probes and Prometheus
+// connect, not every interface), the NetworkPolicy admits the gRPC port
+// from clients and the metrics port from the monitoring namespace only
+// (never the plaintext health port, which the kubelet reaches from the
+// node), and the headers anonymous peers can pin on both listeners fit in
+// half the pod's memory limit.
+func TestDeployExposure(t *testing.T) {
+	d := readDeployment(t)
+	c := d.Spec.Template.Spec.Containers[0]
+	cfg := defaultConfig()
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	cfg.bind(fs, true)
+	require.NoError(t, fs.Parse(c.Args[1:]))
+	sc := cfg.Surface
+
+	env := map[string]string{}
+	for _, e := range c.Env {
+		env[e.Name] = e.ValueFrom.FieldRef.FieldPath
+	}
+	require.Equal(t, "status.podIP", env["POD_IP"])
+	for name, addr := range map[string]string{"--health-listen": sc.HealthListen, "--metrics-listen": sc.MetricsListen} {
+		host, _, err := net.SplitHostPort(addr)
+		require.NoError(t, err)
+		require.Equal(t, "$(POD_IP)", host, "%s on the pod's IP, not every interface", name)
+	}
+
+	raw, err := os.ReadFile("../../deploy/networkpolicy.yaml")
+	require.NoError(t, err)
+	var np struct {
+		APIVersion string `yaml:"apiVersion"`
+		Kind       string `yaml:"kind"`
+		Spec       struct {
+			PodSelector struct {
+				MatchLabels map[string]string `yaml:"matchLabels"`
+			} `yaml:"podSelector"`
+			PolicyTypes []string `yaml:"policyTypes"`
+			Ingress     []struct {
+				From []struct {
+					NamespaceSelector *struct {
+						MatchLabels map[string]string `yaml:"matchLabels"`
+					} `yaml:"namespaceSelector"`
+					PodSelector *struct{} `yaml:"podSelector"`
+					IPBlock     *struct{} `yaml:"ipBlock"`
+				} `yaml:"from"`
+				Ports []struct {
+					Port     string `yaml:"port"`
+					Protocol string `yaml:"protocol"`
+				} `yaml:"ports"`
+			} `yaml:"ingress"`
+		} `yaml:"spec"`
+	}
+	require.NoError(t, yaml.Unmarshal(raw, &np))
+	require.Equal(t, "networking.k8s.io/v1", np.APIVersion)
+	require.Equal(t, "NetworkPolicy", np.Kind)
+	require.Equal(t, d.Spec.Template.Metadata.Labels, np.Spec.PodSelector.MatchLabels, "the policy selects the Deployment's pods")
+	require.Contains(t, np.Spec.PolicyTypes, "Ingress")
+
+	containerPorts := map[string]bool{}
+	for _, p := range c.Ports {
+		containerPorts[p.Name] = true
+	}
+	admitted := map[string][]map[string]string{} // port → the namespace labels of its sources
+	for _, rule := range np.Spec.Ingress {
+		require.NotEmpty(t, rule.Ports, "a rule without ports admits every port")
+		require.NotEmpty(t, rule.From, "a rule without sources admits everyone")
+		for _, p := range rule.Ports {
+			require.True(t, containerPorts[p.Port], "port %q is a named port of the container", p.Port)
+			require.Equal(t, "TCP", p.Protocol)
+			for _, f := range rule.From {
+				require.Nil(t, f.IPBlock, "no address ranges")
+				require.NotNil(t, f.NamespaceSelector)
+				admitted[p.Port] = append(admitted[p.Port], f.NamespaceSelector.MatchLabels)
+			}
+		}
+	}
+	require.ElementsMatch(t, []string{"grpc", "metrics"}, slices.Collect(maps.Keys(admitted)), "the health port is admitted from no pod")
+	require.Equal(t, []map[string]string{{"kubernetes.io/metadata.name": "monitoring"}}, admitted["metrics"])
+
+	// A stream whose request never comes keeps its headers until its
+	// connection closes: what both listeners can pin at worst.
+	b := sc.Bounds
+	pinned := 2 * int64(b.MaxConnections) * int64(b.MaxConcurrentStreams) * int64(b.MaxHeaderListSize)
+	limit := c.Resources.Limits["memory"]
+	require.Regexp(t, `^[0-9]+Mi$`, limit)
+	mib, err := strconv.ParseInt(strings.TrimSuffix(limit, "Mi"), 10, 64)
+	require.NoError(t, err)
+	require.LessOrEqual(t, pinned, mib<<20/2, "pinned headers (%d MiB) within half of the memory limit (%s)", pinned>>20, limit)
 }

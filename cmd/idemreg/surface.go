@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -47,8 +48,14 @@ type surfaceConfig struct {
 	MaxInFlight                     int
 	StreamWorkers                   int
 	MaxConnectionAge                time.Duration
+	MaxConnectionIdle               time.Duration
 	DrainDelay, ShutdownTimeout     time.Duration
 	DisableReflection               bool
+	// Bounds limit what any peer that connects may make serve hold, on
+	// the gRPC and the health listener.
+	Bounds server.Bounds
+	// Readiness decides when failing store calls make serve unready.
+	Readiness server.Readiness
 }
 
 func defaultSurface() surfaceConfig {
@@ -59,7 +66,14 @@ func defaultSurface() surfaceConfig {
 		MaxInFlight:       server.DefaultMaxInFlight,
 		StreamWorkers:     server.DefaultStreamWorkers,
 		MaxConnectionAge:  ka.MaxConnectionAge,
+		MaxConnectionIdle: ka.MaxConnectionIdle,
 		ShutdownTimeout:   10 * time.Second,
+		Bounds:            server.DefaultBounds(),
+		Readiness: server.Readiness{
+			Window:          server.DefaultReadinessWindow,
+			MinCalls:        server.DefaultReadinessMinCalls,
+			MaxFailureRatio: server.DefaultReadinessMaxFailureRatio,
+		},
 	}
 }
 
@@ -76,6 +90,26 @@ func (s *surfaceConfig) bind(fs *flag.FlagSet) {
 	fs.IntVar(&s.MaxInFlight, "max-in-flight", s.MaxInFlight, "most store operations at once; beyond it calls fail at once with UNAVAILABLE (OVERLOADED)")
 	fs.IntVar(&s.StreamWorkers, "stream-workers", s.StreamWorkers, "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
 	fs.DurationVar(&s.MaxConnectionAge, "max-connection-age", s.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
+	fs.DurationVar(&s.MaxConnectionIdle, "max-connection-idle", s.MaxConnectionIdle, "close client connections that have had no call for this long")
+	b := &s.Bounds
+	fs.Func("max-header-list-size", fmt.Sprintf("largest header list of one call, in bytes (names, values and 32 bytes per field); a call over it is refused before any handler (default %d)", b.MaxHeaderListSize), func(v string) error {
+		n, err := strconv.ParseUint(v, 10, 32)
+		b.MaxHeaderListSize = uint32(n)
+		return err
+	})
+	fs.Func("max-concurrent-streams", fmt.Sprintf("most calls open at once on one connection; clients queue beyond it (default %d)", b.MaxConcurrentStreams), func(v string) error {
+		n, err := strconv.ParseUint(v, 10, 32)
+		b.MaxConcurrentStreams = uint32(n)
+		return err
+	})
+	fs.IntVar(&b.MaxConnections, "max-connections", b.MaxConnections, "most connections each listener (gRPC, health) holds open; beyond it new ones wait to be accepted")
+	fs.IntVar(&b.MaxPublicStreams, "max-public-streams", b.MaxPublicStreams, "most health Watch and reflection streams (which need no credentials) open at once; beyond it they fail with RESOURCE_EXHAUSTED")
+	fs.IntVar(&b.MaxCallsPerIdentity, "max-calls-per-identity", b.MaxCallsPerIdentity, "most calls one identity of --config has in progress at once; beyond it they fail with RESOURCE_EXHAUSTED (TOO_MANY_CALLS)")
+	fs.DurationVar(&b.ConnectionTimeout, "connection-timeout", b.ConnectionTimeout, "longest a new connection may take over its TLS and HTTP/2 handshakes")
+	r := &s.Readiness
+	fs.IntVar(&r.Window, "readiness-window", r.Window, "health intervals (2 s each) over which the store calls' failure rate decides readiness")
+	fs.IntVar(&r.MinCalls, "readiness-min-calls", r.MinCalls, "fewest store calls in the readiness window for their failure rate to count")
+	fs.Float64Var(&r.MaxFailureRatio, "readiness-max-failure-ratio", r.MaxFailureRatio, "share of failed store calls in the readiness window, in (0, 1], at which serve reports NOT_SERVING")
 	fs.DurationVar(&s.DrainDelay, "drain-delay", s.DrainDelay, "on SIGTERM, keep serving this long after health turns NOT_SERVING, for load balancers to notice")
 	fs.DurationVar(&s.ShutdownTimeout, "shutdown-timeout", s.ShutdownTimeout, "on SIGTERM, longest wait for calls in flight before connections are cut")
 	fs.BoolVar(&s.DisableReflection, "disable-reflection", s.DisableReflection, "turn gRPC server reflection off")
@@ -106,8 +140,22 @@ func (s *surfaceConfig) validate(listen string) []error {
 	if s.StreamWorkers < 0 {
 		errs = append(errs, fmt.Errorf("--stream-workers must not be negative, got %d", s.StreamWorkers))
 	}
-	if s.MaxConnectionAge <= 0 {
-		errs = append(errs, fmt.Errorf("--max-connection-age must be positive, got %v", s.MaxConnectionAge))
+	if s.MaxConnectionAge <= 0 || s.MaxConnectionIdle <= 0 {
+		errs = append(errs, fmt.Errorf("--max-connection-age and --max-connection-idle must be positive, got %v and %v", s.MaxConnectionAge, s.MaxConnectionIdle))
+	}
+	// Zero would take the server's default; on the command line it is
+	// more likely a mistake for "no bound", which there is not.
+	b := s.Bounds
+	if b.MaxHeaderListSize == 0 || b.MaxConcurrentStreams == 0 || b.MaxConnections <= 0 || b.MaxPublicStreams <= 0 || b.MaxCallsPerIdentity <= 0 || b.ConnectionTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("--max-header-list-size (%d), --max-concurrent-streams (%d), --max-connections (%d), --max-public-streams (%d), --max-calls-per-identity (%d) and --connection-timeout (%v) must be positive",
+			b.MaxHeaderListSize, b.MaxConcurrentStreams, b.MaxConnections, b.MaxPublicStreams, b.MaxCallsPerIdentity, b.ConnectionTimeout))
+	} else if err := b.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if r := s.Readiness; r.Window <= 0 || r.MinCalls <= 0 || r.MaxFailureRatio <= 0 {
+		errs = append(errs, fmt.Errorf("--readiness-window (%d), --readiness-min-calls (%d) and --readiness-max-failure-ratio (%v) must be positive", r.Window, r.MinCalls, r.MaxFailureRatio))
+	} else if err := r.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	if s.DrainDelay < 0 || s.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("--drain-delay must not be negative and --shutdown-timeout must be positive, got %v and %v", s.DrainDelay, s.ShutdownTimeout))
@@ -203,11 +251,14 @@ func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config,
 		DrainDelay:        sc.DrainDelay,
 		ShutdownTimeout:   sc.ShutdownTimeout,
 		DisableReflection: sc.DisableReflection,
+		Bounds:            sc.Bounds,
+		Readiness:         sc.Readiness,
 		MeterProvider:     s.telemetry.meters,
 		TracerProvider:    otel.GetTracerProvider(),
 	}
 	out.Keepalive = server.DefaultKeepalive()
 	out.Keepalive.MaxConnectionAge = sc.MaxConnectionAge
+	out.Keepalive.MaxConnectionIdle = sc.MaxConnectionIdle
 	if sc.TLSCert != "" {
 		tlsCfg, err := server.TLSConfig(server.TLSFiles{CertFile: sc.TLSCert, KeyFile: sc.TLSKey, ClientCAFile: sc.TLSClientCA}, logger)
 		if err != nil {

@@ -26,6 +26,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
@@ -52,6 +54,17 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"timeouts", []string{"--request-timeout", "10s", "--max-request-timeout", "5s"}, "--max-request-timeout"},
 		{"in flight", []string{"--max-in-flight", "0"}, "--max-in-flight must be positive"},
 		{"stream workers", []string{"--stream-workers", "-1"}, "--stream-workers must not be negative"},
+		{"no header bound", []string{"--max-header-list-size", "0"}, "--max-header-list-size (0)"},
+		{"header bound too small", []string{"--max-header-list-size", "100"}, "header list bound must be between"},
+		{"header bound not a number", []string{"--max-header-list-size", "16KiB"}, "invalid value"},
+		{"no stream bound", []string{"--max-concurrent-streams", "0"}, "--max-concurrent-streams (0)"},
+		{"no connection bound", []string{"--max-connections", "0"}, "--max-connections (0)"},
+		{"no public stream bound", []string{"--max-public-streams", "-1"}, "--max-public-streams (-1)"},
+		{"no per-identity bound", []string{"--max-calls-per-identity", "0"}, "--max-calls-per-identity (0)"},
+		{"no handshake timeout", []string{"--connection-timeout", "0s"}, "--connection-timeout (0s)"},
+		{"no idle timeout", []string{"--max-connection-idle", "0s"}, "--max-connection-idle must be positive"},
+		{"no readiness window", []string{"--readiness-window", "0"}, "--readiness-window (0)"},
+		{"readiness ratio above one", []string{"--readiness-max-failure-ratio", "2"}, "failure ratio must be in (0, 1]"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -146,7 +159,8 @@ identities:
 	p := startServe(t, bin, dir, nil, "--data-dir", filepath.Join(dir, "data"), "--config", configPath,
 		"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem"),
 		"--tls-client-ca", filepath.Join(dir, "ca.pem"),
-		"--metrics-listen", metricsAddr, "--health-listen", healthAddr, "--drain-delay", "200ms")
+		"--metrics-listen", metricsAddr, "--health-listen", healthAddr, "--drain-delay", "200ms",
+		"--max-public-streams", "1")
 	p.waitLog(t, "serving")
 
 	claim := func(client, consumer string) error {
@@ -162,6 +176,23 @@ identities:
 	out, err := exec.Command(bin, "health", "--addr", healthAddr).CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	require.Contains(t, string(out), "SERVING")
+
+	// --max-public-streams reaches the health listener: one Watch is
+	// served, the next refused while it lasts.
+	hconn, err := grpc.NewClient(healthAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = hconn.Close() })
+	watch := func(ctx context.Context) error {
+		w, err := healthpb.NewHealthClient(hconn).Watch(ctx, &healthpb.HealthCheckRequest{Service: "liveness"})
+		if err == nil {
+			_, err = w.Recv()
+		}
+		return err
+	}
+	wctx, stopWatch := context.WithCancel(t.Context())
+	require.NoError(t, watch(wctx))
+	require.Equal(t, codes.ResourceExhausted, status.Code(watch(t.Context())))
+	stopWatch()
 
 	res, err := http.Get("http://" + metricsAddr + "/metrics")
 	require.NoError(t, err)

@@ -27,6 +27,8 @@
 //   PERMISSION_DENIED      PERMISSION_DENIED     the caller may not use the request's consumer (checked before any read)
 //   RATE_LIMITED           RESOURCE_EXHAUSTED    the consumer is over its rate limit; QuotaFailure and RetryInfo
 //   OVERLOADED             UNAVAILABLE           the server has too many store calls in flight; retry after RetryInfo
+//   TOO_MANY_CALLS         RESOURCE_EXHAUSTED    the caller's identity has too many calls in progress; QuotaFailure and RetryInfo
+//   TOO_MANY_STREAMS       RESOURCE_EXHAUSTED    too many health Watch or reflection streams are open (they need no credentials)
 
 package idemregv1
 

@@ -1,0 +1,275 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+
+	"github.com/idemreg/idemreg/server/access"
+)
+
+// Bounds are what anyone who can open a connection may make the server
+// hold, before any credential is checked: HTTP/2 header lists, streams,
+// connections, and the long-lived streams that need no credentials (health
+// Watch, reflection). grpc-go's own defaults leave them unbounded (16 MiB
+// of headers per stream, streams without number), which let forty health
+// streams take a server from 51 MB to 407 MB. Zero fields take the
+// defaults below.
+//
+// Their product is the worst case an anonymous peer can pin, since a
+// stream whose request never arrives keeps its headers until its
+// connection closes: MaxConnections × MaxConcurrentStreams ×
+// MaxHeaderListSize per listener (128 × 64 × 16 KiB = 128 MiB by default),
+// recycled at least every MaxConnectionAge (Keepalive).
+type Bounds struct {
+	// MaxHeaderListSize bounds the header list of one stream (HTTP/2
+	// SETTINGS_MAX_HEADER_LIST_SIZE, names and values plus 32 bytes per
+	// field); a stream over it is reset before it reaches a handler
+	// (DefaultMaxHeaderListSize).
+	MaxHeaderListSize uint32
+	// MaxConcurrentStreams bounds the streams (calls) open at once on one
+	// connection; a stream beyond it is refused (REFUSED_STREAM), and gRPC
+	// clients queue calls beyond it instead of sending them
+	// (DefaultMaxConcurrentStreams).
+	MaxConcurrentStreams uint32
+	// MaxConnections bounds the connections a listener holds open at once;
+	// beyond it, new connections wait in the kernel's accept queue until
+	// one closes (DefaultMaxConnections). Each listener (gRPC, health) has
+	// its own count.
+	MaxConnections int
+	// MaxPublicStreams bounds the streaming calls open at once that need
+	// no credentials (health Watch and reflection), over every connection
+	// and both listeners; one beyond it fails at once with
+	// RESOURCE_EXHAUSTED, reason TOO_MANY_STREAMS (DefaultMaxPublicStreams).
+	MaxPublicStreams int
+	// ConnectionTimeout bounds a new connection's TLS and HTTP/2
+	// handshakes, so that a peer that connects and sends nothing does not
+	// keep a connection slot (DefaultConnectionTimeout).
+	ConnectionTimeout time.Duration
+	// MaxCallsPerIdentity bounds the calls of one identity in progress at
+	// once, over every connection, so that one caller cannot take every
+	// store slot (Config.MaxInFlight) from the others; a call beyond it
+	// fails at once with RESOURCE_EXHAUSTED, reason TOO_MANY_CALLS
+	// (DefaultMaxCallsPerIdentity). It applies when the server has
+	// identities; anonymous callers of an open server are one caller.
+	MaxCallsPerIdentity int
+}
+
+const (
+	// DefaultMaxHeaderListSize: a call's own headers (path, content type,
+	// deadline, bearer token, trace context) take well under 2 KiB; 16 KiB
+	// leaves room for a caller's metadata and nothing for abuse.
+	DefaultMaxHeaderListSize = 16 << 10
+	// DefaultMaxConcurrentStreams: more than a client needs on one
+	// connection to keep a replica's store busy (a pool holds tens of
+	// connections); the bound times the header size is what one
+	// connection can pin.
+	DefaultMaxConcurrentStreams = 64
+	// DefaultMaxConnections: a shared replica serves one connection per
+	// client process behind a ClusterIP Service; 128 of them fit, and with
+	// the other defaults cap pinned headers at 128 MiB of a 512 MiB pod.
+	DefaultMaxConnections = 128
+	// DefaultMaxPublicStreams: enough for the watchers and grpcurl
+	// sessions of operators, far below what would matter in memory.
+	DefaultMaxPublicStreams = 64
+	// DefaultConnectionTimeout: a handshake on a working network takes
+	// milliseconds.
+	DefaultConnectionTimeout = 10 * time.Second
+	// DefaultMaxCallsPerIdentity: half of DefaultMaxInFlight, so that one
+	// identity at its bound leaves the other half to the rest.
+	DefaultMaxCallsPerIdentity = DefaultMaxInFlight / 2
+)
+
+// Smallest and largest header list sizes Validate accepts: below the
+// first a call's own headers do not fit; above the second the bound is no
+// bound (it is grpc-go's default).
+const (
+	minHeaderListSize = 1 << 10
+	maxHeaderListSize = 16 << 20
+)
+
+// DefaultBounds returns the default bounds.
+func DefaultBounds() Bounds {
+	return Bounds{
+		MaxHeaderListSize:    DefaultMaxHeaderListSize,
+		MaxConcurrentStreams: DefaultMaxConcurrentStreams,
+		MaxConnections:       DefaultMaxConnections,
+		MaxPublicStreams:     DefaultMaxPublicStreams,
+		ConnectionTimeout:    DefaultConnectionTimeout,
+		MaxCallsPerIdentity:  DefaultMaxCallsPerIdentity,
+	}
+}
+
+func (b *Bounds) setDefaults() {
+	d := DefaultBounds()
+	if b.MaxHeaderListSize == 0 {
+		b.MaxHeaderListSize = d.MaxHeaderListSize
+	}
+	if b.MaxConcurrentStreams == 0 {
+		b.MaxConcurrentStreams = d.MaxConcurrentStreams
+	}
+	if b.MaxConnections == 0 {
+		b.MaxConnections = d.MaxConnections
+	}
+	if b.MaxPublicStreams == 0 {
+		b.MaxPublicStreams = d.MaxPublicStreams
+	}
+	if b.ConnectionTimeout == 0 {
+		b.ConnectionTimeout = d.ConnectionTimeout
+	}
+	if b.MaxCallsPerIdentity == 0 {
+		b.MaxCallsPerIdentity = d.MaxCallsPerIdentity
+	}
+}
+
+// Validate reports bounds that cannot work. Zero fields are valid: they
+// take the defaults.
+func (b Bounds) Validate() error {
+	var errs []error
+	if b.MaxHeaderListSize != 0 && (b.MaxHeaderListSize < minHeaderListSize || b.MaxHeaderListSize > maxHeaderListSize) {
+		errs = append(errs, fmt.Errorf("the header list bound must be between %d and %d bytes, got %d", minHeaderListSize, maxHeaderListSize, b.MaxHeaderListSize))
+	}
+	if b.MaxConnections < 0 {
+		errs = append(errs, fmt.Errorf("the connection bound must be positive, got %d", b.MaxConnections))
+	}
+	if b.MaxPublicStreams < 0 {
+		errs = append(errs, fmt.Errorf("the bound on streams without credentials must be positive, got %d", b.MaxPublicStreams))
+	}
+	if b.MaxCallsPerIdentity < 0 {
+		errs = append(errs, fmt.Errorf("the bound on one identity's calls must be positive, got %d", b.MaxCallsPerIdentity))
+	}
+	if b.ConnectionTimeout < 0 {
+		errs = append(errs, fmt.Errorf("the connection handshake timeout must be positive, got %v", b.ConnectionTimeout))
+	}
+	return errors.Join(errs...)
+}
+
+// serverOptions are the options that bound what a peer can open, for every
+// gRPC server the Server runs.
+func (b Bounds) serverOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		grpc.MaxHeaderListSize(b.MaxHeaderListSize),
+		grpc.MaxConcurrentStreams(b.MaxConcurrentStreams),
+		grpc.ConnectionTimeout(b.ConnectionTimeout),
+	}
+}
+
+// limitListener holds at most n connections open at once: Accept waits for
+// one to close. Waiting, rather than accepting and closing at once, keeps
+// the excess in the kernel's queue, where it costs the process nothing,
+// and serves it as soon as there is room.
+type limitListener struct {
+	net.Listener
+	slots chan struct{}
+	// conns is the connections open; slots also holds the one Accept
+	// waits for.
+	conns atomic.Int64
+	// closed ends the waits of Accept when the listener closes.
+	closed    chan struct{}
+	closeOnce sync.Once
+}
+
+func limitConnections(l net.Listener, n int) *limitListener {
+	return &limitListener{Listener: l, slots: make(chan struct{}, n), closed: make(chan struct{})}
+}
+
+func (l *limitListener) Accept() (net.Conn, error) {
+	select {
+	case l.slots <- struct{}{}:
+	case <-l.closed:
+		return nil, net.ErrClosed
+	}
+	c, err := l.Listener.Accept()
+	if err != nil {
+		<-l.slots
+		return nil, err
+	}
+	l.conns.Add(1)
+	return &limitedConn{Conn: c, release: func() { l.conns.Add(-1); <-l.slots }}, nil
+}
+
+// open is the number of connections open now.
+func (l *limitListener) open() int64 { return l.conns.Load() }
+
+func (l *limitListener) Close() error {
+	l.closeOnce.Do(func() { close(l.closed) })
+	return l.Listener.Close()
+}
+
+type limitedConn struct {
+	net.Conn
+	once    sync.Once
+	release func()
+}
+
+func (c *limitedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(c.release)
+	return err
+}
+
+// publicStreams bounds the streaming calls that need no credentials.
+type publicStreams struct {
+	slots   chan struct{}
+	refused func(context.Context)
+}
+
+func newPublicStreams(n int, m *metrics) *publicStreams {
+	refused := attrs(attribute.String("bound", "public_streams"))
+	return &publicStreams{slots: make(chan struct{}, n), refused: func(ctx context.Context) { m.boundRefused.Add(ctx, 1, refused) }}
+}
+
+// intercept refuses a public stream beyond the bound at once: a watcher
+// that waited for a slot would hold its connection and headers anyway.
+func (p *publicStreams) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	select {
+	case p.slots <- struct{}{}:
+	default:
+		p.refused(ss.Context())
+		return newStatus(codes.ResourceExhausted, ReasonTooManyStreams, "too many streams without credentials are open; retry later", nil,
+			retryInfo(unavailableRetryAfter))
+	}
+	defer func() { <-p.slots }()
+	return handler(srv, ss)
+}
+
+// identityCalls counts the calls in progress of each identity. Entries are
+// kept: there is one per identity of the config file, which is small.
+type identityCalls struct {
+	max   int64
+	calls sync.Map // identity name → *atomic.Int64
+	m     *metrics
+}
+
+// intercept refuses a call of an identity at its bound. It runs after
+// authentication, so the identity is the one its credentials prove.
+func (c *identityCalls) intercept(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
+	id, ok := IdentityFrom(ctx)
+	if !ok || id == access.Anonymous {
+		return next(ctx, req)
+	}
+	v, _ := c.calls.LoadOrStore(id.Name, new(atomic.Int64))
+	n := v.(*atomic.Int64)
+	defer n.Add(-1)
+	if n.Add(1) > c.max {
+		c.m.boundRefused.Add(ctx, 1, attrs(attribute.String("bound", "identity_calls"), attribute.String("identity", id.Name)))
+		return nil, newStatus(codes.ResourceExhausted, ReasonTooManyCalls,
+			"identity "+quote(id.Name)+" has too many calls in progress; retry later",
+			map[string]string{"identity": id.Name},
+			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
+				Subject:     "identity:" + id.Name,
+				Description: fmt.Sprintf("%d calls in progress", c.max),
+			}}},
+			retryInfo(overloadedRetryAfter))
+	}
+	return next(ctx, req)
+}

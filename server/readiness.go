@@ -1,0 +1,137 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/idemreg/idemreg/storage"
+)
+
+// Readiness decides when the health service reports NOT_SERVING besides a
+// failed ping: a store can answer `SELECT 1` while every real query fails
+// (a table gone or locked, a database turned read-only, a disk full that
+// refuses writes). Each health interval the server also reads a record
+// (the probe: it fails when reads fail) and counts the outcomes of the
+// calls the service made to the store since the last interval; the server
+// is unready while the probe fails, or while at least MaxFailureRatio of
+// the calls in the last Window intervals failed, if they were at least
+// MinCalls.
+//
+// Only the store's own failures count against it (storage.ErrUnavailable:
+// a broken connection, a statement refused): the registry's answers
+// (fenced, mismatch, not found) count as successes, and what a caller
+// decides (a cancelled call, its deadline, which it can make as short as it
+// likes) and calls refused before the store (overload) do not count.
+//
+// An unready replica gets few new calls, so its window empties and the
+// probe and ping alone decide again: where only writes fail, it turns
+// ready, takes calls, and turns unready again after MinCalls of them, at
+// most once a Window.
+type Readiness struct {
+	// Window is how many health intervals the failure rate is counted
+	// over (DefaultReadinessWindow).
+	Window int
+	// MinCalls is the fewest store calls in the window that make a rate
+	// (DefaultReadinessMinCalls); fewer say nothing.
+	MinCalls int
+	// MaxFailureRatio is the share of failed store calls in the window at
+	// which the server is unready, in (0, 1] (DefaultReadinessMaxFailureRatio).
+	MaxFailureRatio float64
+}
+
+const (
+	// DefaultReadinessWindow: 10 s at the default health interval, longer
+	// than a connection's reconnect and shorter than a probe's patience.
+	DefaultReadinessWindow = 5
+	// DefaultReadinessMinCalls: a handful of unlucky calls at low traffic
+	// does not turn a replica away.
+	DefaultReadinessMinCalls = 20
+	// DefaultReadinessMaxFailureRatio: a store failing half the calls
+	// serves a caller worse than another replica would.
+	DefaultReadinessMaxFailureRatio = 0.5
+)
+
+// readinessProbeKey is the record the probe reads, under a consumer of the
+// registry's own: whether it exists does not matter, only that the read
+// answers.
+var readinessProbeKey = storage.Key{Consumer: "idemreg.readiness-probe", Kind: storage.KindMessage, Key: "probe"}
+
+func (r *Readiness) setDefaults() {
+	if r.Window == 0 {
+		r.Window = DefaultReadinessWindow
+	}
+	if r.MinCalls == 0 {
+		r.MinCalls = DefaultReadinessMinCalls
+	}
+	if r.MaxFailureRatio == 0 {
+		r.MaxFailureRatio = DefaultReadinessMaxFailureRatio
+	}
+}
+
+// Validate reports settings that cannot work; zero fields take the
+// defaults.
+func (r Readiness) Validate() error {
+	var errs []error
+	if r.Window < 0 {
+		errs = append(errs, fmt.Errorf("the readiness window must be positive, got %d intervals", r.Window))
+	}
+	if r.MinCalls < 0 {
+		errs = append(errs, fmt.Errorf("the readiness minimum of calls must be positive, got %d", r.MinCalls))
+	}
+	if r.MaxFailureRatio < 0 || r.MaxFailureRatio > 1 {
+		errs = append(errs, fmt.Errorf("the readiness failure ratio must be in (0, 1], got %v", r.MaxFailureRatio))
+	}
+	return errors.Join(errs...)
+}
+
+// callOutcomes counts the store calls of the service between two health
+// checks; the calls pay two atomic adds.
+type callOutcomes struct{ ok, failed atomic.Int64 }
+
+// record counts one store call's outcome, if it says anything about the
+// store.
+func (c *callOutcomes) record(err error) {
+	switch {
+	case err == nil || isAnswer(err):
+		c.ok.Add(1)
+	case storeFailed(err):
+		c.failed.Add(1)
+	}
+}
+
+// storeFailed reports whether err is the store failing, rather than the
+// caller's context ending or the server refusing the call.
+func storeFailed(err error) bool {
+	return errors.Is(err, storage.ErrUnavailable) &&
+		!errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
+}
+
+type outcomeCount struct{ ok, failed int64 }
+
+// readinessWindow is the counts of the last Window health intervals; only
+// the health loop touches it.
+type readinessWindow struct {
+	cfg     Readiness
+	buckets []outcomeCount
+	next    int
+}
+
+func newReadinessWindow(cfg Readiness) *readinessWindow {
+	return &readinessWindow{cfg: cfg, buckets: make([]outcomeCount, cfg.Window)}
+}
+
+// add closes an interval with the calls counted since the last one, and
+// returns the totals of the window and whether they make the server
+// unready.
+func (w *readinessWindow) add(c *callOutcomes) (total outcomeCount, failing bool) {
+	w.buckets[w.next] = outcomeCount{ok: c.ok.Swap(0), failed: c.failed.Swap(0)}
+	w.next = (w.next + 1) % len(w.buckets)
+	for _, b := range w.buckets {
+		total.ok += b.ok
+		total.failed += b.failed
+	}
+	calls := total.ok + total.failed
+	return total, calls >= int64(w.cfg.MinCalls) && float64(total.failed) >= w.cfg.MaxFailureRatio*float64(calls)
+}
