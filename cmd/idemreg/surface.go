@@ -10,9 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -30,6 +28,7 @@ import (
 
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/configfile"
 )
 
 // surfaceConfig is the production surface of serve: transport security,
@@ -142,20 +141,18 @@ func (s *surface) close() {
 	}
 }
 
-// startSurface loads the identities and rate limits of --config, sets up
+// startSurface takes the identities and rate limits of --config, sets up
 // telemetry and the metrics listener, and checks that the server is not
 // opened wider than asked for.
-func startSurface(ctx context.Context, cfg *config, logger *slog.Logger) (_ *surface, err error) {
+func startSurface(ctx context.Context, cfg *config, file *configfile.Source, logger *slog.Logger) (_ *surface, err error) {
 	s := &surface{access: access.Static(access.Open())}
 	defer func() {
 		if err != nil {
 			s.close()
 		}
 	}()
-	if cfg.PolicyFile != "" {
-		if s.access, err = access.OpenFile(cfg.PolicyFile); err != nil {
-			return nil, err
-		}
+	if file != nil {
+		s.access = file.Access()
 	}
 	set := s.access.Current()
 	sc := &cfg.Surface
@@ -184,7 +181,6 @@ func startSurface(ctx context.Context, cfg *config, logger *slog.Logger) (_ *sur
 		}
 		s.closers = append(s.closers, stop)
 	}
-	s.closers = append(s.closers, reloadAccessOnSIGHUP(s.access, cfg.PolicyFile, logger))
 	return s, nil
 }
 
@@ -216,34 +212,6 @@ func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config,
 		out.TLS = tlsCfg
 	}
 	return out, nil
-}
-
-// reloadAccessOnSIGHUP reloads the identities and rate limits of the config
-// file on every SIGHUP (the retention policy of the same file reloads on
-// the same signal) until the returned function is called.
-func reloadAccessOnSIGHUP(src *access.Source, path string, logger *slog.Logger) (stop func()) {
-	if path == "" {
-		return func() {}
-	}
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	done := make(chan struct{})
-	go func() {
-		for {
-			select {
-			case <-done:
-				return
-			case <-hup:
-			}
-			set, err := src.Reload()
-			if err != nil {
-				logger.Error("access reload rejected; the identities and rate limits in force stay", "path", path, "error", err)
-				continue
-			}
-			logger.Info("access reloaded", "path", path, "identities", set.Identities())
-		}
-	}()
-	return func() { signal.Stop(hup); close(done) }
 }
 
 // telemetry holds the metrics pipeline (OpenTelemetry instruments read by

@@ -177,7 +177,7 @@ identities:
 	// Grant orders the billing consumer too, and reload.
 	writeConfig(`"orders.inbox", "billing.worker"`)
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	p.waitLog(t, "access reloaded")
+	p.waitLog(t, "config reloaded")
 	require.NoError(t, claim("orders", "billing.worker"))
 
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))

@@ -37,10 +37,18 @@ import (
 // so a misspelt grant cannot silently widen or narrow access. A certificate
 // identity or a token hash belongs to one identity only.
 type file struct {
-	Identities []fileIdentity  `yaml:"identities"`
-	RateLimits []fileRateLimit `yaml:"rate_limits"`
+	Sections `yaml:",inline"`
 	// Others are the sections other packages own.
 	Others map[string]yaml.Node `yaml:",inline"`
+}
+
+// Sections are the sections of the config file this package owns, as
+// decoded. server/configfile decodes them together with the sections of
+// server/policy in one pass over the file, so that one read of the file
+// gives both parts.
+type Sections struct {
+	Identities []fileIdentity  `yaml:"identities"`
+	RateLimits []fileRateLimit `yaml:"rate_limits"`
 }
 
 type fileIdentity struct {
@@ -77,7 +85,12 @@ func Parse(data []byte) (*Set, error) {
 		msg = strings.ReplaceAll(msg, "unmarshal errors:\n  ", "")
 		return nil, errors.New(unknownField.ReplaceAllString(msg, `unknown field "$1"`))
 	}
+	return f.Sections.Build()
+}
 
+// Build checks the decoded sections and returns their set. Every error is
+// reported, each saying where.
+func (f Sections) Build() (*Set, error) {
 	var errs []error
 	s := &Set{
 		byURI:     map[string]*Identity{},
@@ -213,6 +226,8 @@ func Load(path string) (*Set, error) {
 type Source struct {
 	path string
 	cur  atomic.Pointer[Set]
+	// view, when set, gives the set in force in place of cur (View).
+	view func() *Set
 	mu   sync.Mutex // serialises reloads
 }
 
@@ -234,8 +249,18 @@ func Static(set *Set) *Source {
 	return src
 }
 
+// View returns a source whose set in force is what current returns: the
+// access part of a config file whose parts are replaced together
+// (server/configfile). It has nothing to reload.
+func View(current func() *Set) *Source { return &Source{view: current} }
+
 // Current returns the set in force.
-func (s *Source) Current() *Set { return s.cur.Load() }
+func (s *Source) Current() *Set {
+	if s.view != nil {
+		return s.view()
+	}
+	return s.cur.Load()
+}
 
 // ErrModeChange is returned by Reload when the file would turn
 // authentication on or off: that takes a restart, so that a bad edit cannot

@@ -31,11 +31,19 @@ import (
 // from defaults, which inherits from the server's flags. Unknown fields are
 // errors, so that a misspelt bound cannot be silently ignored.
 type file struct {
-	Defaults  fileBounds     `yaml:"defaults"`
-	Consumers []fileConsumer `yaml:"consumers"`
+	Sections `yaml:",inline"`
 	// Sections of the same file that server/access owns and checks.
 	Identities yaml.Node `yaml:"identities"`
 	RateLimits yaml.Node `yaml:"rate_limits"`
+}
+
+// Sections are the sections of the config file this package owns, as
+// decoded. server/configfile decodes them together with the sections of
+// server/access in one pass over the file, so that one read of the file
+// gives both parts.
+type Sections struct {
+	Defaults  fileBounds     `yaml:"defaults"`
+	Consumers []fileConsumer `yaml:"consumers"`
 }
 
 type fileBounds struct {
@@ -113,7 +121,12 @@ func Parse(data []byte, base Policy) (*Set, error) {
 			return nil, errors.New("the file holds more than one YAML document")
 		}
 	}
+	return f.Sections.Build(base)
+}
 
+// Build checks the decoded sections over base (the server's flags) and
+// returns their set. Every error is reported, each saying where.
+func (f Sections) Build(base Policy) (*Set, error) {
 	var errs []error
 	defaults := f.Defaults.apply(base, DefaultsSource)
 	if err := defaults.Validate(); err != nil {
@@ -195,9 +208,12 @@ func checkConsumer(s string) error {
 	return nil
 }
 
-// cleanYAMLError drops the library's "yaml: " prefixes, which say nothing
-// to an operator, and keeps its line numbers.
-func cleanYAMLError(err error) error {
+func cleanYAMLError(err error) error { return CleanYAMLError(err) }
+
+// CleanYAMLError drops the library's "yaml: " prefixes, which say nothing
+// to an operator, names unknown fields plainly whichever package's type
+// they were decoded into, and keeps the line numbers.
+func CleanYAMLError(err error) error {
 	msg := strings.ReplaceAll(err.Error(), "yaml: ", "")
 	msg = strings.ReplaceAll(msg, "unmarshal errors:\n  ", "")
 	msg = unknownField.ReplaceAllString(msg, `unknown field "$1"`)
@@ -209,10 +225,11 @@ func cleanYAMLError(err error) error {
 }
 
 var (
-	unknownField = regexp.MustCompile(`field (\S+) not found in type policy\.\w+`)
-	wrongShape   = regexp.MustCompile(`cannot unmarshal !!(\w+)(?: [^ ]+)? into (\[\]policy\.fileConsumer|policy\.\w+|string)`)
+	unknownField = regexp.MustCompile(`field (\S+) not found in type \w+\.\w+`)
+	wrongShape   = regexp.MustCompile(`cannot unmarshal !!(\w+)(?: [^ ]+)? into (\[\]policy\.fileConsumer|policy\.\w+|configfile\.file|string)`)
 	shapes       = map[string]string{
 		"policy.file":           "a mapping with defaults and consumers",
+		"configfile.file":       "a mapping of sections (defaults, consumers, identities, rate_limits)",
 		"[]policy.fileConsumer": "a list of consumer entries",
 		"policy.fileConsumer":   "a consumer entry (a mapping with name or prefix)",
 		"policy.fileBounds":     "a mapping with lease, message_retention and operation_retention",
