@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"strings"
+	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
@@ -118,31 +119,42 @@ func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg 
 
 func quote(s string) string { return "\"" + s + "\"" }
 
-// rateLimit applies the consumer's rate limit from the config file.
+// rateLimit applies the rate limits of the config file: the identity's
+// bucket, then the consumer's. The identity's comes first because it is
+// the tenant's bound: a caller granted a prefix can invent consumer names,
+// each with a fresh bucket, but its calls all take from one identity's.
 func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
 	r, ok := req.(interface{ GetConsumer() string })
 	if !ok || !strings.HasPrefix(info.FullMethod, "/"+idemregv1.RegistryService_ServiceDesc.ServiceName+"/") {
 		return next(ctx, req)
 	}
 	consumer := r.GetConsumer()
-	l, limited := s.cfg.Access.Current().RateLimit(consumer)
+	set := s.cfg.Access.Current()
+	name := ""
+	if id, ok := IdentityFrom(ctx); ok {
+		name = id.Name
+		if l, limited := set.IdentityRateLimit(name); limited && id != access.Anonymous {
+			if ok, wait := s.limiter.Allow("identity:"+name, l); !ok {
+				s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
+				return nil, rateLimited("identity "+quote(name)+" is over its rate limit of "+l.String(),
+					"identity:"+name, l, wait, map[string]string{"identity": name, "consumer": consumer})
+			}
+		}
+	}
+	l, limited := set.RateLimit(consumer)
 	if !limited {
 		return next(ctx, req)
 	}
-	if ok, wait := s.limiter.Allow(consumer, l); !ok {
-		name := ""
-		if id, ok := IdentityFrom(ctx); ok {
-			name = id.Name
-		}
+	if ok, wait := s.limiter.Allow("consumer:"+consumer, l); !ok {
 		s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
-		return nil, newStatus(codes.ResourceExhausted, ReasonRateLimited,
-			"consumer "+quote(consumer)+" is over its rate limit of "+l.String(),
-			map[string]string{"consumer": consumer},
-			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
-				Subject:     "consumer:" + consumer,
-				Description: l.String(),
-			}}},
-			retryInfo(wait))
+		return nil, rateLimited("consumer "+quote(consumer)+" is over its rate limit of "+l.String(),
+			"consumer:"+consumer, l, wait, map[string]string{"consumer": consumer})
 	}
 	return next(ctx, req)
+}
+
+func rateLimited(msg, subject string, l access.Limit, wait time.Duration, meta map[string]string) error {
+	return newStatus(codes.ResourceExhausted, ReasonRateLimited, msg, meta,
+		&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{Subject: subject, Description: l.String()}}},
+		retryInfo(wait))
 }

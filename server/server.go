@@ -69,6 +69,13 @@ type Config struct {
 	// MaxInFlight bounds the store operations in flight; a call beyond it
 	// fails at once with UNAVAILABLE, reason OVERLOADED (DefaultMaxInFlight).
 	MaxInFlight int
+	// MaxInFlightPerIdentity bounds the store operations in flight of each
+	// identity of the config file, so that one tenant cannot take every
+	// slot of MaxInFlight; a call beyond it fails like one beyond
+	// MaxInFlight, with a QuotaFailure naming the identity. Zero means half
+	// of MaxInFlight (DefaultInFlightShare); MaxInFlight or more turns the
+	// share off. An open server (no identities) has no shares.
+	MaxInFlightPerIdentity int
 	// StreamWorkers is how many long-lived goroutines run calls
 	// (DefaultStreamWorkers); a call that finds none idle gets a goroutine
 	// of its own, as every call does when it is negative. Reused
@@ -92,6 +99,12 @@ type Config struct {
 // well above what a store answers at once (a PostgreSQL pool holds tens of
 // connections), well below what makes every queued call miss its deadline.
 const DefaultMaxInFlight = 256
+
+// DefaultInFlightShare is the share of MaxInFlight an identity may take
+// by default: half, so that a single tenant flooding the server, or
+// waiting on its own slow keys, always leaves the other half to everyone
+// else, while a lone busy tenant still gets most of the server.
+const DefaultInFlightShare = 0.5
 
 // DefaultStreamWorkers is the default number of goroutines that run calls:
 // enough for the callers a replica serves at once, so that nearly every
@@ -144,6 +157,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxInFlight <= 0 {
 		c.MaxInFlight = DefaultMaxInFlight
+	}
+	if c.MaxInFlightPerIdentity <= 0 {
+		c.MaxInFlightPerIdentity = max(1, int(float64(c.MaxInFlight)*DefaultInFlightShare))
 	}
 	if c.StreamWorkers == 0 {
 		c.StreamWorkers = DefaultStreamWorkers
@@ -198,7 +214,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	observed, err := newObservedStore(store, cfg.MaxInFlight, m)
+	observed, err := newObservedStore(store, cfg.MaxInFlight, cfg.MaxInFlightPerIdentity, m)
 	if err != nil {
 		return nil, err
 	}
@@ -354,12 +370,12 @@ func (s *Server) checkHealth(ctx context.Context) {
 //  5. authorization (same selector): the identity may use the request's
 //     consumer (RegistryService) or administer it (AdminService), or
 //     PERMISSION_DENIED — before the handler has read anything;
-//  6. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
-//     QuotaFailure and RetryInfo.
+//  6. rate limit: the identity's token bucket, then the consumer's, or
+//     RESOURCE_EXHAUSTED with QuotaFailure and RetryInfo.
 //
 // Below the handler, the store is wrapped (observe.go) to bound the
-// operations in flight (UNAVAILABLE, OVERLOADED, beyond MaxInFlight) and to
-// measure them.
+// operations in flight (UNAVAILABLE, OVERLOADED, beyond MaxInFlight, or
+// beyond MaxInFlightPerIdentity for one identity) and to measure them.
 func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -66,6 +67,7 @@ func keyMeta(k storage.Key) map[string]string {
 // internal and unavailable errors are logged, never sent.
 func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, err error) error {
 	meta := keyMeta(k)
+	var share *shareExceeded
 	switch {
 	case errors.Is(err, storage.ErrFingerprintMismatch):
 		return newStatus(codes.FailedPrecondition, ReasonFingerprintMismatch,
@@ -87,6 +89,15 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 		return newStatus(codes.DeadlineExceeded, ReasonDeadlineExceeded, "the deadline ran out before the store answered", meta)
 	case errors.Is(err, context.Canceled):
 		return newStatus(codes.Canceled, ReasonCanceled, "the request was cancelled", meta)
+	case errors.As(err, &share):
+		meta["identity"] = share.identity
+		return newStatus(codes.Unavailable, ReasonOverloaded,
+			fmt.Sprintf("identity %q already has %d store operations in flight, its share of the server's; retry later", share.identity, share.share), meta,
+			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
+				Subject:     "identity:" + share.identity,
+				Description: fmt.Sprintf("at most %d store operations in flight per identity", share.share),
+			}}},
+			retryInfo(overloadedRetryAfter))
 	case errors.Is(err, errOverloaded):
 		return newStatus(codes.Unavailable, ReasonOverloaded, "the server has too many store operations in flight; retry later", meta,
 			retryInfo(overloadedRetryAfter))

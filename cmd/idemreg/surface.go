@@ -44,6 +44,7 @@ type surfaceConfig struct {
 	RequestTimeout                  time.Duration
 	MaxRequestTimeout               time.Duration
 	MaxInFlight                     int
+	MaxInFlightPerIdentity          int
 	StreamWorkers                   int
 	MaxConnectionAge                time.Duration
 	DrainDelay, ShutdownTimeout     time.Duration
@@ -73,6 +74,7 @@ func (s *surfaceConfig) bind(fs *flag.FlagSet) {
 	fs.DurationVar(&s.RequestTimeout, "request-timeout", s.RequestTimeout, "budget of a request that carries no deadline")
 	fs.DurationVar(&s.MaxRequestTimeout, "max-request-timeout", s.MaxRequestTimeout, "longest deadline a request may carry; longer ones are cut to it")
 	fs.IntVar(&s.MaxInFlight, "max-in-flight", s.MaxInFlight, "most store operations at once; beyond it calls fail at once with UNAVAILABLE (OVERLOADED)")
+	fs.IntVar(&s.MaxInFlightPerIdentity, "max-in-flight-per-identity", s.MaxInFlightPerIdentity, "most store operations at once of one identity of --config, so one tenant cannot take every slot (0: half of --max-in-flight; --max-in-flight turns it off)")
 	fs.IntVar(&s.StreamWorkers, "stream-workers", s.StreamWorkers, "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
 	fs.DurationVar(&s.MaxConnectionAge, "max-connection-age", s.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
 	fs.DurationVar(&s.DrainDelay, "drain-delay", s.DrainDelay, "on SIGTERM, keep serving this long after health turns NOT_SERVING, for load balancers to notice")
@@ -101,6 +103,9 @@ func (s *surfaceConfig) validate(listen string) []error {
 	}
 	if s.MaxInFlight < 1 {
 		errs = append(errs, fmt.Errorf("--max-in-flight must be positive, got %d", s.MaxInFlight))
+	}
+	if s.MaxInFlightPerIdentity < 0 || s.MaxInFlightPerIdentity > s.MaxInFlight {
+		errs = append(errs, fmt.Errorf("--max-in-flight-per-identity must be between 0 (half of --max-in-flight) and --max-in-flight (%d), got %d", s.MaxInFlight, s.MaxInFlightPerIdentity))
 	}
 	if s.StreamWorkers < 0 {
 		errs = append(errs, fmt.Errorf("--stream-workers must not be negative, got %d", s.StreamWorkers))
@@ -189,18 +194,19 @@ func startSurface(ctx context.Context, cfg *config, file *configfile.Source, log
 func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config, error) {
 	sc := &cfg.Surface
 	out := server.Config{
-		Limits:            cfg.Limits,
-		Logger:            logger,
-		Access:            s.access,
-		RequestTimeout:    sc.RequestTimeout,
-		MaxRequestTimeout: sc.MaxRequestTimeout,
-		MaxInFlight:       sc.MaxInFlight,
-		StreamWorkers:     cmp.Or(sc.StreamWorkers, -1),
-		DrainDelay:        sc.DrainDelay,
-		ShutdownTimeout:   sc.ShutdownTimeout,
-		DisableReflection: sc.DisableReflection,
-		MeterProvider:     s.telemetry.meters,
-		TracerProvider:    otel.GetTracerProvider(),
+		Limits:                 cfg.Limits,
+		Logger:                 logger,
+		Access:                 s.access,
+		RequestTimeout:         sc.RequestTimeout,
+		MaxRequestTimeout:      sc.MaxRequestTimeout,
+		MaxInFlight:            sc.MaxInFlight,
+		MaxInFlightPerIdentity: sc.MaxInFlightPerIdentity,
+		StreamWorkers:          cmp.Or(sc.StreamWorkers, -1),
+		DrainDelay:             sc.DrainDelay,
+		ShutdownTimeout:        sc.ShutdownTimeout,
+		DisableReflection:      sc.DisableReflection,
+		MeterProvider:          s.telemetry.meters,
+		TracerProvider:         otel.GetTracerProvider(),
 	}
 	out.Keepalive = server.DefaultKeepalive()
 	out.Keepalive.MaxConnectionAge = sc.MaxConnectionAge

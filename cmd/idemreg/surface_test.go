@@ -52,6 +52,7 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"timeouts", []string{"--request-timeout", "10s", "--max-request-timeout", "5s"}, "--max-request-timeout"},
 		{"in flight", []string{"--max-in-flight", "0"}, "--max-in-flight must be positive"},
 		{"stream workers", []string{"--stream-workers", "-1"}, "--stream-workers must not be negative"},
+		{"identity share above the server's", []string{"--max-in-flight", "8", "--max-in-flight-per-identity", "9"}, "--max-in-flight-per-identity must be between 0"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

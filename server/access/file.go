@@ -32,6 +32,12 @@ import (
 //	  - consumers: ["orders.*"]           # the most specific rule wins: name, longest prefix, "*"
 //	    rate: 200                         # requests per second, for each consumer
 //	    burst: 400                        # default: the rate, at least 1
+//	  - identities: ["*"]                 # or identities: a name of this file, or "*"
+//	    rate: 1000                        # requests per second, for each identity, all its consumers together
+//
+// A call passes its identity's bucket and then its consumer's: an identity
+// granted a prefix can invent consumer names, each with a fresh bucket, but
+// not a fresh identity.
 //
 // Every field inside these sections is checked: an unknown one is an error,
 // so a misspelt grant cannot silently widen or narrow access. A certificate
@@ -62,9 +68,10 @@ type fileIdentity struct {
 }
 
 type fileRateLimit struct {
-	Consumers []string `yaml:"consumers"`
-	Rate      float64  `yaml:"rate"`
-	Burst     int      `yaml:"burst"`
+	Consumers  []string `yaml:"consumers"`
+	Identities []string `yaml:"identities"`
+	Rate       float64  `yaml:"rate"`
+	Burst      int      `yaml:"burst"`
 }
 
 var unknownField = regexp.MustCompile(`field (\S+) not found in type access\.\w+`)
@@ -193,8 +200,24 @@ func (f Sections) Build() (*Set, error) {
 			errs = append(errs, fmt.Errorf("%s: burst must be at least 1, got %d", where, fr.Burst))
 			continue
 		}
-		if len(fr.Consumers) == 0 {
-			errs = append(errs, fmt.Errorf("%s: consumers: list the consumers the limit applies to", where))
+		switch {
+		case len(fr.Consumers) == 0 && len(fr.Identities) == 0:
+			errs = append(errs, fmt.Errorf("%s: consumers: list the consumers (or the identities) the limit applies to", where))
+		case len(fr.Consumers) > 0 && len(fr.Identities) > 0:
+			errs = append(errs, fmt.Errorf("%s: a rule limits consumers or identities, not both: split it in two", where))
+			continue
+		case len(fr.Identities) > 0 && len(f.Identities) == 0:
+			errs = append(errs, fmt.Errorf("%s: identities: the file names no identities (every caller is anonymous)", where))
+			continue
+		}
+		for j, name := range fr.Identities {
+			if _, known := names[name]; !known && name != "*" {
+				errs = append(errs, fmt.Errorf("%s: identities[%d]: no identity is named %q", where, j, name))
+				continue
+			}
+			if err := s.identityLimits.add(name, Limit{Rate: fr.Rate, Burst: burst, Of: "identities"}); err != nil {
+				errs = append(errs, fmt.Errorf("%s: identities[%d]: %w", where, j, err))
+			}
 		}
 		for j, p := range fr.Consumers {
 			if err := s.limits.add(p, Limit{Rate: fr.Rate, Burst: burst}); err != nil {

@@ -1,0 +1,168 @@
+package server_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/storage/postgres"
+	"github.com/idemreg/idemreg/storage/postgres/pgtest"
+)
+
+func bearer(ctx context.Context, token string) context.Context {
+	return metadata.AppendToOutgoingContext(ctx, "authorization", "bearer "+token)
+}
+
+// TestIdentityRateLimit: an identity granted a prefix that invents
+// consumer names, each with a fresh consumer bucket, still takes from one
+// bucket of its own; another identity has its own.
+func TestIdentityRateLimit(t *testing.T) {
+	src := accessFile(t, `
+identities:
+  - {name: team, token_hashes: ["`+access.HashToken("team-token")+`"], consumers: ["team.*"]}
+  - {name: other, token_hashes: ["`+access.HashToken("other-token")+`"], consumers: ["other.*"]}
+rate_limits:
+  - consumers: ["*"]
+    rate: 0.001
+    burst: 3
+  - identities: ["*"]
+    rate: 0.001
+    burst: 3
+`)
+	c := idemregv1.NewRegistryServiceClient(start(t, memStore(t), server.Config{Access: src}))
+	lookup := func(token, consumer string) error {
+		_, err := c.Lookup(bearer(t.Context(), token), &idemregv1.LookupRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+		return err
+	}
+	for _, consumer := range []string{"team.a", "team.b", "team.c"} {
+		requireStatus(t, lookup("team-token", consumer), codes.NotFound, server.ReasonNotFound)
+	}
+	err := lookup("team-token", "team.invented-4")
+	st := requireStatus(t, err, codes.ResourceExhausted, server.ReasonRateLimited)
+	require.Contains(t, st.Message(), `identity "team" is over its rate limit of 0.001 requests per second, burst 3 (rate_limits identities "*")`)
+	require.Equal(t, "identity:team", detail[*errdetails.QuotaFailure](t, err).GetViolations()[0].GetSubject())
+	require.Positive(t, detail[*errdetails.RetryInfo](t, err).GetRetryDelay().AsDuration())
+
+	requireStatus(t, lookup("other-token", "other.a"), codes.NotFound, server.ReasonNotFound)
+}
+
+// TestIdentityRateLimitRules: a rule naming an identity beats "*", and
+// names must be identities of the file.
+func TestIdentityRateLimitRules(t *testing.T) {
+	cases := []struct {
+		name    string
+		rules   string
+		want    string // the limit of identity "a", or the error
+		wantErr bool
+	}{
+		{"by name beats *", "  - {identities: [\"*\"], rate: 5}\n  - {identities: [a], rate: 1}\n", `1 requests per second, burst 1 (rate_limits identities "a")`, false},
+		{"*", "  - {identities: [\"*\"], rate: 5}\n", `5 requests per second, burst 5 (rate_limits identities "*")`, false},
+		{"unknown identity", "  - {identities: [b], rate: 5}\n", `rate_limits[0]: identities[0]: no identity is named "b"`, true},
+		{"consumers and identities in one rule", "  - {identities: [a], consumers: [x], rate: 5}\n", "consumers or identities, not both", true},
+		{"twice", "  - {identities: [a], rate: 5}\n  - {identities: [a], rate: 6}\n", `rate_limits[1]: identities[0]: "a" is given twice`, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			set, err := access.Parse([]byte("identities:\n  - {name: a, token_hashes: [\"" + access.HashToken("t") + "\"], consumers: [\"a.*\"]}\nrate_limits:\n" + tc.rules))
+			if tc.wantErr {
+				require.ErrorContains(t, err, tc.want)
+				return
+			}
+			require.NoError(t, err)
+			l, ok := set.IdentityRateLimit("a")
+			require.True(t, ok)
+			require.Equal(t, tc.want, l.String())
+		})
+	}
+	_, err := access.Parse([]byte("rate_limits:\n  - {identities: [\"*\"], rate: 5}\n"))
+	require.ErrorContains(t, err, "the file names no identities")
+}
+
+// TestInFlightShareIsolatesIdentities: an identity whose calls wait on the
+// store (here Extends queued on a row lock PostgreSQL holds for another
+// transaction) takes at most its share of --max-in-flight; its calls
+// beyond it fail OVERLOADED at once, naming it, and another identity's
+// calls still run.
+func TestInFlightShareIsolatesIdentities(t *testing.T) {
+	db := pgtest.NewDatabase(t)
+	store, err := postgres.Open(t.Context(), db+"&pool_max_conns=16")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	src := accessFile(t, `
+identities:
+  - {name: flood, token_hashes: ["`+access.HashToken("flood-token")+`"], consumers: ["flood.*"]}
+  - {name: calm, token_hashes: ["`+access.HashToken("calm-token")+`"], consumers: ["calm.*"]}
+`)
+	const maxInFlight = 4 // so each identity may have 2
+	c := idemregv1.NewRegistryServiceClient(start(t, store, server.Config{
+		Access: src, MaxInFlight: maxInFlight, RequestTimeout: 30 * time.Second}))
+	flood, calm := bearer(t.Context(), "flood-token"), bearer(t.Context(), "calm-token")
+	claimed, err := c.Claim(flood, &idemregv1.ClaimRequest{Consumer: "flood.a", Kind: idemregv1.Kind_KIND_OPERATION, Key: "slow", Lease: durationpb.New(time.Minute)})
+	require.NoError(t, err)
+
+	conn, err := pgx.Connect(t.Context(), db)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	tx, err := conn.Begin(t.Context())
+	require.NoError(t, err)
+	_, err = tx.Exec(t.Context(), `SELECT 1 FROM idemreg_records WHERE consumer = 'flood.a' AND key = 'slow' FOR UPDATE`)
+	require.NoError(t, err)
+	// Another session watches: pg_stat_activity is a snapshot per
+	// transaction, so the locking one would never see the waiters come.
+	watch, err := pgx.Connect(t.Context(), db)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = watch.Close(context.Background()) })
+	lockWaiters := func() int {
+		var n int
+		require.NoError(t, watch.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()`).Scan(&n))
+		return n
+	}
+
+	// The flood: as many Extends as the server has slots, one after the
+	// other, each either queued on the lock or refused before the next.
+	results := make(chan error, maxInFlight)
+	var refused []error
+	for i := range maxInFlight {
+		go func() {
+			_, err := c.Extend(flood, &idemregv1.ExtendRequest{Consumer: "flood.a", Kind: idemregv1.Kind_KIND_OPERATION, Key: "slow", Token: claimed.GetToken()})
+			results <- err
+		}()
+		require.Eventually(t, func() bool {
+			select {
+			case err := <-results:
+				refused = append(refused, err)
+			default:
+			}
+			return lockWaiters()+len(refused) == i+1
+		}, 20*time.Second, 5*time.Millisecond)
+	}
+	// The other identity's calls run meanwhile.
+	_, err = c.Claim(calm, &idemregv1.ClaimRequest{Consumer: "calm.a", Kind: idemregv1.Kind_KIND_OPERATION, Key: "k"})
+	require.NoError(t, err, "another identity's call must not fail for the flood")
+	require.Equal(t, maxInFlight/2, lockWaiters(), "the flooding identity holds its share, no more")
+	require.Len(t, refused, maxInFlight/2)
+	for _, err := range refused {
+		st := requireStatus(t, err, codes.Unavailable, server.ReasonOverloaded)
+		require.Contains(t, st.Message(), `identity "flood" already has 2 store operations in flight, its share`)
+		require.Equal(t, "identity:flood", detail[*errdetails.QuotaFailure](t, err).GetViolations()[0].GetSubject())
+		require.Positive(t, detail[*errdetails.RetryInfo](t, err).GetRetryDelay().AsDuration())
+	}
+
+	require.NoError(t, tx.Rollback(t.Context()))
+	for range maxInFlight / 2 {
+		require.NoError(t, <-results, "the queued Extends finish once the lock is gone")
+	}
+	_, err = c.Extend(flood, &idemregv1.ExtendRequest{Consumer: "flood.a", Kind: idemregv1.Kind_KIND_OPERATION, Key: "slow", Token: claimed.GetToken()})
+	require.NoError(t, err, "the share is given back")
+}
