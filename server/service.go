@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -95,7 +96,16 @@ func (s *Service) Extend(ctx context.Context, req *idemregv1.ExtendRequest) (*id
 	if err != nil {
 		return nil, err
 	}
-	rec, err := s.fenced(ctx, "Extend", p.Key, func() (storage.Record, error) { return s.store.Extend(ctx, p) })
+	rec, err := s.fenced(ctx, "Extend", p.Key, func() (storage.Record, error) {
+		rec, err := s.store.Extend(ctx, p)
+		if errors.Is(err, storage.ErrLeaseTotalExceeded) {
+			// The token the store checked is the record's, so it dates
+			// the attempt as the store did.
+			err = &leaseTotalExceeded{max: p.MaxLeaseTotal, notAfter: storage.AcquiredAt(p.Token).Add(p.MaxLeaseTotal),
+				source: s.policies.Current().For(p.Consumer).Source}
+		}
+		return rec, err
+	})
 	if err != nil {
 		return nil, err
 	}

@@ -12,8 +12,21 @@ import (
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
+
+// leaseTotalExceeded is storage.ErrLeaseTotalExceeded with what the
+// answer tells the holder: the bound and the latest end of a lease.
+type leaseTotalExceeded struct {
+	max      time.Duration
+	notAfter time.Time
+	source   string
+}
+
+func (e *leaseTotalExceeded) Error() string { return storage.ErrLeaseTotalExceeded.Error() }
+
+func (e *leaseTotalExceeded) Unwrap() error { return storage.ErrLeaseTotalExceeded }
 
 // ErrorDomain is the ErrorInfo domain of every idemreg error.
 const ErrorDomain = "idemreg"
@@ -24,6 +37,7 @@ const (
 	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
+	ReasonLeaseTotalExceeded  = "LEASE_TOTAL_EXCEEDED"
 	ReasonNotFound            = "NOT_FOUND"
 	ReasonStoreUnavailable    = "STORE_UNAVAILABLE"
 	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
@@ -68,7 +82,14 @@ func keyMeta(k storage.Key) map[string]string {
 func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, err error) error {
 	meta := keyMeta(k)
 	var share *shareExceeded
+	var total *leaseTotalExceeded
 	switch {
+	case errors.As(err, &total):
+		meta["max_lease_total"] = total.max.String()
+		meta["lease_not_after"] = total.notAfter.UTC().Format(time.RFC3339Nano)
+		return newStatus(codes.FailedPrecondition, ReasonLeaseTotalExceeded,
+			fmt.Sprintf("the lease would end after %s: one attempt may hold the key for at most %s (max_lease_total of %s); the lease in force is unchanged",
+				meta["lease_not_after"], policy.FormatDuration(total.max), total.source), meta)
 	case errors.Is(err, storage.ErrFingerprintMismatch):
 		return newStatus(codes.FailedPrecondition, ReasonFingerprintMismatch,
 			"the key is live with a different fingerprint: the same key was used with different parameters", meta)

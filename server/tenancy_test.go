@@ -2,6 +2,8 @@ package server_test
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -12,11 +14,14 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemreg/idemreg/client"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
+	"github.com/idemreg/idemreg/storage/storagetest"
 )
 
 func bearer(ctx context.Context, token string) context.Context {
@@ -165,4 +170,94 @@ identities:
 	}
 	_, err = c.Extend(flood, &idemregv1.ExtendRequest{Consumer: "flood.a", Kind: idemregv1.Kind_KIND_OPERATION, Key: "slow", Token: claimed.GetToken()})
 	require.NoError(t, err, "the share is given back")
+}
+
+// TestMaxLeaseTotal: on both stores, Extend cannot hold a key past the
+// consumer's max_lease_total since the attempt began: it is refused with
+// FAILED_PRECONDITION, LEASE_TOTAL_EXCEEDED, saying until when a lease may
+// run, and the lease in force stays. The server's default applies to
+// consumers the file leaves alone; a takeover starts afresh.
+func TestMaxLeaseTotal(t *testing.T) {
+	for _, b := range backends {
+		t.Run(b.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "policy.yaml")
+			require.NoError(t, os.WriteFile(path, []byte(`
+consumers:
+  - name: short.worker
+    lease: {max: 1m}
+    max_lease_total: 1m
+  - name: unbounded.worker
+    max_lease_total: 0s
+`), 0o600))
+			src, err := policy.Open(path, server.DefaultLimits().Policy())
+			require.NoError(t, err)
+			clock := &storagetest.Clock{}
+			conn := start(t, b.open(t, clock), server.Config{Policy: src})
+			c := idemregv1.NewRegistryServiceClient(conn)
+			key := func(consumer string) (*idemregv1.ClaimRequest, func(lease time.Duration) (*idemregv1.ExtendResponse, error)) {
+				req := &idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: "job", Lease: durationpb.New(10 * time.Second),
+					Retention: durationpb.New(7 * 24 * time.Hour)}
+				var token int64
+				claim := func() {
+					res, err := c.Claim(t.Context(), req)
+					require.NoError(t, err)
+					require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome())
+					token = res.GetToken()
+				}
+				claim()
+				return req, func(lease time.Duration) (*idemregv1.ExtendResponse, error) {
+					if lease < 0 { // claim again: a takeover
+						claim()
+						return nil, nil
+					}
+					return c.Extend(t.Context(), &idemregv1.ExtendRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: "job",
+						Token: token, Lease: durationpb.New(lease)})
+				}
+			}
+
+			// A consumer's own bound: 1 minute.
+			_, extend := key("short.worker")
+			clock.Advance(5 * time.Second)
+			ext, err := extend(30 * time.Second) // to 35 s
+			require.NoError(t, err)
+			clock.Advance(20 * time.Second)
+			_, err = extend(40 * time.Second) // to 65 s
+			st := requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseTotalExceeded)
+			require.Contains(t, st.Message(), `one attempt may hold the key for at most 1m0s (max_lease_total of consumer "short.worker"); the lease in force is unchanged`)
+			var info *errdetails.ErrorInfo
+			for _, d := range st.Details() {
+				if i, ok := d.(*errdetails.ErrorInfo); ok {
+					info = i
+				}
+			}
+			notAfter, perr := time.Parse(time.RFC3339Nano, info.GetMetadata()["lease_not_after"])
+			require.NoError(t, perr)
+			require.Equal(t, ext.GetRecord().GetCreatedAt().AsTime().Add(time.Minute), notAfter, "a minute from the attempt's start")
+			require.Equal(t, "1m0s", info.GetMetadata()["max_lease_total"])
+			require.ErrorIs(t, client.FromError(err), client.ErrLeaseTotalExceeded)
+			got, err := c.Lookup(t.Context(), &idemregv1.LookupRequest{Consumer: "short.worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "job"})
+			require.NoError(t, err)
+			require.True(t, ext.GetRecord().GetLeaseExpiresAt().AsTime().Equal(got.GetRecord().GetLeaseExpiresAt().AsTime()), "the lease in force stays")
+			_, err = extend(30 * time.Second) // to 55 s
+			require.NoError(t, err, "what is left can still be taken")
+			clock.Advance(time.Minute)
+			_, _ = extend(-1)                 // the lease ran out: a takeover, a new attempt
+			_, err = extend(50 * time.Second) // the first attempt's total ended at 60 s
+			require.NoError(t, err, "a takeover starts a total of its own")
+
+			// The server's default, 24 hours, for consumers the file leaves alone.
+			_, extend = key("billing.worker")
+			clock.Advance(server.DefaultMaxLeaseTotal - 30*time.Minute)
+			_, err = extend(time.Hour)
+			requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseTotalExceeded)
+			_, err = extend(20 * time.Minute)
+			require.NoError(t, err)
+
+			// 0s: no bound.
+			_, extend = key("unbounded.worker")
+			clock.Advance(server.DefaultMaxLeaseTotal + time.Hour)
+			_, err = extend(time.Hour)
+			require.NoError(t, err)
+		})
+	}
 }

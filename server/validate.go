@@ -196,9 +196,10 @@ func (s *Service) validateExtend(r *idemregv1.ExtendRequest) (storage.ExtendPara
 	k := v.key(r.GetConsumer(), r.GetKind(), r.GetKey())
 	pol := s.policies.Current().For(k.Consumer)
 	p := storage.ExtendParams{
-		Key:          k,
-		Token:        r.GetToken(),
-		DefaultLease: pol.Lease.Default,
+		Key:           k,
+		Token:         r.GetToken(),
+		DefaultLease:  pol.Lease.Default,
+		MaxLeaseTotal: pol.MaxLeaseTotal,
 	}
 	if r.GetLease() != nil { // unset: the record's own lease (storage.ExtendLease)
 		p.Lease = v.duration("lease", r.GetLease(), pol.Lease, "lease", pol.Source)

@@ -17,6 +17,7 @@ import (
 //
 //	defaults:                      # optional: overrides the server's flags
 //	  lease:               {default: 30s, min: 1s, max: 1h}
+//	  max_lease_total:     24h         # one attempt's Claim and Extends together
 //	  message_retention:   {default: 7d,  min: 1h, max: 30d}
 //	  operation_retention: {default: 24h, min: 1m, max: 30d}
 //	consumers:
@@ -48,6 +49,7 @@ type Sections struct {
 
 type fileBounds struct {
 	Lease              *fileRange `yaml:"lease"`
+	MaxLeaseTotal      *duration  `yaml:"max_lease_total"`
 	MessageRetention   *fileRange `yaml:"message_retention"`
 	OperationRetention *fileRange `yaml:"operation_retention"`
 }
@@ -100,6 +102,9 @@ func (r *fileRange) apply(b Bounds) Bounds {
 func (f fileBounds) apply(p Policy, source string) Policy {
 	p.Source = source
 	p.Lease = f.Lease.apply(p.Lease)
+	if f.MaxLeaseTotal != nil {
+		p.MaxLeaseTotal = f.MaxLeaseTotal.d
+	}
 	p.MessageRetention = f.MessageRetention.apply(p.MessageRetention)
 	p.OperationRetention = f.OperationRetention.apply(p.OperationRetention)
 	return p
@@ -232,7 +237,7 @@ var (
 		"configfile.file":       "a mapping of sections (defaults, consumers, identities, rate_limits)",
 		"[]policy.fileConsumer": "a list of consumer entries",
 		"policy.fileConsumer":   "a consumer entry (a mapping with name or prefix)",
-		"policy.fileBounds":     "a mapping with lease, message_retention and operation_retention",
+		"policy.fileBounds":     "a mapping with lease, max_lease_total, message_retention and operation_retention",
 		"policy.fileRange":      "a mapping with default, min and max",
 		"string":                "a string",
 	}
