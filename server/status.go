@@ -88,8 +88,8 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 		meta["max_lease_total"] = total.max.String()
 		meta["lease_not_after"] = total.notAfter.UTC().Format(time.RFC3339Nano)
 		return newStatus(codes.FailedPrecondition, ReasonLeaseTotalExceeded,
-			fmt.Sprintf("the lease would end after %s: one attempt may hold the key for at most %s (max_lease_total of %s); the lease in force is unchanged",
-				meta["lease_not_after"], policy.FormatDuration(total.max), total.source), meta)
+			fmt.Sprintf("one attempt may hold the key for at most %s (max_lease_total of %s), so no lease of this attempt may end after %s; the lease in force is unchanged",
+				policy.FormatDuration(total.max), total.source, meta["lease_not_after"]), meta)
 	case errors.Is(err, storage.ErrFingerprintMismatch):
 		return newStatus(codes.FailedPrecondition, ReasonFingerprintMismatch,
 			"the key is live with a different fingerprint: the same key was used with different parameters", meta)

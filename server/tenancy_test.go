@@ -223,7 +223,8 @@ consumers:
 			clock.Advance(20 * time.Second)
 			_, err = extend(40 * time.Second) // to 65 s
 			st := requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseTotalExceeded)
-			require.Contains(t, st.Message(), `one attempt may hold the key for at most 1m0s (max_lease_total of consumer "short.worker"); the lease in force is unchanged`)
+			require.Contains(t, st.Message(), `one attempt may hold the key for at most 1m0s (max_lease_total of consumer "short.worker"), so no lease of this attempt may end after `)
+			require.Contains(t, st.Message(), "; the lease in force is unchanged")
 			var info *errdetails.ErrorInfo
 			for _, d := range st.Details() {
 				if i, ok := d.(*errdetails.ErrorInfo); ok {
