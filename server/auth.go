@@ -18,9 +18,37 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/policy"
 )
 
 type identityKey struct{}
+
+// configKey holds the request's *configSnapshot.
+type configKey struct{}
+
+// configSnapshot is the config a request is admitted and served under,
+// read once when it arrives: its identity, rate limits and policy all come
+// from one file, whatever reloads happen while it runs.
+type configSnapshot struct {
+	access *access.Set
+	policy *policy.Set
+}
+
+func (s *Server) snapshot() *configSnapshot {
+	if s.cfg.File != nil {
+		c := s.cfg.File.Current()
+		return &configSnapshot{access: c.Access, policy: c.Policy}
+	}
+	return &configSnapshot{access: s.cfg.Access.Current(), policy: s.policies.Current()}
+}
+
+// accessFor returns the access set of the request of ctx.
+func (s *Server) accessFor(ctx context.Context) *access.Set {
+	if snap, ok := ctx.Value(configKey{}).(*configSnapshot); ok {
+		return snap.access
+	}
+	return s.cfg.Access.Current()
+}
 
 // IdentityFrom returns the identity the call was authenticated as.
 func IdentityFrom(ctx context.Context) (*access.Identity, bool) {
@@ -41,14 +69,14 @@ func public(_ context.Context, c interceptors.CallMeta) bool {
 // otherwise the client certificate does, if the TLS handshake verified it
 // against --tls-client-ca. An unverified certificate is never trusted.
 func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
-	set := s.cfg.Access.Current()
-	id, err := identify(ctx, set)
+	snap := s.snapshot()
+	id, err := identify(ctx, snap.access)
 	if err != nil {
 		s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", "unauthenticated")))
 		return nil, err
 	}
 	noteIdentity(ctx, id.Name)
-	return context.WithValue(ctx, identityKey{}, id), nil
+	return context.WithValue(context.WithValue(ctx, identityKey{}, id), configKey{}, snap), nil
 }
 
 func identify(ctx context.Context, set *access.Set) (*access.Identity, error) {
@@ -129,7 +157,7 @@ func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerI
 		return next(ctx, req)
 	}
 	consumer := r.GetConsumer()
-	set := s.cfg.Access.Current()
+	set := s.accessFor(ctx)
 	name := ""
 	if id, ok := IdentityFrom(ctx); ok {
 		name = id.Name

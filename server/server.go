@@ -28,6 +28,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -53,6 +54,11 @@ type Config struct {
 	// grpcurl works out of the box).
 	DisableReflection bool
 
+	// File, when set, is the config file whose parts are the Policy and
+	// the Access (which it replaces): each request then reads both from
+	// one snapshot, taken when it arrives, so a reload while it runs
+	// cannot give it the identities of one file and the policy of another.
+	File *configfile.Source
 	// Access decides who may call and how often: identities, their
 	// consumers and the rate limits (server/access), consulted on every
 	// request so a reload takes effect at once. Nil means an open set:
@@ -192,6 +198,8 @@ type Server struct {
 	health  *health.Server
 	metrics *metrics
 	limiter *access.Limiter
+	// policies is the service's, for the requests' snapshots.
+	policies *policy.Source
 	// done is closed when Serve returns; ServeHealth stops then.
 	done chan struct{}
 	// serving is the last status set; only Serve's health loop touches it.
@@ -209,6 +217,9 @@ const LivenessService = "liveness"
 
 // New builds a Server on store.
 func New(store storage.Store, cfg Config) (*Server, error) {
+	if cfg.File != nil {
+		cfg.Access, cfg.Policy = cfg.File.Access(), cfg.File.Policy()
+	}
 	cfg.setDefaults()
 	m, err := newMetrics(cfg.MeterProvider)
 	if err != nil {
@@ -225,7 +236,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if cfg.Policy != nil {
 		svc.policies = cfg.Policy
 	}
-	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{})}
+	s := &Server{cfg: cfg, store: store, metrics: m, limiter: access.NewLimiter(nil), policies: svc.policies, done: make(chan struct{})}
 	opts := []grpc.ServerOption{
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithMeterProvider(cfg.MeterProvider),

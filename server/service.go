@@ -39,9 +39,20 @@ func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Servi
 	return &Service{store: marginStore{store}, limits: limits, policies: policy.Static(set), logger: logger}, nil
 }
 
+// policyFor returns the policy of consumer for the request of ctx: from the
+// config the request was admitted under (configSnapshot), so that its
+// identity, rate limits and policy all come from one file, else the
+// policy in force.
+func (s *Service) policyFor(ctx context.Context, consumer string) policy.Policy {
+	if snap, ok := ctx.Value(configKey{}).(*configSnapshot); ok {
+		return snap.policy.For(consumer)
+	}
+	return s.policies.Current().For(consumer)
+}
+
 // Claim implements RegistryServiceServer.
 func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idemregv1.ClaimResponse, error) {
-	p, err := s.validateClaim(req)
+	p, err := s.validateClaim(ctx, req)
 	if err != nil {
 		return nil, err
 	}
@@ -92,7 +103,7 @@ func (s *Service) Release(ctx context.Context, req *idemregv1.ReleaseRequest) (*
 
 // Extend implements RegistryServiceServer.
 func (s *Service) Extend(ctx context.Context, req *idemregv1.ExtendRequest) (*idemregv1.ExtendResponse, error) {
-	p, err := s.validateExtend(req)
+	p, err := s.validateExtend(ctx, req)
 	if err != nil {
 		return nil, err
 	}
@@ -102,7 +113,7 @@ func (s *Service) Extend(ctx context.Context, req *idemregv1.ExtendRequest) (*id
 			// The token the store checked is the record's, so it dates
 			// the attempt as the store did.
 			err = &leaseTotalExceeded{max: p.MaxLeaseTotal, notAfter: storage.AcquiredAt(p.Token).Add(p.MaxLeaseTotal),
-				source: s.policies.Current().For(p.Consumer).Source}
+				source: s.policyFor(ctx, p.Consumer).Source}
 		}
 		return rec, err
 	})

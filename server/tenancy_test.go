@@ -2,22 +2,28 @@ package server_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/idemreg/idemreg/client"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
@@ -261,4 +267,74 @@ consumers:
 			require.NoError(t, err)
 		})
 	}
+}
+
+// TestReloadDuringRequests races reloads of a config file between two
+// versions with calls: every call is served under one version whole (its
+// grant and its policy from the same file), never the grant of one and
+// the policy of the other.
+func TestReloadDuringRequests(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "idemreg.yaml")
+	version := func(prefix, lease string) []byte {
+		return []byte("consumers:\n  - {prefix: " + prefix + "., lease: {default: " + lease + "}}\n" +
+			"identities:\n  - {name: t, token_hashes: [\"" + access.HashToken("t-token") + "\"], consumers: [\"" + prefix + ".*\"]}\n")
+	}
+	versions := [][]byte{version("a", "1m"), version("b", "2m")}
+	install := func(i int) { // atomically, so that every read sees a whole file
+		tmp := filepath.Join(dir, "next.yaml")
+		require.NoError(t, os.WriteFile(tmp, versions[i], 0o600))
+		require.NoError(t, os.Rename(tmp, path))
+	}
+	install(0)
+	src, err := configfile.Open(path, server.DefaultLimits().Policy())
+	require.NoError(t, err)
+	c := idemregv1.NewRegistryServiceClient(start(t, memStore(t), server.Config{File: src}))
+	ctx := bearer(t.Context(), "t-token")
+
+	stop := make(chan struct{})
+	reloaded := make(chan int)
+	go func() {
+		n := 0
+		defer func() { reloaded <- n }()
+		for i := 1; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			install(i % 2)
+			_, err := src.Reload()
+			if !assert.NoError(t, err) {
+				return
+			}
+			n++
+		}
+	}()
+	want := map[string]time.Duration{"a.x": time.Minute, "b.x": 2 * time.Minute}
+	var wg sync.WaitGroup
+	var served atomic.Int64
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range 400 {
+				consumer := []string{"a.x", "b.x"}[i%2]
+				res, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION,
+					Key: fmt.Sprintf("k-%d-%d", g, i)})
+				if status.Code(err) == codes.PermissionDenied {
+					continue // the other version was in force
+				}
+				if !assert.NoError(t, err) {
+					return
+				}
+				served.Add(1)
+				r := res.GetRecord()
+				assert.Equal(t, want[consumer], r.GetLeaseExpiresAt().AsTime().Sub(r.GetCreatedAt().AsTime()),
+					"%s was admitted under one version and given the policy of the other", consumer)
+			}
+		})
+	}
+	wg.Wait()
+	close(stop)
+	require.Positive(t, <-reloaded)
+	require.Positive(t, served.Load())
 }

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"fmt"
 	"time"
 	"unicode"
@@ -112,7 +113,7 @@ func (v *violations) token(t int64) {
 	}
 }
 
-func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams, error) {
+func (s *Service) validateClaim(ctx context.Context, r *idemregv1.ClaimRequest) (storage.ClaimParams, error) {
 	var v violations
 	k := v.key(r.GetConsumer(), r.GetKind(), r.GetKey())
 	if n := len(r.GetFingerprint()); n > MaxFingerprintBytes {
@@ -129,7 +130,7 @@ func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams,
 	} else if !printableASCII(id) {
 		v.add("request_id", "must be printable ASCII without spaces (0x21-0x7E)")
 	}
-	pol := s.policies.Current().For(k.Consumer)
+	pol := s.policyFor(ctx, k.Consumer)
 	p := storage.ClaimParams{
 		Key:         k,
 		Fingerprint: r.GetFingerprint(),
@@ -191,10 +192,10 @@ func (s *Service) validateRelease(r *idemregv1.ReleaseRequest) (storage.ReleaseP
 	return p, v.err()
 }
 
-func (s *Service) validateExtend(r *idemregv1.ExtendRequest) (storage.ExtendParams, error) {
+func (s *Service) validateExtend(ctx context.Context, r *idemregv1.ExtendRequest) (storage.ExtendParams, error) {
 	var v violations
 	k := v.key(r.GetConsumer(), r.GetKind(), r.GetKey())
-	pol := s.policies.Current().For(k.Consumer)
+	pol := s.policyFor(ctx, k.Consumer)
 	p := storage.ExtendParams{
 		Key:           k,
 		Token:         r.GetToken(),

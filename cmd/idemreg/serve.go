@@ -61,9 +61,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	if file != nil {
-		srvCfg.Policy = file.Policy()
-	}
+	srvCfg.File = file
 	srv, err := server.New(store, srvCfg)
 	if err != nil {
 		return err
