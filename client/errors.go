@@ -24,15 +24,19 @@ const (
 	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
-	ReasonNotFound            = "NOT_FOUND"
-	ReasonStoreUnavailable    = "STORE_UNAVAILABLE"
-	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
-	ReasonCanceled            = "CANCELED"
-	ReasonInternal            = "INTERNAL"
-	ReasonUnauthenticated     = "UNAUTHENTICATED"
-	ReasonPermissionDenied    = "PERMISSION_DENIED"
+	// ReasonLeaseTotalExceeded (code FAILED_PRECONDITION): an Extend would
+	// hold the key past the consumer's max_lease_total since the attempt
+	// began; the metadata's lease_not_after is the latest a lease may end.
+	ReasonLeaseTotalExceeded = "LEASE_TOTAL_EXCEEDED"
+	ReasonNotFound           = "NOT_FOUND"
+	ReasonStoreUnavailable   = "STORE_UNAVAILABLE"
+	ReasonDeadlineExceeded   = "DEADLINE_EXCEEDED"
+	ReasonCanceled           = "CANCELED"
+	ReasonInternal           = "INTERNAL"
+	ReasonUnauthenticated    = "UNAUTHENTICATED"
+	ReasonPermissionDenied   = "PERMISSION_DENIED"
 	// ReasonRateLimited (code RESOURCE_EXHAUSTED, with QuotaFailure and
-	// RetryInfo): the consumer's rate limit was reached.
+	// RetryInfo): the consumer's or the identity's rate limit was reached.
 	ReasonRateLimited = "RATE_LIMITED"
 	// ReasonTooManyCalls (code RESOURCE_EXHAUSTED, with QuotaFailure and
 	// RetryInfo): the caller's identity has as many calls in progress as
@@ -63,7 +67,11 @@ var (
 	ErrFingerprintMismatch = errors.New("idemreg: fingerprint mismatch: the key was used with different parameters")
 	ErrLeaseLost           = errors.New("idemreg: lease lost: another holder took over the key")
 	ErrAlreadyCompleted    = errors.New("idemreg: the key is already completed")
-	ErrNotFound            = errors.New("idemreg: no live record for the key")
+	// ErrLeaseTotalExceeded: the Extend asked for more than is left of the
+	// consumer's max_lease_total for this attempt; the lease in force is
+	// unchanged, so finish (or Release) before it ends.
+	ErrLeaseTotalExceeded = errors.New("idemreg: the lease would run past the most one attempt may hold the key")
+	ErrNotFound           = errors.New("idemreg: no live record for the key")
 	// ErrUnavailable: the registry or its store cannot answer now. The error
 	// is an *UnavailableError carrying the suggested retry delay.
 	ErrUnavailable      = errors.New("idemreg: registry unavailable")
@@ -92,6 +100,7 @@ var sentinelByReason = map[string]error{
 	ReasonFingerprintMismatch: ErrFingerprintMismatch,
 	ReasonLeaseLost:           ErrLeaseLost,
 	ReasonAlreadyCompleted:    ErrAlreadyCompleted,
+	ReasonLeaseTotalExceeded:  ErrLeaseTotalExceeded,
 	ReasonNotFound:            ErrNotFound,
 	ReasonStoreUnavailable:    ErrUnavailable,
 	ReasonRegistryUnavailable: ErrUnavailable,

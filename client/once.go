@@ -51,7 +51,10 @@ type OnceResult struct {
 //   - It claims (consumer, KindMessage, messageID). When acquired it runs fn
 //     with the fencing token and extends the lease every half lease while fn
 //     runs. Should the registry report that another holder took over, fn's
-//     context is cancelled with an error matching ErrLeaseLost as cause.
+//     context is cancelled with an error matching ErrLeaseLost as cause;
+//     should it refuse to extend because the attempt held the key for its
+//     consumer's max_lease_total, the cause matches ErrLeaseTotalExceeded
+//     (the claim is then released when fn returns, as after an error).
 //   - fn returns nil: the outcome (with fn's data) is stored; Ran is true.
 //   - fn returns an error marked with Final: the failure is stored and
 //     replayed to duplicates; the error is returned.
@@ -149,7 +152,7 @@ func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *se
 		res.Record = rec
 		return res, fnErr
 	default:
-		if lostErr != nil {
+		if lostErr != nil && !errors.Is(lostErr, ErrLeaseTotalExceeded) {
 			// Nothing to release: the key is someone else's now.
 			return res, errors.Join(fnErr, lostErr)
 		}

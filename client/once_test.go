@@ -510,3 +510,40 @@ func TestOnceZeroLeaseTakesTheDefault(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, res.Ran)
 }
+
+// TestOnceLeaseTotalCancelsTheHandler: when the registry refuses to extend
+// because the attempt held the key for its max_lease_total, the handler's
+// context is cancelled with that cause; the next attempt has a total of
+// its own.
+func TestOnceLeaseTotalCancelsTheHandler(t *testing.T) {
+	clock := &registrytest.Clock{}
+	l := registrytest.DefaultLimits()
+	l.MinLease, l.DefaultLease, l.MaxLease, l.MaxLeaseTotal = 10*time.Millisecond, 100*time.Millisecond, time.Second, time.Second
+	reg := registrytest.Start(t, registrytest.WithLimits(l), registrytest.WithClock(clock.Now))
+	c, ctx := reg.Client, t.Context()
+
+	started := make(chan client.Attempt)
+	errc := make(chan error, 1)
+	go func() {
+		_, err := c.Once(ctx, inbox, "msg-1", func(ctx context.Context, a client.Attempt) ([]byte, error) {
+			started <- a
+			<-ctx.Done()
+			assert.ErrorIs(t, context.Cause(ctx), client.ErrLeaseTotalExceeded, "the cause says why")
+			return nil, context.Cause(ctx)
+		}, client.WithLease(100*time.Millisecond))
+		errc <- err
+	}()
+	a := recv(t, started)
+	// The store's clock passes the attempt's total; the next heartbeat is
+	// refused.
+	clock.Advance(time.Second)
+	err := recv(t, errc)
+	require.ErrorIs(t, err, client.ErrLeaseTotalExceeded)
+
+	again, err := c.Claim(ctx, client.ClaimParams{Key: a.Key})
+	require.NoError(t, err)
+	require.Equal(t, client.OutcomeAcquired, again.Outcome)
+	require.EqualValues(t, 2, again.Record.Attempt, "the next attempt takes over, with a total of its own")
+	_, err = c.Extend(ctx, a.Key, again.Fence(), 100*time.Millisecond)
+	require.NoError(t, err)
+}

@@ -133,7 +133,9 @@ func contextError(ctx context.Context) error {
 
 // heartbeat extends a claim every half lease until stopped. When the
 // registry says the claim is gone (another holder took over, or the record
-// expired or was completed), it calls lost once and stops. Other failures
+// expired or was completed) or can be extended no more (the attempt reached
+// its consumer's max_lease_total), it calls lost once and stops: from then
+// on the lease runs out, and the work should stop before it does. Other failures
 // (the registry briefly unreachable) are retried on the next beat: the lease
 // still has half its length to run.
 type heartbeat struct {
@@ -159,7 +161,8 @@ func (c *Client) startHeartbeat(ctx context.Context, k Key, f Fence, lease time.
 			ectx, ecancel := context.WithTimeout(ctx, lease/2)
 			_, err := c.Extend(ectx, k, f, lease)
 			ecancel()
-			if errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrNotFound) || errors.Is(err, ErrAlreadyCompleted) {
+			if errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrNotFound) || errors.Is(err, ErrAlreadyCompleted) ||
+				errors.Is(err, ErrLeaseTotalExceeded) {
 				h.mu.Lock()
 				h.err = err
 				h.mu.Unlock()

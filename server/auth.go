@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"strings"
+	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
@@ -18,9 +19,37 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/policy"
 )
 
 type identityKey struct{}
+
+// configKey holds the request's *configSnapshot.
+type configKey struct{}
+
+// configSnapshot is the config a request is admitted and served under,
+// read once when it arrives: its identity, rate limits and policy all come
+// from one file, whatever reloads happen while it runs.
+type configSnapshot struct {
+	access *access.Set
+	policy *policy.Set
+}
+
+func (s *Server) snapshot() *configSnapshot {
+	if s.cfg.File != nil {
+		c := s.cfg.File.Current()
+		return &configSnapshot{access: c.Access, policy: c.Policy}
+	}
+	return &configSnapshot{access: s.cfg.Access.Current(), policy: s.policies.Current()}
+}
+
+// accessFor returns the access set of the request of ctx.
+func (s *Server) accessFor(ctx context.Context) *access.Set {
+	if snap, ok := ctx.Value(configKey{}).(*configSnapshot); ok {
+		return snap.access
+	}
+	return s.cfg.Access.Current()
+}
 
 // IdentityFrom returns the identity the call was authenticated as.
 func IdentityFrom(ctx context.Context) (*access.Identity, bool) {
@@ -41,14 +70,14 @@ func public(_ context.Context, c interceptors.CallMeta) bool {
 // otherwise the client certificate does, if the TLS handshake verified it
 // against --tls-client-ca. An unverified certificate is never trusted.
 func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
-	set := s.cfg.Access.Current()
-	id, err := identify(ctx, set)
+	snap := s.snapshot()
+	id, err := identify(ctx, snap.access)
 	if err != nil {
 		s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", "unauthenticated")))
 		return nil, err
 	}
 	noteIdentity(ctx, id.Name)
-	return context.WithValue(ctx, identityKey{}, id), nil
+	return context.WithValue(context.WithValue(ctx, identityKey{}, id), configKey{}, snap), nil
 }
 
 func identify(ctx context.Context, set *access.Set) (*access.Identity, error) {
@@ -133,8 +162,11 @@ func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg 
 
 func quote(s string) string { return "\"" + s + "\"" }
 
-// rateLimit applies the consumer's rate limit from the config file; to
-// each item of a batch on its own.
+// rateLimit applies the rate limits of the config file: the identity's
+// bucket, then the consumer's; to each item of a batch on its own. The
+// identity's comes first because it is the tenant's bound: a caller granted
+// a prefix can invent consumer names, each with a fresh bucket, but its
+// calls all take from one identity's.
 func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
 	if !strings.HasPrefix(info.FullMethod, "/"+idemregv1.RegistryService_ServiceDesc.ServiceName+"/") {
 		return next(ctx, req)
@@ -161,27 +193,35 @@ func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerI
 	return next(ctx, req)
 }
 
-// allow takes one call of consumer from its rate limit, or answers
-// RATE_LIMITED.
+// allow takes one call for consumer from the identity's bucket and the
+// consumer's, or answers RATE_LIMITED.
 func (s *Server) allow(ctx context.Context, consumer string) error {
-	l, limited := s.cfg.Access.Current().RateLimit(consumer)
+	set := s.accessFor(ctx)
+	name := ""
+	if id, ok := IdentityFrom(ctx); ok {
+		name = id.Name
+		if l, limited := set.IdentityRateLimit(name); limited && id != access.Anonymous {
+			if ok, wait := s.limiter.Allow("identity:"+name, l); !ok {
+				s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
+				return rateLimited("identity "+quote(name)+" is over its rate limit of "+l.String(),
+					"identity:"+name, l, wait, map[string]string{"identity": name, "consumer": consumer})
+			}
+		}
+	}
+	l, limited := set.RateLimit(consumer)
 	if !limited {
 		return nil
 	}
-	if ok, wait := s.limiter.Allow(consumer, l); !ok {
-		name := ""
-		if id, ok := IdentityFrom(ctx); ok {
-			name = id.Name
-		}
+	if ok, wait := s.limiter.Allow("consumer:"+consumer, l); !ok {
 		s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
-		return newStatus(codes.ResourceExhausted, ReasonRateLimited,
-			"consumer "+quote(consumer)+" is over its rate limit of "+l.String(),
-			map[string]string{"consumer": consumer},
-			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
-				Subject:     "consumer:" + consumer,
-				Description: l.String(),
-			}}},
-			retryInfo(wait))
+		return rateLimited("consumer "+quote(consumer)+" is over its rate limit of "+l.String(),
+			"consumer:"+consumer, l, wait, map[string]string{"consumer": consumer})
 	}
 	return nil
+}
+
+func rateLimited(msg, subject string, l access.Limit, wait time.Duration, meta map[string]string) error {
+	return newStatus(codes.ResourceExhausted, ReasonRateLimited, msg, meta,
+		&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{Subject: subject, Description: l.String()}}},
+		retryInfo(wait))
 }

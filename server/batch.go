@@ -121,7 +121,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 			fail(i, verdicts[i])
 			continue
 		}
-		p, wait, err := s.validateClaim(item)
+		p, wait, err := s.validateClaim(ctx, item)
 		if err != nil {
 			fail(i, err)
 			continue

@@ -26,6 +26,10 @@ type Limits struct {
 	MinRetention, MaxRetention time.Duration
 	// MaxResultBytes bounds the encoded size of a stored result.
 	MaxResultBytes int
+	// MaxLeaseTotal bounds how long one attempt may hold a key, its Claim's
+	// lease and every Extend together (storage.LeaseNotAfter); zero means
+	// no bound.
+	MaxLeaseTotal time.Duration
 }
 
 // Default limits, documented in docs/semantics.md.
@@ -41,6 +45,11 @@ const (
 	DefaultMinRetention   = time.Minute
 	DefaultMaxRetention   = 30 * 24 * time.Hour
 	DefaultMaxResultBytes = 1 << 20
+	// DefaultMaxLeaseTotal lets a holder that keeps extending work on one
+	// key for a day, far beyond any one handler's plausible run, so that a
+	// stuck but alive holder (a loop that heartbeats and never finishes)
+	// gives the key back within a day rather than never.
+	DefaultMaxLeaseTotal = 24 * time.Hour
 )
 
 // Fixed limits of the API, documented in the proto.
@@ -63,6 +72,7 @@ func DefaultLimits() Limits {
 		MinRetention:              DefaultMinRetention,
 		MaxRetention:              DefaultMaxRetention,
 		MaxResultBytes:            DefaultMaxResultBytes,
+		MaxLeaseTotal:             DefaultMaxLeaseTotal,
 	}
 }
 
@@ -83,6 +93,9 @@ func (l Limits) Validate() error {
 			errs = append(errs, fmt.Errorf("default retention %v outside [%v, %v]", d, l.MinRetention, l.MaxRetention))
 		}
 	}
+	if l.MaxLeaseTotal < 0 || (l.MaxLeaseTotal > 0 && l.MaxLeaseTotal < l.MaxLease) {
+		errs = append(errs, fmt.Errorf("max lease total %v must be at least the max lease %v (0: no bound)", l.MaxLeaseTotal, l.MaxLease))
+	}
 	if l.MaxResultBytes <= 0 {
 		errs = append(errs, fmt.Errorf("max result bytes must be positive, got %d", l.MaxResultBytes))
 	}
@@ -97,5 +110,6 @@ func (l Limits) Policy() policy.Policy {
 		Lease:              policy.Bounds{Default: l.DefaultLease, Min: l.MinLease, Max: l.MaxLease},
 		MessageRetention:   policy.Bounds{Default: l.DefaultMessageRetention, Min: l.MinRetention, Max: l.MaxRetention},
 		OperationRetention: policy.Bounds{Default: l.DefaultOperationRetention, Min: l.MinRetention, Max: l.MaxRetention},
+		MaxLeaseTotal:      l.MaxLeaseTotal,
 	}
 }

@@ -86,7 +86,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.extends, MetricExtends, "{call}", "Successful Extends.")
 	counter(&out.leaseLost, MetricLeaseLost, "{call}", "Completes, Releases and Extends refused with LEASE_LOST (a stale token), by method.")
 	counter(&out.storeErrors, MetricStoreErrors, "{error}", "Failed store calls, by op and error.type: unavailable, deadline, canceled, internal.")
-	counter(&out.overloaded, MetricOverloaded, "{call}", "Calls refused with OVERLOADED because the store already had the most operations in flight.")
+	counter(&out.overloaded, MetricOverloaded, "{call}", "Calls refused with OVERLOADED because the store already had the most operations in flight (bound=server) or the caller's identity had its share of them (bound=identity).")
 	counter(&out.rateLimited, MetricRateLimited, "{call}", "Calls refused with RATE_LIMITED, by identity.")
 	counter(&out.denied, MetricDenied, "{call}", "Calls refused with UNAUTHENTICATED or PERMISSION_DENIED, by code.")
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")

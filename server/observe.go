@@ -4,17 +4,62 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/storage"
 )
 
 // errOverloaded: the store already has the most operations in flight that
 // the server allows. toStatus answers it with UNAVAILABLE, reason OVERLOADED.
 var errOverloaded = errors.New("too many store operations in flight")
+
+// shareExceeded: the caller's identity already has its share of the
+// operations in flight. It is an errOverloaded, answered the same way, with
+// a QuotaFailure naming the identity.
+type shareExceeded struct {
+	identity string
+	share    int
+}
+
+func (e *shareExceeded) Error() string {
+	return fmt.Sprintf("identity %q has %d store operations in flight, its share", e.identity, e.share)
+}
+
+func (e *shareExceeded) Unwrap() error { return errOverloaded }
+
+// identityShares bound the store operations in flight of each identity to
+// a share of the server's, so that one tenant's flood (or its slow keys)
+// leaves slots for the others instead of making their calls fail
+// OVERLOADED. The counts are per identity name; names come from the config
+// file, so the map stays as small as its list of identities.
+type identityShares struct {
+	share  int
+	counts sync.Map // identity name → *atomic.Int64
+}
+
+func (s *identityShares) take(name string) bool {
+	v, ok := s.counts.Load(name)
+	if !ok {
+		v, _ = s.counts.LoadOrStore(name, new(atomic.Int64))
+	}
+	n := v.(*atomic.Int64)
+	if n.Add(1) > int64(s.share) {
+		n.Add(-1)
+		return false
+	}
+	return true
+}
+
+func (s *identityShares) give(name string) {
+	v, _ := s.counts.Load(name)
+	v.(*atomic.Int64).Add(-1)
+}
 
 // observedStore wraps the store the service calls: it bounds the
 // operations in flight, so that overload is answered at once instead of
@@ -26,13 +71,20 @@ type observedStore struct {
 	storage.Store
 	admin storage.Admin // nil when the store has no admin capability
 	sem   chan struct{}
-	m     *metrics
+	// shares is nil when an identity may take every slot.
+	shares *identityShares
+	m      *metrics
 	// outcomes counts the calls that reached the store, for readiness.
 	outcomes *callOutcomes
 }
 
-func newObservedStore(s storage.Store, maxInFlight int, m *metrics, outcomes *callOutcomes) (*observedStore, error) {
+// newObservedStore bounds the operations in flight to maxInFlight, and
+// those of each authenticated identity to perIdentity when it is less.
+func newObservedStore(s storage.Store, maxInFlight, perIdentity int, m *metrics, outcomes *callOutcomes) (*observedStore, error) {
 	o := &observedStore{Store: s, sem: make(chan struct{}, maxInFlight), m: m, outcomes: outcomes}
+	if perIdentity < maxInFlight {
+		o.shares = &identityShares{share: perIdentity}
+	}
 	o.admin, _ = s.(storage.Admin)
 	// The in-flight gauge is read off the bound when metrics are
 	// collected, which costs the calls nothing.
@@ -83,18 +135,32 @@ var claimOutcomes = func() map[string]metric.MeasurementOption {
 	return m
 }()
 
-// do runs one store call under the in-flight bound and records it.
+// do runs one store call under the in-flight bounds and records it. The
+// anonymous identity of an open server is every caller, not a tenant, so
+// it has no share of its own.
 func (o *observedStore) do(ctx context.Context, op *opMeasures, call func() error) error {
+	id, _ := IdentityFrom(ctx)
+	shared := o.shares != nil && id != nil && id != access.Anonymous
+	if shared && !o.shares.take(id.Name) {
+		o.m.overloaded.Add(ctx, 1, attrs(attribute.String("identity", id.Name), attribute.String("bound", "identity")))
+		return &shareExceeded{identity: id.Name, share: o.shares.share}
+	}
 	select {
 	case o.sem <- struct{}{}:
 	default:
-		o.m.overloaded.Add(ctx, 1)
+		if shared {
+			o.shares.give(id.Name)
+		}
+		o.m.overloaded.Add(ctx, 1, attrs(attribute.String("bound", "server")))
 		return errOverloaded
 	}
 	start := time.Now()
 	err := call()
 	elapsed := time.Since(start).Seconds()
 	<-o.sem
+	if shared {
+		o.shares.give(id.Name)
+	}
 	o.outcomes.record(err)
 	if err != nil && !isAnswer(err) {
 		outcome := errorType(err)
@@ -143,11 +209,18 @@ func (o *observedStore) countClaim(ctx context.Context, res storage.ClaimResult,
 // ClaimBatch implements storage.Batcher: a batch is one operation in
 // flight, and each item counts as a Claim.
 func (o *observedStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) (out []storage.ClaimAnswer) {
+	ran := false
 	err := o.do(ctx, opClaimBatch, func() error {
+		ran = true
 		out = storage.ClaimBatch(ctx, o.Store, ps)
+		for _, a := range out {
+			if a.Err != nil && !isAnswer(a.Err) {
+				return a.Err // the store failed: measured, and counted for readiness
+			}
+		}
 		return nil
 	})
-	if err != nil {
+	if !ran { // refused before the store: every item's answer
 		out = make([]storage.ClaimAnswer, len(ps))
 		for i := range out {
 			out[i].Err = err
@@ -163,11 +236,18 @@ func (o *observedStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams
 
 // CompleteBatch implements storage.Batcher like ClaimBatch.
 func (o *observedStore) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) (out []storage.CompleteAnswer) {
+	ran := false
 	err := o.do(ctx, opCompleteBatch, func() error {
+		ran = true
 		out = storage.CompleteBatch(ctx, o.Store, ps)
+		for _, a := range out {
+			if a.Err != nil && !isAnswer(a.Err) {
+				return a.Err // the store failed: measured, and counted for readiness
+			}
+		}
 		return nil
 	})
-	if err != nil {
+	if !ran { // refused before the store: every item's answer
 		out = make([]storage.CompleteAnswer, len(ps))
 		for i := range out {
 			out[i].Err = err

@@ -31,6 +31,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -60,6 +61,11 @@ type Config struct {
 	// grpcurl works out of the box).
 	DisableReflection bool
 
+	// File, when set, is the config file whose parts are the Policy and
+	// the Access (which it replaces): each request then reads both from
+	// one snapshot, taken when it arrives, so a reload while it runs
+	// cannot give it the identities of one file and the policy of another.
+	File *configfile.Source
 	// Access decides who may call and how often: identities, their
 	// consumers and the rate limits (server/access), consulted on every
 	// request so a reload takes effect at once. Nil means an open set:
@@ -82,6 +88,13 @@ type Config struct {
 	// MaxInFlight bounds the store operations in flight; a call beyond it
 	// fails at once with UNAVAILABLE, reason OVERLOADED (DefaultMaxInFlight).
 	MaxInFlight int
+	// MaxInFlightPerIdentity bounds the store operations in flight of each
+	// identity of the config file, so that one tenant cannot take every
+	// slot of MaxInFlight; a call beyond it fails like one beyond
+	// MaxInFlight, with a QuotaFailure naming the identity. Zero means half
+	// of MaxInFlight (DefaultInFlightShare); MaxInFlight or more turns the
+	// share off. An open server (no identities) has no shares.
+	MaxInFlightPerIdentity int
 	// StreamWorkers is how many long-lived goroutines run calls
 	// (DefaultStreamWorkers); a call that finds none idle gets a goroutine
 	// of its own, as every call does when it is negative. Reused
@@ -110,6 +123,12 @@ type Config struct {
 // well above what a store answers at once (a PostgreSQL pool holds tens of
 // connections), well below what makes every queued call miss its deadline.
 const DefaultMaxInFlight = 256
+
+// DefaultInFlightShare is the share of MaxInFlight an identity may take
+// by default: half, so that a single tenant flooding the server, or
+// waiting on its own slow keys, always leaves the other half to everyone
+// else, while a lone busy tenant still gets most of the server.
+const DefaultInFlightShare = 0.5
 
 // DefaultStreamWorkers is the default number of goroutines that run calls:
 // enough for the callers a replica serves at once, so that nearly every
@@ -163,6 +182,9 @@ func (c *Config) setDefaults() {
 	if c.MaxInFlight <= 0 {
 		c.MaxInFlight = DefaultMaxInFlight
 	}
+	if c.MaxInFlightPerIdentity <= 0 {
+		c.MaxInFlightPerIdentity = max(1, int(float64(c.MaxInFlight)*DefaultInFlightShare))
+	}
 	if c.StreamWorkers == 0 {
 		c.StreamWorkers = DefaultStreamWorkers
 	}
@@ -197,6 +219,8 @@ type Server struct {
 	health  *health.Server
 	metrics *metrics
 	limiter *access.Limiter
+	// policies is the service's, for the requests' snapshots.
+	policies *policy.Source
 	// done is closed when Serve returns; ServeHealth stops then.
 	done chan struct{}
 	// serving is the last status set; only Serve's health loop touches it.
@@ -229,13 +253,16 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err := errors.Join(cfg.Bounds.Validate(), cfg.Readiness.Validate()); err != nil {
 		return nil, fmt.Errorf("server: %w", err)
 	}
+	if cfg.File != nil {
+		cfg.Access, cfg.Policy = cfg.File.Access(), cfg.File.Policy()
+	}
 	cfg.setDefaults()
 	m, err := newMetrics(cfg.MeterProvider)
 	if err != nil {
 		return nil, err
 	}
 	outcomes := &callOutcomes{}
-	observed, err := newObservedStore(store, cfg.MaxInFlight, m, outcomes)
+	observed, err := newObservedStore(store, cfg.MaxInFlight, cfg.MaxInFlightPerIdentity, m, outcomes)
 	if err != nil {
 		return nil, err
 	}
@@ -247,7 +274,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		svc.policies = cfg.Policy
 	}
 	s := &Server{
-		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
+		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), policies: svc.policies, done: make(chan struct{}),
 		public:        newPublicStreams(cfg.Bounds.MaxPublicStreams, m),
 		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
 		outcomes:      outcomes,
@@ -451,12 +478,12 @@ func (s *Server) checkHealth(ctx context.Context) {
 //     PERMISSION_DENIED — before the handler has read anything;
 //  6. calls per identity (bounds.go): an identity with MaxCallsPerIdentity
 //     calls in progress gets RESOURCE_EXHAUSTED, TOO_MANY_CALLS;
-//  7. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
-//     QuotaFailure and RetryInfo.
+//  7. rate limit: the identity's token bucket, then the consumer's, or
+//     RESOURCE_EXHAUSTED with QuotaFailure and RetryInfo.
 //
 // Below the handler, the store is wrapped (observe.go) to bound the
-// operations in flight (UNAVAILABLE, OVERLOADED, beyond MaxInFlight) and to
-// measure them.
+// operations in flight (UNAVAILABLE, OVERLOADED, beyond MaxInFlight, or
+// beyond MaxInFlightPerIdentity for one identity) and to measure them.
 func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })

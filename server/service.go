@@ -3,6 +3,7 @@ package server
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -69,9 +70,20 @@ func newService(store, backend storage.Store, limits Limits, logger *slog.Logger
 		metrics: m, logger: logger}, nil
 }
 
+// policyFor returns the policy of consumer for the request of ctx: from the
+// config the request was admitted under (configSnapshot), so that its
+// identity, rate limits and policy all come from one file, else the
+// policy in force.
+func (s *Service) policyFor(ctx context.Context, consumer string) policy.Policy {
+	if snap, ok := ctx.Value(configKey{}).(*configSnapshot); ok {
+		return snap.policy.For(consumer)
+	}
+	return s.policies.Current().For(consumer)
+}
+
 // Claim implements RegistryServiceServer.
 func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idemregv1.ClaimResponse, error) {
-	p, wait, err := s.validateClaim(req)
+	p, wait, err := s.validateClaim(ctx, req)
 	if err != nil {
 		return nil, err
 	}
@@ -137,11 +149,20 @@ func (s *Service) Release(ctx context.Context, req *idemregv1.ReleaseRequest) (*
 
 // Extend implements RegistryServiceServer.
 func (s *Service) Extend(ctx context.Context, req *idemregv1.ExtendRequest) (*idemregv1.ExtendResponse, error) {
-	p, err := s.validateExtend(req)
+	p, err := s.validateExtend(ctx, req)
 	if err != nil {
 		return nil, err
 	}
-	rec, err := s.fenced(ctx, "Extend", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) { return s.store.Extend(ctx, p) })
+	rec, err := s.fenced(ctx, "Extend", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) {
+		rec, err := s.store.Extend(ctx, p)
+		if errors.Is(err, storage.ErrLeaseTotalExceeded) {
+			// The token the store checked is the record's, so it dates
+			// the attempt as the store did.
+			err = &leaseTotalExceeded{max: p.MaxLeaseTotal, notAfter: storage.AcquiredAt(p.Token).Add(p.MaxLeaseTotal),
+				source: s.policyFor(ctx, p.Consumer).Source}
+		}
+		return rec, err
+	})
 	if err != nil {
 		return nil, err
 	}

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -11,8 +12,21 @@ import (
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
+
+// leaseTotalExceeded is storage.ErrLeaseTotalExceeded with what the
+// answer tells the holder: the bound and the latest end of a lease.
+type leaseTotalExceeded struct {
+	max      time.Duration
+	notAfter time.Time
+	source   string
+}
+
+func (e *leaseTotalExceeded) Error() string { return storage.ErrLeaseTotalExceeded.Error() }
+
+func (e *leaseTotalExceeded) Unwrap() error { return storage.ErrLeaseTotalExceeded }
 
 // ErrorDomain is the ErrorInfo domain of every idemreg error.
 const ErrorDomain = "idemreg"
@@ -23,6 +37,7 @@ const (
 	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
+	ReasonLeaseTotalExceeded  = "LEASE_TOTAL_EXCEEDED"
 	ReasonNotFound            = "NOT_FOUND"
 	ReasonStoreUnavailable    = "STORE_UNAVAILABLE"
 	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
@@ -69,7 +84,15 @@ func keyMeta(k storage.Key) map[string]string {
 // internal and unavailable errors are logged, never sent.
 func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, err error) error {
 	meta := keyMeta(k)
+	var share *shareExceeded
+	var total *leaseTotalExceeded
 	switch {
+	case errors.As(err, &total):
+		meta["max_lease_total"] = total.max.String()
+		meta["lease_not_after"] = total.notAfter.UTC().Format(time.RFC3339Nano)
+		return newStatus(codes.FailedPrecondition, ReasonLeaseTotalExceeded,
+			fmt.Sprintf("one attempt may hold the key for at most %s (max_lease_total of %s), so no lease of this attempt may end after %s; the lease in force is unchanged",
+				policy.FormatDuration(total.max), total.source, meta["lease_not_after"]), meta)
 	case errors.Is(err, storage.ErrFingerprintMismatch):
 		return newStatus(codes.FailedPrecondition, ReasonFingerprintMismatch,
 			"the key is live with a different fingerprint: the same key was used with different parameters", meta)
@@ -90,6 +113,15 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 		return newStatus(codes.DeadlineExceeded, ReasonDeadlineExceeded, "the deadline ran out before the store answered", meta)
 	case errors.Is(err, context.Canceled):
 		return newStatus(codes.Canceled, ReasonCanceled, "the request was cancelled", meta)
+	case errors.As(err, &share):
+		meta["identity"] = share.identity
+		return newStatus(codes.Unavailable, ReasonOverloaded,
+			fmt.Sprintf("identity %q already has %d store operations in flight, its share of the server's; retry later", share.identity, share.share), meta,
+			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
+				Subject:     "identity:" + share.identity,
+				Description: fmt.Sprintf("at most %d store operations in flight per identity", share.share),
+			}}},
+			retryInfo(overloadedRetryAfter))
 	case errors.Is(err, errOverloaded):
 		return newStatus(codes.Unavailable, ReasonOverloaded, "the server has too many store operations in flight; retry later", meta,
 			retryInfo(overloadedRetryAfter))

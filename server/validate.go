@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"fmt"
 	"time"
 	"unicode"
@@ -121,7 +122,7 @@ func (v *violations) fence(t int64, secret []byte) {
 	}
 }
 
-func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams, time.Duration, error) {
+func (s *Service) validateClaim(ctx context.Context, r *idemregv1.ClaimRequest) (storage.ClaimParams, time.Duration, error) {
 	var v violations
 	k := v.key(r.GetConsumer(), r.GetKind(), r.GetKey())
 	if n := len(r.GetFingerprint()); n > MaxFingerprintBytes {
@@ -138,7 +139,7 @@ func (s *Service) validateClaim(r *idemregv1.ClaimRequest) (storage.ClaimParams,
 	} else if !printableASCII(id) {
 		v.add("request_id", "must be printable ASCII without spaces (0x21-0x7E)")
 	}
-	pol := s.policies.Current().For(k.Consumer)
+	pol := s.policyFor(ctx, k.Consumer)
 	p := storage.ClaimParams{
 		Key:         k,
 		Fingerprint: r.GetFingerprint(),
@@ -204,14 +205,15 @@ func (s *Service) validateRelease(r *idemregv1.ReleaseRequest) (storage.ReleaseP
 	return p, v.err()
 }
 
-func (s *Service) validateExtend(r *idemregv1.ExtendRequest) (storage.ExtendParams, error) {
+func (s *Service) validateExtend(ctx context.Context, r *idemregv1.ExtendRequest) (storage.ExtendParams, error) {
 	var v violations
 	k := v.key(r.GetConsumer(), r.GetKind(), r.GetKey())
-	pol := s.policies.Current().For(k.Consumer)
+	pol := s.policyFor(ctx, k.Consumer)
 	p := storage.ExtendParams{
-		Key:          k,
-		Token:        r.GetToken(),
-		DefaultLease: pol.Lease.Default,
+		Key:           k,
+		Token:         r.GetToken(),
+		DefaultLease:  pol.Lease.Default,
+		MaxLeaseTotal: pol.MaxLeaseTotal,
 	}
 	if r.GetLease() != nil { // unset: the record's own lease (storage.ExtendLease)
 		p.Lease = v.duration("lease", r.GetLease(), pol.Lease, "lease", pol.Source)

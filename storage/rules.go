@@ -141,7 +141,9 @@ func DecideRelease(now time.Time, cur *Record, p ReleaseParams) (rec Record, wri
 }
 
 // DecideExtend decides an Extend: the lease runs for ExtendLease from now, and
-// the record is kept at least its retention after the new lease ends.
+// the record is kept at least its retention after the new lease ends. A
+// lease that would end after LeaseNotAfter is refused, not shortened: the
+// holder learns that its time is up while it still holds the lease it had.
 func DecideExtend(now time.Time, cur *Record, p ExtendParams) (rec Record, write bool, err error) {
 	if err := fenced(now, cur, p.Token); err != nil {
 		return Record{}, false, err
@@ -150,6 +152,9 @@ func DecideExtend(now time.Time, cur *Record, p ExtendParams) (rec Record, write
 		return Record{}, false, ErrAlreadyCompleted
 	}
 	lease := ExtendLease(cur, p)
+	if p.MaxLeaseTotal > 0 && now.Add(lease).After(LeaseNotAfter(cur, p.MaxLeaseTotal)) {
+		return Record{}, false, ErrLeaseTotalExceeded
+	}
 	rec = *cur
 	rec.LeaseExpiresAt = now.Add(lease)
 	rec.Lease = lease
@@ -168,6 +173,22 @@ func ExtendLease(cur *Record, p ExtendParams) time.Duration {
 		return cur.Lease
 	}
 	return p.DefaultLease
+}
+
+// AcquiredAt is when the attempt holding token started, read off the token
+// itself: NextToken issues a token no smaller than the store's clock in
+// microseconds, and only an acquisition issues one. It is never earlier
+// than the acquisition, later only when the key's tokens ran ahead of the
+// clock (acquisitions within one microsecond, a clock that stepped back),
+// which can only lengthen what LeaseNotAfter allows, never shorten it.
+func AcquiredAt(token int64) time.Time { return time.UnixMicro(token) }
+
+// LeaseNotAfter is the latest end of a lease that an Extend of cur may
+// grant when one attempt may hold the key for maxTotal: counted from the
+// start of the attempt, so a takeover starts afresh and Extend alone
+// cannot hold a key forever.
+func LeaseNotAfter(cur *Record, maxTotal time.Duration) time.Time {
+	return AcquiredAt(cur.Token).Add(maxTotal)
 }
 
 // DecideLookup decides a Lookup.

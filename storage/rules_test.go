@@ -154,6 +154,11 @@ func TestDecideFenced(t *testing.T) {
 			return storage.DecideExtend(now, cur, storage.ExtendParams{Key: key, Token: token, Lease: lease, DefaultLease: time.Minute})
 		}
 	}
+	extendTotal := func(lease, total time.Duration) decide {
+		return func(now time.Time, cur *storage.Record, token int64) (storage.Record, bool, error) {
+			return storage.DecideExtend(now, cur, storage.ExtendParams{Key: key, Token: token, Lease: lease, MaxLeaseTotal: total})
+		}
+	}
 	for _, tc := range []struct {
 		name      string
 		op        decide
@@ -201,6 +206,27 @@ func TestDecideFenced(t *testing.T) {
 			}), wantWrite: true},
 		{name: "extend: completed", op: extendOp(0), now: t0.Add(time.Minute), cur: stored(completed), token: token, wantErr: storage.ErrAlreadyCompleted},
 		{name: "extend: expired", op: extendOp(0), now: t0.Add(2 * time.Hour), cur: stored(nil), token: token, wantErr: storage.ErrNotFound},
+		{name: "extend: within the lease total", op: extendTotal(time.Minute, 2*time.Minute), now: t0.Add(5 * time.Second), cur: stored(nil), token: token,
+			want: stored(func(r *storage.Record) {
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt = t0.Add(65*time.Second), time.Minute, t0.Add(65*time.Second+time.Hour)
+			}), wantWrite: true},
+		{name: "extend: to the end of the lease total exactly", op: extendTotal(time.Minute, 2*time.Minute), now: t0.Add(time.Minute), cur: stored(nil), token: token,
+			want: stored(func(r *storage.Record) {
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt = t0.Add(2*time.Minute), time.Minute, t0.Add(2*time.Minute+time.Hour)
+			}), wantWrite: true},
+		{name: "extend: past the lease total", op: extendTotal(time.Minute, 2*time.Minute), now: t0.Add(time.Minute + time.Microsecond), cur: stored(nil), token: token,
+			wantErr: storage.ErrLeaseTotalExceeded},
+		{name: "extend: past the lease total by the record's own lease", op: extendTotal(0, 20*time.Second), now: t0.Add(15 * time.Second), cur: stored(nil), token: token,
+			wantErr: storage.ErrLeaseTotalExceeded},
+		{name: "extend: the total counts from the token, the attempt's start", op: extendTotal(time.Minute, 2*time.Minute), now: t0.Add(2 * time.Minute),
+			cur: stored(func(r *storage.Record) {
+				r.Token = t0.Add(time.Minute).UnixMicro()
+				r.LeaseExpiresAt = t0.Add(2*time.Minute + time.Second)
+			}), token: t0.Add(time.Minute).UnixMicro(),
+			want: stored(func(r *storage.Record) {
+				r.Token = t0.Add(time.Minute).UnixMicro()
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt = t0.Add(3*time.Minute), time.Minute, t0.Add(3*time.Minute+time.Hour)
+			}), wantWrite: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rec, write, err := tc.op(tc.now, tc.cur, tc.token)

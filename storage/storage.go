@@ -136,6 +136,10 @@ type ExtendParams struct {
 	// own (Record.Lease), or DefaultLease for a record that has none.
 	Lease        time.Duration
 	DefaultLease time.Duration
+	// MaxLeaseTotal, when positive, bounds how long one attempt may hold
+	// the key: the lease may not run past LeaseNotAfter. Zero means no
+	// bound.
+	MaxLeaseTotal time.Duration
 }
 
 // Store keeps records. Every method is atomic per key and safe for
@@ -151,7 +155,7 @@ type Store interface {
 	// ErrAlreadyCompleted, ErrUnavailable.
 	Release(ctx context.Context, p ReleaseParams) (Record, error)
 	// Extend decides by DecideExtend. Errors: ErrNotFound, ErrLeaseLost,
-	// ErrAlreadyCompleted, ErrUnavailable.
+	// ErrAlreadyCompleted, ErrLeaseTotalExceeded, ErrUnavailable.
 	Extend(ctx context.Context, p ExtendParams) (Record, error)
 	// Lookup returns the live record. Errors: ErrNotFound, ErrUnavailable.
 	Lookup(ctx context.Context, k Key) (Record, error)
@@ -171,6 +175,9 @@ var (
 	ErrLeaseLost = errors.New("lease lost: token is not current")
 	// ErrAlreadyCompleted: Release or Extend of a completed record.
 	ErrAlreadyCompleted = errors.New("record already completed")
+	// ErrLeaseTotalExceeded: the Extend would hold the lease past
+	// LeaseNotAfter; the lease in force is unchanged.
+	ErrLeaseTotalExceeded = errors.New("the lease would run past the most one attempt may hold the key")
 	// ErrFingerprintMismatch: the key is live with another fingerprint.
 	ErrFingerprintMismatch = errors.New("fingerprint mismatch")
 	// ErrUnavailable: the store could not answer (down, or conflicts

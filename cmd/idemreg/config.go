@@ -94,6 +94,7 @@ func (c *config) bind(fs *flag.FlagSet, serve bool) {
 	fs.DurationVar(&l.DefaultOperationRetention, "default-operation-retention", l.DefaultOperationRetention, "retention of a KIND_OPERATION Claim that gives none")
 	fs.DurationVar(&l.MinRetention, "min-retention", l.MinRetention, "smallest retention a request may ask for")
 	fs.DurationVar(&l.MaxRetention, "max-retention", l.MaxRetention, "largest retention a request may ask for")
+	fs.DurationVar(&l.MaxLeaseTotal, "max-lease-total", l.MaxLeaseTotal, "longest one attempt may hold a key, its Claim's lease and every Extend together (at least --max-lease; 0: no bound)")
 	fs.IntVar(&l.MaxResultBytes, "max-result-bytes", l.MaxResultBytes, "largest encoded result Complete accepts")
 }
 

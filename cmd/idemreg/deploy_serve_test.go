@@ -19,7 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.yaml.in/yaml/v3"
 
-	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/configfile"
 )
 
 type probe struct {
@@ -129,11 +129,16 @@ func TestDeployServe(t *testing.T) {
 		Data map[string]string `yaml:"data"`
 	}
 	require.NoError(t, yaml.Unmarshal(rawCM, &cm))
-	set, err := access.Parse([]byte(cm.Data[filepath.Base(cfg.PolicyFile)]))
+	// serve reads the file whole, as one config.
+	file, err := configfile.Parse([]byte(cm.Data[filepath.Base(cfg.PolicyFile)]), cfg.Limits.Policy())
 	require.NoError(t, err)
+	set := file.Access
 	require.True(t, set.Enforced())
 	_, limited := set.RateLimit("anything")
 	require.True(t, limited)
+	_, limited = set.IdentityRateLimit("orders")
+	require.True(t, limited, "every identity has a rate limit of its own")
+	require.Equal(t, 2*time.Hour, file.Policy.For("billing.payment-worker").MaxLeaseTotal)
 }
 
 // readDeployment reads the Deployment of deploy/idemreg.yaml.

@@ -15,7 +15,7 @@ import (
 
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
-	"github.com/idemreg/idemreg/server/policy"
+	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
 	"github.com/idemreg/idemreg/storage/postgres"
@@ -39,13 +39,13 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	defer stopPprof()
-	policies, err := loadPolicy(&cfg, logger)
+	file, err := loadConfig(&cfg, logger)
 	if err != nil {
 		return err
 	}
-	stopReload := reloadOnSIGHUP(policies, logger)
+	stopReload := reloadOnSIGHUP(file, logger)
 	defer stopReload()
-	surface, err := startSurface(ctx, &cfg, logger)
+	surface, err := startSurface(ctx, &cfg, file, logger)
 	if err != nil {
 		return err
 	}
@@ -61,7 +61,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	srvCfg.Policy = policies
+	srvCfg.File = file
 	srv, err := server.New(store, srvCfg)
 	if err != nil {
 		return err
@@ -86,23 +86,24 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	return nil
 }
 
-// loadPolicy loads the policy file, if any, over the limits of the flags.
-func loadPolicy(cfg *config, logger *slog.Logger) (*policy.Source, error) {
+// loadConfig loads the config file, if any, over the limits of the flags.
+func loadConfig(cfg *config, logger *slog.Logger) (*configfile.Source, error) {
 	if cfg.PolicyFile == "" {
 		return nil, nil
 	}
-	src, err := policy.Open(cfg.PolicyFile, cfg.Limits.Policy())
+	src, err := configfile.Open(cfg.PolicyFile, cfg.Limits.Policy())
 	if err != nil {
 		return nil, err
 	}
-	logger.Info("policy loaded", "path", cfg.PolicyFile, "consumer_policies", src.Current().Len())
+	c := src.Current()
+	logger.Info("config loaded", "path", cfg.PolicyFile, "consumer_policies", c.Policy.Len(), "identities", c.Access.Identities())
 	return src, nil
 }
 
-// reloadOnSIGHUP reloads the policy file on every SIGHUP until the returned
-// function is called. An invalid file is logged and the policy in force
-// stays.
-func reloadOnSIGHUP(src *policy.Source, logger *slog.Logger) (stop func()) {
+// reloadOnSIGHUP reloads the config file on every SIGHUP until the returned
+// function is called: one read and one parse of the file, whose policy and
+// access parts replace those in force together, or not at all.
+func reloadOnSIGHUP(src *configfile.Source, logger *slog.Logger) (stop func()) {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	done := make(chan struct{})
@@ -113,19 +114,25 @@ func reloadOnSIGHUP(src *policy.Source, logger *slog.Logger) (stop func()) {
 				return
 			case <-hup:
 			}
-			if src == nil {
-				logger.Warn("SIGHUP ignored: no policy file (--config) to reload")
-				continue
-			}
-			set, err := src.Reload()
-			if err != nil {
-				logger.Error("policy reload rejected; the policy in force stays", "path", src.Path(), "error", err)
-				continue
-			}
-			logger.Info("policy reloaded", "path", src.Path(), "consumer_policies", set.Len())
+			reloadConfig(src, logger)
 		}
 	}()
 	return func() { signal.Stop(hup); close(done) }
+}
+
+// reloadConfig is one reload: a file that is invalid in any part is logged
+// with the reason, and the whole config in force stays.
+func reloadConfig(src *configfile.Source, logger *slog.Logger) {
+	if src == nil {
+		logger.Warn("SIGHUP ignored: no config file (--config) to reload")
+		return
+	}
+	c, err := src.Reload()
+	if err != nil {
+		logger.Error("config reload rejected; the policy and access in force stay", "path", src.Path(), "error", err)
+		return
+	}
+	logger.Info("config reloaded", "path", src.Path(), "consumer_policies", c.Policy.Len(), "identities", c.Access.Identities())
 }
 
 // startSweeper runs the sweeper in the background every --sweep-interval,

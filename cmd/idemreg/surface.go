@@ -10,10 +10,8 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -31,6 +29,7 @@ import (
 
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/configfile"
 )
 
 // surfaceConfig is the production surface of serve: transport security,
@@ -46,6 +45,7 @@ type surfaceConfig struct {
 	RequestTimeout                  time.Duration
 	MaxRequestTimeout               time.Duration
 	MaxInFlight                     int
+	MaxInFlightPerIdentity          int
 	StreamWorkers                   int
 	MaxConnectionAge                time.Duration
 	MaxConnectionIdle               time.Duration
@@ -88,6 +88,7 @@ func (s *surfaceConfig) bind(fs *flag.FlagSet) {
 	fs.DurationVar(&s.RequestTimeout, "request-timeout", s.RequestTimeout, "budget of a request that carries no deadline")
 	fs.DurationVar(&s.MaxRequestTimeout, "max-request-timeout", s.MaxRequestTimeout, "longest deadline a request may carry; longer ones are cut to it")
 	fs.IntVar(&s.MaxInFlight, "max-in-flight", s.MaxInFlight, "most store operations at once; beyond it calls fail at once with UNAVAILABLE (OVERLOADED)")
+	fs.IntVar(&s.MaxInFlightPerIdentity, "max-in-flight-per-identity", s.MaxInFlightPerIdentity, "most store operations at once of one identity of --config, so one tenant cannot take every slot (0: half of --max-in-flight; --max-in-flight turns it off)")
 	fs.IntVar(&s.StreamWorkers, "stream-workers", s.StreamWorkers, "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
 	fs.DurationVar(&s.MaxConnectionAge, "max-connection-age", s.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
 	fs.DurationVar(&s.MaxConnectionIdle, "max-connection-idle", s.MaxConnectionIdle, "close client connections that have had no call for this long")
@@ -136,6 +137,9 @@ func (s *surfaceConfig) validate(listen string) []error {
 	}
 	if s.MaxInFlight < 1 {
 		errs = append(errs, fmt.Errorf("--max-in-flight must be positive, got %d", s.MaxInFlight))
+	}
+	if s.MaxInFlightPerIdentity < 0 || s.MaxInFlightPerIdentity > s.MaxInFlight {
+		errs = append(errs, fmt.Errorf("--max-in-flight-per-identity must be between 0 (half of --max-in-flight) and --max-in-flight (%d), got %d", s.MaxInFlight, s.MaxInFlightPerIdentity))
 	}
 	if s.StreamWorkers < 0 {
 		errs = append(errs, fmt.Errorf("--stream-workers must not be negative, got %d", s.StreamWorkers))
@@ -190,20 +194,18 @@ func (s *surface) close() {
 	}
 }
 
-// startSurface loads the identities and rate limits of --config, sets up
+// startSurface takes the identities and rate limits of --config, sets up
 // telemetry and the metrics listener, and checks that the server is not
 // opened wider than asked for.
-func startSurface(ctx context.Context, cfg *config, logger *slog.Logger) (_ *surface, err error) {
+func startSurface(ctx context.Context, cfg *config, file *configfile.Source, logger *slog.Logger) (_ *surface, err error) {
 	s := &surface{access: access.Static(access.Open())}
 	defer func() {
 		if err != nil {
 			s.close()
 		}
 	}()
-	if cfg.PolicyFile != "" {
-		if s.access, err = access.OpenFile(cfg.PolicyFile); err != nil {
-			return nil, err
-		}
+	if file != nil {
+		s.access = file.Access()
 	}
 	set := s.access.Current()
 	sc := &cfg.Surface
@@ -232,7 +234,6 @@ func startSurface(ctx context.Context, cfg *config, logger *slog.Logger) (_ *sur
 		}
 		s.closers = append(s.closers, stop)
 	}
-	s.closers = append(s.closers, reloadAccessOnSIGHUP(s.access, cfg.PolicyFile, logger))
 	return s, nil
 }
 
@@ -241,20 +242,21 @@ func startSurface(ctx context.Context, cfg *config, logger *slog.Logger) (_ *sur
 func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config, error) {
 	sc := &cfg.Surface
 	out := server.Config{
-		Limits:            cfg.Limits,
-		Logger:            logger,
-		Access:            s.access,
-		RequestTimeout:    sc.RequestTimeout,
-		MaxRequestTimeout: sc.MaxRequestTimeout,
-		MaxInFlight:       sc.MaxInFlight,
-		StreamWorkers:     cmp.Or(sc.StreamWorkers, -1),
-		DrainDelay:        sc.DrainDelay,
-		ShutdownTimeout:   sc.ShutdownTimeout,
-		DisableReflection: sc.DisableReflection,
-		Bounds:            sc.Bounds,
-		Readiness:         sc.Readiness,
-		MeterProvider:     s.telemetry.meters,
-		TracerProvider:    otel.GetTracerProvider(),
+		Limits:                 cfg.Limits,
+		Logger:                 logger,
+		Access:                 s.access,
+		RequestTimeout:         sc.RequestTimeout,
+		MaxRequestTimeout:      sc.MaxRequestTimeout,
+		MaxInFlight:            sc.MaxInFlight,
+		MaxInFlightPerIdentity: sc.MaxInFlightPerIdentity,
+		StreamWorkers:          cmp.Or(sc.StreamWorkers, -1),
+		DrainDelay:             sc.DrainDelay,
+		ShutdownTimeout:        sc.ShutdownTimeout,
+		DisableReflection:      sc.DisableReflection,
+		Bounds:                 sc.Bounds,
+		Readiness:              sc.Readiness,
+		MeterProvider:          s.telemetry.meters,
+		TracerProvider:         otel.GetTracerProvider(),
 	}
 	out.Keepalive = server.DefaultKeepalive()
 	out.Keepalive.MaxConnectionAge = sc.MaxConnectionAge
@@ -267,34 +269,6 @@ func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config,
 		out.TLS = tlsCfg
 	}
 	return out, nil
-}
-
-// reloadAccessOnSIGHUP reloads the identities and rate limits of the config
-// file on every SIGHUP (the retention policy of the same file reloads on
-// the same signal) until the returned function is called.
-func reloadAccessOnSIGHUP(src *access.Source, path string, logger *slog.Logger) (stop func()) {
-	if path == "" {
-		return func() {}
-	}
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	done := make(chan struct{})
-	go func() {
-		for {
-			select {
-			case <-done:
-				return
-			case <-hup:
-			}
-			set, err := src.Reload()
-			if err != nil {
-				logger.Error("access reload rejected; the identities and rate limits in force stay", "path", path, "error", err)
-				continue
-			}
-			logger.Info("access reloaded", "path", path, "identities", set.Identities())
-		}
-	}()
-	return func() { signal.Stop(hup); close(done) }
 }
 
 // telemetry holds the metrics pipeline (OpenTelemetry instruments read by

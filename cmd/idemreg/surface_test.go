@@ -65,6 +65,7 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"no idle timeout", []string{"--max-connection-idle", "0s"}, "--max-connection-idle must be positive"},
 		{"no readiness window", []string{"--readiness-window", "0"}, "--readiness-window (0)"},
 		{"readiness ratio above one", []string{"--readiness-max-failure-ratio", "2"}, "failure ratio must be in (0, 1]"},
+		{"identity share above the server's", []string{"--max-in-flight", "8", "--max-in-flight-per-identity", "9"}, "--max-in-flight-per-identity must be between 0"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -208,7 +209,7 @@ identities:
 	// Grant orders the billing consumer too, and reload.
 	writeConfig(`"orders.inbox", "billing.worker"`)
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	p.waitLog(t, "access reloaded")
+	p.waitLog(t, "config reloaded")
 	require.NoError(t, claim("orders", "billing.worker"))
 
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))

@@ -228,7 +228,7 @@ func TestServePolicyReload(t *testing.T) {
 	write := func(doc string) { require.NoError(t, os.WriteFile(path, []byte(doc), 0o600)) }
 	write("consumers:\n  - prefix: orders.\n    message_retention: {min: 8d, default: 10d}\n")
 	p := startServe(t, bin, t.TempDir(), nil, "--config", path)
-	loaded := p.waitLog(t, "policy loaded")
+	loaded := p.waitLog(t, "config loaded")
 	require.EqualValues(t, 1, loaded["consumer_policies"])
 	p.waitLog(t, "serving")
 	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
@@ -249,13 +249,13 @@ func TestServePolicyReload(t *testing.T) {
 
 	write("consumers:\n  - prefix: orders.\n    message_retention: {min: 1h}\n")
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	p.waitLog(t, "policy reloaded")
+	p.waitLog(t, "config reloaded")
 	_, err = claim("m-2", 2*time.Hour)
 	require.NoError(t, err, "the reloaded policy is in force")
 
 	write("consumers:\n  - prefix: orders.\n    message_retention: {min: 1h, default: 30m}\n")
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	line := p.waitLog(t, "policy reload rejected; the policy in force stays")
+	line := p.waitLog(t, "config reload rejected; the policy and access in force stay")
 	require.Contains(t, line["error"], "message_retention.default 30m0s is below message_retention.min 1h0m0s")
 	require.Equal(t, path, line["path"])
 	_, err = claim("m-3", 30*time.Minute)
@@ -284,7 +284,7 @@ func TestSweepAndPolicyConfigErrors(t *testing.T) {
 		{"sweep bad database url", []string{"sweep", "--database-url", "mysql://u:secret@h/db"}, nil, "--database-url must be a postgres:// URL"},
 		{"sweep no data dir", []string{"sweep", "--data-dir", filepath.Join(dir, "none")}, nil, "no embedded store in --data-dir"},
 		{"negative sweep interval", []string{"serve", "--sweep-interval", "-1s"}, nil, "--sweep-interval must not be negative"},
-		{"missing policy file", []string{"serve", "--config", filepath.Join(dir, "none.yaml")}, nil, "policy file: open"},
+		{"missing policy file", []string{"serve", "--config", filepath.Join(dir, "none.yaml")}, nil, "config file: open"},
 		{"invalid policy file", []string{"serve", "--config", bad}, nil, `consumers[0]: prefix "a.": lease.default 2h0m0s is above lease.max 1h0m0s`},
 		{"policy file against the flags", []string{"serve", "--config", bad, "--max-lease", "3h"}, nil, ""},
 	}

@@ -71,6 +71,8 @@ type Set struct {
 	bySubject  map[string]*Identity
 	byToken    map[[sha256.Size]byte]*Identity
 	limits     limitRules
+	// identityLimits are the rules of rate_limits that name identities.
+	identityLimits identityRules
 }
 
 // Open returns a Set without identities: every caller is Anonymous.

@@ -32,15 +32,29 @@ import (
 //	  - consumers: ["orders.*"]           # the most specific rule wins: name, longest prefix, "*"
 //	    rate: 200                         # requests per second, for each consumer
 //	    burst: 400                        # default: the rate, at least 1
+//	  - identities: ["*"]                 # or identities: a name of this file, or "*"
+//	    rate: 1000                        # requests per second, for each identity, all its consumers together
+//
+// A call passes its identity's bucket and then its consumer's: an identity
+// granted a prefix can invent consumer names, each with a fresh bucket, but
+// not a fresh identity.
 //
 // Every field inside these sections is checked: an unknown one is an error,
 // so a misspelt grant cannot silently widen or narrow access. A certificate
 // identity or a token hash belongs to one identity only.
 type file struct {
-	Identities []fileIdentity  `yaml:"identities"`
-	RateLimits []fileRateLimit `yaml:"rate_limits"`
+	Sections `yaml:",inline"`
 	// Others are the sections other packages own.
 	Others map[string]yaml.Node `yaml:",inline"`
+}
+
+// Sections are the sections of the config file this package owns, as
+// decoded. server/configfile decodes them together with the sections of
+// server/policy in one pass over the file, so that one read of the file
+// gives both parts.
+type Sections struct {
+	Identities []fileIdentity  `yaml:"identities"`
+	RateLimits []fileRateLimit `yaml:"rate_limits"`
 }
 
 type fileIdentity struct {
@@ -54,9 +68,10 @@ type fileIdentity struct {
 }
 
 type fileRateLimit struct {
-	Consumers []string `yaml:"consumers"`
-	Rate      float64  `yaml:"rate"`
-	Burst     int      `yaml:"burst"`
+	Consumers  []string `yaml:"consumers"`
+	Identities []string `yaml:"identities"`
+	Rate       float64  `yaml:"rate"`
+	Burst      int      `yaml:"burst"`
 }
 
 var unknownField = regexp.MustCompile(`field (\S+) not found in type access\.\w+`)
@@ -77,7 +92,12 @@ func Parse(data []byte) (*Set, error) {
 		msg = strings.ReplaceAll(msg, "unmarshal errors:\n  ", "")
 		return nil, errors.New(unknownField.ReplaceAllString(msg, `unknown field "$1"`))
 	}
+	return f.Sections.Build()
+}
 
+// Build checks the decoded sections and returns their set. Every error is
+// reported, each saying where.
+func (f Sections) Build() (*Set, error) {
 	var errs []error
 	s := &Set{
 		byURI:     map[string]*Identity{},
@@ -180,8 +200,24 @@ func Parse(data []byte) (*Set, error) {
 			errs = append(errs, fmt.Errorf("%s: burst must be at least 1, got %d", where, fr.Burst))
 			continue
 		}
-		if len(fr.Consumers) == 0 {
-			errs = append(errs, fmt.Errorf("%s: consumers: list the consumers the limit applies to", where))
+		switch {
+		case len(fr.Consumers) == 0 && len(fr.Identities) == 0:
+			errs = append(errs, fmt.Errorf("%s: consumers: list the consumers (or the identities) the limit applies to", where))
+		case len(fr.Consumers) > 0 && len(fr.Identities) > 0:
+			errs = append(errs, fmt.Errorf("%s: a rule limits consumers or identities, not both: split it in two", where))
+			continue
+		case len(fr.Identities) > 0 && len(f.Identities) == 0:
+			errs = append(errs, fmt.Errorf("%s: identities: the file names no identities (every caller is anonymous)", where))
+			continue
+		}
+		for j, name := range fr.Identities {
+			if _, known := names[name]; !known && name != "*" {
+				errs = append(errs, fmt.Errorf("%s: identities[%d]: no identity is named %q", where, j, name))
+				continue
+			}
+			if err := s.identityLimits.add(name, Limit{Rate: fr.Rate, Burst: burst, Of: "identities"}); err != nil {
+				errs = append(errs, fmt.Errorf("%s: identities[%d]: %w", where, j, err))
+			}
 		}
 		for j, p := range fr.Consumers {
 			if err := s.limits.add(p, Limit{Rate: fr.Rate, Burst: burst}); err != nil {
@@ -213,6 +249,8 @@ func Load(path string) (*Set, error) {
 type Source struct {
 	path string
 	cur  atomic.Pointer[Set]
+	// view, when set, gives the set in force in place of cur (View).
+	view func() *Set
 	mu   sync.Mutex // serialises reloads
 }
 
@@ -234,8 +272,18 @@ func Static(set *Set) *Source {
 	return src
 }
 
+// View returns a source whose set in force is what current returns: the
+// access part of a config file whose parts are replaced together
+// (server/configfile). It has nothing to reload.
+func View(current func() *Set) *Source { return &Source{view: current} }
+
 // Current returns the set in force.
-func (s *Source) Current() *Set { return s.cur.Load() }
+func (s *Source) Current() *Set {
+	if s.view != nil {
+		return s.view()
+	}
+	return s.cur.Load()
+}
 
 // ErrModeChange is returned by Reload when the file would turn
 // authentication on or off: that takes a restart, so that a bad edit cannot

@@ -13,8 +13,8 @@ import (
 	"golang.org/x/time/rate"
 )
 
-// Limit is the rate limit of each consumer a rule matches: every consumer
-// has a bucket of its own.
+// Limit is the rate limit of each consumer (or each identity) a rule
+// matches: every consumer, and every identity, has a bucket of its own.
 type Limit struct {
 	// Rate is the sustained number of requests per second.
 	Rate float64
@@ -22,12 +22,56 @@ type Limit struct {
 	Burst int
 	// Pattern is the rule's pattern, for messages: "orders.*".
 	Pattern string
+	// Of is "identities" for a rule of identities, empty for consumers.
+	Of string
 }
 
 // String describes l for an error message.
 func (l Limit) String() string {
-	return fmt.Sprintf("%s requests per second, burst %d (rate_limits %q)",
-		strconv.FormatFloat(l.Rate, 'f', -1, 64), l.Burst, l.Pattern)
+	of := ""
+	if l.Of != "" {
+		of = l.Of + " "
+	}
+	return fmt.Sprintf("%s requests per second, burst %d (rate_limits %s%q)",
+		strconv.FormatFloat(l.Rate, 'f', -1, 64), l.Burst, of, l.Pattern)
+}
+
+// identityRules are the rate limits of identities: by name, else "*".
+type identityRules struct {
+	names map[string]Limit
+	all   *Limit
+}
+
+func (r *identityRules) add(name string, l Limit) error {
+	l.Pattern = name
+	if name == "*" {
+		if r.all != nil {
+			return fmt.Errorf("%q is given twice", name)
+		}
+		r.all = &l
+		return nil
+	}
+	if r.names == nil {
+		r.names = map[string]Limit{}
+	}
+	if _, dup := r.names[name]; dup {
+		return fmt.Errorf("%q is given twice", name)
+	}
+	r.names[name] = l
+	return nil
+}
+
+// IdentityRateLimit returns the limit of the calls of the identity named
+// name, whatever their consumers: the rule naming it, else the "*" rule of
+// identities. ok is false when none applies.
+func (s *Set) IdentityRateLimit(name string) (l Limit, ok bool) {
+	if l, ok := s.identityLimits.names[name]; ok {
+		return l, true
+	}
+	if s.identityLimits.all != nil {
+		return *s.identityLimits.all, true
+	}
+	return Limit{}, false
 }
 
 type limitRules struct {
@@ -103,7 +147,8 @@ func (r *limitRules) add(pattern string, l Limit) error {
 	return nil
 }
 
-// Limiter keeps a token bucket per consumer. It is safe for concurrent use.
+// Limiter keeps a token bucket per key (a consumer, an identity). It is
+// safe for concurrent use.
 //
 // A bucket left alone for as long as it takes to refill is full, exactly as
 // a new one would be, so such buckets are dropped: memory follows the
@@ -133,17 +178,17 @@ func NewLimiter(now func() time.Time) *Limiter {
 	return &Limiter{now: now, buckets: map[string]*bucket{}}
 }
 
-// Allow takes one request of consumer under limit l. When the request is
-// refused, wait is how long until one would be allowed. A changed limit (a
-// reload) applies to the consumer's bucket from now on.
-func (lim *Limiter) Allow(consumer string, l Limit) (ok bool, wait time.Duration) {
+// Allow takes one request of the bucket key under limit l. When the request
+// is refused, wait is how long until one would be allowed. A changed limit
+// (a reload) applies to the bucket from now on.
+func (lim *Limiter) Allow(key string, l Limit) (ok bool, wait time.Duration) {
 	now := lim.now()
 	lim.mu.Lock()
-	b := lim.buckets[consumer]
+	b := lim.buckets[key]
 	switch {
 	case b == nil:
 		b = &bucket{lim: rate.NewLimiter(rate.Limit(l.Rate), l.Burst), limit: l}
-		lim.buckets[consumer] = b
+		lim.buckets[key] = b
 	case b.limit != l:
 		b.lim.SetLimitAt(now, rate.Limit(l.Rate))
 		b.lim.SetBurstAt(now, l.Burst)

@@ -17,6 +17,7 @@ import (
 //
 //	defaults:                      # optional: overrides the server's flags
 //	  lease:               {default: 30s, min: 1s, max: 1h}
+//	  max_lease_total:     24h         # one attempt's Claim and Extends together
 //	  message_retention:   {default: 7d,  min: 1h, max: 30d}
 //	  operation_retention: {default: 24h, min: 1m, max: 30d}
 //	consumers:
@@ -31,15 +32,24 @@ import (
 // from defaults, which inherits from the server's flags. Unknown fields are
 // errors, so that a misspelt bound cannot be silently ignored.
 type file struct {
-	Defaults  fileBounds     `yaml:"defaults"`
-	Consumers []fileConsumer `yaml:"consumers"`
+	Sections `yaml:",inline"`
 	// Sections of the same file that server/access owns and checks.
 	Identities yaml.Node `yaml:"identities"`
 	RateLimits yaml.Node `yaml:"rate_limits"`
 }
 
+// Sections are the sections of the config file this package owns, as
+// decoded. server/configfile decodes them together with the sections of
+// server/access in one pass over the file, so that one read of the file
+// gives both parts.
+type Sections struct {
+	Defaults  fileBounds     `yaml:"defaults"`
+	Consumers []fileConsumer `yaml:"consumers"`
+}
+
 type fileBounds struct {
 	Lease              *fileRange `yaml:"lease"`
+	MaxLeaseTotal      *duration  `yaml:"max_lease_total"`
 	MessageRetention   *fileRange `yaml:"message_retention"`
 	OperationRetention *fileRange `yaml:"operation_retention"`
 }
@@ -92,6 +102,9 @@ func (r *fileRange) apply(b Bounds) Bounds {
 func (f fileBounds) apply(p Policy, source string) Policy {
 	p.Source = source
 	p.Lease = f.Lease.apply(p.Lease)
+	if f.MaxLeaseTotal != nil {
+		p.MaxLeaseTotal = f.MaxLeaseTotal.d
+	}
 	p.MessageRetention = f.MessageRetention.apply(p.MessageRetention)
 	p.OperationRetention = f.OperationRetention.apply(p.OperationRetention)
 	return p
@@ -113,7 +126,12 @@ func Parse(data []byte, base Policy) (*Set, error) {
 			return nil, errors.New("the file holds more than one YAML document")
 		}
 	}
+	return f.Sections.Build(base)
+}
 
+// Build checks the decoded sections over base (the server's flags) and
+// returns their set. Every error is reported, each saying where.
+func (f Sections) Build(base Policy) (*Set, error) {
 	var errs []error
 	defaults := f.Defaults.apply(base, DefaultsSource)
 	if err := defaults.Validate(); err != nil {
@@ -195,9 +213,12 @@ func checkConsumer(s string) error {
 	return nil
 }
 
-// cleanYAMLError drops the library's "yaml: " prefixes, which say nothing
-// to an operator, and keeps its line numbers.
-func cleanYAMLError(err error) error {
+func cleanYAMLError(err error) error { return CleanYAMLError(err) }
+
+// CleanYAMLError drops the library's "yaml: " prefixes, which say nothing
+// to an operator, names unknown fields plainly whichever package's type
+// they were decoded into, and keeps the line numbers.
+func CleanYAMLError(err error) error {
 	msg := strings.ReplaceAll(err.Error(), "yaml: ", "")
 	msg = strings.ReplaceAll(msg, "unmarshal errors:\n  ", "")
 	msg = unknownField.ReplaceAllString(msg, `unknown field "$1"`)
@@ -209,13 +230,14 @@ func cleanYAMLError(err error) error {
 }
 
 var (
-	unknownField = regexp.MustCompile(`field (\S+) not found in type policy\.\w+`)
-	wrongShape   = regexp.MustCompile(`cannot unmarshal !!(\w+)(?: [^ ]+)? into (\[\]policy\.fileConsumer|policy\.\w+|string)`)
+	unknownField = regexp.MustCompile(`field (\S+) not found in type \w+\.\w+`)
+	wrongShape   = regexp.MustCompile(`cannot unmarshal !!(\w+)(?: [^ ]+)? into (\[\]policy\.fileConsumer|policy\.\w+|configfile\.file|string)`)
 	shapes       = map[string]string{
 		"policy.file":           "a mapping with defaults and consumers",
+		"configfile.file":       "a mapping of sections (defaults, consumers, identities, rate_limits)",
 		"[]policy.fileConsumer": "a list of consumer entries",
 		"policy.fileConsumer":   "a consumer entry (a mapping with name or prefix)",
-		"policy.fileBounds":     "a mapping with lease, message_retention and operation_retention",
+		"policy.fileBounds":     "a mapping with lease, max_lease_total, message_retention and operation_retention",
 		"policy.fileRange":      "a mapping with default, min and max",
 		"string":                "a string",
 	}

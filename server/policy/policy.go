@@ -35,6 +35,9 @@ type Policy struct {
 	// MessageRetention and OperationRetention bound the retention of a
 	// Claim of each kind.
 	MessageRetention, OperationRetention Bounds
+	// MaxLeaseTotal bounds how long one attempt may hold a key, its Claim's
+	// lease and every Extend together; zero means no bound.
+	MaxLeaseTotal time.Duration
 }
 
 // Retention returns the retention bounds of kind k.
@@ -70,6 +73,13 @@ func (p Policy) Validate() error {
 		case b.b.Default > b.b.Max:
 			errs = append(errs, fmt.Sprintf("%s.default %s is above %s.max %s", b.name, FormatDuration(b.b.Default), b.name, FormatDuration(b.b.Max)))
 		}
+	}
+	switch {
+	case p.MaxLeaseTotal < 0:
+		errs = append(errs, fmt.Sprintf("max_lease_total must not be negative, got %s", FormatDuration(p.MaxLeaseTotal)))
+	case p.MaxLeaseTotal > 0 && p.MaxLeaseTotal < p.Lease.Max:
+		errs = append(errs, fmt.Sprintf("max_lease_total %s is below lease.max %s: a Claim could ask for more than an attempt may hold",
+			FormatDuration(p.MaxLeaseTotal), FormatDuration(p.Lease.Max)))
 	}
 	if len(errs) == 0 {
 		return nil

@@ -108,6 +108,16 @@ consumers:
 	require.ErrorContains(t, err, `unknown field "identity"`)
 }
 
+func TestParseMaxLeaseTotal(t *testing.T) {
+	b := base()
+	b.MaxLeaseTotal = 24 * time.Hour
+	set, err := policy.Parse([]byte("defaults:\n  max_lease_total: 12h\nconsumers:\n  - {name: a, max_lease_total: 2d}\n  - {name: b, max_lease_total: 0s}\n  - {name: c}\n"), b)
+	require.NoError(t, err)
+	for consumer, want := range map[string]time.Duration{"a": 48 * time.Hour, "b": 0, "c": 12 * time.Hour, "d": 12 * time.Hour} {
+		require.Equal(t, want, set.For(consumer).MaxLeaseTotal, consumer)
+	}
+}
+
 func TestParseEmpty(t *testing.T) {
 	for _, doc := range []string{"", "# nothing\n", "{}", "consumers: []"} {
 		set, err := policy.Parse([]byte(doc), base())
@@ -142,6 +152,9 @@ func TestParseErrors(t *testing.T) {
 		{"every error is reported", "consumers:\n  - name: a\n    lease: {default: 2h}\n  - name: b\n    lease: {default: 0s, min: 0s}",
 			[]string{"consumers[0]", "lease.default 2h0m0s is above lease.max 1h0m0s", "consumers[1]", "lease.min must be positive"}},
 		{"two documents", "consumers: []\n---\nconsumers: []", []string{"more than one YAML document"}},
+		{"max lease total below the max lease", "consumers:\n  - name: a\n    max_lease_total: 30m",
+			[]string{`consumers[0]: consumer "a": max_lease_total 30m0s is below lease.max 1h0m0s`}},
+		{"negative max lease total", "defaults:\n  max_lease_total: -1h", []string{"max_lease_total must not be negative"}},
 		{"not a mapping", "- a\n- b", []string{"line 1: expected a mapping with defaults and consumers, found a YAML seq"}},
 		{"consumers not a list", "consumers: {name: a}", []string{"line 1: expected a list of consumer entries, found a YAML map"}},
 		{"bounds not a mapping", "defaults:\n  lease: 30s", []string{"line 2: expected a mapping with default, min and max, found a YAML str"}},

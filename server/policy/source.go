@@ -11,6 +11,8 @@ type Source struct {
 	path string
 	base Policy
 	cur  atomic.Pointer[Set]
+	// view, when set, gives the set in force in place of cur (View).
+	view func() *Set
 	mu   sync.Mutex // serialises reloads
 }
 
@@ -33,11 +35,21 @@ func Static(set *Set) *Source {
 	return s
 }
 
+// View returns a source whose set in force is what current returns: the
+// policy part of a config file whose parts are replaced together
+// (server/configfile). It has nothing to reload.
+func View(current func() *Set) *Source { return &Source{view: current} }
+
 // Path is the file the source reloads from; empty for a static source.
 func (s *Source) Path() string { return s.path }
 
 // Current returns the set in force.
-func (s *Source) Current() *Set { return s.cur.Load() }
+func (s *Source) Current() *Set {
+	if s.view != nil {
+		return s.view()
+	}
+	return s.cur.Load()
+}
 
 // Reload reads the file again. When it is valid, its set replaces the one in
 // force and is returned; otherwise the error says why and the set in force

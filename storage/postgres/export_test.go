@@ -57,7 +57,7 @@ func Row(ctx context.Context, s *Store, op string, p any) (written bool, now tim
 	case storage.ReleaseParams:
 		sql, args = releaseSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros()}
 	case storage.ExtendParams:
-		sql, args = extendSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds()}
+		sql, args = extendSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds(), p.MaxLeaseTotal.Microseconds()}
 	case storage.InvalidateParams:
 		sql, args = invalidateSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros()}
 	default:

@@ -954,6 +954,9 @@ func TestWrittenRowsAgreeWithTheRules(t *testing.T) {
 		return storage.ExtendParams{Key: k, Token: token, Lease: 20 * time.Second, DefaultLease: time.Minute}
 	}, decideExtend)
 	add("extend by the record's lease", time.Second, func() any { return storage.ExtendParams{Key: k, Token: token, DefaultLease: time.Minute} }, decideExtend)
+	add("extend within a lease total", time.Second, func() any {
+		return storage.ExtendParams{Key: k, Token: token, Lease: 20 * time.Second, MaxLeaseTotal: time.Minute}
+	}, decideExtend)
 	add("release", time.Second, func() any { return storage.ReleaseParams{Key: k, Token: token} }, decideRelease)
 	add("takeover after the release", time.Second, claim("fp", "b", 30*time.Second), decideClaim)
 	add("takeover after the lease ran out", time.Minute, claim("", "c", 30*time.Second), decideClaim)

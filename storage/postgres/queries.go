@@ -273,17 +273,26 @@ var releaseSQL = fencedStatement(5,
 
 // extendSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 lease µs (0: the
 // record's own), $6 clock offset µs, $7 default lease µs (for a record
-// without one).
+// without one), $8 max lease total µs (0: none).
 var extendSQL = fencedStatement(6,
 	single(param{1, "consumer", "TEXT"}, param{2, "kind", "SMALLINT"}, param{3, "key", "TEXT"}, param{4, "token", "BIGINT"},
-		param{5, "lease_us", "BIGINT"}, param{7, "default_lease_us", "BIGINT"}),
+		param{5, "lease_us", "BIGINT"}, param{7, "default_lease_us", "BIGINT"}, param{8, "max_lease_total_us", "BIGINT"}),
 	`        -- LeaseExpiresAt = now + ExtendLease(cur, p)
         lease_expires_at = c.now + `+micros(extendLease)+`,
         lease_us         = `+extendLease+`,
         -- ExpiresAt = max(cur.ExpiresAt, now + ExtendLease(cur, p) + cur.Retention)
         expires_at       = GREATEST(r.expires_at, c.now + `+micros(extendLease+" + r.retention_us")+`)`,
-	fenced("r", "c.now", "i.token")+" AND NOT "+completed("r"),
+	fenced("r", "c.now", "i.token")+" AND NOT "+completed("r")+`
+      AND `+leaseWithinTotal("r", "c.now", "i.max_lease_total_us"),
 	recordColumnsNoResultOf("r"))
+
+// leaseWithinTotal is the bound of storage.DecideExtend: no bound, or
+// now + ExtendLease(cur, p) is not after LeaseNotAfter(cur, max), the
+// record's token read as microseconds since the epoch plus the bound.
+func leaseWithinTotal(r, now, maxUs string) string {
+	return fmt.Sprintf("(%[1]s = 0 OR %[2]s + %[3]s <= to_timestamp(0) + %[4]s)",
+		maxUs, now, micros(extendLease), micros(r+".token + "+maxUs))
+}
 
 // extendLease is storage.ExtendLease: the lease asked for, else the
 // record's, else the default.

@@ -288,7 +288,8 @@ func (s *Store) Release(ctx context.Context, p storage.ReleaseParams) (storage.R
 func (s *Store) Extend(ctx context.Context, p storage.ExtendParams) (storage.Record, error) {
 	return s.fencedUpdate(ctx, "extend", func(a answer) (storage.Record, bool, error) {
 		return storage.DecideExtend(a.now, a.current(), p)
-	}, extendSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds())
+	}, extendSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds(),
+		p.MaxLeaseTotal.Microseconds())
 }
 
 // fencedUpdate runs one of the fencedStatement statements: the written row

@@ -53,6 +53,7 @@ func Run(t *testing.T, newStore Factory) {
 		{"Extend", testExtend},
 		{"ExtendKeepsTheLease", testExtendKeepsTheLease},
 		{"ExtendErrors", testExtendErrors},
+		{"ExtendLeaseTotal", testExtendLeaseTotal},
 		{"LookupNotFound", testLookupNotFound},
 		{"TokensIncrease", testTokensIncrease},
 		{"LargeResult", testLargeResult},
@@ -499,6 +500,44 @@ func requireBetween(t *testing.T, d, lo, hi time.Duration, msg string) {
 	t.Helper()
 	require.GreaterOrEqual(t, d, lo, msg)
 	require.Less(t, d, hi, msg)
+}
+
+// testExtendLeaseTotal: with MaxLeaseTotal, an Extend that would hold the
+// key past the start of the attempt plus the total is refused and changes
+// nothing; a takeover is a new attempt, with a total of its own.
+func testExtendLeaseTotal(t *testing.T, s storage.Store, c *Clock) {
+	k := newKey(storage.KindOperation)
+	const total = time.Minute
+	extend := func(token int64, lease time.Duration) (storage.Record, error) {
+		return s.Extend(t.Context(), storage.ExtendParams{Key: k, Token: token, Lease: lease, MaxLeaseTotal: total})
+	}
+	first := acquire(t, s, claimParams(k, "fp-1")) // at 0, the lease to 10 s
+	require.Equal(t, first.Token, first.CreatedAt.UnixMicro(), "the token of a new key is its acquisition's microsecond")
+	c.Advance(5 * time.Second)
+	ext, err := extend(first.Token, 30*time.Second) // to 35 s
+	require.NoError(t, err)
+
+	c.Advance(20 * time.Second)
+	_, err = extend(first.Token, 40*time.Second) // to 65 s: past 60 s
+	require.ErrorIs(t, err, storage.ErrLeaseTotalExceeded)
+	got, err := s.Lookup(t.Context(), k)
+	require.NoError(t, err)
+	requireSame(t, ext, got)
+	_, err = extend(first.Token, 30*time.Second) // to 55 s
+	require.NoError(t, err, "what is left of the total can still be taken")
+
+	c.Advance(time.Minute) // at 85 s: the lease ran out at 55 s
+	second := acquire(t, s, claimParams(k, "fp-1"))
+	require.EqualValues(t, 2, second.Attempt)
+	_, err = extend(second.Token, 50*time.Second) // to 135 s: within 85 s + 60 s
+	require.NoError(t, err, "a takeover starts a total of its own")
+	_, err = extend(second.Token, 0) // by the 50 s lease again, from 85 s: within
+	require.NoError(t, err)
+	c.Advance(20 * time.Second)
+	_, err = extend(second.Token, 0) // from 105 s to 155 s: past 145 s
+	require.ErrorIs(t, err, storage.ErrLeaseTotalExceeded, "an Extend by the record's own lease is bounded too")
+	_, err = s.Extend(t.Context(), storage.ExtendParams{Key: k, Token: second.Token, Lease: 50 * time.Second})
+	require.NoError(t, err, "without a total, no bound")
 }
 
 func testExtendErrors(t *testing.T, s storage.Store, c *Clock) {

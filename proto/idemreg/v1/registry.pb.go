@@ -20,13 +20,16 @@
 //   FINGERPRINT_MISMATCH   FAILED_PRECONDITION   the key is live with another fingerprint: same key, different parameters
 //   LEASE_LOST             FAILED_PRECONDITION   the token is not the record's current token (someone took over), or claim_secret is not the one its Claim returned
 //   ALREADY_COMPLETED      FAILED_PRECONDITION   Release or Extend of a record already completed
+//   LEASE_TOTAL_EXCEEDED   FAILED_PRECONDITION   Extend would hold the key past the consumer's max_lease_total since the attempt
+//                                                began (ErrorInfo metadata lease_not_after, max_lease_total); the lease is unchanged
 //   NOT_FOUND              NOT_FOUND             no live record (absent or expired)
 //   STORE_UNAVAILABLE      UNAVAILABLE           the store is down or kept conflicting; retry after RetryInfo
 //   DEADLINE_EXCEEDED      DEADLINE_EXCEEDED     the request's deadline ran out before the store answered
 //   UNAUTHENTICATED        UNAUTHENTICATED       no credentials, or ones no identity of the server's config lists
 //   PERMISSION_DENIED      PERMISSION_DENIED     the caller may not use the request's consumer (checked before any read)
-//   RATE_LIMITED           RESOURCE_EXHAUSTED    the consumer is over its rate limit; QuotaFailure and RetryInfo
-//   OVERLOADED             UNAVAILABLE           the server has too many store calls in flight; retry after RetryInfo
+//   RATE_LIMITED           RESOURCE_EXHAUSTED    the consumer or the caller's identity is over its rate limit; QuotaFailure and RetryInfo
+//   OVERLOADED             UNAVAILABLE           the server, or the caller's identity (QuotaFailure), has too many store calls in
+//                                                flight; retry after RetryInfo
 //   TOO_MANY_CALLS         RESOURCE_EXHAUSTED    the caller's identity has too many calls in progress; QuotaFailure and RetryInfo
 //   TOO_MANY_STREAMS       RESOURCE_EXHAUSTED    too many health Watch or reflection streams are open (they need no credentials)
 

@@ -1,0 +1,132 @@
+// Package configfile owns the config file (--config) as a whole: one read
+// and one decode of the file per load and per reload, giving the retention
+// policy (server/policy) and the identities and rate limits (server/access)
+// together, and one swap that replaces both at once or neither.
+//
+// Each part keeps its own rules in its own package; what this package adds
+// is that a file is taken or refused whole. Two parsers reloading on the
+// same signal could take the policy part of a file and refuse its access
+// part, leaving the server on half of each file.
+package configfile
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"sync"
+	"sync/atomic"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/policy"
+)
+
+// Config is one config file's parts. It is immutable.
+type Config struct {
+	Policy *policy.Set
+	Access *access.Set
+}
+
+// file is every section a config file may hold; an unknown one is an
+// error, as an unknown field inside a section is.
+type file struct {
+	Policy policy.Sections `yaml:",inline"`
+	Access access.Sections `yaml:",inline"`
+}
+
+// Parse reads a config file: base is the policy its defaults override (the
+// server's flags). Errors of both parts are reported together, each saying
+// where.
+func Parse(data []byte, base policy.Policy) (*Config, error) {
+	var f file
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	switch err := dec.Decode(&f); {
+	case errors.Is(err, io.EOF): // an empty file: the defaults, no identities
+	case err != nil:
+		return nil, policy.CleanYAMLError(err)
+	default:
+		var extra yaml.Node
+		if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
+			return nil, errors.New("the file holds more than one YAML document")
+		}
+	}
+	pol, perr := f.Policy.Build(base)
+	acc, aerr := f.Access.Build()
+	if err := errors.Join(perr, aerr); err != nil {
+		return nil, err
+	}
+	return &Config{Policy: pol, Access: acc}, nil
+}
+
+// Load reads and parses the config file at path.
+func Load(path string, base policy.Policy) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config file: %w", err)
+	}
+	c, err := Parse(data, base)
+	if err != nil {
+		return nil, fmt.Errorf("config file %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// Source is the config in force, read from a file and replaced whole by
+// Reload. It is safe for concurrent use; Policy and Access give the
+// sources the server reads each part from.
+type Source struct {
+	path string
+	base policy.Policy
+	cur  atomic.Pointer[Config]
+	mu   sync.Mutex // serialises reloads
+}
+
+// Open loads the config file at path over base and returns the source
+// holding it. An invalid file is an error.
+func Open(path string, base policy.Policy) (*Source, error) {
+	c, err := Load(path, base)
+	if err != nil {
+		return nil, err
+	}
+	s := &Source{path: path, base: base}
+	s.cur.Store(c)
+	return s, nil
+}
+
+// Path is the file the source reloads from.
+func (s *Source) Path() string { return s.path }
+
+// Current returns the config in force.
+func (s *Source) Current() *Config { return s.cur.Load() }
+
+// Policy returns the source of the policy part in force.
+func (s *Source) Policy() *policy.Source {
+	return policy.View(func() *policy.Set { return s.cur.Load().Policy })
+}
+
+// Access returns the source of the access part in force.
+func (s *Source) Access() *access.Source {
+	return access.View(func() *access.Set { return s.cur.Load().Access })
+}
+
+// Reload reads the file again. When both parts are valid, and the file does
+// not turn authentication on or off, the file replaces the config in force
+// in one swap and is returned; otherwise the error says why and nothing
+// changes.
+func (s *Source) Reload() (*Config, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c, err := Load(s.path, s.base)
+	if err != nil {
+		return nil, err
+	}
+	if c.Access.Enforced() != s.Current().Access.Enforced() {
+		return nil, fmt.Errorf("config file %s: %w", s.path, access.ErrModeChange)
+	}
+	s.cur.Store(c)
+	return c, nil
+}

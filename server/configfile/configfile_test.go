@@ -1,0 +1,97 @@
+package configfile_test
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/configfile"
+	"github.com/idemreg/idemreg/server/policy"
+)
+
+var base = policy.Policy{
+	Lease:              policy.Bounds{Default: 30 * time.Second, Min: time.Second, Max: time.Hour},
+	MessageRetention:   policy.Bounds{Default: 7 * 24 * time.Hour, Min: time.Minute, Max: 30 * 24 * time.Hour},
+	OperationRetention: policy.Bounds{Default: 24 * time.Hour, Min: time.Minute, Max: 30 * 24 * time.Hour},
+}
+
+func TestParse(t *testing.T) {
+	token := access.HashToken("t")
+	cases := []struct {
+		name string
+		doc  string
+		// wantErrs must all appear in the error; none means valid.
+		wantErrs []string
+	}{
+		{name: "empty", doc: ""},
+		{name: "both parts", doc: "consumers:\n  - {name: a.b, lease: {default: 1m}}\nidentities:\n  - {name: a, token_hashes: [\"" + token + "\"], consumers: [\"a.*\"]}\n"},
+		{name: "errors of both parts together", doc: "consumers:\n  - {name: a.b, lease: {default: 2h}}\nrate_limits:\n  - {consumers: [\"a.*\"], rate: -1}\n",
+			wantErrs: []string{`consumers[0]: consumer "a.b": lease.default 2h0m0s is above lease.max 1h0m0s`, "rate_limits[0]: rate must be a positive number"}},
+		{name: "unknown section", doc: "rate_limit:\n  - {consumers: [\"a.*\"], rate: 1}\n", wantErrs: []string{`unknown field "rate_limit"`}},
+		{name: "unknown field in an access section", doc: "identities:\n  - {name: a, tokens: [\"x\"]}\n", wantErrs: []string{`unknown field "tokens"`}},
+		{name: "unknown field in a policy section", doc: "defaults:\n  leases: {}\n", wantErrs: []string{`unknown field "leases"`}},
+		{name: "two documents", doc: "consumers: []\n---\nconsumers: []\n", wantErrs: []string{"more than one YAML document"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := configfile.Parse([]byte(tc.doc), base)
+			if len(tc.wantErrs) == 0 {
+				require.NoError(t, err)
+				require.NotNil(t, c.Policy)
+				require.NotNil(t, c.Access)
+				return
+			}
+			require.Error(t, err)
+			for _, want := range tc.wantErrs {
+				require.Contains(t, err.Error(), want)
+			}
+		})
+	}
+}
+
+// TestReloadWholeOrNothing: a reload replaces both parts in one swap, or
+// neither; the views the server reads follow the swap.
+func TestReloadWholeOrNothing(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idemreg.yaml")
+	write := func(doc string) { require.NoError(t, os.WriteFile(path, []byte(doc), 0o600)) }
+	identity := "identities:\n  - {name: a, token_hashes: [\"" + access.HashToken("t") + "\"], consumers: [\"a.*\"]}\n"
+	write("consumers:\n  - {name: a.b, lease: {default: 1m}}\n" + identity)
+	src, err := configfile.Open(path, base)
+	require.NoError(t, err)
+	pol, acc := src.Policy(), src.Access()
+	first := src.Current()
+	require.Equal(t, time.Minute, pol.Current().For("a.b").Lease.Default)
+
+	cases := []struct {
+		name, doc, wantErr string
+	}{
+		{"valid policy, invalid access", "consumers:\n  - {name: a.b, lease: {default: 2m}}\n" + identity + "rate_limits:\n  - {consumers: [a.b], rate: 0}\n", "rate must be a positive number"},
+		{"invalid policy, valid access", "consumers:\n  - {name: a.b, lease: {default: 2h}}\n" + identity + "rate_limits:\n  - {consumers: [a.b], rate: 5}\n", "lease.default 2h0m0s is above lease.max"},
+		{"authentication turned off", "consumers:\n  - {name: a.b, lease: {default: 2m}}\n", "cannot turn authentication on or off"},
+		{"unreadable", "consumers: [", "config file"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			write(tc.doc)
+			_, err := src.Reload()
+			require.ErrorContains(t, err, tc.wantErr)
+			require.Same(t, first, src.Current())
+			require.Same(t, first.Policy, pol.Current())
+			require.Same(t, first.Access, acc.Current())
+		})
+	}
+
+	write("consumers:\n  - {name: a.b, lease: {default: 2m}}\n" + identity + "rate_limits:\n  - {consumers: [a.b], rate: 5}\n")
+	got, err := src.Reload()
+	require.NoError(t, err)
+	require.Same(t, got.Policy, pol.Current())
+	require.Same(t, got.Access, acc.Current())
+	require.Equal(t, 2*time.Minute, pol.Current().For("a.b").Lease.Default)
+	l, ok := acc.Current().RateLimit("a.b")
+	require.True(t, ok)
+	require.Equal(t, 5.0, l.Rate)
+}
