@@ -110,7 +110,7 @@ func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerI
 func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg string) error {
 	s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", "permission_denied")))
 	if msg == "" {
-		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(consumer)
+		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(echo(consumer))
 	}
 	return newStatus(codes.PermissionDenied, ReasonPermissionDenied, msg,
 		map[string]string{"identity": id.Name, "consumer": consumer})
@@ -136,10 +136,10 @@ func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerI
 		}
 		s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
 		return nil, newStatus(codes.ResourceExhausted, ReasonRateLimited,
-			"consumer "+quote(consumer)+" is over its rate limit of "+l.String(),
+			"consumer "+quote(echo(consumer))+" is over its rate limit of "+l.String(),
 			map[string]string{"consumer": consumer},
 			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
-				Subject:     "consumer:" + consumer,
+				Subject:     "consumer:" + echo(consumer),
 				Description: l.String(),
 			}}},
 			retryInfo(wait))
