@@ -20,7 +20,10 @@ const ErrorDomain = "idemreg"
 // Reasons carried in ErrorInfo.Reason. The registry's are documented in
 // docs/semantics.md and the proto; the interceptors add their own.
 const (
-	ReasonInvalidArgument     = "INVALID_ARGUMENT"
+	ReasonInvalidArgument = "INVALID_ARGUMENT"
+	// ReasonMalformedRequest (code INVALID_ARGUMENT): the request did not
+	// decode as its protobuf message; it returns ErrInvalidArgument.
+	ReasonMalformedRequest    = "MALFORMED_REQUEST"
 	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
@@ -84,6 +87,7 @@ var (
 
 var sentinelByReason = map[string]error{
 	ReasonInvalidArgument:     ErrInvalidArgument,
+	ReasonMalformedRequest:    ErrInvalidArgument,
 	ReasonFingerprintMismatch: ErrFingerprintMismatch,
 	ReasonLeaseLost:           ErrLeaseLost,
 	ReasonAlreadyCompleted:    ErrAlreadyCompleted,

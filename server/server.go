@@ -222,21 +222,25 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		grpc.KeepaliveParams(cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement),
 		grpc.NumStreamWorkers(uint32(max(cfg.StreamWorkers, 0))),
+		// Requests are decoded by the handlers, so that a malformed one is
+		// INVALID_ARGUMENT and goes through the interceptors (codec.go).
+		grpc.ForceServerCodecV2(newRequestCodec()),
 	}
 	if cfg.TLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
 	}
 	g := grpc.NewServer(opts...)
-	idemregv1.RegisterRegistryServiceServer(g, svc)
-	idemregv1.RegisterAdminServiceServer(g, &AdminService{svc: svc, store: observed, m: m})
+	r := decodingRegistrar{g}
+	idemregv1.RegisterRegistryServiceServer(r, svc)
+	idemregv1.RegisterAdminServiceServer(r, &AdminService{svc: svc, store: observed, m: m})
 	h := health.NewServer()
 	for _, name := range healthServices {
 		h.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)
 	}
 	h.SetServingStatus(LivenessService, healthpb.HealthCheckResponse_SERVING)
-	healthpb.RegisterHealthServer(g, h)
+	healthpb.RegisterHealthServer(r, h)
 	if !cfg.DisableReflection {
-		reflection.Register(g)
+		reflection.Register(r)
 	}
 	s.grpc, s.health = g, h
 	return s, nil
@@ -351,10 +355,12 @@ func (s *Server) checkHealth(ctx context.Context) {
 //  4. authentication (go-grpc-middleware auth, skipped for health and
 //     reflection by selector): the caller's identity from a bearer token
 //     or a verified client certificate, or UNAUTHENTICATED;
-//  5. authorization (same selector): the identity may use the request's
+//  5. a request that did not decode is refused (codec.go): INVALID_ARGUMENT,
+//     reason MALFORMED_REQUEST;
+//  6. authorization (same selector): the identity may use the request's
 //     consumer (RegistryService) or administer it (AdminService), or
 //     PERMISSION_DENIED — before the handler has read anything;
-//  6. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
+//  7. rate limit: the consumer's token bucket, or RESOURCE_EXHAUSTED with
 //     QuotaFailure and RetryInfo.
 //
 // Below the handler, the store is wrapped (observe.go) to bound the
@@ -368,6 +374,7 @@ func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		s.deadline,
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
+		refuseMalformed,
 		selector.UnaryServerInterceptor(s.authorize, protected),
 		s.rateLimit,
 	}

@@ -19,7 +19,10 @@ const ErrorDomain = "idemreg"
 
 // Reasons carried in ErrorInfo.Reason; the proto documents each.
 const (
-	ReasonInvalidArgument     = "INVALID_ARGUMENT"
+	ReasonInvalidArgument = "INVALID_ARGUMENT"
+	// ReasonMalformedRequest (code INVALID_ARGUMENT): the request is not a
+	// valid protobuf encoding of its message (codec.go).
+	ReasonMalformedRequest    = "MALFORMED_REQUEST"
 	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
