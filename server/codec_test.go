@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"net"
 	"testing"
 	"time"
 
@@ -15,9 +16,11 @@ import (
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/idemreg/idemreg/client"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/servertest"
 )
 
 // malformed returns m with raw appended to its encoding: the client's
@@ -96,6 +99,7 @@ identities:
 			err := tc.call(tc.ctx)
 			st := requireStatus(t, err, tc.code, tc.reason)
 			if tc.message != "" {
+				require.ErrorIs(t, client.FromError(err), client.ErrInvalidArgument, "the Go client's typed error")
 				require.Equal(t, tc.message, detail[*errdetails.ErrorInfo](t, err).GetMetadata()["message"])
 				require.Contains(t, st.Message(), "the request is not a valid encoding of "+tc.message)
 			}
@@ -144,5 +148,30 @@ identities:
 	require.EqualValues(t, 1, got["UNAUTHENTICATED"], "by code: %v", got)
 
 	_, err = c.Claim(authenticated, &idemregv1.ClaimRequest{Consumer: "billing.worker", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "after"})
+	require.NoError(t, err, "still serving")
+}
+
+// TestMalformedOnHealthListener: the plaintext health listener decodes
+// like the main one, so a malformed check is INVALID_ARGUMENT there too.
+func TestMalformedOnHealthListener(t *testing.T) {
+	srv, err := server.New(memStore(t), server.Config{})
+	require.NoError(t, err)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	hlis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 2)
+	go func() { done <- srv.Serve(ctx, lis) }()
+	go func() { done <- srv.ServeHealth(hlis) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+		require.NoError(t, <-done)
+	})
+	hc := healthpb.NewHealthClient(servertest.Dial(t, hlis.Addr().String()))
+	_, err = hc.Check(t.Context(), malformed(&healthpb.HealthCheckRequest{}, truncatedField))
+	requireStatus(t, err, codes.InvalidArgument, server.ReasonMalformedRequest)
+	_, err = hc.Check(t.Context(), &healthpb.HealthCheckRequest{Service: server.LivenessService})
 	require.NoError(t, err, "still serving")
 }

@@ -294,8 +294,10 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 // other probes that should not need credentials. It reports the same
 // statuses as the health service of the main listener.
 func (s *Server) ServeHealth(lis net.Listener) error {
-	g := grpc.NewServer()
-	healthpb.RegisterHealthServer(g, s.health)
+	// The same codec as the main listener, so that a malformed check is
+	// INVALID_ARGUMENT there too (codec.go).
+	g := grpc.NewServer(grpc.ForceServerCodecV2(newRequestCodec()), grpc.UnaryInterceptor(refuseMalformed))
+	healthpb.RegisterHealthServer(decodingRegistrar{g}, s.health)
 	go func() { <-s.done; g.Stop() }()
 	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return err
