@@ -20,10 +20,7 @@ const ErrorDomain = "idemreg"
 // Reasons carried in ErrorInfo.Reason. The registry's are documented in
 // docs/semantics.md and the proto; the interceptors add their own.
 const (
-	ReasonInvalidArgument = "INVALID_ARGUMENT"
-	// ReasonMalformedRequest (code INVALID_ARGUMENT): the request did not
-	// decode as its protobuf message; it returns ErrInvalidArgument.
-	ReasonMalformedRequest    = "MALFORMED_REQUEST"
+	ReasonInvalidArgument     = "INVALID_ARGUMENT"
 	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
@@ -40,6 +37,9 @@ const (
 	// ReasonOverloaded (code UNAVAILABLE, with RetryInfo): the registry has
 	// too many store operations in flight; it returns an *UnavailableError.
 	ReasonOverloaded = "OVERLOADED"
+	// ReasonMalformedRequest (code INVALID_ARGUMENT): the request did not
+	// decode as its protobuf message; it returns ErrInvalidArgument.
+	ReasonMalformedRequest = "MALFORMED_REQUEST"
 
 	// ReasonInProgress (code ABORTED, with RetryInfo) is the interceptors'
 	// answer to a duplicate that arrives while the first call still runs.

@@ -15,8 +15,8 @@ import (
 // The access log: one structured line per finished call ("finished call",
 // with grpc.service, grpc.method, grpc.code, grpc.time_ms, consumer,
 // identity, peer.address and, for a failed call, grpc.error: the status
-// message, which quotes a request field only cut to MaxEchoedFieldBytes), never payloads, results, fingerprints or
-// tokens. The level follows the code, as go-grpc-middleware's logging
+// message, which quotes a request field only cut to MaxEchoedFieldBytes),
+// never payloads, results, fingerprints or tokens. The level follows the code, as go-grpc-middleware's logging
 // interceptor does on a server: INFO for success and the caller's own
 // mistakes, WARN for refusals and unavailability, ERROR for faults.
 //

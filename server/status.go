@@ -19,10 +19,7 @@ const ErrorDomain = "idemreg"
 
 // Reasons carried in ErrorInfo.Reason; the proto documents each.
 const (
-	ReasonInvalidArgument = "INVALID_ARGUMENT"
-	// ReasonMalformedRequest (code INVALID_ARGUMENT): the request is not a
-	// valid protobuf encoding of its message (codec.go).
-	ReasonMalformedRequest    = "MALFORMED_REQUEST"
+	ReasonInvalidArgument     = "INVALID_ARGUMENT"
 	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
@@ -31,11 +28,14 @@ const (
 	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
 	ReasonCanceled            = "CANCELED"
 	ReasonInternal            = "INTERNAL"
-	// The middleware's own answers (auth.go, deadline.go, observe.go).
+	// The middleware's own answers (auth.go, deadline.go, observe.go,
+	// codec.go); MALFORMED_REQUEST (code INVALID_ARGUMENT): the request is
+	// not a valid protobuf encoding of its message.
 	ReasonUnauthenticated  = "UNAUTHENTICATED"
 	ReasonPermissionDenied = "PERMISSION_DENIED"
 	ReasonRateLimited      = "RATE_LIMITED"
 	ReasonOverloaded       = "OVERLOADED"
+	ReasonMalformedRequest = "MALFORMED_REQUEST"
 )
 
 // unavailableRetryAfter is the RetryInfo delay suggested when the store is
