@@ -45,6 +45,9 @@ const (
 	// ReasonOverloaded (code UNAVAILABLE, with RetryInfo): the registry has
 	// too many store operations in flight; it returns an *UnavailableError.
 	ReasonOverloaded = "OVERLOADED"
+	// ReasonMalformedRequest (code INVALID_ARGUMENT): the request did not
+	// decode as its protobuf message; it returns ErrInvalidArgument.
+	ReasonMalformedRequest = "MALFORMED_REQUEST"
 
 	// ReasonInProgress (code ABORTED, with RetryInfo) is the interceptors'
 	// answer to a duplicate that arrives while the first call still runs.
@@ -97,6 +100,7 @@ var (
 
 var sentinelByReason = map[string]error{
 	ReasonInvalidArgument:     ErrInvalidArgument,
+	ReasonMalformedRequest:    ErrInvalidArgument,
 	ReasonFingerprintMismatch: ErrFingerprintMismatch,
 	ReasonLeaseLost:           ErrLeaseLost,
 	ReasonAlreadyCompleted:    ErrAlreadyCompleted,

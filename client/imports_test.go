@@ -70,6 +70,7 @@ func TestReasonsMatchServer(t *testing.T) {
 	require.Equal(t, server.ErrorDomain, client.ErrorDomain)
 	for got, want := range map[string]string{
 		client.ReasonInvalidArgument:     server.ReasonInvalidArgument,
+		client.ReasonMalformedRequest:    server.ReasonMalformedRequest,
 		client.ReasonFingerprintMismatch: server.ReasonFingerprintMismatch,
 		client.ReasonLeaseLost:           server.ReasonLeaseLost,
 		client.ReasonAlreadyCompleted:    server.ReasonAlreadyCompleted,

@@ -15,8 +15,8 @@ import (
 // The access log: one structured line per finished call ("finished call",
 // with grpc.service, grpc.method, grpc.code, grpc.time_ms, consumer,
 // identity, peer.address and, for a failed call, grpc.error: the status
-// message, which never quotes the request), never payloads, results, fingerprints or
-// tokens. The level follows the code, as go-grpc-middleware's logging
+// message, which quotes a request field only cut to MaxEchoedFieldBytes),
+// never payloads, results, fingerprints or tokens. The level follows the code, as go-grpc-middleware's logging
 // interceptor does on a server: INFO for success and the caller's own
 // mistakes, WARN for refusals and unavailability, ERROR for faults.
 //
@@ -90,7 +90,8 @@ func (a accessLogger) finished(ctx context.Context, fullMethod, consumer string,
 		slog.String("grpc.code", code.String()),
 		slog.Float64("grpc.time_ms", float64(time.Since(start).Microseconds())/1000))
 	if consumer != "" {
-		attrs = append(attrs, slog.String("consumer", consumer))
+		// Not validated yet when the call was refused before the handler.
+		attrs = append(attrs, slog.String("consumer", echo(consumer)))
 	}
 	if cl.identity != "" {
 		attrs = append(attrs, slog.String("identity", cl.identity))
@@ -99,7 +100,7 @@ func (a accessLogger) finished(ctx context.Context, fullMethod, consumer string,
 		attrs = append(attrs, slog.String("peer.address", p.Addr.String()))
 	}
 	if err != nil {
-		attrs = append(attrs, slog.String("grpc.error", status.Convert(err).Message()))
+		attrs = append(attrs, slog.String("grpc.error", truncate(status.Convert(err).Message(), MaxStatusMessageBytes)))
 	}
 	a.logger.LogAttrs(ctx, lvl, "finished call", attrs...)
 }

@@ -113,11 +113,11 @@ func (a *AdminService) audit(ctx context.Context, action string, k storage.Key, 
 	a.m.adminActions.Add(ctx, 1, attrs(attribute.String("action", action), attribute.String("result", result)))
 	fields := []slog.Attr{
 		slog.String("action", action), slog.String("identity", identity),
-		slog.String("consumer", k.Consumer), slog.String("kind", kindName(k.Kind)), slog.String("key", k.Key),
+		slog.String("consumer", echo(k.Consumer)), slog.String("kind", kindName(k.Kind)), slog.String("key", echo(k.Key)),
 		slog.String("result", result),
 	}
 	if reason != "" {
-		fields = append(fields, slog.String("reason", reason))
+		fields = append(fields, slog.String("reason", echo(reason)))
 	}
 	level := slog.LevelInfo
 	if action != "inspect" {

@@ -154,7 +154,7 @@ func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerI
 func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg string) error {
 	s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", "permission_denied")))
 	if msg == "" {
-		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(consumer)
+		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(echo(consumer))
 	}
 	return newStatus(codes.PermissionDenied, ReasonPermissionDenied, msg,
 		map[string]string{"identity": id.Name, "consumer": consumer})
@@ -203,8 +203,8 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 		if l, limited := set.IdentityRateLimit(name); limited && id != access.Anonymous {
 			if ok, wait := s.limiter.Allow("identity:"+name, l); !ok {
 				s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
-				return rateLimited("identity "+quote(name)+" is over its rate limit of "+l.String(),
-					"identity:"+name, l, wait, map[string]string{"identity": name, "consumer": consumer})
+				return rateLimited("identity "+quote(echo(name))+" is over its rate limit of "+l.String(),
+					"identity:"+echo(name), l, wait, map[string]string{"identity": name, "consumer": consumer})
 			}
 		}
 	}
@@ -214,8 +214,8 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 	}
 	if ok, wait := s.limiter.Allow("consumer:"+consumer, l); !ok {
 		s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
-		return rateLimited("consumer "+quote(consumer)+" is over its rate limit of "+l.String(),
-			"consumer:"+consumer, l, wait, map[string]string{"consumer": consumer})
+		return rateLimited("consumer "+quote(echo(consumer))+" is over its rate limit of "+l.String(),
+			"consumer:"+echo(consumer), l, wait, map[string]string{"consumer": consumer})
 	}
 	return nil
 }

@@ -50,6 +50,9 @@ func (s *syncBuffer) lines(t *testing.T, msg string) []map[string]any {
 	t.Helper()
 	var out []map[string]any
 	for _, line := range strings.Split(strings.TrimSpace(s.String()), "\n") {
+		if line == "" { // nothing logged yet
+			continue
+		}
 		var m map[string]any
 		require.NoError(t, json.Unmarshal([]byte(line), &m), line)
 		if m["msg"] == msg {

@@ -302,22 +302,26 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		grpc.KeepaliveParams(cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement),
 		grpc.NumStreamWorkers(uint32(max(cfg.StreamWorkers, 0))),
+		// Requests are decoded by the handlers, so that a malformed one is
+		// INVALID_ARGUMENT and goes through the interceptors (codec.go).
+		grpc.ForceServerCodecV2(newRequestCodec()),
 	}
 	opts = append(opts, cfg.Bounds.serverOptions()...)
 	if cfg.TLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
 	}
 	g := grpc.NewServer(opts...)
-	idemregv1.RegisterRegistryServiceServer(g, svc)
-	idemregv1.RegisterAdminServiceServer(g, &AdminService{svc: svc, store: observed, m: m})
+	r := decodingRegistrar{g}
+	idemregv1.RegisterRegistryServiceServer(r, svc)
+	idemregv1.RegisterAdminServiceServer(r, &AdminService{svc: svc, store: observed, m: m})
 	h := health.NewServer()
 	for _, name := range healthServices {
 		h.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)
 	}
 	h.SetServingStatus(LivenessService, healthpb.HealthCheckResponse_SERVING)
-	healthpb.RegisterHealthServer(g, h)
+	healthpb.RegisterHealthServer(r, h)
 	if !cfg.DisableReflection {
-		reflection.Register(g)
+		reflection.Register(r)
 	}
 	s.grpc, s.health = g, h
 	return s, nil
@@ -378,14 +382,18 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 // bounds (its connections are counted apart, its Watch streams with those
 // of the main listener).
 func (s *Server) ServeHealth(lis net.Listener) error {
+	// The same codec as the main listener, so that a malformed check is
+	// INVALID_ARGUMENT there too (codec.go).
 	opts := append(s.cfg.Bounds.serverOptions(),
+		grpc.ForceServerCodecV2(newRequestCodec()),
+		grpc.UnaryInterceptor(refuseMalformed),
 		grpc.ChainStreamInterceptor(s.public.intercept),
 		// A health request is a service name.
 		grpc.MaxRecvMsgSize(healthMaxRecvMsgSize),
 		grpc.KeepaliveParams(s.cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))
 	g := grpc.NewServer(opts...)
-	healthpb.RegisterHealthServer(g, s.health)
+	healthpb.RegisterHealthServer(decodingRegistrar{g}, s.health)
 	lis = s.limitConnections("health", lis)
 	go func() { <-s.done; g.Stop() }()
 	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
@@ -473,13 +481,16 @@ func (s *Server) checkHealth(ctx context.Context) {
 //  4. authentication (go-grpc-middleware auth, skipped for health and
 //     reflection by selector): the caller's identity from a bearer token
 //     or a verified client certificate, or UNAUTHENTICATED;
-//  5. authorization (same selector): the identity may use the request's
+//  5. a request that did not decode is refused (codec.go): INVALID_ARGUMENT,
+//     reason MALFORMED_REQUEST;
+//  6. authorization (same selector): the identity may use the request's
 //     consumer (RegistryService) or administer it (AdminService), or
 //     PERMISSION_DENIED — before the handler has read anything;
-//  6. calls per identity (bounds.go): an identity with MaxCallsPerIdentity
+//  7. calls per identity (bounds.go): an identity with MaxCallsPerIdentity
 //     calls in progress gets RESOURCE_EXHAUSTED, TOO_MANY_CALLS;
-//  7. rate limit: the identity's token bucket, then the consumer's, or
-//     RESOURCE_EXHAUSTED with QuotaFailure and RetryInfo.
+//  8. rate limit: the identity's token bucket, then the consumer's, or
+//     RESOURCE_EXHAUSTED with QuotaFailure and RetryInfo; each item of a
+//     batch on its own (batch.go).
 //
 // Below the handler, the store is wrapped (observe.go) to bound the
 // operations in flight (UNAVAILABLE, OVERLOADED, beyond MaxInFlight, or
@@ -492,6 +503,7 @@ func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		s.deadline,
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
+		refuseMalformed,
 		selector.UnaryServerInterceptor(s.authorize, protected),
 		selector.UnaryServerInterceptor(s.identityCalls.intercept, protected),
 		s.rateLimit,

@@ -44,13 +44,15 @@ const (
 	ReasonCanceled            = "CANCELED"
 	ReasonInternal            = "INTERNAL"
 	// The middleware's own answers (auth.go, deadline.go, observe.go,
-	// bounds.go).
+	// bounds.go); MALFORMED_REQUEST (code INVALID_ARGUMENT): the request is
+	// not a valid protobuf encoding of its message (codec.go).
 	ReasonUnauthenticated  = "UNAUTHENTICATED"
 	ReasonPermissionDenied = "PERMISSION_DENIED"
 	ReasonRateLimited      = "RATE_LIMITED"
 	ReasonOverloaded       = "OVERLOADED"
 	ReasonTooManyStreams   = "TOO_MANY_STREAMS"
 	ReasonTooManyCalls     = "TOO_MANY_CALLS"
+	ReasonMalformedRequest = "MALFORMED_REQUEST"
 )
 
 // unavailableRetryAfter is the RetryInfo delay suggested when the store is
@@ -61,8 +63,14 @@ const unavailableRetryAfter = time.Second
 // the most operations in flight: short, since the slots free up quickly.
 const overloadedRetryAfter = 100 * time.Millisecond
 
+// newStatus builds the status of a refusal. Its message and metadata values
+// are cut to the bounds of bounds.go here, once, so that no caller can make
+// a status larger than they are whatever it quotes.
 func newStatus(code codes.Code, reason, msg string, meta map[string]string, extra ...protoadapt.MessageV1) error {
-	st := status.New(code, msg)
+	for k, v := range meta {
+		meta[k] = echo(v)
+	}
+	st := status.New(code, truncate(msg, MaxStatusMessageBytes))
 	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain, Metadata: meta}}, extra...)
 	if withDetails, err := st.WithDetails(details...); err == nil {
 		st = withDetails
@@ -106,7 +114,7 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil:
 		// The store's share of the request's time ran out (storeContext)
 		// and the client still waits: the store did not answer in time.
-		s.logger.WarnContext(ctx, "store did not answer before the request's deadline", "method", method, "consumer", k.Consumer, "error", err)
+		s.logger.WarnContext(ctx, "store did not answer before the request's deadline", "method", method, "consumer", echo(k.Consumer), "error", err)
 		return newStatus(codes.Unavailable, ReasonStoreUnavailable, "the store did not answer in time; retry later", meta,
 			&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
 	case errors.Is(err, context.DeadlineExceeded):
@@ -126,11 +134,11 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 		return newStatus(codes.Unavailable, ReasonOverloaded, "the server has too many store operations in flight; retry later", meta,
 			retryInfo(overloadedRetryAfter))
 	case errors.Is(err, storage.ErrUnavailable):
-		s.logger.WarnContext(ctx, "store unavailable", "method", method, "consumer", k.Consumer, "error", err)
+		s.logger.WarnContext(ctx, "store unavailable", "method", method, "consumer", echo(k.Consumer), "error", err)
 		return newStatus(codes.Unavailable, ReasonStoreUnavailable, "the store is unavailable; retry later", meta,
 			&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
 	default:
-		s.logger.ErrorContext(ctx, "internal error", "method", method, "consumer", k.Consumer, "error", err)
+		s.logger.ErrorContext(ctx, "internal error", "method", method, "consumer", echo(k.Consumer), "error", err)
 		return newStatus(codes.Internal, ReasonInternal, "internal error", meta)
 	}
 }

@@ -20,7 +20,7 @@ import (
 type violations []*errdetails.BadRequest_FieldViolation
 
 func (v *violations) add(field, format string, args ...any) {
-	*v = append(*v, &errdetails.BadRequest_FieldViolation{Field: field, Description: fmt.Sprintf(format, args...)})
+	*v = append(*v, &errdetails.BadRequest_FieldViolation{Field: field, Description: truncate(fmt.Sprintf(format, args...), MaxStatusMessageBytes)})
 }
 
 // err returns the INVALID_ARGUMENT status for the collected violations, or

@@ -27,6 +27,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/bench"
+	"github.com/idemreg/idemreg/storage/postgres"
 )
 
 // benchConfig is what `idemreg bench` reads from its flags.
@@ -81,7 +82,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return replot(cfg)
 	}
 	if cfg.Preload > 0 {
-		fmt.Fprintf(stdout, "preloading %d records into %s ...\n", cfg.Preload, redact(cfg.DatabaseURL))
+		fmt.Fprintf(stdout, "preloading %d records into %s ...\n", cfg.Preload, postgres.Redact(cfg.DatabaseURL))
 		t0 := time.Now()
 		inserted, total, err := bench.Preload(ctx, cfg.DatabaseURL, cfg.Preload)
 		if err != nil {
@@ -841,7 +842,7 @@ func cpuColumns(r benchRun) string {
 }
 
 func writeJSON(path string, cfg benchConfig, reports []benchReport) error {
-	cfg.DatabaseURL = redact(cfg.DatabaseURL)
+	cfg.DatabaseURL = postgres.Redact(cfg.DatabaseURL)
 	b, err := json.MarshalIndent(struct {
 		Config  benchConfig
 		Reports []benchReport

@@ -40,8 +40,10 @@ type config struct {
 	SQLBatchSize   int
 	SQLBatchWindow time.Duration
 	SQLBatchSlots  int
-	// PprofListen serves net/http/pprof there when set.
-	PprofListen string
+	// PprofListen serves net/http/pprof there when set; on loopback only
+	// unless PprofAllowRemote says otherwise.
+	PprofListen      string
+	PprofAllowRemote bool
 }
 
 func defaultConfig() config {
@@ -85,7 +87,8 @@ func (c *config) bind(fs *flag.FlagSet, serve bool) {
 	fs.IntVar(&c.SQLBatchSize, "sql-batch-size", c.SQLBatchSize, "SQL store: most concurrent Claims (or Completes) sent as one statement; 1 sends each alone")
 	fs.DurationVar(&c.SQLBatchWindow, "sql-batch-window", c.SQLBatchWindow, "SQL store: longest a queued Claim or Complete waits for a statement slot before its batch is sent anyway")
 	fs.IntVar(&c.SQLBatchSlots, "sql-batch-slots", c.SQLBatchSlots, "SQL store: statements of each kind (Claim, Complete) that run at once before calls queue into batches")
-	fs.StringVar(&c.PprofListen, "pprof-listen", c.PprofListen, "serve net/http/pprof on this address (off when empty; keep it on loopback)")
+	fs.StringVar(&c.PprofListen, "pprof-listen", c.PprofListen, "serve net/http/pprof on this loopback address, without authentication (off when empty)")
+	fs.BoolVar(&c.PprofAllowRemote, "pprof-allow-remote", c.PprofAllowRemote, "allow --pprof-listen on an address that is not loopback: anyone who reaches it can profile the process")
 	l := &c.Limits
 	fs.DurationVar(&l.DefaultLease, "default-lease", l.DefaultLease, "lease of a Claim or Extend that gives none")
 	fs.DurationVar(&l.MinLease, "min-lease", l.MinLease, "smallest lease a request may ask for")
@@ -143,8 +146,13 @@ func (c *config) Validate() error {
 	}
 	if c.DatabaseURL != "" {
 		if u, err := url.Parse(c.DatabaseURL); err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-			errs = append(errs, fmt.Errorf("--database-url must be a postgres:// URL, got %q", redact(c.DatabaseURL)))
+			errs = append(errs, fmt.Errorf("--database-url must be a postgres:// URL, got %q", postgres.Redact(c.DatabaseURL)))
 		}
+	}
+	if c.PprofListen != "" && !isLoopback(c.PprofListen) && !c.PprofAllowRemote {
+		// Profiles, goroutine stacks and the heap show internals to
+		// anyone who reaches the listener, which has no authentication.
+		errs = append(errs, fmt.Errorf("--pprof-listen %s is not a loopback address: pprof has no authentication; bind it to loopback or pass --pprof-allow-remote explicitly", c.PprofListen))
 	}
 	if c.LogFormat != "json" && c.LogFormat != "text" {
 		errs = append(errs, fmt.Errorf("--log-format must be json or text, got %q", c.LogFormat))
@@ -188,13 +196,4 @@ func (c *config) logger(w io.Writer) *slog.Logger {
 		return slog.New(slog.NewTextHandler(w, opts))
 	}
 	return slog.New(slog.NewJSONHandler(w, opts))
-}
-
-// redact hides the password of a database URL for logs and errors.
-func redact(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "<unparseable URL>"
-	}
-	return u.Redacted()
 }

@@ -25,8 +25,8 @@ func migrate(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return err
 	}
 	if err := postgres.Migrate(ctx, cfg.DatabaseURL); err != nil {
-		return fmt.Errorf("migrating %s: %w", redact(cfg.DatabaseURL), err)
+		return fmt.Errorf("migrating %s: %w", postgres.Redact(cfg.DatabaseURL), err)
 	}
-	fmt.Fprintln(stdout, "schema is up to date:", redact(cfg.DatabaseURL))
+	fmt.Fprintln(stdout, "schema is up to date:", postgres.Redact(cfg.DatabaseURL))
 	return nil
 }

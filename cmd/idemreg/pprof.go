@@ -4,23 +4,30 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"strings"
 	"time"
+
+	"github.com/idemreg/idemreg/storage/postgres"
 )
 
 // startPprof serves net/http/pprof on addr (--pprof-listen) until the
-// returned function is called. It is off by default: profiles show
-// internals, so bind it to loopback or a private interface.
-func startPprof(addr string, logger *slog.Logger) (stop func(), err error) {
+// returned function is called. It is off by default and has no
+// authentication: profiles show internals, so config.Validate keeps it on
+// loopback unless --pprof-allow-remote. /debug/pprof/cmdline shows args,
+// the command line, with its secrets redacted: pprof's own handler prints
+// os.Args, --database-url's password included.
+func startPprof(addr string, args []string, logger *slog.Logger) (stop func(), err error) {
 	if addr == "" {
 		return func() {}, nil
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/cmdline", redactedCmdline(args))
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
@@ -40,4 +47,21 @@ func startPprof(addr string, logger *slog.Logger) (stop func(), err error) {
 		defer cancel()
 		_ = srv.Shutdown(ctx)
 	}, nil
+}
+
+// redactedCmdline answers as pprof.Cmdline does (the arguments separated
+// by NUL bytes), with every argument redacted: the database URL, whichever
+// form it takes, and anything else that carries a URL password or a
+// password= parameter.
+func redactedCmdline(args []string) http.HandlerFunc {
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = postgres.Redact(a)
+	}
+	body := strings.Join(out, "\x00")
+	return func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		_, _ = io.WriteString(w, body)
+	}
 }

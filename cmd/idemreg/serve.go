@@ -34,7 +34,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	}
 	logger := cfg.logger(stderr)
 	tuneGC(logger)
-	stopPprof, err := startPprof(cfg.PprofListen, logger)
+	stopPprof, err := startPprof(cfg.PprofListen, os.Args, logger)
 	if err != nil {
 		return err
 	}
@@ -158,7 +158,7 @@ func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger 
 // store in the data directory otherwise.
 func openStore(ctx context.Context, cfg *config, logger *slog.Logger) (storage.Store, error) {
 	if cfg.DatabaseURL != "" {
-		logger.Info("opening SQL store", "database_url", redact(cfg.DatabaseURL))
+		logger.Info("opening SQL store", "database_url", postgres.Redact(cfg.DatabaseURL))
 		conflicts, err := newConflictTracer(otel.GetMeterProvider())
 		if err != nil {
 			return nil, err
@@ -167,7 +167,7 @@ func openStore(ctx context.Context, cfg *config, logger *slog.Logger) (storage.S
 			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, cfg.SQLBatchSlots),
 			postgres.WithTracer(conflicts))
 		if err != nil {
-			return nil, fmt.Errorf("opening %s: %w", redact(cfg.DatabaseURL), err)
+			return nil, fmt.Errorf("opening %s: %w", postgres.Redact(cfg.DatabaseURL), err)
 		}
 		return s, nil
 	}

@@ -46,7 +46,7 @@ type migration struct {
 func Migrate(ctx context.Context, databaseURL string) error {
 	conn, err := pgx.Connect(ctx, databaseURL)
 	if err != nil {
-		return fmt.Errorf("postgres migrate: connect: %w", err)
+		return fmt.Errorf("postgres migrate: connect: %w", withoutSecrets(err, databaseURL))
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 

@@ -55,8 +55,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	}
 	cfg, err := pgxpool.ParseConfig(databaseURL)
 	if err != nil {
-		// pgx redacts the password in its parse errors.
-		return nil, fmt.Errorf("postgres: parse database URL: %w", err)
+		// pgx quotes the string in its parse errors, redacted only as
+		// far as its patterns go.
+		return nil, fmt.Errorf("postgres: parse database URL: %w", withoutSecrets(err, databaseURL))
 	}
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "idemreg"
@@ -82,7 +83,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("postgres: open pool: %w", err)
+		return nil, fmt.Errorf("postgres: open pool: %w", withoutSecrets(err, databaseURL))
 	}
 	s := &Store{pool: pool, clockOffset: o.clockOffset, maxRetries: o.maxRetries, logger: o.logger}
 	limit := o.batchInFlight

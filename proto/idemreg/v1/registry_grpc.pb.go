@@ -17,6 +17,7 @@
 //
 //   reason                 code                  when
 //   INVALID_ARGUMENT       INVALID_ARGUMENT      a field is missing, malformed or out of bounds (BadRequest lists them)
+//   MALFORMED_REQUEST      INVALID_ARGUMENT      the request is not a valid protobuf encoding of its message
 //   FINGERPRINT_MISMATCH   FAILED_PRECONDITION   the key is live with another fingerprint: same key, different parameters
 //   LEASE_LOST             FAILED_PRECONDITION   the token is not the record's current token (someone took over), or claim_secret is not the one its Claim returned
 //   ALREADY_COMPLETED      FAILED_PRECONDITION   Release or Extend of a record already completed

@@ -1,0 +1,160 @@
+package server
+
+import (
+	"context"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding"
+	protocodec "google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/protoadapt"
+)
+
+// Malformed requests. gRPC decodes a request before any interceptor runs,
+// and answers a codec's failure itself, with INTERNAL (a status the docs
+// call a bug signal), before the access log or the metrics of our
+// interceptors have seen the call. So the server's codec does not decode a
+// request: it hands its bytes over as a rawRequest, and the handlers the
+// server registers (decodingRegistrar) decode them inside the interceptor
+// chain. A request that does not decode is then the caller's mistake like
+// any invalid field: INVALID_ARGUMENT, reason MALFORMED_REQUEST, refused
+// after authentication (an unknown caller learns nothing more than
+// UNAUTHENTICATED), logged by the access log and counted by otelgrpc under
+// its code like every refused call.
+
+// requestCodec is the server's codec: the proto codec, except that a
+// rawRequest receives the bytes of a message undecoded.
+type requestCodec struct{ proto encoding.CodecV2 }
+
+func newRequestCodec() requestCodec {
+	return requestCodec{proto: encoding.GetCodecV2(protocodec.Name)}
+}
+
+func (c requestCodec) Name() string { return protocodec.Name }
+
+func (c requestCodec) Marshal(v any) (mem.BufferSlice, error) { return c.proto.Marshal(v) }
+
+func (c requestCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	if r, ok := v.(*rawRequest); ok {
+		// gRPC frees data when Unmarshal returns; the reference keeps it
+		// until decode. A second message (a cardinality violation gRPC
+		// answers itself) replaces the first.
+		r.free()
+		data.Ref()
+		r.data = data
+		return nil
+	}
+	return c.proto.Unmarshal(data, v)
+}
+
+// rawRequest is a request's bytes as they arrived.
+type rawRequest struct{ data mem.BufferSlice }
+
+func (r *rawRequest) free() {
+	r.data.Free()
+	r.data = nil
+}
+
+// decode unmarshals the bytes into m and releases them. A failure leaves m
+// empty, so that nothing reads a half-decoded request, and is the
+// MALFORMED_REQUEST status.
+func (r *rawRequest) decode(m any) error {
+	defer r.free()
+	var msg proto.Message
+	switch m := m.(type) {
+	case protoadapt.MessageV2:
+		msg = m
+	case protoadapt.MessageV1:
+		msg = protoadapt.MessageV2Of(m)
+	default:
+		return newStatus(codes.Internal, ReasonInternal, "internal error", nil)
+	}
+	buf := r.data.MaterializeToBuffer(mem.DefaultBufferPool())
+	defer buf.Free()
+	if err := proto.Unmarshal(buf.ReadOnlyData(), msg); err != nil {
+		proto.Reset(msg)
+		name := string(msg.ProtoReflect().Descriptor().FullName())
+		return newStatus(codes.InvalidArgument, ReasonMalformedRequest,
+			"the request is not a valid encoding of "+name+": "+err.Error(),
+			map[string]string{"message": name})
+	}
+	return nil
+}
+
+// malformedKey carries a unary request's decoding failure from its
+// handler's decoding to refuseMalformed.
+type malformedKey struct{}
+
+// refuseMalformed answers a request that did not decode with its
+// MALFORMED_REQUEST status.
+func refuseMalformed(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
+	if err, ok := ctx.Value(malformedKey{}).(error); ok {
+		return nil, err
+	}
+	return next(ctx, req)
+}
+
+// decodingRegistrar registers services on a gRPC server with handlers that
+// decode their requests themselves, from the rawRequest of requestCodec:
+// a unary request inside the interceptor chain, a stream's messages as the
+// handler receives them. It is also what reflection.Register needs.
+type decodingRegistrar struct{ *grpc.Server }
+
+func (r decodingRegistrar) RegisterService(sd *grpc.ServiceDesc, impl any) {
+	d := *sd
+	d.Methods = make([]grpc.MethodDesc, len(sd.Methods))
+	for i, m := range sd.Methods {
+		d.Methods[i] = grpc.MethodDesc{MethodName: m.MethodName, Handler: decodingUnary(m.Handler)}
+	}
+	d.Streams = make([]grpc.StreamDesc, len(sd.Streams))
+	for i, s := range sd.Streams {
+		h := s.Handler
+		s.Handler = func(srv any, ss grpc.ServerStream) error { return h(srv, decodingStream{ss}) }
+		d.Streams[i] = s
+	}
+	r.Server.RegisterService(&d, impl)
+}
+
+// decodingUnary runs a generated unary handler on the request's bytes. The
+// generated handler decodes before it calls the interceptors and returns
+// at once if decoding fails, so the decoding it is given never fails: a
+// failure goes to the interceptors in the context, and refuseMalformed
+// answers it there.
+func decodingUnary(h grpc.MethodHandler) grpc.MethodHandler {
+	return func(srv any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
+		var raw rawRequest
+		defer raw.free()
+		if err := dec(&raw); err != nil {
+			return nil, err // gRPC's own: too large, bad compression, cardinality
+		}
+		var malformed error
+		decode := func(m any) error {
+			malformed = raw.decode(m)
+			return nil
+		}
+		return h(srv, ctx, decode, func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+			if malformed != nil {
+				ctx = context.WithValue(ctx, malformedKey{}, malformed)
+			}
+			if interceptor == nil {
+				return refuseMalformed(ctx, req, info, handler)
+			}
+			return interceptor(ctx, req, info, handler)
+		})
+	}
+}
+
+// decodingStream decodes a stream's messages from their bytes; one that
+// does not decode ends the stream with its MALFORMED_REQUEST status.
+type decodingStream struct{ grpc.ServerStream }
+
+func (s decodingStream) RecvMsg(m any) error {
+	var raw rawRequest
+	if err := s.ServerStream.RecvMsg(&raw); err != nil {
+		raw.free()
+		return err
+	}
+	return raw.decode(m)
+}
