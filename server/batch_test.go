@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -14,6 +15,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
 )
 
 // claimResult is one BatchClaim item as a unary answer.
@@ -174,4 +176,55 @@ func TestBatchBounds(t *testing.T) {
 			require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome())
 		}
 	})
+}
+
+// TestBatchItemsAuthorisedAndLimitedEach: a batch mixing consumers the
+// caller may use, one it may not, and more items of a limited consumer
+// than its burst: the refused items get the unary call's status, the rest
+// their answers, and no refused item reached the store.
+func TestBatchItemsAuthorisedAndLimitedEach(t *testing.T) {
+	src := accessFile(t, `
+identities:
+  - {name: team, token_hashes: ["`+access.HashToken("team-token")+`"], consumers: ["team.*"]}
+  - {name: other, token_hashes: ["`+access.HashToken("other-token")+`"], consumers: ["other.*"]}
+rate_limits:
+  - consumers: ["team.limited"]
+    rate: 0.001
+    burst: 2
+`)
+	c := idemregv1.NewRegistryServiceClient(start(t, memStore(t), server.Config{Access: src}))
+	ctx := bearer(t.Context(), "team-token")
+	item := func(consumer, key string) *idemregv1.ClaimRequest {
+		return &idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: key}
+	}
+	res, err := c.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: []*idemregv1.ClaimRequest{
+		item("team.a", "k1"),
+		item("other.a", "k1"), // not this identity's
+		item("team.limited", "k1"),
+		item("team.limited", "k2"),
+		item("team.limited", "k3"), // over the burst
+		item("team.a", ""),         // invalid
+	}})
+	require.NoError(t, err)
+	got := res.GetResults()
+	require.Len(t, got, 6)
+	for _, i := range []int{0, 2, 3} {
+		r, err := claimResult(got[i])
+		require.NoError(t, err, "item %d", i)
+		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, r.GetOutcome())
+	}
+	_, err = claimResult(got[1])
+	st := requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+	require.Equal(t, `identity "team" may not use consumer "other.a"`, st.Message(), "the unary call's answer")
+	_, err = claimResult(got[4])
+	requireStatus(t, err, codes.ResourceExhausted, server.ReasonRateLimited)
+	require.Equal(t, "consumer:team.limited", detail[*errdetails.QuotaFailure](t, err).GetViolations()[0].GetSubject())
+	_, err = claimResult(got[5])
+	st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	require.Equal(t, []string{"key"}, violatedFields(st))
+
+	// The refused item wrote nothing: the other team finds its key free.
+	other, err := c.Claim(bearer(t.Context(), "other-token"), item("other.a", "k1"))
+	require.NoError(t, err)
+	require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, other.GetOutcome())
 }

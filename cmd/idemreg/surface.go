@@ -46,6 +46,8 @@ type surfaceConfig struct {
 	MaxRequestTimeout               time.Duration
 	MaxInFlight                     int
 	MaxInFlightPerIdentity          int
+	MaxWaiters                      int
+	WaitRecheck                     time.Duration
 	StreamWorkers                   int
 	MaxConnectionAge                time.Duration
 	MaxConnectionIdle               time.Duration
@@ -64,6 +66,8 @@ func defaultSurface() surfaceConfig {
 		RequestTimeout:    server.DefaultRequestTimeout,
 		MaxRequestTimeout: server.DefaultMaxRequestTimeout,
 		MaxInFlight:       server.DefaultMaxInFlight,
+		MaxWaiters:        server.DefaultMaxWaiters,
+		WaitRecheck:       server.DefaultWaitRecheck,
 		StreamWorkers:     server.DefaultStreamWorkers,
 		MaxConnectionAge:  ka.MaxConnectionAge,
 		MaxConnectionIdle: ka.MaxConnectionIdle,
@@ -89,6 +93,8 @@ func (s *surfaceConfig) bind(fs *flag.FlagSet) {
 	fs.DurationVar(&s.MaxRequestTimeout, "max-request-timeout", s.MaxRequestTimeout, "longest deadline a request may carry; longer ones are cut to it")
 	fs.IntVar(&s.MaxInFlight, "max-in-flight", s.MaxInFlight, "most store operations at once; beyond it calls fail at once with UNAVAILABLE (OVERLOADED)")
 	fs.IntVar(&s.MaxInFlightPerIdentity, "max-in-flight-per-identity", s.MaxInFlightPerIdentity, "most store operations at once of one identity of --config, so one tenant cannot take every slot (0: half of --max-in-flight; --max-in-flight turns it off)")
+	fs.IntVar(&s.MaxWaiters, "max-waiters", s.MaxWaiters, "most Claims waiting at once for a key in progress (ClaimRequest.wait); beyond it a Claim answers at once")
+	fs.DurationVar(&s.WaitRecheck, "wait-recheck", s.WaitRecheck, "how often a waiting Claim looks for changes made through other replicas: how late it may wake for them")
 	fs.IntVar(&s.StreamWorkers, "stream-workers", s.StreamWorkers, "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
 	fs.DurationVar(&s.MaxConnectionAge, "max-connection-age", s.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
 	fs.DurationVar(&s.MaxConnectionIdle, "max-connection-idle", s.MaxConnectionIdle, "close client connections that have had no call for this long")
@@ -140,6 +146,12 @@ func (s *surfaceConfig) validate(listen string) []error {
 	}
 	if s.MaxInFlightPerIdentity < 0 || s.MaxInFlightPerIdentity > s.MaxInFlight {
 		errs = append(errs, fmt.Errorf("--max-in-flight-per-identity must be between 0 (half of --max-in-flight) and --max-in-flight (%d), got %d", s.MaxInFlight, s.MaxInFlightPerIdentity))
+	}
+	if s.MaxWaiters < 1 {
+		errs = append(errs, fmt.Errorf("--max-waiters must be positive, got %d", s.MaxWaiters))
+	}
+	if s.WaitRecheck < time.Millisecond || s.WaitRecheck > server.MaxWait {
+		errs = append(errs, fmt.Errorf("--wait-recheck must be between 1ms and %v, got %v", server.MaxWait, s.WaitRecheck))
 	}
 	if s.StreamWorkers < 0 {
 		errs = append(errs, fmt.Errorf("--stream-workers must not be negative, got %d", s.StreamWorkers))
@@ -249,6 +261,8 @@ func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config,
 		MaxRequestTimeout:      sc.MaxRequestTimeout,
 		MaxInFlight:            sc.MaxInFlight,
 		MaxInFlightPerIdentity: sc.MaxInFlightPerIdentity,
+		MaxWaiters:             sc.MaxWaiters,
+		WaitRecheck:            sc.WaitRecheck,
 		StreamWorkers:          cmp.Or(sc.StreamWorkers, -1),
 		DrainDelay:             sc.DrainDelay,
 		ShutdownTimeout:        sc.ShutdownTimeout,

@@ -65,6 +65,8 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"no idle timeout", []string{"--max-connection-idle", "0s"}, "--max-connection-idle must be positive"},
 		{"no readiness window", []string{"--readiness-window", "0"}, "--readiness-window (0)"},
 		{"readiness ratio above one", []string{"--readiness-max-failure-ratio", "2"}, "failure ratio must be in (0, 1]"},
+		{"no waiters", []string{"--max-waiters", "0"}, "--max-waiters must be positive"},
+		{"re-check too slow", []string{"--wait-recheck", "1m"}, "--wait-recheck must be between"},
 		{"identity share above the server's", []string{"--max-in-flight", "8", "--max-in-flight-per-identity", "9"}, "--max-in-flight-per-identity must be between 0"},
 	}
 	for _, tc := range cases {
