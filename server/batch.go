@@ -116,6 +116,12 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		d    decision
 	}
 	var todo []*pending
+	// A key named more than once does not wait: a later item on it is
+	// decided after the earlier one, which a wait would undo.
+	named := make(map[storage.Key]int, len(items))
+	for _, item := range items {
+		named[storage.Key{Consumer: item.GetConsumer(), Kind: storage.Kind(item.GetKind()), Key: item.GetKey()}]++
+	}
 	for i, item := range items {
 		if verdicts[i] != nil {
 			fail(i, verdicts[i])
@@ -125,6 +131,9 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		if err != nil {
 			fail(i, err)
 			continue
+		}
+		if named[p.Key] > 1 {
+			wait = 0
 		}
 		todo = append(todo, &pending{i: i, p: p, wait: wait})
 	}

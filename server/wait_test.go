@@ -290,6 +290,21 @@ func TestWaitInBatch(t *testing.T) {
 		busy, err := claimResult(res.GetResults()[1])
 		require.NoError(t, err)
 		require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, busy.GetOutcome())
+
+		// A key the batch names twice does not wait: the second item is
+		// decided after the first.
+		h2, err := h.c.Claim(t.Context(), claimReq("busy-2", "fp"))
+		require.NoError(t, err)
+		twice, err := h.c.BatchClaim(t.Context(), &idemregv1.BatchClaimRequest{Requests: []*idemregv1.ClaimRequest{
+			waiting("busy-2", 20*time.Second), waiting("busy-2", 20*time.Second),
+		}})
+		require.NoError(t, err)
+		for _, r := range twice.GetResults() {
+			res, err := claimResult(r)
+			require.NoError(t, err)
+			require.Equal(t, idemregv1.Outcome_OUTCOME_IN_PROGRESS, res.GetOutcome(), "answered at once")
+		}
+		completeWith(t, h.c, h2, "busy-2", "r")
 	})
 }
 
