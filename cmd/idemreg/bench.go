@@ -78,6 +78,10 @@ Targets (they take turns, run after run, so that other load falls on all alike):
                     of those acquired (no replays or collisions); a pair is
                     still one key, so pairs/s compares with the others, and
                     latencies are of whole batch calls
+  sql-batch         the sql baseline batched by hand, driven like the -batch
+                    targets: one multi-row INSERT ... ON CONFLICT DO NOTHING
+                    (and one SELECT of the keys it did not insert) per
+                    batch claim, one multi-row UPDATE per batch complete
   idemreg[--flag NAME=value @binary ...]
                     a started server with extra flags and environment, and
                     optionally another idemreg binary to start (an older
@@ -232,7 +236,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.IntVar(&cfg.ResultBytes, "result-bytes", 64, "size of each stored result")
 	fs.StringVar(&cfg.Label, "label", "", "a note for the chart's title")
 	fs.StringVar(&cfg.Replot, "replot", "", "draw --chart from the figures a run wrote with --json, and run nothing")
-	fs.IntVar(&cfg.Batch, "batch", 64, "keys per BatchClaim and BatchComplete of the -batch targets")
+	fs.IntVar(&cfg.Batch, "batch", 64, "keys per batch claim and batch complete of the -batch targets")
 	fs.IntVar(&cfg.Waiters, "waiters", 0, "after the runs, measure this many woken waiters per server target and replica case (0: none)")
 	fs.IntVar(&cfg.WaiterPairs, "waiter-pairs", 8, "holder/waiter pairs at a time in the waiter measurement")
 	fs.DurationVar(&cfg.WaiterSettle, "waiter-settle", 50*time.Millisecond, "how long a holder lets its waiter's Claim start waiting before it completes; a waiter that arrives later counts as woken at once")
@@ -331,7 +335,9 @@ func parseTarget(s string) (benchTarget, error) {
 	switch t.Kind {
 	case "idemreg", "idemreg-embedded":
 		return t, nil
-	case "sql", "redis", "grpc-floor":
+	case "sql":
+		return t, nil
+	case "redis", "grpc-floor":
 		if !t.Batch {
 			return t, nil
 		}
@@ -758,7 +764,7 @@ func printMachine(w io.Writer, cfg benchConfig) {
 	fmt.Fprintf(w, "mix %s, %s measured after %s warmup, %d runs each\n", cfg.Mix, durationOrCount(cfg), cfg.Warmup, cfg.Repeat)
 	for _, t := range cfg.Targets {
 		if t.Batch {
-			fmt.Fprintf(w, "-batch targets: %d new keys per BatchClaim and BatchComplete, no replays or collisions; their latencies are of whole batch calls, their ops of keys\n", cfg.Batch)
+			fmt.Fprintf(w, "-batch targets: %d new keys per batch claim and batch complete (BatchClaim and BatchComplete; sql-batch: multi-row statements), no replays or collisions; their latencies are of whole batch calls, their ops of keys\n", cfg.Batch)
 			break
 		}
 	}

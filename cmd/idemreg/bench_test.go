@@ -133,7 +133,8 @@ func TestParseBenchTarget(t *testing.T) {
 		{name: "batch with flags", in: "idemreg-batch[--sql-batch-size=1]", want: benchTarget{
 			Label: "idemreg-batch[--sql-batch-size=1]", Kind: "idemreg", ServerArgs: []string{"--sql-batch-size=1"}, Batch: true,
 		}},
-		{name: "batch of a baseline", in: "redis-batch", err: true},
+		{name: "batched sql baseline", in: "sql-batch", want: benchTarget{Label: "sql-batch", Kind: "sql", Batch: true}},
+		{name: "batch of a baseline without batches", in: "redis-batch", err: true},
 		{name: "flags on a baseline", in: "sql[--x]", err: true},
 		{name: "neither flag nor variable", in: "idemreg[junk]", err: true},
 		{name: "unclosed", in: "idemreg[--x", err: true},
@@ -206,12 +207,12 @@ func TestBenchBatchAndWaiters(t *testing.T) {
 	databaseURL := pgtest.NewDatabase(t)
 	js := filepath.Join(t.TempDir(), "batch.json")
 	out, err := exec.CommandContext(t.Context(), bin, "bench",
-		"--targets", "idemreg-batch,idemreg-embedded-batch,idemreg,idemreg-embedded", "--database-url", databaseURL,
+		"--targets", "idemreg-batch,idemreg-embedded-batch,sql-batch,idemreg,idemreg-embedded", "--database-url", databaseURL,
 		"--callers", "2", "--batch", "8", "--duration", "300ms", "--warmup", "0", "--repeat", "1",
 		"--waiters", "10", "--waiter-pairs", "2", "--json", js).CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	t.Logf("%s", out)
-	require.Contains(t, string(out), "-batch targets: 8 new keys per BatchClaim and BatchComplete")
+	require.Contains(t, string(out), "-batch targets: 8 new keys per batch claim and batch complete")
 	require.Contains(t, string(out), "median run, per batch of 8:")
 	require.Contains(t, string(out), "waiters idemreg          other replica:")
 
@@ -235,7 +236,7 @@ func TestBenchBatchAndWaiters(t *testing.T) {
 	b, err := os.ReadFile(js)
 	require.NoError(t, err)
 	require.NoError(t, json.Unmarshal(b, &report))
-	require.Len(t, report.Reports, 4)
+	require.Len(t, report.Reports, 5)
 	for _, r := range report.Reports {
 		m := r.Median
 		require.Positive(t, m.Pairs, r.Target)
