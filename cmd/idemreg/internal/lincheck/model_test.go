@@ -259,6 +259,22 @@ func TestModel(t *testing.T) {
 			op(1, 6, 7, lookup(), done(10, 1, "h1", "r2")),
 		}, false},
 
+		// The server decides a waiting item again after its wait, after the
+		// later items on its key: the workload orders no items after one
+		// that waits, and this is why.
+		{"a waiting batch item takes over after the next item on its key", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h0"), acquired(10, 1, "h0")),
+			op(1, 2, 10, item("b10", 1, 0, false, waiting(claim("A", "h1"))), acquired(11, 2, "h1")),
+			op(2, 2, 10, item("b10", 2, 0, false, claim("A", "h2")), inProgress(1, "h0")),
+			op(0, 4, 5, release(10), ok(10, 1, "h0")),
+		}, true},
+		{"the same answers ordered in batch order are rejected", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h0"), acquired(10, 1, "h0")),
+			op(1, 2, 10, item("b11", 1, 0, true, waiting(claim("A", "h1"))), acquired(11, 2, "h1")),
+			op(2, 2, 10, item("b11", 2, 1, false, claim("A", "h2")), inProgress(1, "h0")),
+			op(0, 4, 5, release(10), ok(10, 1, "h0")),
+		}, false},
+
 		// A waiting Claim: one Claim over the whole wait.
 		{"a waiter sees the Complete made while it waits", []porcupine.Operation{
 			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
