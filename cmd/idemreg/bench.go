@@ -27,6 +27,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/bench"
+	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
@@ -51,6 +52,12 @@ type benchConfig struct {
 	ResultBytes int
 	Label       string
 	Replot      string
+	// Batch is the keys per call of the -batch targets.
+	Batch int
+	// Waiters is the samples of each waiter-latency measurement (0: none);
+	// WaiterPairs, the holder/waiter pairs at a time.
+	Waiters, WaiterPairs int
+	WaiterSettle         time.Duration
 }
 
 const benchUsage = `idemreg bench drives the registry and hand-written baselines with the same
@@ -65,10 +72,26 @@ Targets (they take turns, run after run, so that other load falls on all alike):
                     for each run, whose Claim and Complete are each one
                     health Check: what any gRPC hop costs on this machine.
                     It runs every iteration as a new key.
+  idemreg-batch, idemreg-embedded-batch
+                    the same servers driven in batches: each iteration is
+                    one BatchClaim of --batch new keys and one BatchComplete
+                    of those acquired (no replays or collisions); a pair is
+                    still one key, so pairs/s compares with the others, and
+                    latencies are of whole batch calls
+  sql-batch         the sql baseline batched by hand, driven like the -batch
+                    targets: one multi-row INSERT ... ON CONFLICT DO NOTHING
+                    (and one SELECT of the keys it did not insert) per
+                    batch claim, one multi-row UPDATE per batch complete
   idemreg[--flag NAME=value @binary ...]
                     a started server with extra flags and environment, and
                     optionally another idemreg binary to start (an older
                     build, say, so that old and new take turns in one run)
+
+With --waiters N, after the runs: N waiting Claims per server target
+(idemreg, idemreg-embedded, with their [flags]), each woken by its key's
+Complete, and the time from the Complete's return to the waiter's answer;
+through the same server, and for idemreg (on --database-url, started by the
+bench) also through a second server on the same database.
 
 Flags:
 `
@@ -121,8 +144,12 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 	}
 	printTable(stdout, cfg, reports)
+	waiters, err := benchWaiters(ctx, cfg, stdout, stderr)
+	if err != nil {
+		return err
+	}
 	if cfg.JSON != "" {
-		if err := writeJSON(cfg.JSON, cfg, reports); err != nil {
+		if err := writeJSON(cfg.JSON, cfg, reports, waiters); err != nil {
 			return err
 		}
 	}
@@ -209,6 +236,10 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.IntVar(&cfg.ResultBytes, "result-bytes", 64, "size of each stored result")
 	fs.StringVar(&cfg.Label, "label", "", "a note for the chart's title")
 	fs.StringVar(&cfg.Replot, "replot", "", "draw --chart from the figures a run wrote with --json, and run nothing")
+	fs.IntVar(&cfg.Batch, "batch", 64, "keys per batch claim and batch complete of the -batch targets")
+	fs.IntVar(&cfg.Waiters, "waiters", 0, "after the runs, measure this many woken waiters per server target and replica case (0: none)")
+	fs.IntVar(&cfg.WaiterPairs, "waiter-pairs", 8, "holder/waiter pairs at a time in the waiter measurement")
+	fs.DurationVar(&cfg.WaiterSettle, "waiter-settle", 50*time.Millisecond, "how long a holder lets its waiter's Claim start waiting before it completes; a waiter that arrives later counts as woken at once")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
@@ -250,6 +281,12 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	if cfg.Preload > 0 && cfg.DatabaseURL == "" {
 		errs = append(errs, errors.New("--preload needs --database-url"))
 	}
+	if cfg.Batch < 1 || cfg.Batch > server.MaxBatchItems {
+		errs = append(errs, fmt.Errorf("--batch must be 1 to %d", server.MaxBatchItems))
+	}
+	if cfg.Waiters < 0 || cfg.WaiterPairs < 1 {
+		errs = append(errs, errors.New("--waiters must not be negative and --waiter-pairs must be positive"))
+	}
 	return cfg, errors.Join(errs...)
 }
 
@@ -262,6 +299,8 @@ type benchTarget struct {
 	ServerArgs   []string
 	ServerEnv    []string
 	ServerBinary string
+	// Batch: a -batch target, which drives its server in batches.
+	Batch bool `json:",omitempty"`
 }
 
 func parseTarget(s string) (benchTarget, error) {
@@ -271,6 +310,9 @@ func parseTarget(s string) (benchTarget, error) {
 			return t, fmt.Errorf("target %q: missing ]", s)
 		}
 		t.Kind = s[:i]
+		if base, ok := strings.CutSuffix(t.Kind, "-batch"); ok {
+			t.Kind, t.Batch = base, true
+		}
 		for _, tok := range strings.Fields(s[i+1 : len(s)-1]) {
 			switch {
 			case strings.HasPrefix(tok, "-"):
@@ -287,9 +329,18 @@ func parseTarget(s string) (benchTarget, error) {
 			return t, fmt.Errorf("target %q: only a started server takes [flags]", s)
 		}
 	}
+	if base, ok := strings.CutSuffix(t.Kind, "-batch"); ok && !t.Batch {
+		t.Kind, t.Batch = base, true
+	}
 	switch t.Kind {
-	case "idemreg", "idemreg-embedded", "sql", "redis", "grpc-floor":
+	case "idemreg", "idemreg-embedded":
 		return t, nil
+	case "sql":
+		return t, nil
+	case "redis", "grpc-floor":
+		if !t.Batch {
+			return t, nil
+		}
 	}
 	return t, fmt.Errorf("unknown target %q", s)
 }
@@ -390,6 +441,9 @@ func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, re
 	}
 	if target == "grpc-floor" {
 		bc.Mix = bench.Mix{} // it knows no outcomes
+	}
+	if bt.Batch {
+		bc.Batch, bc.Mix = cfg.Batch, bench.Mix{}
 	}
 	if cfg.Preload > 0 && target == "idemreg" {
 		bc.ReplayKeys, bc.PreloadKey = cfg.Preload, bench.PreloadKey
@@ -708,6 +762,12 @@ func printMachine(w io.Writer, cfg benchConfig) {
 		fmt.Fprintf(w, "fsync (8 KiB write + fdatasync in %s): p50 %d µs, p99 %d µs\n", os.TempDir(), p50.Microseconds(), p99.Microseconds())
 	}
 	fmt.Fprintf(w, "mix %s, %s measured after %s warmup, %d runs each\n", cfg.Mix, durationOrCount(cfg), cfg.Warmup, cfg.Repeat)
+	for _, t := range cfg.Targets {
+		if t.Batch {
+			fmt.Fprintf(w, "-batch targets: %d new keys per batch claim and batch complete (BatchClaim and BatchComplete; sql-batch: multi-row statements), no replays or collisions; their latencies are of whole batch calls, their ops of keys\n", cfg.Batch)
+			break
+		}
+	}
 }
 
 func durationOrCount(cfg benchConfig) string {
@@ -720,8 +780,13 @@ func durationOrCount(cfg benchConfig) string {
 func printReport(w io.Writer, r benchReport) {
 	m := r.Median
 	fmt.Fprintf(w, "%-16s callers=%-3d pairs/s=%s pair p99 ms=%s\n", r.Target, r.Callers, r.PairsPS.format("%.0f"), r.PairP99.format("%.1f"))
-	fmt.Fprintf(w, "    median run: claim %s  complete %s  pair %s  replay %s  collide %s (ms p50/p95/p99/max)\n",
-		m.Claim, m.Complete, m.Pair, m.Replay, m.Collide)
+	if m.Batch > 0 {
+		fmt.Fprintf(w, "    median run, per batch of %d: claim %s  complete %s  pair %s (ms p50/p95/p99/max)\n",
+			m.Batch, m.Claim, m.Complete, m.Pair)
+	} else {
+		fmt.Fprintf(w, "    median run: claim %s  complete %s  pair %s  replay %s  collide %s (ms p50/p95/p99/max)\n",
+			m.Claim, m.Complete, m.Pair, m.Replay, m.Collide)
+	}
 	extra := ""
 	if m.CommitsPerCall >= 0 {
 		extra += fmt.Sprintf("  db commits/call %.3f", m.CommitsPerCall)
@@ -768,6 +833,12 @@ func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
 				fmt.Fprintf(w, "floor %s/%s at %d callers: server CPU per call %.2f×, pair p50 %.2f ms over the floor's %.2f ms\n",
 					r.Target, b.Target, r.Callers, r.Median.ServerCPUPerCall/b.Median.ServerCPUPerCall,
 					float64(r.Median.Pair.P50-b.Median.Pair.P50)/float64(time.Millisecond), float64(b.Median.Pair.P50)/float64(time.Millisecond))
+				continue
+			}
+			if r.Median.Batch > 0 {
+				// Its latencies are of whole batches: only throughput compares.
+				fmt.Fprintf(w, "ratio %s/%s at %d callers: throughput %.2f× (batches of %d)\n", r.Target, b.Target, r.Callers,
+					r.PairsPS.Median/b.PairsPS.Median, r.Median.Batch)
 				continue
 			}
 			fmt.Fprintf(w, "ratio %s/%s at %d callers: throughput %.2f×, pair p50 %.2f×, pair p99 %.2f×\n", r.Target, b.Target, r.Callers,
@@ -841,14 +912,100 @@ func cpuColumns(r benchRun) string {
 	return fmt.Sprintf("%s+%s+%s=%.0f", part(r.ClientCPUPerCall), part(r.ServerCPUPerCall), part(r.DBCPUPerCall), total)
 }
 
-func writeJSON(path string, cfg benchConfig, reports []benchReport) error {
+func writeJSON(path string, cfg benchConfig, reports []benchReport, waiters []waiterReport) error {
 	cfg.DatabaseURL = postgres.Redact(cfg.DatabaseURL)
 	b, err := json.MarshalIndent(struct {
 		Config  benchConfig
 		Reports []benchReport
-	}{cfg, reports}, "", "  ")
+		Waiters []waiterReport `json:",omitempty"`
+	}{cfg, reports, waiters}, "", "  ")
 	if err != nil {
 		return err
 	}
 	return os.WriteFile(path, b, 0o644)
+}
+
+// waiterReport is one waiter-latency measurement.
+type waiterReport struct {
+	Target string
+	// Replica is "same" (waiter and holder on one server) or "other" (two
+	// servers on one database).
+	Replica string
+	bench.WaitResult
+}
+
+// benchWaiters measures woken waiters (--waiters) for each server target
+// that is not a -batch one: through the server the holder completes on,
+// and, for idemreg on --database-url, through a second server on the same
+// database, which learns of the Complete only by its re-check.
+func benchWaiters(ctx context.Context, cfg benchConfig, stdout, stderr io.Writer) ([]waiterReport, error) {
+	if cfg.Waiters == 0 {
+		return nil, nil
+	}
+	var out []waiterReport
+	seen := map[string]bool{}
+	for _, bt := range cfg.Targets {
+		if bt.Batch || (bt.Kind != "idemreg" && bt.Kind != "idemreg-embedded") || seen[bt.Label] {
+			continue
+		}
+		seen[bt.Label] = true
+		cases := []string{"same"}
+		if bt.Kind == "idemreg" && cfg.Addr == "" {
+			cases = append(cases, "other")
+		}
+		for _, replica := range cases {
+			r, err := waitersOnce(ctx, cfg, bt, replica, stderr)
+			if err != nil {
+				return nil, fmt.Errorf("waiters on %s, %s replica: %w", bt.Label, replica, err)
+			}
+			out = append(out, r)
+			fmt.Fprintf(stdout, "waiters %-16s %s replica: %d woken, %d not woken, %d errors; Complete's return to the waiter's answer ms p50/p95/p99/max %s\n",
+				r.Target, r.Replica, r.Woken, r.NotWoken, r.Errors, r.Wake)
+			if r.FirstError != "" {
+				fmt.Fprintf(stdout, "    first error: %s\n", r.FirstError)
+			}
+		}
+	}
+	if len(out) > 0 {
+		fmt.Fprintf(stdout, "(a waiter through another replica notices the Complete by its re-check, every %s unless the server's --wait-recheck says otherwise)\n", server.DefaultWaitRecheck)
+	}
+	return out, nil
+}
+
+func waitersOnce(ctx context.Context, cfg benchConfig, bt benchTarget, replica string, stderr io.Writer) (waiterReport, error) {
+	rep := waiterReport{Target: bt.Label, Replica: replica}
+	addrs := []string{cfg.Addr}
+	if cfg.Addr == "" {
+		addrs = addrs[:0]
+		n := 1
+		if replica == "other" {
+			n = 2
+		}
+		for range n {
+			srv, err := spawnServer(ctx, cfg, bt, stderr)
+			if err != nil {
+				return rep, err
+			}
+			defer srv.stop()
+			addrs = append(addrs, srv.addr)
+		}
+	}
+	holder, err := bench.NewRegistry(addrs[0], "bench.waiters")
+	if err != nil {
+		return rep, err
+	}
+	defer holder.Close()
+	waiter := holder
+	if len(addrs) > 1 {
+		if waiter, err = bench.NewRegistry(addrs[1], "bench.waiters"); err != nil {
+			return rep, err
+		}
+		defer waiter.Close()
+	}
+	res, err := bench.WaitLatency(ctx, holder, waiter, bench.WaitConfig{
+		Samples: cfg.Waiters, Pairs: cfg.WaiterPairs, Settle: cfg.WaiterSettle,
+		KeyPrefix: fmt.Sprintf("waiter-%s-%d-", replica, time.Now().UnixNano()), Result: make([]byte, cfg.ResultBytes),
+	})
+	rep.WaitResult = res
+	return rep, err
 }

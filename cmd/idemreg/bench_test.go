@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -100,6 +101,8 @@ func TestBenchFlags(t *testing.T) {
 		{"sql without database", []string{"--targets", "sql"}},
 		{"bad callers", []string{"--targets", "redis", "--callers", "0"}},
 		{"bad mix", []string{"--targets", "redis", "--mix", "replay=90,collide=20"}},
+		{"batch too large", []string{"--targets", "idemreg-embedded-batch", "--batch", "501"}},
+		{"negative waiters", []string{"--targets", "idemreg-embedded", "--waiters", "-1"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Setenv("IDEMREG_DATABASE_URL", "")
@@ -126,6 +129,12 @@ func TestParseBenchTarget(t *testing.T) {
 			Label: "idemreg[@/tmp/idemreg-old --sql-batch-size=1]", Kind: "idemreg",
 			ServerArgs: []string{"--sql-batch-size=1"}, ServerBinary: "/tmp/idemreg-old",
 		}},
+		{name: "batch", in: "idemreg-embedded-batch", want: benchTarget{Label: "idemreg-embedded-batch", Kind: "idemreg-embedded", Batch: true}},
+		{name: "batch with flags", in: "idemreg-batch[--sql-batch-size=1]", want: benchTarget{
+			Label: "idemreg-batch[--sql-batch-size=1]", Kind: "idemreg", ServerArgs: []string{"--sql-batch-size=1"}, Batch: true,
+		}},
+		{name: "batched sql baseline", in: "sql-batch", want: benchTarget{Label: "sql-batch", Kind: "sql", Batch: true}},
+		{name: "batch of a baseline without batches", in: "redis-batch", err: true},
 		{name: "flags on a baseline", in: "sql[--x]", err: true},
 		{name: "neither flag nor variable", in: "idemreg[junk]", err: true},
 		{name: "unclosed", in: "idemreg[--x", err: true},
@@ -186,4 +195,68 @@ func TestBenchOtherBinary(t *testing.T) {
 	require.NoError(t, err, "%s", out.String())
 	require.Contains(t, out.String(), "idemreg-embedded[@"+bin+"]")
 	require.Contains(t, out.String(), "errors 0  unexpected 0")
+}
+
+// TestBenchBatchAndWaiters runs the batch targets and the waiter
+// measurement from the built binary, which starts the servers: on the
+// embedded store, and on PostgreSQL with a second server on the same
+// database for the other-replica waiters. It checks the shape of the
+// report and that figures were measured, never what they are.
+func TestBenchBatchAndWaiters(t *testing.T) {
+	bin := buildBinary(t)
+	databaseURL := pgtest.NewDatabase(t)
+	js := filepath.Join(t.TempDir(), "batch.json")
+	out, err := exec.CommandContext(t.Context(), bin, "bench",
+		"--targets", "idemreg-batch,idemreg-embedded-batch,sql-batch,idemreg,idemreg-embedded", "--database-url", databaseURL,
+		"--callers", "2", "--batch", "8", "--duration", "300ms", "--warmup", "0", "--repeat", "1",
+		"--waiters", "10", "--waiter-pairs", "2", "--json", js).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	t.Logf("%s", out)
+	require.Contains(t, string(out), "-batch targets: 8 new keys per batch claim and batch complete")
+	require.Contains(t, string(out), "median run, per batch of 8:")
+	require.Contains(t, string(out), "waiters idemreg          other replica:")
+
+	var report struct {
+		Reports []struct {
+			Target string
+			Median struct {
+				Batch, Pairs, Ops, Errors, Unexpected int
+				Pair                                  struct{ N int }
+			}
+		}
+		Waiters []struct {
+			Target, Replica         string
+			Woken, NotWoken, Errors int
+			Wake                    struct {
+				N   int
+				P99 time.Duration
+			}
+		}
+	}
+	b, err := os.ReadFile(js)
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &report))
+	require.Len(t, report.Reports, 5)
+	for _, r := range report.Reports {
+		m := r.Median
+		require.Positive(t, m.Pairs, r.Target)
+		require.Zero(t, m.Errors, r.Target)
+		require.Zero(t, m.Unexpected, r.Target)
+		if strings.HasSuffix(r.Target, "-batch") {
+			require.Equal(t, 8, m.Batch, r.Target)
+			require.Equal(t, 2*m.Pairs, m.Ops, "%s: a pair is one key claimed and completed", r.Target)
+			require.Equal(t, m.Pairs, 8*m.Pair.N, "%s: one sample per batch of 8 pairs", r.Target)
+		} else {
+			require.Zero(t, m.Batch, r.Target)
+		}
+	}
+	var cases []string
+	for _, w := range report.Waiters {
+		cases = append(cases, w.Target+"/"+w.Replica)
+		require.Zero(t, w.Errors, "%s/%s", w.Target, w.Replica)
+		require.Equal(t, 10, w.Woken+w.NotWoken, "%s/%s: every sample answered", w.Target, w.Replica)
+		require.Positive(t, w.Woken, "%s/%s", w.Target, w.Replica)
+		require.Equal(t, w.Woken, w.Wake.N, "%s/%s", w.Target, w.Replica)
+	}
+	require.Equal(t, []string{"idemreg/same", "idemreg/other", "idemreg-embedded/same"}, cases)
 }

@@ -119,6 +119,9 @@ type Config struct {
 	Timeout time.Duration
 	// OnMeasure, when set, is called as the measured phase starts.
 	OnMeasure func()
+	// Batch, when positive, runs every iteration as a batch of this many
+	// new keys (the target must be a BatchTarget; Mix is not used).
+	Batch int
 }
 
 // Result is what a run measured.
@@ -140,6 +143,10 @@ type Result struct {
 	// Unexpected counts answers that contradict the mix (a new key not
 	// acquired, a replay not completed): they are counted, not fatal.
 	Unexpected int
+	// Batch is the keys per call in batch mode (0: one key per call).
+	// Claim, Complete and Pair then sample whole batch calls; Ops, TotalOps
+	// and Pairs count keys.
+	Batch int `json:",omitempty"`
 }
 
 // PairsPerSecond is the throughput of new-key claim+complete pairs.
@@ -170,6 +177,11 @@ func Run(ctx context.Context, target Target, cfg Config) (Result, error) {
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 10 * time.Second
 	}
+	bt, batching := target.(BatchTarget)
+	if cfg.Batch > 0 && !batching {
+		return Result{}, errors.New("bench: this target has no batch calls")
+	}
+	batching = cfg.Batch > 0
 	workers := make([]*worker, cfg.Callers)
 	for i := range workers {
 		workers[i] = &worker{rng: rand.New(rand.NewPCG(uint64(i)+1, uint64(time.Now().UnixNano())))}
@@ -185,6 +197,10 @@ func Run(ctx context.Context, target Target, cfg Config) (Result, error) {
 		measure := measuring.Load()
 		if measure && cfg.Count > 0 && remaining.Add(-1) < 0 {
 			stop.Store(true)
+			return
+		}
+		if batching {
+			w.newBatch(ctx, bt, cfg, &seq, measure)
 			return
 		}
 		roll := w.rng.IntN(100)
@@ -235,7 +251,7 @@ func Run(ctx context.Context, target Target, cfg Config) (Result, error) {
 		return Result{}, err
 	}
 
-	res := Result{Callers: cfg.Callers, Elapsed: elapsed}
+	res := Result{Callers: cfg.Callers, Elapsed: elapsed, Batch: cfg.Batch}
 	var claim, replay, collide, complete, pair []time.Duration
 	for _, w := range workers {
 		claim = append(claim, w.claim...)

@@ -134,3 +134,48 @@ func TestWriteChartIsWellFormedSVG(t *testing.T) {
 	}
 	require.Equal(t, 6, polylines, "p50, p99 and throughput per series")
 }
+
+// memBatchTarget is memTarget with batch calls; batches counts them.
+type memBatchTarget struct {
+	memTarget
+	batches int
+}
+
+func (m *memBatchTarget) ClaimBatch(ctx context.Context, keys []string) ([]Outcome, []Fence, []error, error) {
+	outs, fences, errs := make([]Outcome, len(keys)), make([]Fence, len(keys)), make([]error, len(keys))
+	for i, k := range keys {
+		outs[i], fences[i], errs[i] = m.Claim(ctx, k)
+	}
+	m.mu.Lock()
+	m.batches++
+	m.mu.Unlock()
+	return outs, fences, errs, nil
+}
+
+func (m *memBatchTarget) CompleteBatch(ctx context.Context, keys []string, fences []Fence, result []byte) ([]error, error) {
+	errs := make([]error, len(keys))
+	for i, k := range keys {
+		errs[i] = m.Complete(ctx, k, fences[i], result)
+	}
+	m.mu.Lock()
+	m.batches++
+	m.mu.Unlock()
+	return errs, nil
+}
+
+func TestRunBatchMode(t *testing.T) {
+	target := &memBatchTarget{memTarget: memTarget{state: map[string]Outcome{}}}
+	res, err := Run(t.Context(), target, Config{Callers: 8, Count: 100, Batch: 64, KeyPrefix: "k-"})
+	require.NoError(t, err)
+	require.Zero(t, res.Errors, res.FirstError)
+	require.Zero(t, res.Unexpected, res.FirstError)
+	require.Equal(t, 64, res.Batch)
+	require.Equal(t, 100*64, res.Pairs, "a pair is one key claimed and completed")
+	require.Equal(t, 2*res.Pairs, res.Ops)
+	require.Equal(t, target.calls, res.TotalOps, "every item counted")
+	require.Equal(t, 200, target.batches, "one BatchClaim and one BatchComplete per iteration")
+	require.Equal(t, 100, res.Pair.N, "one sample per batch")
+
+	_, err = Run(t.Context(), &memTarget{state: map[string]Outcome{}}, Config{Callers: 1, Count: 1, Batch: 2})
+	require.Error(t, err, "a target without batch calls")
+}

@@ -282,3 +282,121 @@ func (f *Floor) Complete(ctx context.Context, _ string, _ Fence, _ []byte) error
 
 // Close implements Target.
 func (f *Floor) Close() error { return f.conn.Close() }
+
+// The sql baseline in batches (the sql-batch target): what a team that
+// batches by hand would write, one multi-row INSERT to claim many keys
+// (and one SELECT for those it did not insert), one multi-row UPDATE to
+// complete them, each a statement of its own transaction.
+const (
+	sqlInboxClaimBatch = `
+INSERT INTO bench_inbox (consumer, key, state, token, lease_expires_at, expires_at)
+SELECT $1, u.k, 1, u.t, now() + $4 * INTERVAL '1 microsecond', now() + $5 * INTERVAL '1 microsecond'
+FROM unnest($2::text[], $3::bigint[]) AS u(k, t)
+ON CONFLICT (consumer, key) DO NOTHING
+RETURNING key, token`
+	sqlInboxReadBatch     = `SELECT key, state FROM bench_inbox WHERE consumer = $1 AND key = ANY($2::text[])`
+	sqlInboxCompleteBatch = `
+UPDATE bench_inbox AS b SET state = 2, result = $4, expires_at = now() + $5 * INTERVAL '1 microsecond'
+FROM unnest($2::text[], $3::bigint[]) AS u(k, t)
+WHERE b.consumer = $1 AND b.key = u.k AND b.token = u.t AND b.state = 1
+RETURNING b.key`
+)
+
+// ClaimBatch implements BatchTarget.
+func (s *SQLInbox) ClaimBatch(ctx context.Context, keys []string) ([]Outcome, []Fence, []error, error) {
+	tokens := make([]int64, len(keys))
+	for i := range tokens {
+		tokens[i] = rand.Int64N(1<<62) + 1
+	}
+	rows, err := s.pool.Query(ctx, sqlInboxClaimBatch, s.consumer, keys, tokens, Lease.Microseconds(), (Lease + Retention).Microseconds())
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	got := map[string]int64{}
+	for rows.Next() {
+		var k string
+		var t int64
+		if err := rows.Scan(&k, &t); err != nil {
+			rows.Close()
+			return nil, nil, nil, err
+		}
+		got[k] = t
+	}
+	if err := rows.Err(); err != nil {
+		return nil, nil, nil, err
+	}
+	outs, fences, errs := make([]Outcome, len(keys)), make([]Fence, len(keys)), make([]error, len(keys))
+	var others []string
+	for i, k := range keys {
+		if t, ok := got[k]; ok {
+			outs[i], fences[i] = Acquired, Fence{Token: t}
+		} else {
+			others = append(others, k)
+		}
+	}
+	if len(others) == 0 {
+		return outs, fences, errs, nil
+	}
+	rows, err = s.pool.Query(ctx, sqlInboxReadBatch, s.consumer, others)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	states := map[string]int16{}
+	for rows.Next() {
+		var k string
+		var st int16
+		if err := rows.Scan(&k, &st); err != nil {
+			rows.Close()
+			return nil, nil, nil, err
+		}
+		states[k] = st
+	}
+	if err := rows.Err(); err != nil {
+		return nil, nil, nil, err
+	}
+	for i, k := range keys {
+		if outs[i] != 0 {
+			continue
+		}
+		switch st, ok := states[k]; {
+		case !ok:
+			errs[i] = errors.New("claim: row neither inserted nor found")
+		case st == 2:
+			outs[i] = Completed
+		default:
+			outs[i] = InProgress
+		}
+	}
+	return outs, fences, errs, nil
+}
+
+// CompleteBatch implements BatchTarget.
+func (s *SQLInbox) CompleteBatch(ctx context.Context, keys []string, fences []Fence, result []byte) ([]error, error) {
+	tokens := make([]int64, len(keys))
+	for i, f := range fences {
+		tokens[i] = f.Token
+	}
+	rows, err := s.pool.Query(ctx, sqlInboxCompleteBatch, s.consumer, keys, tokens, result, Retention.Microseconds())
+	if err != nil {
+		return nil, err
+	}
+	done := map[string]bool{}
+	for rows.Next() {
+		var k string
+		if err := rows.Scan(&k); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		done[k] = true
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	errs := make([]error, len(keys))
+	for i, k := range keys {
+		if !done[k] {
+			errs[i] = errors.New("complete: no in-progress row with that token")
+		}
+	}
+	return errs, nil
+}

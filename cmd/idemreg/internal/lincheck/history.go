@@ -58,13 +58,22 @@ type Stats struct {
 	MaxAmbiguousPerKey int
 	ByStatus           map[Status]int
 	Keys               int
+	// Batches counts the BatchClaim and BatchComplete calls, BatchItems
+	// their items (each one of Calls), SameKey the items after another on
+	// their key in their batch.
+	Batches, BatchItems, SameKey int
+	// Waits counts the Claims that asked to wait; Woken, those of them that
+	// answered completed or acquired.
+	Waits, Woken int
 }
 
 func (s Stats) String() string {
 	return fmt.Sprintf("%d calls on %d keys, %d ambiguous (at most %d on a key); %d acquired, %d in progress, %d completed replays, "+
 		"%d ok, %d lease lost, %d not found, %d already completed, %d fingerprint mismatch",
 		s.Calls, s.Keys, s.Ambiguous, s.MaxAmbiguousPerKey, s.ByStatus[Acquired], s.ByStatus[InProgress], s.ByStatus[Completed],
-		s.ByStatus[OK], s.ByStatus[LeaseLost], s.ByStatus[NotFound], s.ByStatus[AlreadyCompleted], s.ByStatus[FingerprintMismatch])
+		s.ByStatus[OK], s.ByStatus[LeaseLost], s.ByStatus[NotFound], s.ByStatus[AlreadyCompleted], s.ByStatus[FingerprintMismatch]) +
+		fmt.Sprintf("; %d batches of %d items (%d after another on their key); %d waiting claims, %d answered completed or acquired",
+			s.Batches, s.BatchItems, s.SameKey, s.Waits, s.Woken)
 }
 
 // Barrier records that every call made so far that has not returned can
@@ -102,6 +111,7 @@ func (r *Recorder) History() ([]porcupine.Operation, Stats) {
 		}
 	}
 	keys := map[string]bool{}
+	batches := map[string]bool{}
 	ambiguous := map[string]int{}
 	out := make([]porcupine.Operation, 0, len(r.ops))
 	for _, op := range r.ops {
@@ -124,9 +134,23 @@ func (r *Recorder) History() ([]porcupine.Operation, Stats) {
 		st.Calls++
 		st.ByStatus[o.Status]++
 		keys[in.Key] = true
+		if in.Batch != "" {
+			batches[in.Batch] = true
+			st.BatchItems++
+			if in.After > 0 {
+				st.SameKey++
+			}
+		}
+		if in.Wait > 0 {
+			st.Waits++
+			if o.Status == Completed || o.Status == Acquired {
+				st.Woken++
+			}
+		}
 		out = append(out, op)
 	}
 	st.Keys = len(keys)
+	st.Batches = len(batches)
 	return out, st
 }
 

@@ -10,13 +10,29 @@
 // ends only by Release and starts again only by Claim or Extend. Lease
 // expiry and record expiry are checked by the conformance suite
 // (storage/storagetest) with a clock it moves, not here.
+//
+// Batches and waits add no kind of operation. Each item of a BatchClaim
+// or BatchComplete is its own Claim or Complete, over the batch call's
+// whole interval: a batch is not atomic. Items on one key in one batch are
+// decided in their order, which intervals alone cannot say (they share
+// one), so an item carries the batch and its position, and the model only
+// takes it after the item on its key before it (State.Marks). A Claim
+// with a wait is one Claim over an interval that spans the wait: whatever
+// it answers (completed, acquired by a takeover, in progress) must be the
+// answer of a Claim at one point of that interval, which is what the
+// model checks for every Claim. That the waiter answered soon after the
+// change that woke it is not a linearizability property; the bench
+// measures it.
 package lincheck
 
 import (
 	"fmt"
 	"hash/fnv"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/anishathalye/porcupine"
 )
@@ -63,7 +79,22 @@ type Input struct {
 	Fingerprint, Holder, RequestID string
 	// Result of Complete: an identity unique to the call.
 	Result string
+	// Wait of Claim: how long it may wait while another holder's lease is
+	// live. The model does not read it (see the package doc).
+	Wait time.Duration
+	// Batch names the BatchClaim or BatchComplete call the item is part
+	// of ("" for a unary call), Item is its position there (from 1).
+	Batch string
+	Item  int
+	// After is the position of the item on the same key before this one in
+	// the batch (0: none); the model takes this item only after that one.
+	// Followed says that a later item of the batch names this one in After.
+	After    int
+	Followed bool
 }
+
+// mark names a batch item that a later item on its key must follow.
+func mark(batch string, item int) string { return batch + "#" + strconv.Itoa(item) }
 
 // Status is what a call answered.
 type Status uint8
@@ -119,13 +150,37 @@ type State struct {
 	Result      string
 	// RequestID is the request id of the Claim that acquired the lease.
 	RequestID string
+	// Marks are the batch items taken whose follower on the key is not
+	// yet (mark, sorted, comma-separated: State must stay comparable).
+	Marks string
+}
+
+func (s State) hasMark(m string) bool { return slices.Contains(strings.Split(s.Marks, ","), m) }
+
+func (s State) withMarks(add, remove string) State {
+	var ms []string
+	for _, m := range strings.Split(s.Marks, ",") {
+		if m != "" && m != remove {
+			ms = append(ms, m)
+		}
+	}
+	if add != "" {
+		ms = append(ms, add)
+	}
+	sort.Strings(ms)
+	s.Marks = strings.Join(ms, ",")
+	return s
 }
 
 func (s State) String() string {
-	if !s.Exists {
-		return "absent"
-	}
 	var b strings.Builder
+	if s.Marks != "" {
+		fmt.Fprintf(&b, "[after %s] ", s.Marks)
+	}
+	if !s.Exists {
+		b.WriteString("absent")
+		return b.String()
+	}
 	switch {
 	case s.Completed:
 		fmt.Fprintf(&b, "completed %q", s.Result)
@@ -149,8 +204,33 @@ func fingerprintsConflict(stored, given string) bool {
 
 // step returns the states the key can be in after the call in has answered
 // out in state s; none when that answer is impossible. An Unknown answer
-// allows both the state before and the state after the call.
+// allows both the state before and the state after the call. A batch item
+// that must follow another is impossible before it.
 func step(s State, in Input, out Output) []State {
+	var before string
+	if in.After > 0 {
+		before = mark(in.Batch, in.After)
+		if !s.hasMark(before) {
+			return nil
+		}
+	}
+	var follow string
+	if in.Followed {
+		follow = mark(in.Batch, in.Item)
+	}
+	// The marks are the batches' bookkeeping, not the record's: the call
+	// is decided on the record alone, and the marks carried over.
+	marks := s.Marks
+	s.Marks = ""
+	next := stepCall(s, in, out)
+	for i := range next {
+		next[i].Marks = marks
+		next[i] = next[i].withMarks(follow, before)
+	}
+	return next
+}
+
+func stepCall(s State, in Input, out Output) []State {
 	keep := []State{s}
 	switch in.Method {
 	case Claim:
@@ -280,8 +360,22 @@ func when(ok bool, s State) []State {
 }
 
 func (in Input) String() string {
+	if in.Batch != "" {
+		s := fmt.Sprintf("Batch%s[%s #%d", in.Method, in.Batch, in.Item)
+		if in.After > 0 {
+			s += fmt.Sprintf(" after #%d", in.After)
+		}
+		return s + "] " + in.call()
+	}
+	return in.call()
+}
+
+func (in Input) call() string {
 	switch in.Method {
 	case Claim:
+		if in.Wait > 0 {
+			return fmt.Sprintf("Claim(fp=%q, h=%s, rid=%s, wait=%v)", in.Fingerprint, in.Holder, in.RequestID, in.Wait)
+		}
 		return fmt.Sprintf("Claim(fp=%q, h=%s, rid=%s)", in.Fingerprint, in.Holder, in.RequestID)
 	case Complete:
 		return fmt.Sprintf("Complete(t=%d%s, %q)", in.Token, forgedMark(in), in.Result)

@@ -47,6 +47,14 @@ func ok(tok, attempt int64, holder string) Output {
 }
 func answer(s Status) Output { return Output{Status: s} }
 
+// item makes in item n of batch b; after is the item on its key it
+// follows (0: none), followed says a later item follows it.
+func item(b string, n, after int, followed bool, in Input) Input {
+	in.Batch, in.Item, in.After, in.Followed = b, n, after, followed
+	return in
+}
+func waiting(in Input) Input { in.Wait = 200 * time.Millisecond; return in }
+
 // open is the return time of an ambiguous call: open until the end of the history.
 const open = 1 << 40
 
@@ -193,6 +201,116 @@ func TestModel(t *testing.T) {
 			op(0, 2, open, complete(10, "r1"), answer(Unknown)),
 			op(1, 4, 5, lookup(), done(10, 1, "h1", "r1")),
 			op(1, 6, 7, lookup(), ok(0, 1, "h1")),
+		}, false},
+
+		// A batch: each item is its own call over the batch's interval.
+		{"batch claim of a key twice: the second sees the first", []porcupine.Operation{
+			op(0, 0, 10, item("b1", 1, 0, true, claim("A", "h1")), acquired(10, 1, "h1")),
+			op(1, 0, 10, item("b1", 2, 1, false, claim("A", "h2")), inProgress(1, "h1")),
+		}, true},
+		{"batch claim of a key twice decided in the wrong order", []porcupine.Operation{
+			op(0, 0, 10, item("b1", 1, 0, true, claim("A", "h1")), inProgress(1, "h2")),
+			op(1, 0, 10, item("b1", 2, 1, false, claim("A", "h2")), acquired(10, 1, "h2")),
+		}, false},
+		{"the same answers from two unary claims at once are linearizable", []porcupine.Operation{
+			op(0, 0, 10, claim("A", "h1"), inProgress(1, "h2")),
+			op(1, 0, 10, claim("A", "h2"), acquired(10, 1, "h2")),
+		}, true},
+		{"batch complete of a key twice: the first result stays", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 5, item("b2", 1, 0, true, complete(10, "r1")), done(10, 1, "h1", "r1")),
+			op(1, 2, 5, item("b2", 2, 1, false, complete(10, "r2")), done(10, 1, "h1", "r1")),
+		}, true},
+		{"batch complete of a key twice decided in the wrong order", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 5, item("b2", 1, 0, true, complete(10, "r1")), done(10, 1, "h1", "r2")),
+			op(1, 2, 5, item("b2", 2, 1, false, complete(10, "r2")), done(10, 1, "h1", "r2")),
+		}, false},
+		{"batch items are not atomic: another call between two items on a key", []porcupine.Operation{
+			op(0, 0, 10, item("b3", 1, 0, true, claim("A", "h1")), acquired(10, 1, "h1")),
+			op(2, 1, 2, lookup(), ok(0, 1, "h1")),
+			op(2, 3, 4, forged(release(10)), answer(LeaseLost)),
+			op(1, 0, 10, item("b3", 2, 1, false, claim("A", "h2")), inProgress(1, "h1")),
+		}, true},
+		{"batch items on other keys do not order each other", []porcupine.Operation{
+			op(0, 0, 10, item("b4", 1, 0, false, Input{Method: Claim, Key: "k1", Fingerprint: "A", Holder: "h1"}), inProgress(1, "h0")),
+			op(0, 0, 10, item("b4", 2, 0, false, Input{Method: Claim, Key: "k2", Fingerprint: "A", Holder: "h2"}), acquired(10, 1, "h2")),
+			op(1, 0, 1, Input{Method: Claim, Key: "k1", Fingerprint: "A", Holder: "h0"}, acquired(5, 1, "h0")),
+		}, true},
+		{"a batch item acquires what another batch item acquired", []porcupine.Operation{
+			op(0, 0, 10, item("b5", 1, 0, false, claim("A", "h1")), acquired(10, 1, "h1")),
+			op(1, 0, 10, item("b6", 1, 0, false, claim("A", "h2")), acquired(11, 1, "h2")),
+		}, false},
+		{"an ambiguous batch: the first item may not have been applied", []porcupine.Operation{
+			op(0, 0, open, item("b7", 1, 0, true, claim("A", "h1")), answer(Unknown)),
+			op(0, 0, open, item("b7", 2, 1, false, claim("A", "h2")), answer(Unknown)),
+			op(1, 2, 3, lookup(), ok(0, 1, "h2")),
+		}, true},
+		{"an ambiguous batch complete: an item's failure is its own", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, open, item("b8", 1, 0, true, complete(10, "r1")), answer(Unknown)),
+			op(0, 2, open, item("b8", 2, 1, false, complete(10, "r2")), answer(Unknown)),
+			op(1, 4, 5, lookup(), done(10, 1, "h1", "r2")),
+		}, true},
+		{"an acknowledged batch complete's first result stays", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 5, item("b9", 1, 0, true, complete(10, "r1")), done(10, 1, "h1", "r1")),
+			op(0, 2, open, item("b9", 2, 1, false, complete(10, "r2")), answer(Unknown)),
+			op(1, 6, 7, lookup(), done(10, 1, "h1", "r2")),
+		}, false},
+
+		// The server decides a waiting item again after its wait, after the
+		// later items on its key: the workload orders no items after one
+		// that waits, and this is why.
+		{"a waiting batch item takes over after the next item on its key", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h0"), acquired(10, 1, "h0")),
+			op(1, 2, 10, item("b10", 1, 0, false, waiting(claim("A", "h1"))), acquired(11, 2, "h1")),
+			op(2, 2, 10, item("b10", 2, 0, false, claim("A", "h2")), inProgress(1, "h0")),
+			op(0, 4, 5, release(10), ok(10, 1, "h0")),
+		}, true},
+		{"the same answers ordered in batch order are rejected", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h0"), acquired(10, 1, "h0")),
+			op(1, 2, 10, item("b11", 1, 0, true, waiting(claim("A", "h1"))), acquired(11, 2, "h1")),
+			op(2, 2, 10, item("b11", 2, 1, false, claim("A", "h2")), inProgress(1, "h0")),
+			op(0, 4, 5, release(10), ok(10, 1, "h0")),
+		}, false},
+
+		// A waiting Claim: one Claim over the whole wait.
+		{"a waiter sees the Complete made while it waits", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, 10, waiting(claim("A", "h2")), replay(10, 1, "h1", "r1")),
+			op(0, 4, 5, complete(10, "r1"), done(10, 1, "h1", "r1")),
+		}, true},
+		{"a waiter takes over a lease released while it waits", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, 10, waiting(claim("A", "h2")), acquired(11, 2, "h2")),
+			op(0, 4, 5, release(10), ok(10, 1, "h1")),
+			op(0, 11, 12, complete(10, "late"), answer(LeaseLost)),
+		}, true},
+		{"a waiter whose wait elapsed answers in progress", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, 10, waiting(claim("A", "h2")), inProgress(1, "h1")),
+			op(0, 11, 12, complete(10, "r1"), done(10, 1, "h1", "r1")),
+		}, true},
+		{"a waiter takes over a lease nobody released", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, 10, waiting(claim("A", "h2")), acquired(11, 2, "h2")),
+			op(0, 11, 12, complete(10, "r1"), done(10, 1, "h1", "r1")),
+		}, false},
+		{"a waiter takes over a lease released only after it answered", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, 10, waiting(claim("A", "h2")), acquired(11, 2, "h2")),
+			op(0, 11, 12, release(10), ok(10, 1, "h1")),
+		}, false},
+		{"a waiter replays a result stored only after it answered", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, 10, waiting(claim("A", "h2")), replay(10, 1, "h1", "r1")),
+			op(0, 11, 12, complete(10, "r1"), done(10, 1, "h1", "r1")),
+		}, false},
+		{"a waiter in progress after the Complete returned", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, complete(10, "r1"), done(10, 1, "h1", "r1")),
+			op(1, 4, 10, waiting(claim("A", "h2")), inProgress(1, "h1")),
 		}, false},
 	}
 	for _, tc := range cases {

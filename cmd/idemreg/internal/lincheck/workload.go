@@ -4,11 +4,13 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/connectivity"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
@@ -32,6 +34,12 @@ type Config struct {
 	Consumer string
 	// Seed makes the choice of calls repeatable (the interleaving is not).
 	Seed uint64
+	// Batch is the share of calls, in percent, that are a BatchClaim or a
+	// BatchComplete of 2 to 8 items (default 5; negative: none).
+	Batch int
+	// Wait is the share of Claims, in percent, that wait 50 to 300 ms for
+	// another holder's lease (default 10; negative: none).
+	Wait int
 }
 
 func (c *Config) setDefaults() {
@@ -50,6 +58,12 @@ func (c *Config) setDefaults() {
 	if c.Consumer == "" {
 		c.Consumer = "lincheck"
 	}
+	if c.Batch == 0 {
+		c.Batch = 5
+	}
+	if c.Wait == 0 {
+		c.Wait = 10
+	}
 }
 
 // leaseAndRetention are far longer than any run: the model has no clock
@@ -57,7 +71,9 @@ func (c *Config) setDefaults() {
 var leaseAndRetention = durationpb.New(time.Hour)
 
 // Workload drives a registry with concurrent Claim, Complete, Release,
-// Extend and Lookup calls on a few shared keys and records them.
+// Extend and Lookup calls on a few shared keys, BatchClaim and
+// BatchComplete calls on those and on keys of their own, and Claims that
+// wait, and records them: a batch as one call per item.
 type Workload struct {
 	cfg  Config
 	rec  *Recorder
@@ -202,17 +218,37 @@ func (wk *worker) run(ctx context.Context) {
 		if !wk.w.connected(ctx) {
 			continue
 		}
-		in := wk.next()
+		ins := wk.nextCalls()
 		call := wk.w.rec.Now()
-		out, err := wk.w.call(ctx, in)
-		wk.w.rec.Add(wk.client, in, call, out, wk.w.rec.Now())
-		wk.observe(in, out)
-		if err != nil {
-			wk.w.mu.Lock()
-			wk.w.unexpected = append(wk.w.unexpected, fmt.Sprintf("%v: %v", in, err))
-			wk.w.mu.Unlock()
+		var (
+			outs []Output
+			errs []error
+		)
+		if ins[0].Batch == "" {
+			out, err := wk.w.call(ctx, ins[0])
+			outs, errs = []Output{out}, []error{err}
+		} else {
+			outs, errs = wk.w.callBatch(ctx, ins)
 		}
-		if out.Status != Unknown {
+		ret := wk.w.rec.Now()
+		ambiguous := false
+		for i, in := range ins {
+			// An item after another on its key overlaps it: it is another
+			// client's call, as far as the history shows.
+			client := wk.client
+			if in.After > 0 {
+				client = wk.w.rec.NewClient()
+			}
+			wk.w.rec.Add(client, in, call, outs[i], ret)
+			wk.observe(in, outs[i])
+			if errs[i] != nil {
+				wk.w.mu.Lock()
+				wk.w.unexpected = append(wk.w.unexpected, fmt.Sprintf("%v: %v", in, errs[i]))
+				wk.w.mu.Unlock()
+			}
+			ambiguous = ambiguous || outs[i].Status == Unknown
+		}
+		if !ambiguous {
 			failures = 0
 			continue
 		}
@@ -270,6 +306,112 @@ func (w *Workload) retire(key string) {
 			sl.gen, sl.since = sl.gen+1, time.Now()
 		}
 	}
+}
+
+// nextCalls chooses the next call: one Input, or the items of a batch.
+func (wk *worker) nextCalls() []Input {
+	if wk.repeat == nil && wk.rnd.IntN(100) < wk.w.cfg.Batch {
+		return wk.batch()
+	}
+	in := wk.next()
+	if _, held := wk.held[in.Key]; in.Method == Claim && !held && !wk.repeated && wk.rnd.IntN(100) < wk.w.cfg.Wait {
+		in.Wait = wk.waitFor()
+	}
+	return []Input{in}
+}
+
+// waitFor is the wait of a waiting Claim: 50 to 300 ms.
+func (wk *worker) waitFor() time.Duration {
+	return time.Duration(50+wk.rnd.IntN(251)) * time.Millisecond
+}
+
+// maxBatch is the most items in a batch the workload makes.
+const maxBatch = 8
+
+// batch chooses a BatchComplete of keys this worker holds (when it holds
+// two or more, half the time), or else a BatchClaim of shared keys and
+// keys of the batch's own. Now and then a key appears twice: a second
+// Claim (in progress under the first item's holder), or a second Complete
+// with the same token and another result (the first result stays). A
+// BatchComplete may carry a foreign token too. An item on a key that
+// appears once may wait.
+func (wk *worker) batch() []Input {
+	wk.seq++
+	id := fmt.Sprintf("w%d-b%d", wk.id, wk.seq)
+	n := 2 + wk.rnd.IntN(maxBatch-1)
+	var ins []Input
+	if len(wk.held) >= 2 && wk.rnd.IntN(2) == 0 {
+		keys := make([]string, 0, len(wk.held))
+		for k := range wk.held {
+			keys = append(keys, k)
+		}
+		slices.Sort(keys)
+		wk.rnd.Shuffle(len(keys), func(i, j int) { keys[i], keys[j] = keys[j], keys[i] })
+		for _, k := range keys[:min(n, len(keys))] {
+			ins = append(ins, Input{Method: Complete, Key: k, Token: wk.held[k]})
+		}
+		if wk.rnd.IntN(3) == 0 && len(ins) < maxBatch {
+			ins = append(ins, ins[wk.rnd.IntN(len(ins))])
+		}
+		if wk.rnd.IntN(4) == 0 && len(ins) < maxBatch {
+			k := wk.key()
+			_, tok, forged := wk.foreign(k)
+			ins = append(ins, Input{Method: Complete, Key: k, Token: tok, Forged: forged})
+		}
+	} else {
+		for i := range n {
+			k := fmt.Sprintf("w%d-b%d-%d", wk.id, wk.seq, i)
+			if wk.rnd.IntN(2) == 0 {
+				k = wk.key()
+			}
+			if i > 0 && wk.rnd.IntN(6) == 0 {
+				k = ins[wk.rnd.IntN(len(ins))].Key
+			}
+			in := Input{Method: Claim, Key: k, Holder: fmt.Sprintf("%s-%d", id, i+1)}
+			in.RequestID = in.Holder
+			switch f := wk.rnd.IntN(100); {
+			case f < 75:
+				in.Fingerprint = "A"
+			case f < 90:
+			default:
+				in.Fingerprint = "B"
+			}
+			ins = append(ins, in)
+		}
+	}
+	// At most two items on a key: a third one is dropped.
+	seen := map[string]int{}
+	kept := ins[:0]
+	for _, in := range ins {
+		if seen[in.Key] < 2 {
+			seen[in.Key]++
+			kept = append(kept, in)
+		}
+	}
+	ins = kept
+	last := map[string]int{}
+	for i := range ins {
+		in := &ins[i]
+		in.Batch, in.Item = id, i+1
+		if in.Method == Complete {
+			in.Result = fmt.Sprintf("r-%s-%d", id, i+1)
+		}
+		if j, ok := last[in.Key]; ok {
+			in.After = j + 1
+			ins[j].Followed = true
+		}
+		last[in.Key] = i
+	}
+	for i := range ins {
+		// A waiting item is decided again after its wait, after the items
+		// after it on its key: only an item alone on its key waits.
+		if in := &ins[i]; in.Method == Claim && seen[in.Key] == 1 && wk.rnd.IntN(100) < wk.w.cfg.Wait {
+			if _, held := wk.held[in.Key]; !held {
+				in.Wait = wk.waitFor()
+			}
+		}
+	}
+	return ins
 }
 
 // next chooses the next call: the holder of a key mostly completes,
@@ -369,7 +511,9 @@ func (wk *worker) observe(in Input, out Output) {
 		wk.w.retire(in.Key)
 	case out.Status == Unknown:
 		if in.Method == Claim && !wk.repeated {
-			wk.repeat = &in
+			// Repeated as a unary Claim, also when it was a batch item.
+			r := Input{Method: Claim, Key: in.Key, Fingerprint: in.Fingerprint, Holder: in.Holder, RequestID: in.RequestID}
+			wk.repeat = &r
 		}
 		// The checker's work on a key grows exponentially with the
 		// ambiguous calls on it: spread them over fresh keys.
@@ -395,47 +539,23 @@ func (wk *worker) observe(in Input, out Output) {
 // call makes one RPC. Its deadline is CallTimeout whether or not ctx has
 // ended. err reports an answer the model does not allow for.
 func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.CallTimeout)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.CallTimeout+in.Wait)
 	defer cancel()
 	c, kind := w.cfg.Consumer, idemregv1.Kind_KIND_OPERATION
 	var (
 		rec *idemregv1.Record
 		err error
-		out = Output{Status: OK}
 	)
 	switch in.Method {
 	case Claim:
 		var res *idemregv1.ClaimResponse
-		res, err = w.rpc.Claim(ctx, &idemregv1.ClaimRequest{Consumer: c, Kind: kind, Key: in.Key,
-			Fingerprint: []byte(in.Fingerprint), Lease: leaseAndRetention, Retention: leaseAndRetention, Holder: in.Holder,
-			RequestId: in.RequestID})
+		res, err = w.rpc.Claim(ctx, w.claimRequest(in))
 		if err == nil {
-			rec = res.GetRecord()
-			switch res.GetOutcome() {
-			case idemregv1.Outcome_OUTCOME_ACQUIRED:
-				out.Status = Acquired
-				if res.GetToken() != rec.GetToken() {
-					return Output{}, fmt.Errorf("acquired token %d, record token %d", res.GetToken(), rec.GetToken())
-				}
-				w.mu.Lock()
-				w.secrets[fence{in.Key, res.GetToken()}] = res.GetClaimSecret()
-				w.mu.Unlock()
-			case idemregv1.Outcome_OUTCOME_IN_PROGRESS:
-				out.Status = InProgress
-				if rec.GetToken() != 0 {
-					return Output{}, fmt.Errorf("in-progress answer shows the holder's token %d", rec.GetToken())
-				}
-			case idemregv1.Outcome_OUTCOME_COMPLETED:
-				out.Status = Completed
-			default:
-				return Output{}, fmt.Errorf("claim outcome %v", res.GetOutcome())
-			}
+			return w.claimOutput(in, res)
 		}
 	case Complete:
 		var res *idemregv1.CompleteResponse
-		res, err = w.rpc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token, ClaimSecret: w.secretOf(in),
-			Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{
-				Type: "lincheck.Result", Data: []byte(in.Result)}}}})
+		res, err = w.rpc.Complete(ctx, w.completeRequest(in))
 		rec = res.GetRecord()
 	case Release:
 		var res *idemregv1.ReleaseResponse
@@ -451,13 +571,66 @@ func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
 		rec = res.GetRecord()
 	}
 	if err != nil {
-		s, unexpected := Classify(err)
-		if unexpected {
-			return Output{Status: s}, err
-		}
-		return Output{Status: s}, nil
+		return failed(err)
 	}
-	if rec.GetKey() != in.Key || rec.GetConsumer() != c {
+	return w.recordOutput(in, Output{Status: OK}, rec)
+}
+
+// failed is the answer of a call that returned err.
+func failed(err error) (Output, error) {
+	s, unexpected := Classify(err)
+	if unexpected {
+		return Output{Status: s}, err
+	}
+	return Output{Status: s}, nil
+}
+
+func (w *Workload) claimRequest(in Input) *idemregv1.ClaimRequest {
+	req := &idemregv1.ClaimRequest{Consumer: w.cfg.Consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: in.Key,
+		Fingerprint: []byte(in.Fingerprint), Lease: leaseAndRetention, Retention: leaseAndRetention, Holder: in.Holder,
+		RequestId: in.RequestID}
+	if in.Wait > 0 {
+		req.Wait = durationpb.New(in.Wait)
+	}
+	return req
+}
+
+func (w *Workload) completeRequest(in Input) *idemregv1.CompleteRequest {
+	return &idemregv1.CompleteRequest{Consumer: w.cfg.Consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: in.Key, Token: in.Token, ClaimSecret: w.secretOf(in),
+		Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{
+			Type: "lincheck.Result", Data: []byte(in.Result)}}}}
+}
+
+// claimOutput reads a Claim's answer, and keeps the claim secret of an
+// acquired token.
+func (w *Workload) claimOutput(in Input, res *idemregv1.ClaimResponse) (Output, error) {
+	rec := res.GetRecord()
+	var out Output
+	switch res.GetOutcome() {
+	case idemregv1.Outcome_OUTCOME_ACQUIRED:
+		out.Status = Acquired
+		if res.GetToken() != rec.GetToken() {
+			return Output{}, fmt.Errorf("acquired token %d, record token %d", res.GetToken(), rec.GetToken())
+		}
+		w.mu.Lock()
+		w.secrets[fence{in.Key, res.GetToken()}] = res.GetClaimSecret()
+		w.mu.Unlock()
+	case idemregv1.Outcome_OUTCOME_IN_PROGRESS:
+		out.Status = InProgress
+		if rec.GetToken() != 0 {
+			return Output{}, fmt.Errorf("in-progress answer shows the holder's token %d", rec.GetToken())
+		}
+	case idemregv1.Outcome_OUTCOME_COMPLETED:
+		out.Status = Completed
+	default:
+		return Output{}, fmt.Errorf("claim outcome %v", res.GetOutcome())
+	}
+	return w.recordOutput(in, out, rec)
+}
+
+// recordOutput completes out with the record an answer carried.
+func (w *Workload) recordOutput(in Input, out Output, rec *idemregv1.Record) (Output, error) {
+	if rec.GetKey() != in.Key || rec.GetConsumer() != w.cfg.Consumer {
 		return Output{}, fmt.Errorf("answer for %s/%s", rec.GetConsumer(), rec.GetKey())
 	}
 	if out.Status == Acquired {
@@ -472,4 +645,71 @@ func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
 		out.Result = string(rec.GetResult().GetResponse().GetData())
 	}
 	return out, nil
+}
+
+// callBatch makes one BatchClaim (every item a Claim) or BatchComplete
+// (every item a Complete) call and returns each item's answer. A batch
+// that failed as a whole leaves every item with that failure's answer.
+func (w *Workload) callBatch(ctx context.Context, ins []Input) ([]Output, []error) {
+	var wait time.Duration
+	for _, in := range ins {
+		wait = max(wait, in.Wait)
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.CallTimeout+wait)
+	defer cancel()
+	outs, errs := make([]Output, len(ins)), make([]error, len(ins))
+	all := func(err error) ([]Output, []error) {
+		for i := range ins {
+			outs[i], errs[i] = failed(err)
+		}
+		return outs, errs
+	}
+	var n int
+	if ins[0].Method == Claim {
+		req := &idemregv1.BatchClaimRequest{}
+		for _, in := range ins {
+			req.Requests = append(req.Requests, w.claimRequest(in))
+		}
+		res, err := w.rpc.BatchClaim(ctx, req)
+		if err != nil {
+			return all(err)
+		}
+		n = len(res.GetResults())
+		for i, r := range res.GetResults() {
+			if i >= len(ins) {
+				break
+			}
+			if st := r.GetError(); st != nil {
+				outs[i], errs[i] = failed(status.FromProto(st).Err())
+				continue
+			}
+			outs[i], errs[i] = w.claimOutput(ins[i], r.GetResponse())
+		}
+	} else {
+		req := &idemregv1.BatchCompleteRequest{}
+		for _, in := range ins {
+			req.Requests = append(req.Requests, w.completeRequest(in))
+		}
+		res, err := w.rpc.BatchComplete(ctx, req)
+		if err != nil {
+			return all(err)
+		}
+		n = len(res.GetResults())
+		for i, r := range res.GetResults() {
+			if i >= len(ins) {
+				break
+			}
+			if st := r.GetError(); st != nil {
+				outs[i], errs[i] = failed(status.FromProto(st).Err())
+				continue
+			}
+			outs[i], errs[i] = w.recordOutput(ins[i], Output{Status: OK}, r.GetResponse().GetRecord())
+		}
+	}
+	if n != len(ins) {
+		for i := range ins {
+			outs[i], errs[i] = Output{}, fmt.Errorf("batch of %d answered %d results", len(ins), n)
+		}
+	}
+	return outs, errs
 }

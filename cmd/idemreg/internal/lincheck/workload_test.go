@@ -49,6 +49,10 @@ func TestWorkloadOnEmbeddedStore(t *testing.T) {
 	require.Greater(t, st.ByStatus[OK], 10)
 	require.Greater(t, st.ByStatus[InProgress]+st.ByStatus[Completed], 10)
 	require.Greater(t, st.ByStatus[LeaseLost], 0)
+	require.Greater(t, st.Batches, 10)
+	require.Greater(t, st.SameKey, 0, "a batch names a key twice now and then")
+	require.Greater(t, st.Woken, 0, "a waiting Claim is woken by a Complete or a Release")
+	require.Greater(t, st.Waits, st.Woken, "a waiting Claim's wait elapses now and then")
 	require.NoError(t, Check(h, time.Minute, filepath.Join(t.TempDir(), "history.html")))
 }
 
@@ -77,6 +81,27 @@ func (s *staleWriter) Complete(ctx context.Context, p storage.CompleteParams) (s
 	return s.Store.Complete(ctx, p)
 }
 
+// reversedBatches is a broken store that decides the items of a batch in
+// reverse order: two items on one key see each other's effect the wrong
+// way round, which the items' shared interval alone would allow.
+type reversedBatches struct{ storage.Store }
+
+func (s *reversedBatches) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
+	out := make([]storage.ClaimAnswer, len(ps))
+	for i := len(ps) - 1; i >= 0; i-- {
+		out[i].Result, out[i].Err = s.Claim(ctx, ps[i])
+	}
+	return out
+}
+
+func (s *reversedBatches) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
+	out := make([]storage.CompleteAnswer, len(ps))
+	for i := len(ps) - 1; i >= 0; i-- {
+		out[i].Record, out[i].Err = s.Complete(ctx, ps[i])
+	}
+	return out
+}
+
 // TestCheckerCatchesBrokenStores shows that the checker fails a run on a
 // registry that breaks the contract, and writes the visualisation. A
 // broken answer needs the right interleaving, which a short run on a busy
@@ -84,8 +109,9 @@ func (s *staleWriter) Complete(ctx context.Context, p storage.CompleteParams) (s
 // on a fresh store with its own seed, and must be caught in one of them.
 func TestCheckerCatchesBrokenStores(t *testing.T) {
 	for name, wrap := range map[string]func(storage.Store) storage.Store{
-		"two owners":     func(s storage.Store) storage.Store { return &doubleOwner{Store: s} },
-		"stale Complete": func(s storage.Store) storage.Store { return &staleWriter{Store: s} },
+		"two owners":           func(s storage.Store) storage.Store { return &doubleOwner{Store: s} },
+		"stale Complete":       func(s storage.Store) storage.Store { return &staleWriter{Store: s} },
+		"batch items reversed": func(s storage.Store) storage.Store { return &reversedBatches{Store: s} },
 	} {
 		t.Run(name, func(t *testing.T) {
 			path := filepath.Join(t.TempDir(), "history.html")
