@@ -31,7 +31,7 @@ type callerEnv struct {
 	obs  *observer
 }
 
-func newCaller(t *testing.T, regOpts []registrytest.Option, opts ...client.Option) *callerEnv {
+func newCaller(t *testing.T, regOpts []registrytest.Option, opts ...client.InterceptorOption) *callerEnv {
 	t.Helper()
 	reg := registrytest.Start(t, regOpts...)
 	c, obs := observedClient(t, reg)

@@ -221,7 +221,7 @@ func TestOncePanicReleases(t *testing.T) {
 
 // blocking runs a Once whose handler blocks until release is closed, and
 // returns once the handler has started.
-func blocking(t *testing.T, c *client.Client, id string, opts ...client.Option) (release chan struct{}, done <-chan error) {
+func blocking(t *testing.T, c *client.Client, id string, opts ...client.OnceOption) (release chan struct{}, done <-chan error) {
 	t.Helper()
 	started, release, errc := make(chan struct{}), make(chan struct{}), make(chan error, 1)
 	go func() {
@@ -436,7 +436,7 @@ func TestOnceRace(t *testing.T) {
 	for _, wait := range []bool{true, false} {
 		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
 			id := fmt.Sprintf("msg-race-%v", wait)
-			var opts []client.Option
+			var opts []client.OnceOption
 			if wait {
 				opts = append(opts, client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 10 * time.Millisecond}))
 			}

@@ -42,7 +42,7 @@ func recoverPanics(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next g
 	return next(ctx, req)
 }
 
-func newService(t *testing.T, opts ...client.Option) *serviceEnv {
+func newService(t *testing.T, opts ...client.InterceptorOption) *serviceEnv {
 	t.Helper()
 	reg := registrytest.Start(t)
 	c, obs := observedClient(t, reg)
@@ -142,7 +142,7 @@ func TestServerInterceptorReleasesOnRetryableErrors(t *testing.T) {
 func TestServerInterceptorInProgress(t *testing.T) {
 	for _, wait := range []bool{false, true} {
 		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
-			var opts []client.Option
+			var opts []client.InterceptorOption
 			if wait {
 				opts = append(opts, client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond}))
 			}
