@@ -200,11 +200,12 @@ func TestClientInterceptorWaitsInProgress(t *testing.T) {
 		}
 		second <- err
 	}()
-	e.obs.waitInProgress(t, 2)
+	e.obs.waitSent(t, "Claim", 2)
 	close(release)
 	require.NoError(t, recv(t, first))
 	require.NoError(t, recv(t, second))
 	require.True(t, replayed)
+	require.Zero(t, e.obs.inProgressAnswers(), "the registry waited: no Claim answered IN_PROGRESS to be polled again")
 	require.EqualValues(t, 1, e.down.calls.Load())
 
 	t.Run("until the deadline", func(t *testing.T) {

@@ -172,11 +172,14 @@ func TestServerInterceptorInProgress(t *testing.T) {
 				second := make(chan error, 1)
 				var header metadata.MD
 				go func() { _, err := charge(ctx, e.conn, "10 EUR", grpc.Header(&header)); second <- err }()
-				e.obs.waitInProgress(t, 2)
+				// The duplicate's Claim is on its way: the registry holds it
+				// until the first request's response is stored.
+				e.obs.waitSent(t, "Claim", 2)
 				close(release)
 				require.NoError(t, recv(t, first))
-				require.NoError(t, recv(t, second))
+				require.NoError(t, recv(t, second), "the duplicate gets the first response, not ABORTED")
 				require.Equal(t, []string{"true"}, header.Get(client.ReplayedHeader))
+				require.Zero(t, e.obs.inProgressAnswers(), "the registry waited: no Claim answered IN_PROGRESS to be polled again")
 			}
 			require.EqualValues(t, 1, e.down.calls.Load())
 		})
