@@ -52,10 +52,10 @@ type observer struct {
 	inProgress int
 	// sent counts the calls sent, by method name ("Claim", "BatchClaim",
 	// ...), counted before they reach the registry.
-	sent    map[string]int
-	sizes   []sentSize
-	changed chan struct{}
-	metadata   []metadata.MD
+	sent     map[string]int
+	sizes    []sentSize
+	changed  chan struct{}
+	metadata []metadata.MD
 }
 
 // observedClient is a client of reg whose registry calls the observer sees.
