@@ -106,7 +106,10 @@ func TestOnceBatch(t *testing.T) {
 
 	// The registry agrees: a redelivery replays what was recorded and runs
 	// what was released.
-	never := func(context.Context, client.Attempt) ([]byte, error) { t.Error("a recorded message ran again"); return nil, nil }
+	never := func(context.Context, client.Attempt) ([]byte, error) {
+		t.Error("a recorded message ran again")
+		return nil, nil
+	}
 	r, err := c.Once(ctx, inbox, "new-ok", never, client.WithMessageFingerprint([]byte("fp:new-ok")))
 	require.NoError(t, err)
 	require.True(t, r.Replayed)
