@@ -171,6 +171,7 @@ func (c *Client) runBatch(ctx context.Context, s *settings, msgs []BatchMessage,
 	lost := make([]error, len(acquired))
 	data := make([][]byte, len(acquired))
 	fnErrs := make([]error, len(acquired))
+	skipped := make([]bool, len(acquired))
 	stopAll := func() {
 		for j, h := range holds {
 			lost[j] = h.stop()
@@ -193,7 +194,7 @@ func (c *Client) runBatch(ctx context.Context, s *settings, msgs []BatchMessage,
 	}()
 	for j, i := range acquired {
 		if ctx.Err() != nil {
-			ds[j], fnErrs[j] = decision{release: true}, contextError(ctx)
+			ds[j], fnErrs[j], skipped[j] = decision{release: true}, contextError(ctx), true
 			ran = j + 1
 			continue
 		}
@@ -208,5 +209,6 @@ func (c *Client) runBatch(ctx context.Context, s *settings, msgs []BatchMessage,
 	recs, errs := c.settle(ctx, s, hs, ds, lost)
 	for j, i := range acquired {
 		out[i].OnceResult, out[i].Err = ranOutcome(claims[j].Record, data[j], fnErrs[j], ds[j], recs[j], errs[j])
+		out[i].Ran = !skipped[j]
 	}
 }

@@ -272,3 +272,28 @@ func TestBatchClaimTypedErrors(t *testing.T) {
 	require.Equal(t, client.StateCompleted, done[0].Record.State)
 	require.Error(t, done[1].Err, "a Complete without the claim's secret is refused")
 }
+
+// TestOnceBatchContextEnds: once the caller's context ends, the messages
+// not yet run are released unrun, so a redelivery runs them at once.
+func TestOnceBatchContextEnds(t *testing.T) {
+	reg := registrytest.Start(t)
+	c := reg.Client
+	ctx, cancel := context.WithCancel(t.Context())
+	batch := msgs("c-1", "c-2")
+	var ran []string
+	res := c.OnceBatch(ctx, inbox, batch, func(_ context.Context, i int, _ client.Attempt) ([]byte, error) {
+		ran = append(ran, batch[i].ID)
+		cancel() // the consumer is stopping
+		return nil, nil
+	})
+	require.Equal(t, []string{"c-1"}, ran)
+	require.NoError(t, res[0].Err, "what ran is recorded even though the context ended")
+	require.Equal(t, client.StateCompleted, res[0].Record.State)
+	require.ErrorIs(t, res[1].Err, context.Canceled)
+	require.False(t, res[1].Ran)
+
+	r, err := c.Once(t.Context(), inbox, "c-2", func(context.Context, client.Attempt) ([]byte, error) { return nil, nil },
+		client.WithMessageFingerprint([]byte("fp:c-2")))
+	require.NoError(t, err)
+	require.True(t, r.Ran, "released, not left to its lease")
+}
