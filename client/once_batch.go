@@ -65,7 +65,9 @@ func (c *Client) OnceBatch(ctx context.Context, consumer string, msgs []BatchMes
 	out := make([]BatchResult, len(msgs))
 	first := make(map[string]int, len(msgs))
 	var pending []int
-	reqIDs := make(map[int]string, len(msgs))
+	// One request id per message for the whole call: a BatchClaim whose
+	// answer was lost, repeated, gets its acquired claims back.
+	reqIDs := make([]string, len(msgs))
 	for i, m := range msgs {
 		if _, ok := first[m.ID]; ok {
 			out[i].Duplicate = true
@@ -121,7 +123,7 @@ func (c *Client) OnceBatch(ctx context.Context, consumer string, msgs []BatchMes
 				out[i].Err = fmt.Errorf("idemreg: unexpected claim outcome %v", r.Claim.Outcome)
 			}
 		}
-		c.runBatch(ctx, s, msgs, fn, acquired, claims, keyOf, out)
+		c.runBatch(ctx, s, fn, acquired, claims, keyOf, out)
 		pending = again
 		// A wait that ended without an outcome is repeated after the
 		// backoff (at once when the first round acquired work: that took
@@ -157,7 +159,7 @@ func (c *Client) OnceBatch(ctx context.Context, consumer string, msgs []BatchMes
 
 // runBatch runs fn for each acquired message in order and records the
 // outcomes, through the same runner as Once.
-func (c *Client) runBatch(ctx context.Context, s *settings, msgs []BatchMessage, fn BatchHandler, acquired []int, claims []Claim, keyOf func(int) Key, out []BatchResult) {
+func (c *Client) runBatch(ctx context.Context, s *settings, fn BatchHandler, acquired []int, claims []Claim, keyOf func(int) Key, out []BatchResult) {
 	if len(acquired) == 0 {
 		return
 	}
