@@ -82,6 +82,12 @@ type ClaimParams struct {
 	// can repeat it. Use an unguessable value (NewRequestID) and never reuse
 	// one for another claim. Once and the interceptors set one themselves.
 	RequestID string
+	// Wait, when positive, asks the registry to wait while another holder
+	// has a live lease on the key (at most MaxWait, and never past ctx's
+	// deadline): the answer comes when the key is completed
+	// (OutcomeCompleted), when the lease ends or is released
+	// (OutcomeAcquired), or when Wait has passed (OutcomeInProgress).
+	Wait time.Duration
 }
 
 // NewRequestID returns a random request id for ClaimParams.RequestID.
@@ -119,25 +125,34 @@ func (c *Client) Claim(ctx context.Context, p ClaimParams) (Claim, error) {
 	if holder == "" {
 		holder = c.holder
 	}
+	res, err := c.rpc.Claim(ctx, p.request(holder))
+	if err != nil {
+		return Claim{}, FromError(err)
+	}
+	return claimFromProto(res), nil
+}
+
+func (p ClaimParams) request(holder string) *idemregv1.ClaimRequest {
 	consumer, kind, key := p.proto()
-	res, err := c.rpc.Claim(ctx, &idemregv1.ClaimRequest{
+	return &idemregv1.ClaimRequest{
 		Consumer: consumer, Kind: kind, Key: key,
 		Fingerprint: p.Fingerprint,
 		Lease:       optDuration(p.Lease),
 		Retention:   optDuration(p.Retention),
 		Holder:      holder,
 		RequestId:   p.RequestID,
-	})
-	if err != nil {
-		return Claim{}, FromError(err)
+		Wait:        optDuration(p.Wait),
 	}
+}
+
+func claimFromProto(res *idemregv1.ClaimResponse) Claim {
 	return Claim{
 		Outcome:    Outcome(res.GetOutcome()),
 		Token:      res.GetToken(),
 		Secret:     res.GetClaimSecret(),
 		RetryAfter: res.GetRetryAfter().AsDuration(),
 		Record:     recordFromProto(res.GetRecord()),
-	}, nil
+	}
 }
 
 // Fence proves a claim: its fencing token and the secret that only the

@@ -31,7 +31,7 @@ type callerEnv struct {
 	obs  *observer
 }
 
-func newCaller(t *testing.T, regOpts []registrytest.Option, opts ...client.Option) *callerEnv {
+func newCaller(t *testing.T, regOpts []registrytest.Option, opts ...client.InterceptorOption) *callerEnv {
 	t.Helper()
 	reg := registrytest.Start(t, regOpts...)
 	c, obs := observedClient(t, reg)
@@ -200,11 +200,12 @@ func TestClientInterceptorWaitsInProgress(t *testing.T) {
 		}
 		second <- err
 	}()
-	e.obs.waitInProgress(t, 2)
+	e.obs.waitSent(t, "Claim", 2)
 	close(release)
 	require.NoError(t, recv(t, first))
 	require.NoError(t, recv(t, second))
 	require.True(t, replayed)
+	require.Zero(t, e.obs.inProgressAnswers(), "the registry waited: no Claim answered IN_PROGRESS to be polled again")
 	require.EqualValues(t, 1, e.down.calls.Load())
 
 	t.Run("until the deadline", func(t *testing.T) {

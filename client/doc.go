@@ -7,7 +7,8 @@
 //     errors.As(err, &unavailable) instead of parsing codes;
 //   - [Client.Once], the helper for inbox-style message consumers: claim the
 //     message id, run the handler with the fencing token, record the outcome,
-//     replay it to every duplicate;
+//     replay it to every duplicate; [Client.OnceBatch], the same for a
+//     fetched batch in one BatchClaim and one BatchComplete;
 //   - [UnaryClientInterceptor] and [UnaryServerInterceptor], which make an
 //     outgoing call, or a service's own RPC, run once per idempotency key.
 //
@@ -26,6 +27,12 @@
 // honours it, or record the message id in the same local transaction as the
 // effect. docs/client.md says how to choose keys and what each helper
 // guarantees.
+//
+// Once, OnceBatch and both interceptors run claimed work through one
+// runner (heartbeat, release after a panic, recording), and take options
+// typed by what reads them ([OnceOption], [BatchOption],
+// [InterceptorOption]; [SharedOption] is all three), so an option an entry
+// point does not read does not compile there.
 //
 // # Streaming
 //

@@ -14,6 +14,41 @@ import (
 	"github.com/idemreg/idemreg/client/registrytest"
 )
 
+// A consumer that fetches messages in batches handles each batch with
+// OnceBatch: one BatchClaim, the handler for each message acquired, one
+// BatchComplete, and one result per message saying whether to acknowledge.
+//
+// Its options are BatchOptions: WithLease (a SharedOption) and WithKind (a
+// MessageOption) compile here; WithMessageFingerprint (a OnceOption: each
+// BatchMessage carries its own) and WithMethods (an InterceptorOption) do
+// not.
+func ExampleClient_OnceBatch() {
+	reg, err := registrytest.New()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer reg.Close()
+	c := reg.Client
+
+	amounts := []int64{1250, 0, 1250}
+	batch := []client.BatchMessage{{ID: "pay-1"}, {ID: "pay-2"}, {ID: "pay-1"}} // pay-1 delivered twice
+	results := c.OnceBatch(context.Background(), "ledger.payments", batch, func(ctx context.Context, i int, a client.Attempt) ([]byte, error) {
+		if amounts[i] <= 0 {
+			return nil, client.Final(errors.New("amount must be positive"))
+		}
+		// Apply the payment with a write fenced by a.Token here.
+		return nil, nil
+	}, client.WithLease(10*time.Second))
+	for i, r := range results {
+		ack := r.Err == nil || client.IsFinal(r.Err)
+		fmt.Printf("%s: ack=%v ran=%v replayed=%v duplicate=%v\n", batch[i].ID, ack, r.Ran, r.Replayed, r.Duplicate)
+	}
+	// Output:
+	// pay-1: ack=true ran=true replayed=false duplicate=false
+	// pay-2: ack=true ran=true replayed=false duplicate=false
+	// pay-1: ack=true ran=false replayed=true duplicate=true
+}
+
 // A message consumer runs its handler through Once: the first delivery of a
 // message id runs it, every redelivery gets the stored outcome.
 func ExampleClient_Once() {

@@ -2,6 +2,7 @@ package client_test
 
 import (
 	"context"
+	"path"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -49,17 +50,27 @@ func shortLeases() registrytest.Option {
 type observer struct {
 	mu         sync.Mutex
 	inProgress int
-	changed    chan struct{}
-	metadata   []metadata.MD
+	// sent counts the calls sent, by method name ("Claim", "BatchClaim",
+	// ...), counted before they reach the registry.
+	sent     map[string]int
+	sizes    []sentSize
+	changed  chan struct{}
+	metadata []metadata.MD
 }
 
 // observedClient is a client of reg whose registry calls the observer sees.
 func observedClient(t *testing.T, reg *registrytest.Registry, opts ...client.ClientOption) (*client.Client, *observer) {
 	t.Helper()
-	o := &observer{changed: make(chan struct{})}
+	o := &observer{changed: make(chan struct{}), sent: map[string]int{}}
 	conn, err := grpc.NewClient(reg.Addr,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
+			o.mu.Lock()
+			o.sent[path.Base(method)]++
+			o.sizes = append(o.sizes, sentSize{path.Base(method), batchSize(req)})
+			close(o.changed)
+			o.changed = make(chan struct{})
+			o.mu.Unlock()
 			err := invoker(ctx, method, req, reply, cc, callOpts...)
 			md, _ := metadata.FromOutgoingContext(ctx)
 			o.mu.Lock()
@@ -77,12 +88,12 @@ func observedClient(t *testing.T, reg *registrytest.Registry, opts ...client.Cli
 	return client.New(conn, opts...), o
 }
 
-// waitInProgress blocks until at least n Claims answered IN_PROGRESS.
-func (o *observer) waitInProgress(t *testing.T, n int) {
+// waitSent blocks until at least n calls of method were sent.
+func (o *observer) waitSent(t *testing.T, method string, n int) {
 	t.Helper()
 	for {
 		o.mu.Lock()
-		got, ch := o.inProgress, o.changed
+		got, ch := o.sent[method], o.changed
 		o.mu.Unlock()
 		if got >= n {
 			return
@@ -90,9 +101,44 @@ func (o *observer) waitInProgress(t *testing.T, n int) {
 		select {
 		case <-ch:
 		case <-time.After(hangGuard):
-			t.Fatalf("no %d IN_PROGRESS answers after %v", n, hangGuard)
+			t.Fatalf("no %d %s calls after %v", n, method, hangGuard)
 		}
 	}
+}
+
+type sentSize struct {
+	method string
+	items  int
+}
+
+// batchSize is the number of items of a batch request, 1 for another.
+func batchSize(req any) int {
+	switch r := req.(type) {
+	case *idemregv1.BatchClaimRequest:
+		return len(r.GetRequests())
+	case *idemregv1.BatchCompleteRequest:
+		return len(r.GetRequests())
+	}
+	return 1
+}
+
+// sentSizes returns the item counts of the calls of method sent so far.
+func (o *observer) sentSizes(method string) []int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var out []int
+	for _, s := range o.sizes {
+		if s.method == method {
+			out = append(out, s.items)
+		}
+	}
+	return out
+}
+
+func (o *observer) inProgressAnswers() int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.inProgress
 }
 
 func (o *observer) allMetadata() []metadata.MD {

@@ -152,8 +152,8 @@ func missingKeyError(fullMethod string) *Error {
 // Options: WithMethods, WithMethodFilter, WithConsumer, WithFingerprint,
 // WithRetryable, WithMissingKey, WithRegistryUnavailable, WithLease,
 // WithRetention, WithWaitInProgress, WithBookkeepingTimeout.
-func UnaryClientInterceptor(c *Client, opts ...Option) grpc.UnaryClientInterceptor {
-	s := newSettings(DefaultClientMissingKey, opts)
+func UnaryClientInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryClientInterceptor {
+	s := interceptorSettings(DefaultClientMissingKey, opts)
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
 		if !s.selected(method) {
 			return invoker(ctx, method, req, reply, cc, callOpts...)
@@ -198,44 +198,46 @@ func UnaryClientInterceptor(c *Client, opts ...Option) grpc.UnaryClientIntercept
 			return status.Errorf(codes.Internal, "idemreg: unexpected claim outcome %v", cl.Outcome)
 		}
 
-		hb := c.startHeartbeat(ctx, k, cl.Fence(), s.lease, nil)
-		panicked := true
-		defer func() {
-			if panicked {
-				_ = hb.stop()
-				c.releaseAfterPanic(ctx, s, k, cl.Fence())
-			}
-		}()
-		callErr := invoker(callCtx, method, req, reply, cc, callOpts...)
-		panicked = false
-		_ = hb.stop()
-		c.finish(ctx, s, k, cl.Fence(), callErr, replyMsg)
+		var callErr error
+		c.runClaimed(ctx, s, k, cl, func() (proto.Message, error) {
+			callErr = invoker(callCtx, method, req, reply, cc, callOpts...)
+			return replyMsg, callErr
+		})
 		return callErr
 	}
 }
 
-// finish records the outcome of work done under a claim: the reply, a final
-// error, or a release for a retryable one. Failures are logged: the work's
-// own answer goes back to the caller whatever happens here.
-func (c *Client) finish(ctx context.Context, s *settings, k Key, f Fence, workErr error, reply proto.Message) {
-	bctx, cancel := s.bookkeeping(ctx)
-	defer cancel()
-	bctx = registryContext(bctx)
-	var err error
-	switch {
-	case workErr == nil:
-		var r Result
-		if r, err = MessageResult(reply); err == nil {
-			_, err = c.complete(bctx, k, f, r)
+// runClaimed runs a call of an interceptor under its claim, through the
+// runner Once uses, and records its outcome: the reply, a final error, or a
+// release for a retryable one (or a reply that is no protobuf message).
+// The call keeps the caller's context rather than the runner's, which is
+// cancelled when the lease is lost: a call cut short has an unknown
+// outcome, worse than one allowed to finish. Bookkeeping failures are
+// logged: the call's own answer goes back to the caller whatever happens
+// here.
+func (c *Client) runClaimed(ctx context.Context, s *settings, k Key, cl Claim, call func() (proto.Message, error)) {
+	h := heldOf(k, cl)
+	d, lost := c.runHeld(ctx, s, h, func(context.Context) decision {
+		reply, err := call()
+		switch {
+		case err == nil && reply == nil:
+			return decision{release: true}
+		case err == nil:
+			r, merr := MessageResult(reply)
+			if merr != nil {
+				c.logger.WarnContext(ctx, "idemreg: encoding the reply failed; the key is released", "consumer", k.Consumer, "error", merr)
+				return decision{release: true}
+			}
+			return decision{result: r}
+		case s.retryable(err):
+			return decision{release: true}
+		default:
+			return decision{result: FailureResult(status.Convert(err))}
 		}
-	case s.retryable(workErr):
-		_, err = c.Release(bctx, k, f)
-	default:
-		_, err = c.complete(bctx, k, f, FailureResult(status.Convert(workErr)))
-	}
-	if err != nil {
+	})
+	if _, errs := c.settle(ctx, s, []held{h}, []decision{d}, []error{lost}); errs[0] != nil {
 		c.logger.WarnContext(ctx, "idemreg: recording the outcome failed; the key stays claimed until its lease ends",
-			"consumer", k.Consumer, "error", err)
+			"consumer", k.Consumer, "error", errs[0])
 	}
 }
 

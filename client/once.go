@@ -80,8 +80,8 @@ type OnceResult struct {
 //
 // Options: WithLease, WithRetention, WithWaitInProgress,
 // WithBookkeepingTimeout, WithKind, WithMessageFingerprint.
-func (c *Client) Once(ctx context.Context, consumer, messageID string, fn Handler, opts ...Option) (OnceResult, error) {
-	s := newSettings(DefaultClientMissingKey, opts)
+func (c *Client) Once(ctx context.Context, consumer, messageID string, fn Handler, opts ...OnceOption) (OnceResult, error) {
+	s := onceSettings(opts)
 	k := Key{Consumer: consumer, Kind: s.kind, Key: messageID}
 	cl, err := c.claim(ctx, ClaimParams{Key: k, Fingerprint: s.messageFingerprint, Lease: s.lease, Retention: s.retention}, s)
 	if err != nil {
@@ -110,56 +110,52 @@ func replayOnce(rec Record) (OnceResult, error) {
 	}
 }
 
-func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *settings) (res OnceResult, err error) {
-	fence := cl.Fence()
-	res = OnceResult{Ran: true, Record: cl.Record}
-	fnCtx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	hb := c.startHeartbeat(ctx, k, fence, s.lease, func(err error) { cancel(err) })
+func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *settings) (OnceResult, error) {
+	h := heldOf(k, cl)
+	var data []byte
+	var fnErr error
+	d, lost := c.runHeld(ctx, s, h, func(ctx context.Context) decision {
+		data, fnErr = fn(ctx, Attempt{Key: k, Token: h.fence.Token, Attempt: h.attempt})
+		return handlerDecision(data, fnErr)
+	})
+	recs, errs := c.settle(ctx, s, []held{h}, []decision{d}, []error{lost})
+	return ranOutcome(cl.Record, data, fnErr, d, recs[0], errs[0])
+}
 
-	panicked := true
-	defer func() {
-		if panicked {
-			_ = hb.stop()
-			c.releaseAfterPanic(ctx, s, k, fence)
-		}
-	}()
-	data, fnErr := fn(fnCtx, Attempt{Key: k, Token: fence.Token, Attempt: cl.Record.Attempt})
-	panicked = false
-	lostErr := hb.stop()
-	res.Data = data
-
-	bctx, bcancel := s.bookkeeping(ctx)
-	defer bcancel()
-	bctx = registryContext(bctx)
+// handlerDecision is what to record for a Handler's return: its data, its
+// final failure, or a release for anything else.
+func handlerDecision(data []byte, fnErr error) decision {
 	switch {
 	case fnErr == nil:
-		rec, cerr := c.complete(bctx, k, fence, ResponseResult("", data))
-		if cerr != nil {
-			return res, fmt.Errorf("idemreg: the handler succeeded but its outcome was not recorded: %w", cerr)
-		}
-		res.Record = rec
-		return res, nil
+		return decision{result: ResponseResult("", data)}
 	case IsFinal(fnErr):
 		st, ok := status.FromError(fnErr)
 		if !ok {
 			st = status.New(codes.Unknown, fnErr.Error())
 		}
-		rec, cerr := c.complete(bctx, k, fence, FailureResult(st))
-		if cerr != nil {
-			return res, errors.Join(fnErr, fmt.Errorf("idemreg: the final failure was not recorded: %w", cerr))
-		}
-		res.Record = rec
-		return res, fnErr
+		return decision{result: FailureResult(st)}
 	default:
-		if lostErr != nil && !errors.Is(lostErr, ErrLeaseTotalExceeded) {
-			// Nothing to release: the key is someone else's now.
-			return res, errors.Join(fnErr, lostErr)
+		return decision{release: true}
+	}
+}
+
+// ranOutcome is the result of Once for a handler that ran under a claim
+// whose record was claimed, given the bookkeeping's record and error.
+func ranOutcome(claimed Record, data []byte, fnErr error, d decision, rec Record, err error) (OnceResult, error) {
+	res := OnceResult{Ran: true, Data: data, Record: claimed}
+	switch {
+	case d.release:
+		// A failed release is only logged; err is the loss of the claim.
+		if err != nil {
+			return res, errors.Join(fnErr, err)
 		}
-		if _, rerr := c.Release(bctx, k, fence); rerr != nil {
-			c.logger.WarnContext(ctx, "idemreg: release after a retryable error failed; the key frees when its lease ends",
-				"consumer", k.Consumer, "error", rerr)
-		}
+		return res, fnErr
+	case err != nil && fnErr == nil:
+		return res, fmt.Errorf("idemreg: the handler succeeded but its outcome was not recorded: %w", err)
+	case err != nil:
+		return res, errors.Join(fnErr, fmt.Errorf("idemreg: the final failure was not recorded: %w", err))
+	default:
+		res.Record = rec
 		return res, fnErr
 	}
 }

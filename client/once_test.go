@@ -221,7 +221,7 @@ func TestOncePanicReleases(t *testing.T) {
 
 // blocking runs a Once whose handler blocks until release is closed, and
 // returns once the handler has started.
-func blocking(t *testing.T, c *client.Client, id string, opts ...client.Option) (release chan struct{}, done <-chan error) {
+func blocking(t *testing.T, c *client.Client, id string, opts ...client.OnceOption) (release chan struct{}, done <-chan error) {
 	t.Helper()
 	started, release, errc := make(chan struct{}), make(chan struct{}), make(chan error, 1)
 	go func() {
@@ -279,13 +279,14 @@ func TestOnceWaitsForTheHolder(t *testing.T) {
 		}, client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond}))
 		got <- result{res, err}
 	}()
-	obs.waitInProgress(t, 2) // it has seen the holder at work, twice: it polls
+	obs.waitSent(t, "Claim", 1) // the registry holds the duplicate's Claim
 	close(release)
 	require.NoError(t, recv(t, done))
 	r := recv(t, got)
 	require.NoError(t, r.err)
 	require.True(t, r.res.Replayed)
 	require.Equal(t, "first", string(r.res.Data))
+	require.Zero(t, obs.inProgressAnswers(), "the registry waited and answered with the outcome: no polling")
 }
 
 func TestOnceWaitEndsWithTheContext(t *testing.T) {
@@ -294,7 +295,7 @@ func TestOnceWaitEndsWithTheContext(t *testing.T) {
 	defer func() { close(release); <-done }()
 	ctx, cancel := context.WithCancel(t.Context())
 	waiter, obs := observedClient(t, reg)
-	go func() { obs.waitInProgress(t, 1); cancel() }()
+	go func() { obs.waitSent(t, "Claim", 1); cancel() }()
 	_, err := waiter.Once(ctx, inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) { return nil, nil },
 		client.WithWaitInProgress(client.Backoff{}))
 	require.ErrorIs(t, err, context.Canceled)
@@ -436,7 +437,7 @@ func TestOnceRace(t *testing.T) {
 	for _, wait := range []bool{true, false} {
 		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
 			id := fmt.Sprintf("msg-race-%v", wait)
-			var opts []client.Option
+			var opts []client.OnceOption
 			if wait {
 				opts = append(opts, client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 10 * time.Millisecond}))
 			}

@@ -8,9 +8,47 @@ import (
 	"google.golang.org/grpc/metadata"
 )
 
-// Option configures Once, UnaryClientInterceptor and UnaryServerInterceptor.
-// Each option says which of them it applies to; the others ignore it.
-type Option func(*settings)
+// Options are typed by what they configure, so that an option one entry
+// point does not read cannot be passed to it: WithKind is a MessageOption
+// (Once and OnceBatch), WithMessageFingerprint a OnceOption only, WithMethods
+// an InterceptorOption only; WithLease and the other options every entry
+// point reads are a SharedOption, which is all three.
+//
+//	client.UnaryServerInterceptor(c, client.WithLease(time.Minute), client.WithMethods(m)) // compiles
+//	client.UnaryServerInterceptor(c, client.WithKind(client.KindMessage))                   // does not: not an InterceptorOption
+//	c.OnceBatch(ctx, consumer, msgs, fn, client.WithMessageFingerprint(fp))                 // does not: each BatchMessage has its own
+
+// OnceOption configures Once.
+type OnceOption interface{ applyOnce(*settings) }
+
+// BatchOption configures OnceBatch.
+type BatchOption interface{ applyBatch(*settings) }
+
+// InterceptorOption configures UnaryClientInterceptor and
+// UnaryServerInterceptor.
+type InterceptorOption interface{ applyInterceptor(*settings) }
+
+// SharedOption configures every entry point: it is a OnceOption, a
+// BatchOption and an InterceptorOption.
+type SharedOption func(*settings)
+
+func (o SharedOption) applyOnce(s *settings)        { o(s) }
+func (o SharedOption) applyBatch(s *settings)       { o(s) }
+func (o SharedOption) applyInterceptor(s *settings) { o(s) }
+
+// MessageOption configures Once and OnceBatch, the message consumers.
+type MessageOption func(*settings)
+
+func (o MessageOption) applyOnce(s *settings)  { o(s) }
+func (o MessageOption) applyBatch(s *settings) { o(s) }
+
+type onceOnly func(*settings)
+
+func (o onceOnly) applyOnce(s *settings) { o(s) }
+
+type interceptorOnly func(*settings)
+
+func (o interceptorOnly) applyInterceptor(s *settings) { o(s) }
 
 // Defaults of the options.
 const (
@@ -38,7 +76,12 @@ const (
 // lease.
 var DefaultBackoff = Backoff{Initial: 50 * time.Millisecond, Max: time.Second}
 
-// Backoff is the schedule of polls while waiting for another holder.
+// MaxWait is the longest the registry waits in one Claim for another holder
+// (ClaimRequest.wait); WithWaitInProgress asks for it, or for what is left
+// of the context's deadline when that is shorter.
+const MaxWait = 30 * time.Second
+
+// Backoff is the schedule of Claims while waiting for another holder.
 type Backoff struct {
 	// Initial is the first delay; each next one doubles, up to Max.
 	Initial, Max time.Duration
@@ -100,7 +143,7 @@ type settings struct {
 	unavailable UnavailablePolicy
 }
 
-func newSettings(missingKey MissingKeyPolicy, opts []Option) *settings {
+func newSettings(missingKey MissingKeyPolicy, apply func(*settings)) *settings {
 	s := &settings{
 		lease:              DefaultLease,
 		bookkeepingTimeout: DefaultBookkeepingTimeout,
@@ -111,9 +154,7 @@ func newSettings(missingKey MissingKeyPolicy, opts []Option) *settings {
 		missingKey:         missingKey,
 		unavailable:        DefaultRegistryUnavailable,
 	}
-	for _, o := range opts {
-		o(s)
-	}
+	apply(s)
 	// A lease must be positive to be extended; zero means the default, not
 	// "none".
 	if s.lease <= 0 {
@@ -125,44 +166,74 @@ func newSettings(missingKey MissingKeyPolicy, opts []Option) *settings {
 	return s
 }
 
+func onceSettings(opts []OnceOption) *settings {
+	return newSettings(DefaultClientMissingKey, func(s *settings) {
+		for _, o := range opts {
+			o.applyOnce(s)
+		}
+	})
+}
+
+func batchSettings(opts []BatchOption) *settings {
+	return newSettings(DefaultClientMissingKey, func(s *settings) {
+		for _, o := range opts {
+			o.applyBatch(s)
+		}
+	})
+}
+
+func interceptorSettings(missingKey MissingKeyPolicy, opts []InterceptorOption) *settings {
+	return newSettings(missingKey, func(s *settings) {
+		for _, o := range opts {
+			o.applyInterceptor(s)
+		}
+	})
+}
+
 // WithLease sets the lease to claim with and to extend by (default
 // DefaultLease; zero or less takes the default). It must lie within the
-// registry's lease bounds (1s to 1h by default). Once and both interceptors.
-func WithLease(d time.Duration) Option { return func(s *settings) { s.lease = d } }
+// registry's lease bounds (1s to 1h by default). Every entry point.
+func WithLease(d time.Duration) SharedOption { return func(s *settings) { s.lease = d } }
 
 // WithRetention sets how long a record is kept after its completion (or
 // its last lease); zero, the default, takes the registry's default for the
 // kind: 7 days for messages, 24 hours for operations. Pick it longer than
-// your broker can redeliver and your callers can retry. Once and both
-// interceptors.
-func WithRetention(d time.Duration) Option { return func(s *settings) { s.retention = d } }
+// your broker can redeliver and your callers can retry. Every entry point.
+func WithRetention(d time.Duration) SharedOption { return func(s *settings) { s.retention = d } }
 
-// WithWaitInProgress makes a duplicate wait, polling with b, while another
-// holder works on the key, until the key is completed (the duplicate gets
-// the replay), taken over after the holder's lease ran out (the duplicate
-// runs the work), or the context ends. Without it a duplicate fails at once
-// with an *InProgressError (ABORTED with RetryInfo from the interceptors).
-// Zero fields of b take DefaultBackoff's. Once and both interceptors.
-func WithWaitInProgress(b Backoff) Option {
+// WithWaitInProgress makes a duplicate wait while another holder works on
+// the key, until the key is completed (the duplicate gets the replay), taken
+// over after the holder's lease ran out or was released (the duplicate runs
+// the work), or the context ends. Without it a duplicate fails at once with
+// an *InProgressError (ABORTED with RetryInfo from the interceptors).
+//
+// The waiting is the registry's (ClaimRequest.wait, up to MaxWait and the
+// context's deadline per Claim): it answers as soon as the holder finishes,
+// with no polling delay. b spaces the Claims when a wait ends without an
+// outcome (the holder still working after MaxWait, or a registry that does
+// not wait); zero fields take DefaultBackoff's. OnceBatch waits only after
+// running the messages it acquired, so that its own claims are not held up.
+// Every entry point.
+func WithWaitInProgress(b Backoff) SharedOption {
 	b = b.withDefaults()
 	return func(s *settings) { w := b; s.wait = &w }
 }
 
 // WithBookkeepingTimeout bounds the Complete or Release after the work
-// (default DefaultBookkeepingTimeout). Once and both interceptors.
-func WithBookkeepingTimeout(d time.Duration) Option {
+// (default DefaultBookkeepingTimeout). Every entry point.
+func WithBookkeepingTimeout(d time.Duration) SharedOption {
 	return func(s *settings) { s.bookkeepingTimeout = d }
 }
 
-// WithKind sets the kind of key Once claims (default KindMessage). Once only:
-// the interceptors always claim operation keys.
-func WithKind(k Kind) Option { return func(s *settings) { s.kind = k } }
+// WithKind sets the kind of key Once and OnceBatch claim (default
+// KindMessage). The interceptors always claim operation keys.
+func WithKind(k Kind) MessageOption { return func(s *settings) { s.kind = k } }
 
 // WithMessageFingerprint claims the key with fp, a hash of the message
 // content (at most 64 bytes): a redelivery with the same id but other
 // content fails with ErrFingerprintMismatch instead of replaying. Once only.
-func WithMessageFingerprint(fp []byte) Option {
-	return func(s *settings) { s.messageFingerprint = fp }
+func WithMessageFingerprint(fp []byte) OnceOption {
+	return onceOnly(func(s *settings) { s.messageFingerprint = fp })
 }
 
 // WithConsumer sets the registry consumer the interceptor claims keys
@@ -172,44 +243,50 @@ func WithMessageFingerprint(fp []byte) Option {
 // A fixed consumer shares one key space between the selected methods (the
 // default fingerprint, which covers the method name, keeps them apart).
 // Interceptors only.
-func WithConsumer(name string) Option { return func(s *settings) { s.consumer = name } }
+func WithConsumer(name string) InterceptorOption {
+	return interceptorOnly(func(s *settings) { s.consumer = name })
+}
 
 // WithMethods selects the methods the interceptor applies to, by full name
 // ("/payments.v1.PaymentService/Charge"); the others pass through. By
 // default every unary method is selected. Interceptors only.
-func WithMethods(fullMethods ...string) Option {
+func WithMethods(fullMethods ...string) InterceptorOption {
 	set := make(map[string]bool, len(fullMethods))
 	for _, m := range fullMethods {
 		set[m] = true
 	}
-	return func(s *settings) { s.selected = func(m string) bool { return set[m] } }
+	return interceptorOnly(func(s *settings) { s.selected = func(m string) bool { return set[m] } })
 }
 
 // WithMethodFilter selects the methods the interceptor applies to with a
 // function of the full method name. Interceptors only.
-func WithMethodFilter(selected func(fullMethod string) bool) Option {
-	return func(s *settings) { s.selected = selected }
+func WithMethodFilter(selected func(fullMethod string) bool) InterceptorOption {
+	return interceptorOnly(func(s *settings) { s.selected = selected })
 }
 
 // WithFingerprint replaces DefaultFingerprint, for instance to fingerprint
 // only some fields of the request. Interceptors only.
-func WithFingerprint(f FingerprintFunc) Option { return func(s *settings) { s.fingerprint = f } }
+func WithFingerprint(f FingerprintFunc) InterceptorOption {
+	return interceptorOnly(func(s *settings) { s.fingerprint = f })
+}
 
 // WithRetryable replaces DefaultRetryable, the classifier that decides
 // which errors of the call release the key for a retry (true) and which are
 // stored as final and replayed to every retry (false). Interceptors only.
-func WithRetryable(retryable func(err error) bool) Option {
-	return func(s *settings) { s.retryable = retryable }
+func WithRetryable(retryable func(err error) bool) InterceptorOption {
+	return interceptorOnly(func(s *settings) { s.retryable = retryable })
 }
 
 // WithMissingKey sets the policy for a selected call without a key
 // (DefaultClientMissingKey, DefaultServerMissingKey). Interceptors only.
-func WithMissingKey(p MissingKeyPolicy) Option { return func(s *settings) { s.missingKey = p } }
+func WithMissingKey(p MissingKeyPolicy) InterceptorOption {
+	return interceptorOnly(func(s *settings) { s.missingKey = p })
+}
 
 // WithRegistryUnavailable sets what happens when the registry cannot answer
 // (default DefaultRegistryUnavailable: fail closed). Interceptors only.
-func WithRegistryUnavailable(p UnavailablePolicy) Option {
-	return func(s *settings) { s.unavailable = p }
+func WithRegistryUnavailable(p UnavailablePolicy) InterceptorOption {
+	return interceptorOnly(func(s *settings) { s.unavailable = p })
 }
 
 // bookkeeping is the context of the Complete or Release after the work: it

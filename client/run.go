@@ -14,8 +14,11 @@ import (
 const claimRepeats = 3
 
 // claim claims p. While another holder has the key it returns an
-// *InProgressError, or, with s.wait, polls until the key is completed or
-// acquired or ctx ends.
+// *InProgressError, or, with s.wait, waits until the key is completed or
+// acquired or ctx ends: each Claim asks the registry to wait (up to MaxWait
+// and ctx's deadline), and a Claim that still finds the key in progress is
+// repeated after s.wait's backoff (a registry that does not wait answers at
+// once, and is then polled as before).
 //
 // Every Claim it makes for p carries one request id, so that a Claim whose
 // reply was lost (the registry unavailable, or the bookkeeping timeout,
@@ -33,6 +36,9 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 	}
 	repeats, repeatDelay := 0, DefaultBackoff.Initial
 	for {
+		if wait != nil {
+			p.Wait = waitFor(ctx)
+		}
 		cl, err := c.claimOnce(ctx, p, s)
 		if err != nil && repeats < claimRepeats && ctx.Err() == nil &&
 			(errors.Is(err, ErrUnavailable) || errors.Is(err, ErrDeadlineExceeded)) {
@@ -62,6 +68,16 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 	}
 }
 
+// waitFor is how long a Claim made under ctx may ask the registry to wait:
+// MaxWait, or less when ctx's deadline comes sooner.
+func waitFor(ctx context.Context) time.Duration {
+	w := MaxWait
+	if d, ok := ctx.Deadline(); ok {
+		w = min(w, time.Until(d))
+	}
+	return max(w, 0)
+}
+
 // retryWait is how long to wait before repeating a call that failed with
 // err, delay being the backoff so far: the jittered delay, or the
 // registry's RetryInfo when that is longer.
@@ -89,7 +105,7 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 // caller's deadline may still have acquired the key in the registry, for a
 // caller that never learns the token: the key would be stuck until its
 // lease ran out. So the Claim runs on its own (bounded by the bookkeeping
-// timeout); if ctx ends first the caller gets ctx's error at once, and a
+// timeout, plus the wait it asks the registry for); if ctx ends first the caller gets ctx's error at once, and a
 // claim acquired meanwhile is released in the background.
 func (c *Client) claimOnce(ctx context.Context, p ClaimParams, s *settings) (Claim, error) {
 	if ctx.Err() != nil {
@@ -100,7 +116,7 @@ func (c *Client) claimOnce(ctx context.Context, p ClaimParams, s *settings) (Cla
 		err error
 	}
 	answers := make(chan answer, 1)
-	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.bookkeepingTimeout)
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.bookkeepingTimeout+p.Wait)
 	go func() {
 		defer cancel()
 		cl, err := c.Claim(dctx, p)
@@ -190,6 +206,109 @@ func (h *heartbeat) stop() error {
 	return h.err
 }
 
+// held is a claim this client acquired and runs work under.
+type held struct {
+	k       Key
+	fence   Fence
+	attempt int64
+}
+
+func heldOf(k Key, cl Claim) held { return held{k: k, fence: cl.Fence(), attempt: cl.Record.Attempt} }
+
+// decision is what work done under a claim leaves to record: a result to
+// store, or a release so that a retry can run the work again.
+type decision struct {
+	result  Result
+	release bool
+}
+
+// runHeld is the one lifecycle of claimed work, shared by Once, OnceBatch
+// and both interceptors: work runs while the lease is extended every half
+// lease; should the registry report the claim lost (or its total lease
+// spent), work's context is cancelled with that error as cause, since from
+// then on its effect may race another holder's. If work panics the key is
+// released, because nothing is known of its outcome, and the panic goes
+// on. It returns work's decision and the heartbeat's loss; settle records
+// the decision.
+func (c *Client) runHeld(ctx context.Context, s *settings, h held, work func(context.Context) decision) (d decision, lost error) {
+	hd := c.hold(ctx, s, h)
+	panicked := true
+	defer func() {
+		if panicked {
+			_ = hd.stop()
+			c.releaseAfterPanic(ctx, s, h.k, h.fence)
+		}
+	}()
+	d = work(hd.ctx)
+	panicked = false
+	return d, hd.stop()
+}
+
+// holding is a held claim whose lease is being extended: from its
+// acquisition, not from the start of its work, so that a claim of a batch
+// waiting its turn keeps its lease too.
+type holding struct {
+	held
+	// ctx is the work's: cancelled with the loss as cause.
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	hb     *heartbeat
+}
+
+func (c *Client) hold(ctx context.Context, s *settings, h held) *holding {
+	wctx, cancel := context.WithCancelCause(ctx)
+	return &holding{held: h, ctx: wctx, cancel: cancel, hb: c.startHeartbeat(ctx, h.k, h.fence, s.lease, cancel)}
+}
+
+// stop ends the heartbeat and returns the loss it saw, if any.
+func (h *holding) stop() error {
+	lost := h.hb.stop()
+	h.cancel(nil)
+	return lost
+}
+
+// settle records the decisions of work done under hs, within the
+// bookkeeping timeout even when ctx has ended: the results in one Complete,
+// or for several claims in as few BatchCompletes as the limits allow; the
+// releases one by one. A claim whose heartbeat reported it lost is not
+// released (the key is someone else's now): its error is the loss. A failed
+// release is logged and not returned, since the key frees itself when its
+// lease ends. It returns, per claim, the stored record and the error of its
+// bookkeeping.
+func (c *Client) settle(ctx context.Context, s *settings, hs []held, ds []decision, lost []error) ([]Record, []error) {
+	bctx, cancel := s.bookkeeping(ctx)
+	defer cancel()
+	bctx = registryContext(bctx)
+	recs, errs := make([]Record, len(hs)), make([]error, len(hs))
+	var completes []int
+	for i, d := range ds {
+		switch {
+		case !d.release:
+			completes = append(completes, i)
+		case lost[i] != nil && !errors.Is(lost[i], ErrLeaseTotalExceeded):
+			errs[i] = lost[i]
+		default:
+			if _, err := c.Release(bctx, hs[i].k, hs[i].fence); err != nil {
+				c.logger.WarnContext(ctx, "idemreg: release after the work failed; the key frees when its lease ends",
+					"consumer", hs[i].k.Consumer, "error", err)
+			}
+		}
+	}
+	if len(completes) == 1 {
+		i := completes[0]
+		recs[i], errs[i] = c.complete(bctx, hs[i].k, hs[i].fence, ds[i].result)
+		return recs, errs
+	}
+	ps := make([]CompleteParams, len(completes))
+	for j, i := range completes {
+		ps[j] = CompleteParams{Key: hs[i].k, Fence: hs[i].fence, Result: ds[i].result}
+	}
+	for j, r := range c.completeBatch(bctx, ps) {
+		recs[completes[j]], errs[completes[j]] = r.Record, r.Err
+	}
+	return recs, errs
+}
+
 // complete stores r, retrying while the registry is unavailable: repeating
 // a Complete with the same token is safe, and the work it records is done.
 func (c *Client) complete(ctx context.Context, k Key, f Fence, r Result) (Record, error) {
@@ -204,5 +323,40 @@ func (c *Client) complete(ctx context.Context, k Key, f Fence, r Result) (Record
 			return rec, err
 		}
 		delay = min(2*delay, DefaultBackoff.Max)
+	}
+}
+
+// completeBatch is complete for many claims: BatchComplete, repeating the
+// items (or the whole call) the registry could not take while it is
+// unavailable.
+func (c *Client) completeBatch(ctx context.Context, ps []CompleteParams) []BatchCompleteResult {
+	out := make([]BatchCompleteResult, len(ps))
+	todo := make([]int, len(ps))
+	for i := range todo {
+		todo[i] = i
+	}
+	delay := DefaultBackoff.Initial
+	for {
+		req := make([]CompleteParams, len(todo))
+		for j, i := range todo {
+			req[j] = ps[i]
+		}
+		rs, err := c.BatchComplete(ctx, req)
+		var again []int
+		var last error
+		for j, i := range todo {
+			r := BatchCompleteResult{Err: err}
+			if err == nil {
+				r = rs[j]
+			}
+			out[i] = r
+			if ue := (*UnavailableError)(nil); errors.As(r.Err, &ue) {
+				again, last = append(again, i), r.Err
+			}
+		}
+		if len(again) == 0 || !sleepCtx(ctx, retryWait(delay, last)) {
+			return out
+		}
+		todo, delay = again, min(2*delay, DefaultBackoff.Max)
 	}
 }

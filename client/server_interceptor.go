@@ -45,8 +45,8 @@ import (
 // Options: WithMethods, WithMethodFilter, WithConsumer, WithFingerprint,
 // WithRetryable, WithMissingKey, WithRegistryUnavailable, WithLease,
 // WithRetention, WithWaitInProgress, WithBookkeepingTimeout.
-func UnaryServerInterceptor(c *Client, opts ...Option) grpc.UnaryServerInterceptor {
-	s := newSettings(DefaultServerMissingKey, opts)
+func UnaryServerInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryServerInterceptor {
+	s := interceptorSettings(DefaultServerMissingKey, opts)
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		method := info.FullMethod
 		if !s.selected(method) {
@@ -87,23 +87,15 @@ func UnaryServerInterceptor(c *Client, opts ...Option) grpc.UnaryServerIntercept
 			return nil, status.Errorf(codes.Internal, "idempotency interceptor: unexpected claim outcome %v", cl.Outcome)
 		}
 
-		hb := c.startHeartbeat(ctx, k, cl.Fence(), s.lease, nil)
-		panicked := true
-		defer func() {
-			if panicked {
-				_ = hb.stop()
-				c.releaseAfterPanic(ctx, s, k, cl.Fence())
-			}
-		}()
-		resp, herr := handler(ctx, req)
-		panicked = false
-		_ = hb.stop()
-		respMsg, ok := resp.(proto.Message)
-		if herr == nil && !ok {
-			c.releaseAfterPanic(ctx, s, k, cl.Fence())
-			return resp, herr
-		}
-		c.finish(ctx, s, k, cl.Fence(), herr, respMsg)
+		var (
+			resp any
+			herr error
+		)
+		c.runClaimed(ctx, s, k, cl, func() (proto.Message, error) {
+			resp, herr = handler(ctx, req)
+			m, _ := resp.(proto.Message)
+			return m, herr
+		})
 		return resp, herr
 	}
 }

@@ -42,7 +42,7 @@ func recoverPanics(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next g
 	return next(ctx, req)
 }
 
-func newService(t *testing.T, opts ...client.Option) *serviceEnv {
+func newService(t *testing.T, opts ...client.InterceptorOption) *serviceEnv {
 	t.Helper()
 	reg := registrytest.Start(t)
 	c, obs := observedClient(t, reg)
@@ -142,7 +142,7 @@ func TestServerInterceptorReleasesOnRetryableErrors(t *testing.T) {
 func TestServerInterceptorInProgress(t *testing.T) {
 	for _, wait := range []bool{false, true} {
 		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
-			var opts []client.Option
+			var opts []client.InterceptorOption
 			if wait {
 				opts = append(opts, client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond}))
 			}
@@ -172,11 +172,14 @@ func TestServerInterceptorInProgress(t *testing.T) {
 				second := make(chan error, 1)
 				var header metadata.MD
 				go func() { _, err := charge(ctx, e.conn, "10 EUR", grpc.Header(&header)); second <- err }()
-				e.obs.waitInProgress(t, 2)
+				// The duplicate's Claim is on its way: the registry holds it
+				// until the first request's response is stored.
+				e.obs.waitSent(t, "Claim", 2)
 				close(release)
 				require.NoError(t, recv(t, first))
-				require.NoError(t, recv(t, second))
+				require.NoError(t, recv(t, second), "the duplicate gets the first response, not ABORTED")
 				require.Equal(t, []string{"true"}, header.Get(client.ReplayedHeader))
+				require.Zero(t, e.obs.inProgressAnswers(), "the registry waited: no Claim answered IN_PROGRESS to be polled again")
 			}
 			require.EqualValues(t, 1, e.down.calls.Load())
 		})

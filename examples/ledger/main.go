@@ -1,6 +1,7 @@
 // Command ledger is an inbox-style JetStream consumer: it applies payment
 // messages to a PostgreSQL ledger exactly once in effect, through
-// client.Once and a write fenced by the claim's token. Run several of them
+// client.OnceBatch on fetched batches and a write fenced by the claim's
+// token. Run several of them
 // on one durable consumer, kill any of them at any point: every payment
 // ends up in the ledger once.
 //
@@ -52,8 +53,8 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&c.subject, "subject", "payments.>", "subject of the payment messages")
 	fs.StringVar(&c.durable, "durable", "ledger", "durable consumer name, shared by every replica")
 	fs.StringVar(&c.name, "name", fmt.Sprintf("%s/%d", host, os.Getpid()), "this replica's name, in the registry and the ledger")
-	fs.IntVar(&c.workers, "workers", 4, "messages handled at once")
-	fs.IntVar(&c.batch, "batch", 16, "messages pulled ahead")
+	fs.IntVar(&c.workers, "workers", 4, "batches handled at once")
+	fs.IntVar(&c.batch, "batch", 16, "messages fetched in one batch")
 	fs.DurationVar(&c.lease, "lease", 5*time.Second, "idemreg lease: how long a crashed replica blocks a payment")
 	fs.DurationVar(&c.ackWait, "ack-wait", 5*time.Second, "JetStream ack wait: how soon a crashed replica's messages are redelivered")
 	fs.DurationVar(&c.slow, "slow", 0, "demo: pause after each ledger write")
@@ -120,38 +121,43 @@ func run(ctx context.Context, cfg config, logger *slog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("jetstream consumer: %w", err)
 	}
-	msgs, err := cons.Messages(jetstream.PullMaxMessages(cfg.batch))
-	if err != nil {
-		return err
-	}
 	logger.Info("consuming", "stream", cfg.stream, "durable", cfg.durable)
 
 	h := &handler{cfg: cfg, reg: reg, ledger: ledger, logger: logger}
-	work := make(chan jetstream.Msg)
 	var wg sync.WaitGroup
 	for range cfg.workers {
 		wg.Go(func() {
-			for msg := range work {
-				h.handle(ctx, msg)
+			for ctx.Err() == nil {
+				// A short wait, so that a stop is noticed between fetches.
+				batch, err := cons.Fetch(cfg.batch, jetstream.FetchMaxWait(time.Second))
+				if err != nil {
+					logger.Warn("fetching messages", "error", err)
+					sleep(ctx, time.Second)
+					continue
+				}
+				var msgs []jetstream.Msg
+				for msg := range batch.Messages() {
+					msgs = append(msgs, msg)
+				}
+				if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
+					logger.Warn("fetching messages", "error", err) // what came before it is handled
+				}
+				h.handle(ctx, msgs)
 			}
 		})
 	}
-	for {
-		msg, err := msgs.Next(jetstream.NextContext(ctx))
-		if ctx.Err() != nil || errors.Is(err, jetstream.ErrMsgIteratorClosed) {
-			break
-		}
-		if err != nil {
-			logger.Warn("pulling messages", "error", err) // such as a missed heartbeat; the iterator recovers
-			continue
-		}
-		work <- msg
-	}
-	msgs.Stop()
-	close(work)
 	wg.Wait()
 	logger.Info("stopped")
 	return nil
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
 }
 
 // ensureStream creates the stream when it is missing.
@@ -170,19 +176,33 @@ type handler struct {
 	logger *slog.Logger
 }
 
-// handle applies one message through Once and acknowledges it when its
-// outcome is recorded: applied now, applied before (a replay), or refused
-// for good (a final failure, replayed to every duplicate). Anything else is
-// redelivered.
-func (h *handler) handle(ctx context.Context, msg jetstream.Msg) {
-	p, err := decodePayment(msg.Data())
-	if err != nil {
-		// Without an id there is no key to de-duplicate on: park it.
-		h.logger.Warn("undecodable message terminated", "error", err)
-		_ = msg.Term()
+// handle applies a fetched batch through OnceBatch (one BatchClaim, one
+// BatchComplete) and acknowledges each message once its outcome is
+// recorded: applied now, applied before (a replay, or the same payment
+// earlier in the batch), or refused for good (a final failure, replayed to
+// every duplicate). Anything else is redelivered.
+func (h *handler) handle(ctx context.Context, msgs []jetstream.Msg) {
+	var (
+		todo     []jetstream.Msg
+		payments []Payment
+		batch    []client.BatchMessage
+	)
+	for _, msg := range msgs {
+		p, err := decodePayment(msg.Data())
+		if err != nil {
+			// Without an id there is no key to de-duplicate on: park it.
+			h.logger.Warn("undecodable message terminated", "error", err)
+			_ = msg.Term()
+			continue
+		}
+		todo, payments = append(todo, msg), append(payments, p)
+		batch = append(batch, client.BatchMessage{ID: p.ID, Fingerprint: fingerprint(msg.Data())})
+	}
+	if len(batch) == 0 {
 		return
 	}
-	res, err := h.reg.Once(ctx, consumer, p.ID, func(ctx context.Context, a client.Attempt) ([]byte, error) {
+	results := h.reg.OnceBatch(ctx, consumer, batch, func(ctx context.Context, i int, a client.Attempt) ([]byte, error) {
+		p := payments[i]
 		if err := p.validate(); err != nil {
 			return nil, client.Final(err)
 		}
@@ -198,10 +218,16 @@ func (h *handler) handle(ctx context.Context, msg jetstream.Msg) {
 			time.Sleep(h.cfg.slow)
 		}
 		return nil, nil
-	}, client.WithLease(h.cfg.lease), client.WithMessageFingerprint(fingerprint(msg.Data())))
+	}, client.WithLease(h.cfg.lease))
 
+	for i, res := range results {
+		h.ack(todo[i], payments[i], res)
+	}
+}
+
+func (h *handler) ack(msg jetstream.Msg, p Payment, res client.BatchResult) {
 	var inProgress *client.InProgressError
-	switch {
+	switch err := res.Err; {
 	case err == nil:
 		h.logger.Info("payment done", "payment", p.ID, "applied", res.Ran, "replayed", res.Replayed)
 		_ = msg.Ack()

@@ -83,8 +83,9 @@ func (l *lossyNetwork) intercept(ctx context.Context, req any, _ *grpc.UnaryServ
 }
 
 // newProviderServer serves p with Stripe-like idempotency from the registry
-// reg: a Charge must carry an idempotency key, and a retried key replays the
-// first answer. dropEvery > 0 loses the reply of every dropEvery-th call.
+// reg: a Charge must carry an idempotency key, a retried key replays the
+// first answer, and a retry that arrives while the first runs gets the
+// first answer when it is ready. dropEvery > 0 loses the reply of every dropEvery-th call.
 func newProviderServer(p *Provider, reg *client.Client, dropEvery int64) (*grpc.Server, *lossyNetwork) {
 	lossy := &lossyNetwork{every: dropEvery}
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
@@ -93,6 +94,9 @@ func newProviderServer(p *Provider, reg *client.Client, dropEvery int64) (*grpc.
 			client.WithMethods(paymentsv1.PaymentService_Charge_FullMethodName),
 			client.WithMissingKey(client.MissingKeyReject),
 			client.WithConsumer("payments-provider.charges"),
+			// A retry arriving while the first Charge runs waits (up to its
+			// own deadline) for the first one's answer instead of ABORTED.
+			client.WithWaitInProgress(client.Backoff{}),
 		),
 	))
 	paymentsv1.RegisterPaymentServiceServer(srv, p)
