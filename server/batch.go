@@ -168,7 +168,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		}
 		wg.Wait()
 		for _, t := range todo {
-			t.u.created(t.d.res, t.d.err)
+			s.quotas.claimed(t.u, t.d.res, t.d.err)
 			res, err := s.claimResponse(ctx, "BatchClaim", key, t.p, t.d.res, t.d.err)
 			if err != nil {
 				fail(t.i, err)

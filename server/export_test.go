@@ -27,3 +27,8 @@ func QuotaUsage(srv *Server, consumer string) (records, bytes int64, ok bool) {
 	u := v.(*usage)
 	return u.records(), u.bytes(), true
 }
+
+// WithoutQuotaWake keeps srv's refresh loop from counting a consumer as
+// soon as it is first seen, so that a test's counts come from its own
+// RefreshQuotas calls alone. Call it before Serve.
+func WithoutQuotaWake(srv *Server) { srv.svc.quotas.wake = nil }

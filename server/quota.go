@@ -33,12 +33,13 @@ import (
 //     and Complete, Release and Extend keep working.
 //
 // The quota is soft. A consumer seen for the first time counts as empty
-// until the refresh that follows at once; Claims on other replicas are
-// known here only at the next refresh; Claims decided at the same time all
-// see the same count. So a consumer may overshoot by the new keys it
-// Claims, through the other replicas, in one refresh interval, plus those
-// in flight at once; never by more than that, since each refresh counts
-// what the store holds. The count is the database's, shared by every
+// until the refresh its first Claim asks for answers; Claims on other
+// replicas are known here only at the next refresh; Claims decided at the
+// same time all see the same count (a BatchClaim's items too); a Claim that
+// commits while a refresh counts may be missed until the next one. So a
+// consumer may overshoot by the new keys it Claims through the other
+// replicas in one refresh interval, plus those in flight at once; not for
+// longer, since each refresh counts what the store holds. The count is the database's, shared by every
 // replica on it. max_bytes is checked at Claim time only: the Complete that
 // stores a large result is never refused, so a consumer may pass max_bytes
 // by the results of the records it holds in progress.
@@ -66,6 +67,7 @@ type quotas struct {
 	consumers sync.Map // consumer → *usage
 	n         atomic.Int64
 	// wake asks the loop for a refresh now: a consumer was seen first.
+	// Nil in tests that refresh by hand (a send to it never happens).
 	wake chan struct{}
 	// refreshMu serialises refreshes, so that the last one to start is the
 	// last one to apply its count.
@@ -82,6 +84,9 @@ type quotas struct {
 type usage struct {
 	baseRecords, baseBytes   atomic.Int64
 	addedRecords, addedBytes atomic.Int64
+	// uncounted is set until the first Claim that saw the consumer asked
+	// for a refresh.
+	uncounted atomic.Bool
 }
 
 func (u *usage) records() int64 { return u.baseRecords.Load() + u.addedRecords.Load() }
@@ -155,20 +160,29 @@ func (q *quotas) follow(consumer string) *usage {
 		}
 		return nil
 	}
-	v, loaded := q.consumers.LoadOrStore(consumer, &usage{})
+	fresh := &usage{}
+	fresh.uncounted.Store(true)
+	v, loaded := q.consumers.LoadOrStore(consumer, fresh)
 	if !loaded {
 		q.n.Add(1)
+	}
+	return v.(*usage)
+}
+
+// claimed is called once the store answered a Claim admitted with u: it
+// adds the record the Claim created, if it did, and asks for a count of a
+// consumer seen for the first time, now that its Claim is in the store.
+func (q *quotas) claimed(u *usage, res storage.ClaimResult, err error) {
+	if u == nil {
+		return
+	}
+	if u.uncounted.Load() && u.uncounted.Swap(false) {
 		select { // count it soon rather than at the next tick
 		case q.wake <- struct{}{}:
 		default:
 		}
 	}
-	return v.(*usage)
-}
-
-// created adds the record a Claim created, if it did, to u.
-func (u *usage) created(res storage.ClaimResult, err error) {
-	if u == nil || err != nil || res.Outcome != storage.OutcomeAcquired || res.Repeated || res.Record.Attempt != 1 {
+	if err != nil || res.Outcome != storage.OutcomeAcquired || res.Repeated || res.Record.Attempt != 1 {
 		return
 	}
 	u.addedRecords.Add(1)

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -43,11 +45,30 @@ consumers:
   - {prefix: quota.p., max_records: 1}
 `
 
-// quotaConfig refreshes only when asked to (RefreshQuotas) or when a
-// consumer is first seen, so that every count the tests check is the
-// store's after the calls before it.
+// quotaConfig, with serveQuota, refreshes only when a test asks
+// (RefreshQuotas), so that every count a test checks is the store's after
+// the calls before it.
 func quotaConfig(t *testing.T) server.Config {
 	return server.Config{File: quotaFile(t, quotaDoc), QuotaRefresh: time.Hour}
+}
+
+// serveQuota is servertest.Serve with a server that counts usage only
+// when the test calls RefreshQuotas.
+func serveQuota(t *testing.T, store storage.Store, cfg server.Config) (idemregv1.RegistryServiceClient, *server.Server) {
+	t.Helper()
+	srv, err := server.New(store, cfg)
+	require.NoError(t, err)
+	server.WithoutQuotaWake(srv)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, lis) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	return idemregv1.NewRegistryServiceClient(servertest.Dial(t, lis.Addr().String())), srv
 }
 
 func quotaClaim(consumer, key string) *idemregv1.ClaimRequest {
@@ -91,8 +112,7 @@ func TestQuotaRecords(t *testing.T) {
 		t.Run(b.name, func(t *testing.T) {
 			ctx := t.Context()
 			clock := &storagetest.Clock{}
-			addr, srv := servertest.Serve(t, b.open(t, clock), quotaConfig(t))
-			c := idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))
+			c, srv := serveQuota(t, b.open(t, clock), quotaConfig(t))
 
 			var held []*idemregv1.ClaimResponse
 			for _, k := range []string{"k1", "k2", "k3"} {
@@ -170,8 +190,7 @@ func TestQuotaBytes(t *testing.T) {
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			ctx := t.Context()
-			addr, srv := servertest.Serve(t, b.open(t, &storagetest.Clock{}), quotaConfig(t))
-			c := idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))
+			c, srv := serveQuota(t, b.open(t, &storagetest.Clock{}), quotaConfig(t))
 
 			first := requireAcquired(t, c, "quota.bytes", "b1")
 			require.NoError(t, server.RefreshQuotas(ctx, srv))
@@ -211,8 +230,7 @@ func TestQuotaAcrossReplicas(t *testing.T) {
 		s, err := postgres.Open(ctx, db)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = s.Close() })
-		addr, srv := servertest.Serve(t, s, quotaConfig(t))
-		return idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr)), srv
+		return serveQuota(t, s, quotaConfig(t))
 	}
 	a, srvA := replica()
 	b, srvB := replica()
@@ -241,8 +259,7 @@ func TestQuotaRefreshFailureKeepsUsage(t *testing.T) {
 			cfg := quotaConfig(t)
 			cfg.Logger = jsonLogger(&logs)
 			store := b.open(t, &storagetest.Clock{})
-			addr, srv := servertest.Serve(t, store, cfg)
-			c := idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))
+			c, srv := serveQuota(t, store, cfg)
 			for _, k := range []string{"k1", "k2", "k3"} {
 				requireAcquired(t, c, "quota.a", k)
 			}
@@ -290,4 +307,59 @@ func TestQuotaRefreshLoop(t *testing.T) {
 	var stacks strings.Builder
 	require.NoError(t, pprof.Lookup("goroutine").WriteTo(&stacks, 1))
 	require.NotContains(t, stacks.String(), "(*quotas).run")
+}
+
+// TestQuotaCountedWhenFirstSeen: a consumer Claiming for the first time on
+// a replica is counted at once, not at the next QuotaRefresh (here an
+// hour away).
+func TestQuotaCountedWhenFirstSeen(t *testing.T) {
+	addr, srv := servertest.Serve(t, memStore(t), quotaConfig(t))
+	c := idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))
+	requireAcquired(t, c, "quota.a", "k1")
+	require.Eventually(t, func() bool {
+		n, _, _ := server.QuotaRefreshes(srv)
+		return n >= 1
+	}, time.Minute, time.Millisecond)
+	records, _, ok := server.QuotaUsage(srv, "quota.a")
+	require.True(t, ok)
+	require.EqualValues(t, 1, records)
+}
+
+// TestQuotaCost: Claims of consumers under their quota, or without one,
+// make no store call but their Claim; only a consumer at its quota pays a
+// Lookup per Claim, and a refused one makes no Claim. The replica counts
+// its own new keys between refreshes, so it needs none to refuse here.
+func TestQuotaCost(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	cfg := quotaConfig(t)
+	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	c, _ := serveQuota(t, memStore(t), cfg)
+	ops := func() map[string]uint64 {
+		var rm metricdata.ResourceMetrics
+		require.NoError(t, reader.Collect(t.Context(), &rm))
+		out := map[string]uint64{}
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if h, ok := m.Data.(metricdata.Histogram[float64]); ok && m.Name == server.MetricStoreDuration {
+					for _, dp := range h.DataPoints {
+						op, _ := dp.Attributes.Value("op")
+						out[op.AsString()] += dp.Count
+					}
+				}
+			}
+		}
+		return out
+	}
+	for _, k := range []string{"k1", "k2", "k3"} {
+		requireAcquired(t, c, "quota.a", k)
+		requireAcquired(t, c, "quota.other", k)
+	}
+	require.Equal(t, map[string]uint64{"claim": 6}, ops(), "under its quota or without one, a Claim is one store call")
+
+	_, err := c.Claim(t.Context(), quotaClaim("quota.a", "k4"))
+	requireQuotaExceeded(t, err, "quota.a")
+	require.Equal(t, map[string]uint64{"claim": 6, "lookup": 1}, ops(), "refused after one Lookup, without a Claim")
+	_, err = c.Claim(t.Context(), quotaClaim("quota.a", "k1"))
+	require.NoError(t, err)
+	require.Equal(t, map[string]uint64{"claim": 7, "lookup": 2}, ops())
 }

@@ -103,7 +103,7 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
 	res, err := s.claim(ctx, p, wait)
-	u.created(res, err)
+	s.quotas.claimed(u, res, err)
 	return s.claimResponse(ctx, "Claim", key, p, res, err)
 }
 
