@@ -363,3 +363,40 @@ func TestQuotaCost(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, map[string]uint64{"claim": 7, "lookup": 2}, ops())
 }
+
+// TestQuotaReload: a reload that removes a consumer's quota lifts it at
+// once, and the next refresh stops following the consumer; one that adds
+// a quota applies from the consumer's next Claim.
+func TestQuotaReload(t *testing.T) {
+	ctx := t.Context()
+	path := filepath.Join(t.TempDir(), "idemreg.yaml")
+	write := func(doc string) {
+		tmp := path + ".next"
+		require.NoError(t, os.WriteFile(tmp, []byte(doc), 0o600))
+		require.NoError(t, os.Rename(tmp, path))
+	}
+	write("consumers:\n  - {name: quota.r, max_records: 1}\n")
+	src, err := configfile.Open(path, server.DefaultLimits().Policy())
+	require.NoError(t, err)
+	c, srv := serveQuota(t, memStore(t), server.Config{File: src, QuotaRefresh: time.Hour})
+
+	requireAcquired(t, c, "quota.r", "k1")
+	requireAcquired(t, c, "quota.s", "k1")
+	require.NoError(t, server.RefreshQuotas(ctx, srv))
+	_, err = c.Claim(ctx, quotaClaim("quota.r", "k2"))
+	requireQuotaExceeded(t, err, "quota.r")
+
+	write("consumers:\n  - {name: quota.s, max_records: 1}\n")
+	_, err = src.Reload()
+	require.NoError(t, err)
+	requireAcquired(t, c, "quota.r", "k2")
+	require.NoError(t, server.RefreshQuotas(ctx, srv))
+	_, _, followed := server.QuotaUsage(srv, "quota.r")
+	require.False(t, followed, "a consumer without a quota is not counted")
+	_, err = c.Claim(ctx, quotaClaim("quota.s", "k2")) // now seen with a quota
+	require.NoError(t, err, "counted as empty until its first count")
+	require.NoError(t, server.RefreshQuotas(ctx, srv))
+	_, err = c.Claim(ctx, quotaClaim("quota.s", "k3"))
+	v := requireQuotaExceeded(t, err, "quota.s")
+	require.Contains(t, v.GetDescription(), "2 known")
+}
