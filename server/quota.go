@@ -66,9 +66,12 @@ type quotas struct {
 
 	consumers sync.Map // consumer → *usage
 	n         atomic.Int64
-	// wake asks the loop for a refresh now: a consumer was seen first.
-	// Nil in tests that refresh by hand (a send to it never happens).
-	wake chan struct{}
+	// wake asks the loop to count the consumers of fresh now: they were
+	// seen first. Nil in tests that refresh by hand (a send to it never
+	// happens).
+	wake    chan struct{}
+	freshMu sync.Mutex
+	fresh   []string
 	// refreshMu serialises refreshes, so that the last one to start is the
 	// last one to apply its count.
 	refreshMu         sync.Mutex
@@ -79,9 +82,10 @@ type quotas struct {
 }
 
 // usage is what a replica knows of one consumer: the store's count at the
-// last refresh (less what was added here before it started) plus what this
-// replica added since. Adding never takes a lock.
+// last refresh, less what this replica had added when it applied it, plus
+// what this replica added. Adding never takes a lock.
 type usage struct {
+	name                     string
 	baseRecords, baseBytes   atomic.Int64
 	addedRecords, addedBytes atomic.Int64
 	// uncounted is set until the first Claim that saw the consumer asked
@@ -160,9 +164,9 @@ func (q *quotas) follow(consumer string) *usage {
 		}
 		return nil
 	}
-	fresh := &usage{}
-	fresh.uncounted.Store(true)
-	v, loaded := q.consumers.LoadOrStore(consumer, fresh)
+	seen := &usage{name: consumer}
+	seen.uncounted.Store(true)
+	v, loaded := q.consumers.LoadOrStore(consumer, seen)
 	if !loaded {
 		q.n.Add(1)
 	}
@@ -176,8 +180,14 @@ func (q *quotas) claimed(u *usage, res storage.ClaimResult, err error) {
 	if u == nil {
 		return
 	}
-	if u.uncounted.Load() && u.uncounted.Swap(false) {
-		select { // count it soon rather than at the next tick
+	if u.uncounted.Load() && u.uncounted.Swap(false) && q.wake != nil {
+		// Count it soon rather than at the next tick: it and the others
+		// seen first meanwhile, not every consumer, so that a burst of
+		// new consumers (after a restart) costs one count of theirs.
+		q.freshMu.Lock()
+		q.fresh = append(q.fresh, u.name)
+		q.freshMu.Unlock()
+		select {
 		case q.wake <- struct{}{}:
 		default:
 		}
@@ -217,6 +227,22 @@ func (q *quotas) refresh(ctx context.Context) error {
 		names = append(names, name)
 		return true
 	})
+	return q.count(ctx, names)
+}
+
+// refreshFresh counts the consumers seen first since the last call.
+func (q *quotas) refreshFresh(ctx context.Context) error {
+	q.freshMu.Lock()
+	names := q.fresh
+	q.fresh = nil
+	q.freshMu.Unlock()
+	q.refreshMu.Lock()
+	defer q.refreshMu.Unlock()
+	return q.count(ctx, names)
+}
+
+// count sets the usage of names from the store's count; refreshMu held.
+func (q *quotas) count(ctx context.Context, names []string) error {
 	if len(names) == 0 {
 		q.refreshed.Add(1)
 		return nil
@@ -259,10 +285,13 @@ func (q *quotas) run(ctx context.Context, interval time.Duration) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+			rctx, cancel := context.WithTimeout(ctx, interval)
+			_ = q.refresh(rctx) // logged; the usage last known stays
+			cancel()
 		case <-q.wake:
+			rctx, cancel := context.WithTimeout(ctx, interval)
+			_ = q.refreshFresh(rctx)
+			cancel()
 		}
-		rctx, cancel := context.WithTimeout(ctx, interval)
-		_ = q.refresh(rctx) // logged; the usage last known stays
-		cancel()
 	}
 }
