@@ -1,6 +1,8 @@
 package client_test
 
 import (
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -12,6 +14,7 @@ import (
 	"github.com/idemreg/idemreg/client"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/servertest"
 	"github.com/idemreg/idemreg/storage/pebble"
 )
@@ -58,4 +61,30 @@ rate_limits:
 	require.Equal(t, client.ReasonRateLimited, e.Reason)
 	require.Greater(t, e.RetryAfter, time.Duration(0), "RATE_LIMITED carries the delay from RetryInfo")
 	require.Equal(t, codes.ResourceExhausted, status.Code(err))
+}
+
+// TestQuotaError: a Claim of a new key for a consumer at its quota comes
+// back as ErrQuotaExceeded, from a real server with a quota in its config.
+func TestQuotaError(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idemreg.yaml")
+	require.NoError(t, os.WriteFile(path, []byte("consumers:\n  - {name: quota.c, max_records: 1}\n"), 0o600))
+	src, err := configfile.Open(path, server.DefaultLimits().Policy())
+	require.NoError(t, err)
+	store, err := pebble.Open(t.TempDir(), pebble.WithInMemory())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	c := client.New(servertest.Start(t, store, server.Config{File: src}))
+	key := func(k string) client.ClaimParams {
+		return client.ClaimParams{Key: client.Key{Consumer: "quota.c", Kind: client.KindOperation, Key: k}}
+	}
+	_, err = c.Claim(t.Context(), key("k-1"))
+	require.NoError(t, err)
+	_, err = c.Claim(t.Context(), key("k-2"))
+	require.ErrorIs(t, err, client.ErrQuotaExceeded)
+	var e *client.Error
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, client.ReasonQuotaExceeded, e.Reason)
+	require.Equal(t, codes.ResourceExhausted, status.Code(err))
+	_, err = c.Claim(t.Context(), key("k-1"))
+	require.NoError(t, err, "its live key still works")
 }

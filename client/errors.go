@@ -28,13 +28,17 @@ const (
 	// hold the key past the consumer's max_lease_total since the attempt
 	// began; the metadata's lease_not_after is the latest a lease may end.
 	ReasonLeaseTotalExceeded = "LEASE_TOTAL_EXCEEDED"
-	ReasonNotFound           = "NOT_FOUND"
-	ReasonStoreUnavailable   = "STORE_UNAVAILABLE"
-	ReasonDeadlineExceeded   = "DEADLINE_EXCEEDED"
-	ReasonCanceled           = "CANCELED"
-	ReasonInternal           = "INTERNAL"
-	ReasonUnauthenticated    = "UNAUTHENTICATED"
-	ReasonPermissionDenied   = "PERMISSION_DENIED"
+	// ReasonQuotaExceeded (code RESOURCE_EXHAUSTED, with QuotaFailure): a
+	// Claim of a new key for a consumer at its max_records or max_bytes;
+	// Claims of its live keys still work.
+	ReasonQuotaExceeded    = "QUOTA_EXCEEDED"
+	ReasonNotFound         = "NOT_FOUND"
+	ReasonStoreUnavailable = "STORE_UNAVAILABLE"
+	ReasonDeadlineExceeded = "DEADLINE_EXCEEDED"
+	ReasonCanceled         = "CANCELED"
+	ReasonInternal         = "INTERNAL"
+	ReasonUnauthenticated  = "UNAUTHENTICATED"
+	ReasonPermissionDenied = "PERMISSION_DENIED"
 	// ReasonRateLimited (code RESOURCE_EXHAUSTED, with QuotaFailure and
 	// RetryInfo): the consumer's or the identity's rate limit was reached.
 	ReasonRateLimited = "RATE_LIMITED"
@@ -74,7 +78,11 @@ var (
 	// consumer's max_lease_total for this attempt; the lease in force is
 	// unchanged, so finish (or Release) before it ends.
 	ErrLeaseTotalExceeded = errors.New("idemreg: the lease would run past the most one attempt may hold the key")
-	ErrNotFound           = errors.New("idemreg: no live record for the key")
+	// ErrQuotaExceeded: the consumer is at its quota of live records or
+	// bytes, so the registry takes no new key for it until some of its
+	// records expire; retrying soon does not help.
+	ErrQuotaExceeded = errors.New("idemreg: the consumer is at its quota of records")
+	ErrNotFound      = errors.New("idemreg: no live record for the key")
 	// ErrUnavailable: the registry or its store cannot answer now. The error
 	// is an *UnavailableError carrying the suggested retry delay.
 	ErrUnavailable      = errors.New("idemreg: registry unavailable")
@@ -105,6 +113,7 @@ var sentinelByReason = map[string]error{
 	ReasonLeaseLost:           ErrLeaseLost,
 	ReasonAlreadyCompleted:    ErrAlreadyCompleted,
 	ReasonLeaseTotalExceeded:  ErrLeaseTotalExceeded,
+	ReasonQuotaExceeded:       ErrQuotaExceeded,
 	ReasonNotFound:            ErrNotFound,
 	ReasonStoreUnavailable:    ErrUnavailable,
 	ReasonRegistryUnavailable: ErrUnavailable,

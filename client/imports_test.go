@@ -84,6 +84,8 @@ func TestReasonsMatchServer(t *testing.T) {
 		client.ReasonRateLimited:         server.ReasonRateLimited,
 		client.ReasonOverloaded:          server.ReasonOverloaded,
 		client.ReasonTooManyCalls:        server.ReasonTooManyCalls,
+		client.ReasonQuotaExceeded:       server.ReasonQuotaExceeded,
+		client.ReasonLeaseTotalExceeded:  server.ReasonLeaseTotalExceeded,
 	} {
 		require.Equal(t, want, got)
 	}

@@ -114,6 +114,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		p    storage.ClaimParams
 		wait time.Duration
 		d    decision
+		u    *usage
 	}
 	var todo []*pending
 	// A key named more than once does not wait: a later item on it is
@@ -135,7 +136,14 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		if named[p.Key] > 1 {
 			wait = 0
 		}
-		todo = append(todo, &pending{i: i, p: p, wait: wait})
+		// Each item's quota on its own, before the store: a refused item
+		// is that item's answer, as its unary Claim's would be.
+		u, err := s.quotas.admit(ctx, s.store, s.policyFor(ctx, p.Consumer), p.Key)
+		if err != nil {
+			fail(i, s.toStatus(ctx, "BatchClaim", p.Key, err))
+			continue
+		}
+		todo = append(todo, &pending{i: i, p: p, wait: wait, u: u})
 	}
 	if len(todo) > 0 {
 		key, err := s.secrets.load(ctx)
@@ -169,6 +177,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		}
 		wg.Wait()
 		for _, t := range todo {
+			s.quotas.claimed(t.u, t.d.res, t.d.err)
 			res, err := s.claimResponse(ctx, "BatchClaim", key, t.p, t.d.res, t.d.err)
 			if err != nil {
 				fail(t.i, err)
@@ -217,6 +226,7 @@ func (s *Service) BatchComplete(ctx context.Context, req *idemregv1.BatchComplet
 			fail(i, s.toStatus(ctx, "BatchComplete", p.Key, a.Err))
 			continue
 		}
+		s.quotas.completed(p)
 		s.waiters.notify(p.Key)
 		rec, err := toRecord(a.Record, true)
 		if err != nil {

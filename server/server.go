@@ -85,6 +85,11 @@ type Config struct {
 	// (DefaultWaitRecheck): their bound on how late a waiter wakes.
 	MaxWaiters  int
 	WaitRecheck time.Duration
+	// QuotaRefresh is how often the usage of the consumers with a quota
+	// (max_records, max_bytes) is counted in the store (DefaultQuotaRefresh;
+	// quota.go): the bound on how late a replica learns of the records
+	// other replicas created.
+	QuotaRefresh time.Duration
 	// MaxInFlight bounds the store operations in flight; a call beyond it
 	// fails at once with UNAVAILABLE, reason OVERLOADED (DefaultMaxInFlight).
 	MaxInFlight int
@@ -178,6 +183,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxRequestTimeout <= 0 {
 		c.MaxRequestTimeout = DefaultMaxRequestTimeout
+	}
+	if c.QuotaRefresh <= 0 {
+		c.QuotaRefresh = DefaultQuotaRefresh
 	}
 	if c.MaxInFlight <= 0 {
 		c.MaxInFlight = DefaultMaxInFlight
@@ -338,9 +346,11 @@ func (s *Server) GRPCServer() *grpc.Server { return s.grpc }
 func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	defer close(s.done)
 	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	var loops sync.WaitGroup
+	defer func() { cancel(); loops.Wait() }() // no loop outlives Serve
 	s.checkHealth(ctx)
 	go s.watchHealth(ctx)
+	loops.Go(func() { s.svc.quotas.run(ctx, s.cfg.QuotaRefresh) })
 
 	lis = s.limitConnections("grpc", lis)
 	served := make(chan error, 1)

@@ -28,8 +28,10 @@ type Service struct {
 	secrets  *claimSecrets
 	waiters  *waitHub
 	recheck  time.Duration // DefaultWaitRecheck
-	metrics  *metrics
-	logger   *slog.Logger
+	// quotas follow the usage of the consumers with a quota (quota.go).
+	quotas  *quotas
+	metrics *metrics
+	logger  *slog.Logger
 }
 
 // NewService returns the registry service. It fails when limits contradict
@@ -65,9 +67,12 @@ func newService(store, backend storage.Store, limits Limits, logger *slog.Logger
 	if perProcess {
 		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", backend))
 	}
-	return &Service{store: marginStore{store}, limits: limits, policies: policy.Static(set), secrets: secrets,
+	s := &Service{store: marginStore{store}, limits: limits, policies: policy.Static(set), secrets: secrets,
 		waiters: newWaitHub(cmp.Or(w.maxWaiters, DefaultMaxWaiters)), recheck: cmp.Or(w.recheck, DefaultWaitRecheck),
-		metrics: m, logger: logger}, nil
+		metrics: m, logger: logger}
+	// The backend counts usage: a count is not a request's store call.
+	s.quotas = newQuotas(backend, func() *policy.Set { return s.policies.Current() }, logger)
+	return s, nil
 }
 
 // policyFor returns the policy of consumer for the request of ctx: from the
@@ -89,11 +94,16 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 	}
 	// Read before the claim, so that no claim is acquired without an
 	// answer that proves it.
+	u, err := s.quotas.admit(ctx, s.store, s.policyFor(ctx, p.Consumer), p.Key)
+	if err != nil {
+		return nil, s.toStatus(ctx, "Claim", p.Key, err)
+	}
 	key, err := s.secrets.load(ctx)
 	if err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
 	res, err := s.claim(ctx, p, wait)
+	s.quotas.claimed(u, res, err)
 	return s.claimResponse(ctx, "Claim", key, p, res, err)
 }
 
@@ -129,6 +139,7 @@ func (s *Service) Complete(ctx context.Context, req *idemregv1.CompleteRequest) 
 	if err != nil {
 		return nil, err
 	}
+	s.quotas.completed(p)
 	s.waiters.notify(p.Key)
 	return &idemregv1.CompleteResponse{Record: rec}, nil
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -38,11 +40,14 @@ const (
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
 	ReasonLeaseTotalExceeded  = "LEASE_TOTAL_EXCEEDED"
-	ReasonNotFound            = "NOT_FOUND"
-	ReasonStoreUnavailable    = "STORE_UNAVAILABLE"
-	ReasonDeadlineExceeded    = "DEADLINE_EXCEEDED"
-	ReasonCanceled            = "CANCELED"
-	ReasonInternal            = "INTERNAL"
+	// QUOTA_EXCEEDED (code RESOURCE_EXHAUSTED, with QuotaFailure): a Claim
+	// of a new key for a consumer at its max_records or max_bytes (quota.go).
+	ReasonQuotaExceeded    = "QUOTA_EXCEEDED"
+	ReasonNotFound         = "NOT_FOUND"
+	ReasonStoreUnavailable = "STORE_UNAVAILABLE"
+	ReasonDeadlineExceeded = "DEADLINE_EXCEEDED"
+	ReasonCanceled         = "CANCELED"
+	ReasonInternal         = "INTERNAL"
 	// The middleware's own answers (auth.go, deadline.go, observe.go,
 	// bounds.go); MALFORMED_REQUEST (code INVALID_ARGUMENT): the request is
 	// not a valid protobuf encoding of its message (codec.go).
@@ -94,7 +99,27 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 	meta := keyMeta(k)
 	var share *shareExceeded
 	var total *leaseTotalExceeded
+	var quota *quotaExceeded
 	switch {
+	case errors.As(err, &quota):
+		var violations []*errdetails.QuotaFailure_Violation
+		var what []string
+		if quota.maxRecords > 0 {
+			meta["max_records"], meta["records"] = strconv.FormatInt(quota.maxRecords, 10), strconv.FormatInt(quota.records, 10)
+			d := fmt.Sprintf("at most %d live records (max_records of %s); %d known", quota.maxRecords, quota.source, quota.records)
+			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + quota.consumer, Description: d})
+			what = append(what, d)
+		}
+		if quota.maxBytes > 0 {
+			meta["max_bytes"], meta["bytes"] = strconv.FormatInt(quota.maxBytes, 10), strconv.FormatInt(quota.bytes, 10)
+			d := fmt.Sprintf("at most %d bytes of live records (max_bytes of %s); %d known", quota.maxBytes, quota.source, quota.bytes)
+			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + quota.consumer, Description: d})
+			what = append(what, d)
+		}
+		return newStatus(codes.ResourceExhausted, ReasonQuotaExceeded,
+			fmt.Sprintf("consumer %q is at its quota: %s; new keys are refused until its records expire, Claims of its live keys still work",
+				quota.consumer, strings.Join(what, "; ")), meta,
+			&errdetails.QuotaFailure{Violations: violations})
 	case errors.As(err, &total):
 		meta["max_lease_total"] = total.max.String()
 		meta["lease_not_after"] = total.notAfter.UTC().Format(time.RFC3339Nano)

@@ -48,6 +48,7 @@ type surfaceConfig struct {
 	MaxInFlightPerIdentity          int
 	MaxWaiters                      int
 	WaitRecheck                     time.Duration
+	QuotaRefresh                    time.Duration
 	StreamWorkers                   int
 	MaxConnectionAge                time.Duration
 	MaxConnectionIdle               time.Duration
@@ -68,6 +69,7 @@ func defaultSurface() surfaceConfig {
 		MaxInFlight:       server.DefaultMaxInFlight,
 		MaxWaiters:        server.DefaultMaxWaiters,
 		WaitRecheck:       server.DefaultWaitRecheck,
+		QuotaRefresh:      server.DefaultQuotaRefresh,
 		StreamWorkers:     server.DefaultStreamWorkers,
 		MaxConnectionAge:  ka.MaxConnectionAge,
 		MaxConnectionIdle: ka.MaxConnectionIdle,
@@ -95,6 +97,7 @@ func (s *surfaceConfig) bind(fs *flag.FlagSet) {
 	fs.IntVar(&s.MaxInFlightPerIdentity, "max-in-flight-per-identity", s.MaxInFlightPerIdentity, "most store operations at once of one identity of --config, so one tenant cannot take every slot (0: half of --max-in-flight; --max-in-flight turns it off)")
 	fs.IntVar(&s.MaxWaiters, "max-waiters", s.MaxWaiters, "most Claims waiting at once for a key in progress (ClaimRequest.wait); beyond it a Claim answers at once")
 	fs.DurationVar(&s.WaitRecheck, "wait-recheck", s.WaitRecheck, "how often a waiting Claim looks for changes made through other replicas: how late it may wake for them")
+	fs.DurationVar(&s.QuotaRefresh, "quota-refresh", s.QuotaRefresh, "how often the live records and bytes of the consumers with a quota (max_records, max_bytes in --config) are counted in the store: how late a replica learns of other replicas' new keys")
 	fs.IntVar(&s.StreamWorkers, "stream-workers", s.StreamWorkers, "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
 	fs.DurationVar(&s.MaxConnectionAge, "max-connection-age", s.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
 	fs.DurationVar(&s.MaxConnectionIdle, "max-connection-idle", s.MaxConnectionIdle, "close client connections that have had no call for this long")
@@ -152,6 +155,9 @@ func (s *surfaceConfig) validate(listen string) []error {
 	}
 	if s.WaitRecheck < time.Millisecond || s.WaitRecheck > server.MaxWait {
 		errs = append(errs, fmt.Errorf("--wait-recheck must be between 1ms and %v, got %v", server.MaxWait, s.WaitRecheck))
+	}
+	if s.QuotaRefresh < time.Second {
+		errs = append(errs, fmt.Errorf("--quota-refresh must be at least 1s (each refresh counts every record of the consumers with a quota), got %v", s.QuotaRefresh))
 	}
 	if s.StreamWorkers < 0 {
 		errs = append(errs, fmt.Errorf("--stream-workers must not be negative, got %d", s.StreamWorkers))
@@ -263,6 +269,7 @@ func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config,
 		MaxInFlightPerIdentity: sc.MaxInFlightPerIdentity,
 		MaxWaiters:             sc.MaxWaiters,
 		WaitRecheck:            sc.WaitRecheck,
+		QuotaRefresh:           sc.QuotaRefresh,
 		StreamWorkers:          cmp.Or(sc.StreamWorkers, -1),
 		DrainDelay:             sc.DrainDelay,
 		ShutdownTimeout:        sc.ShutdownTimeout,

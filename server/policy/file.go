@@ -20,6 +20,8 @@ import (
 //	  max_lease_total:     24h         # one attempt's Claim and Extends together
 //	  message_retention:   {default: 7d,  min: 1h, max: 30d}
 //	  operation_retention: {default: 24h, min: 1m, max: 30d}
+//	  max_records:         1000000     # quotas of each consumer (0: none, the default)
+//	  max_bytes:           1073741824
 //	consumers:
 //	  - name: billing.payment-worker   # an exact consumer name...
 //	    operation_retention: {default: 3d, min: 2d}
@@ -52,6 +54,8 @@ type fileBounds struct {
 	MaxLeaseTotal      *duration  `yaml:"max_lease_total"`
 	MessageRetention   *fileRange `yaml:"message_retention"`
 	OperationRetention *fileRange `yaml:"operation_retention"`
+	MaxRecords         *int64     `yaml:"max_records"`
+	MaxBytes           *int64     `yaml:"max_bytes"`
 }
 
 type fileConsumer struct {
@@ -107,6 +111,12 @@ func (f fileBounds) apply(p Policy, source string) Policy {
 	}
 	p.MessageRetention = f.MessageRetention.apply(p.MessageRetention)
 	p.OperationRetention = f.OperationRetention.apply(p.OperationRetention)
+	if f.MaxRecords != nil {
+		p.MaxRecords = *f.MaxRecords
+	}
+	if f.MaxBytes != nil {
+		p.MaxBytes = *f.MaxBytes
+	}
 	return p
 }
 
@@ -237,7 +247,7 @@ var (
 		"configfile.file":       "a mapping of sections (defaults, consumers, identities, rate_limits)",
 		"[]policy.fileConsumer": "a list of consumer entries",
 		"policy.fileConsumer":   "a consumer entry (a mapping with name or prefix)",
-		"policy.fileBounds":     "a mapping with lease, max_lease_total, message_retention and operation_retention",
+		"policy.fileBounds":     "a mapping with lease, max_lease_total, message_retention, operation_retention, max_records and max_bytes",
 		"policy.fileRange":      "a mapping with default, min and max",
 		"string":                "a string",
 	}

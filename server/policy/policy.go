@@ -38,7 +38,16 @@ type Policy struct {
 	// MaxLeaseTotal bounds how long one attempt may hold a key, its Claim's
 	// lease and every Extend together; zero means no bound.
 	MaxLeaseTotal time.Duration
+	// MaxRecords and MaxBytes are the consumer's quotas: once its live
+	// records (or their storage.RecordBytes) are known to reach them, a
+	// Claim that would create a new key is refused. Zero means no quota.
+	// Each consumer matching an entry has a quota of its own: a prefix's
+	// quota is not shared by the consumers under it.
+	MaxRecords, MaxBytes int64
 }
+
+// HasQuota reports whether p sets a quota.
+func (p Policy) HasQuota() bool { return p.MaxRecords > 0 || p.MaxBytes > 0 }
 
 // Retention returns the retention bounds of kind k.
 func (p Policy) Retention(k storage.Kind) Bounds {
@@ -80,6 +89,12 @@ func (p Policy) Validate() error {
 	case p.MaxLeaseTotal > 0 && p.MaxLeaseTotal < p.Lease.Max:
 		errs = append(errs, fmt.Sprintf("max_lease_total %s is below lease.max %s: a Claim could ask for more than an attempt may hold",
 			FormatDuration(p.MaxLeaseTotal), FormatDuration(p.Lease.Max)))
+	}
+	if p.MaxRecords < 0 {
+		errs = append(errs, fmt.Sprintf("max_records must not be negative (0: no quota), got %d", p.MaxRecords))
+	}
+	if p.MaxBytes < 0 {
+		errs = append(errs, fmt.Sprintf("max_bytes must not be negative (0: no quota), got %d", p.MaxBytes))
 	}
 	if len(errs) == 0 {
 		return nil

@@ -118,6 +118,34 @@ func TestParseMaxLeaseTotal(t *testing.T) {
 	}
 }
 
+// TestParseQuotas: max_records and max_bytes under defaults and per entry,
+// inherited like every bound; absent or 0 is no quota.
+func TestParseQuotas(t *testing.T) {
+	doc := "defaults:\n  max_records: 100\nconsumers:\n" +
+		"  - {name: a, max_records: 3, max_bytes: 4096}\n  - {name: b, max_records: 0}\n  - {prefix: p., max_bytes: 10}\n"
+	set, err := policy.Parse([]byte(doc), base())
+	require.NoError(t, err)
+	cases := []struct {
+		consumer       string
+		records, bytes int64
+		hasQuota       bool
+	}{
+		{"a", 3, 4096, true},
+		{"b", 0, 0, false},
+		{"p.x", 100, 10, true},
+		{"other", 100, 0, true},
+	}
+	for _, tc := range cases {
+		p := set.For(tc.consumer)
+		require.Equal(t, tc.records, p.MaxRecords, tc.consumer)
+		require.Equal(t, tc.bytes, p.MaxBytes, tc.consumer)
+		require.Equal(t, tc.hasQuota, p.HasQuota(), tc.consumer)
+	}
+	set, err = policy.Parse(nil, base())
+	require.NoError(t, err)
+	require.False(t, set.For("x").HasQuota(), "no quota by default")
+}
+
 func TestParseEmpty(t *testing.T) {
 	for _, doc := range []string{"", "# nothing\n", "{}", "consumers: []"} {
 		set, err := policy.Parse([]byte(doc), base())
@@ -155,6 +183,9 @@ func TestParseErrors(t *testing.T) {
 		{"max lease total below the max lease", "consumers:\n  - name: a\n    max_lease_total: 30m",
 			[]string{`consumers[0]: consumer "a": max_lease_total 30m0s is below lease.max 1h0m0s`}},
 		{"negative max lease total", "defaults:\n  max_lease_total: -1h", []string{"max_lease_total must not be negative"}},
+		{"negative max records", "consumers:\n  - {name: a, max_records: -1}", []string{`consumer "a": max_records must not be negative`}},
+		{"negative max bytes", "defaults:\n  max_bytes: -5", []string{"defaults:", "max_bytes must not be negative"}},
+		{"max bytes with a unit", "defaults:\n  max_bytes: 1GiB", []string{"line 2"}},
 		{"not a mapping", "- a\n- b", []string{"line 1: expected a mapping with defaults and consumers, found a YAML seq"}},
 		{"consumers not a list", "consumers: {name: a}", []string{"line 1: expected a list of consumer entries, found a YAML map"}},
 		{"bounds not a mapping", "defaults:\n  lease: 30s", []string{"line 2: expected a mapping with default, min and max, found a YAML str"}},

@@ -32,6 +32,8 @@
 //   OVERLOADED             UNAVAILABLE           the server, or the caller's identity (QuotaFailure), has too many store calls in
 //                                                flight; retry after RetryInfo
 //   TOO_MANY_CALLS         RESOURCE_EXHAUSTED    the caller's identity has too many calls in progress; QuotaFailure and RetryInfo
+//   QUOTA_EXCEEDED         RESOURCE_EXHAUSTED    Claim of a new key for a consumer at its max_records or max_bytes (QuotaFailure,
+//                                                subject consumer:<name>); Claims of its live keys still work
 //   TOO_MANY_STREAMS       RESOURCE_EXHAUSTED    too many health Watch or reflection streams are open (they need no credentials)
 
 package idemregv1

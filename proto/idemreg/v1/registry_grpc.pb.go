@@ -32,6 +32,8 @@
 //   OVERLOADED             UNAVAILABLE           the server, or the caller's identity (QuotaFailure), has too many store calls in
 //                                                flight; retry after RetryInfo
 //   TOO_MANY_CALLS         RESOURCE_EXHAUSTED    the caller's identity has too many calls in progress; QuotaFailure and RetryInfo
+//   QUOTA_EXCEEDED         RESOURCE_EXHAUSTED    Claim of a new key for a consumer at its max_records or max_bytes (QuotaFailure,
+//                                                subject consumer:<name>); Claims of its live keys still work
 //   TOO_MANY_STREAMS       RESOURCE_EXHAUSTED    too many health Watch or reflection streams are open (they need no credentials)
 
 package idemregv1
@@ -65,7 +67,8 @@ const (
 // RegistryService keeps consumer-scoped idempotency keys.
 type RegistryServiceClient interface {
 	// Claim records the key for the caller, or reports who has it and what it
-	// produced. Errors: INVALID_ARGUMENT, FINGERPRINT_MISMATCH, STORE_UNAVAILABLE.
+	// produced. Errors: INVALID_ARGUMENT, FINGERPRINT_MISMATCH, QUOTA_EXCEEDED,
+	// STORE_UNAVAILABLE.
 	Claim(ctx context.Context, in *ClaimRequest, opts ...grpc.CallOption) (*ClaimResponse, error)
 	// Complete stores the result under the caller's fencing token. Repeating a
 	// successful Complete with the same token returns the stored record.
@@ -181,7 +184,8 @@ func (c *registryServiceClient) BatchComplete(ctx context.Context, in *BatchComp
 // RegistryService keeps consumer-scoped idempotency keys.
 type RegistryServiceServer interface {
 	// Claim records the key for the caller, or reports who has it and what it
-	// produced. Errors: INVALID_ARGUMENT, FINGERPRINT_MISMATCH, STORE_UNAVAILABLE.
+	// produced. Errors: INVALID_ARGUMENT, FINGERPRINT_MISMATCH, QUOTA_EXCEEDED,
+	// STORE_UNAVAILABLE.
 	Claim(context.Context, *ClaimRequest) (*ClaimResponse, error)
 	// Complete stores the result under the caller's fencing token. Repeating a
 	// successful Complete with the same token returns the stored record.

@@ -1,0 +1,402 @@
+package server_test
+
+import (
+	"context"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime/pprof"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/configfile"
+	"github.com/idemreg/idemreg/server/servertest"
+	"github.com/idemreg/idemreg/storage"
+	"github.com/idemreg/idemreg/storage/postgres"
+	"github.com/idemreg/idemreg/storage/postgres/pgtest"
+	"github.com/idemreg/idemreg/storage/storagetest"
+)
+
+// quotaFile is a config file holding doc.
+func quotaFile(t *testing.T, doc string) *configfile.Source {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "idemreg.yaml")
+	require.NoError(t, os.WriteFile(path, []byte(doc), 0o600))
+	src, err := configfile.Open(path, server.DefaultLimits().Policy())
+	require.NoError(t, err)
+	return src
+}
+
+const quotaDoc = `
+consumers:
+  - {name: quota.a, max_records: 3}
+  - {name: quota.bytes, max_bytes: 100}
+  - {prefix: quota.p., max_records: 1}
+`
+
+// quotaConfig, with serveQuota, refreshes only when a test asks
+// (RefreshQuotas), so that every count a test checks is the store's after
+// the calls before it.
+func quotaConfig(t *testing.T) server.Config {
+	return server.Config{File: quotaFile(t, quotaDoc), QuotaRefresh: time.Hour}
+}
+
+// serveQuota is servertest.Serve with a server that counts usage only
+// when the test calls RefreshQuotas.
+func serveQuota(t *testing.T, store storage.Store, cfg server.Config) (idemregv1.RegistryServiceClient, *server.Server) {
+	t.Helper()
+	srv, err := server.New(store, cfg)
+	require.NoError(t, err)
+	server.WithoutQuotaWake(srv)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, lis) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	return idemregv1.NewRegistryServiceClient(servertest.Dial(t, lis.Addr().String())), srv
+}
+
+func quotaClaim(consumer, key string) *idemregv1.ClaimRequest {
+	return &idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key,
+		Fingerprint: []byte("fp"), Lease: durationpb.New(10 * time.Second), Holder: "h"}
+}
+
+func requireAcquired(t *testing.T, c idemregv1.RegistryServiceClient, consumer, key string) *idemregv1.ClaimResponse {
+	t.Helper()
+	res, err := c.Claim(t.Context(), quotaClaim(consumer, key))
+	require.NoError(t, err, "%s/%s", consumer, key)
+	require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome(), "%s/%s", consumer, key)
+	return res
+}
+
+// requireQuotaExceeded checks a QUOTA_EXCEEDED answer and returns its
+// QuotaFailure violation.
+func requireQuotaExceeded(t *testing.T, err error, consumer string) *errdetails.QuotaFailure_Violation {
+	t.Helper()
+	requireStatus(t, err, codes.ResourceExhausted, server.ReasonQuotaExceeded)
+	var qf *errdetails.QuotaFailure
+	for _, d := range status.Convert(err).Details() {
+		if v, ok := d.(*errdetails.QuotaFailure); ok {
+			qf = v
+		}
+	}
+	require.NotNil(t, qf, "status carries no QuotaFailure")
+	require.Len(t, qf.GetViolations(), 1)
+	require.Equal(t, "consumer:"+consumer, qf.GetViolations()[0].GetSubject())
+	return qf.GetViolations()[0]
+}
+
+// TestQuotaRecords: a consumer with max_records 3 gets 3 new keys; once
+// counted, a 4th new key is refused with QUOTA_EXCEEDED, alone or in a
+// batch, while Claims of its keys (replay, in progress, takeover) and
+// Complete, Release and Extend keep working, other consumers are not
+// affected, and a prefix's quota is each consumer's own. Once its records
+// expire, new keys are admitted again.
+func TestQuotaRecords(t *testing.T) {
+	for _, b := range backends {
+		t.Run(b.name, func(t *testing.T) {
+			ctx := t.Context()
+			clock := &storagetest.Clock{}
+			c, srv := serveQuota(t, b.open(t, clock), quotaConfig(t))
+
+			var held []*idemregv1.ClaimResponse
+			for _, k := range []string{"k1", "k2", "k3"} {
+				held = append(held, requireAcquired(t, c, "quota.a", k))
+			}
+			require.NoError(t, server.RefreshQuotas(ctx, srv))
+			records, _, ok := server.QuotaUsage(srv, "quota.a")
+			require.True(t, ok)
+			require.EqualValues(t, 3, records)
+
+			_, err := c.Claim(ctx, quotaClaim("quota.a", "k4"))
+			v := requireQuotaExceeded(t, err, "quota.a")
+			require.Equal(t, `at most 3 live records (max_records of consumer "quota.a"); 3 known`, v.GetDescription())
+			require.Contains(t, status.Convert(err).Message(), "Claims of its live keys still work")
+
+			// Its live keys keep working.
+			busy, err := c.Claim(ctx, quotaClaim("quota.a", "k1"))
+			require.NoError(t, err)
+			require.Equal(t, idemregv1.Outcome_OUTCOME_IN_PROGRESS, busy.GetOutcome())
+			_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "quota.a", Kind: idemregv1.Kind_KIND_OPERATION, Key: "k1",
+				Token: held[0].GetToken(), ClaimSecret: held[0].GetClaimSecret()})
+			require.NoError(t, err)
+			_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "quota.a", Kind: idemregv1.Kind_KIND_OPERATION, Key: "k2",
+				Token: held[1].GetToken(), ClaimSecret: held[1].GetClaimSecret(), Result: response("done")})
+			require.NoError(t, err)
+			replay, err := c.Claim(ctx, quotaClaim("quota.a", "k2"))
+			require.NoError(t, err)
+			require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, replay.GetOutcome())
+			_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: "quota.a", Kind: idemregv1.Kind_KIND_OPERATION, Key: "k3",
+				Token: held[2].GetToken(), ClaimSecret: held[2].GetClaimSecret()})
+			require.NoError(t, err)
+			takeover := requireAcquired(t, c, "quota.a", "k3")
+			require.EqualValues(t, 2, takeover.GetRecord().GetAttempt())
+
+			// Other consumers are not affected; a prefix's quota is each
+			// consumer's own.
+			for _, k := range []string{"x1", "x2", "x3", "x4"} {
+				requireAcquired(t, c, "quota.other", k)
+			}
+			requireAcquired(t, c, "quota.p.x", "k1")
+			requireAcquired(t, c, "quota.p.y", "k1")
+			require.NoError(t, server.RefreshQuotas(ctx, srv))
+			_, err = c.Claim(ctx, quotaClaim("quota.p.x", "k2"))
+			requireQuotaExceeded(t, err, "quota.p.x")
+
+			// A batch answers item by item.
+			batch, err := c.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: []*idemregv1.ClaimRequest{
+				quotaClaim("quota.a", "k5"), quotaClaim("quota.a", "k2"), quotaClaim("quota.other", "x5"), quotaClaim("quota.p.y", "k2"),
+			}})
+			require.NoError(t, err)
+			_, err = claimResult(batch.GetResults()[0])
+			requireQuotaExceeded(t, err, "quota.a")
+			res, err := claimResult(batch.GetResults()[1])
+			require.NoError(t, err)
+			require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, res.GetOutcome())
+			res, err = claimResult(batch.GetResults()[2])
+			require.NoError(t, err)
+			require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome())
+			_, err = claimResult(batch.GetResults()[3])
+			requireQuotaExceeded(t, err, "quota.p.y")
+
+			// Expired records do not count.
+			clock.Advance(server.DefaultMaxRetention + time.Hour)
+			require.NoError(t, server.RefreshQuotas(ctx, srv))
+			requireAcquired(t, c, "quota.a", "k4")
+		})
+	}
+}
+
+// TestQuotaBytes: max_bytes counts what storage.RecordBytes names. A
+// Complete may store a result past the quota (the bytes are checked at
+// Claim time only); the next new key is then refused, replays still work.
+// What this replica adds between refreshes agrees with the store's count.
+func TestQuotaBytes(t *testing.T) {
+	for _, b := range backends {
+		t.Run(b.name, func(t *testing.T) {
+			ctx := t.Context()
+			c, srv := serveQuota(t, b.open(t, &storagetest.Clock{}), quotaConfig(t))
+
+			first := requireAcquired(t, c, "quota.bytes", "b1")
+			require.NoError(t, server.RefreshQuotas(ctx, srv))
+			claimBytes := int64(len("quota.bytes") + len("b1") + len("fp") + len("h"))
+			_, bytes, _ := server.QuotaUsage(srv, "quota.bytes")
+			require.Equal(t, claimBytes, bytes)
+
+			requireAcquired(t, c, "quota.bytes", "b2") // 34 bytes of 100
+			result := response(strings.Repeat("r", 80))
+			_, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "quota.bytes", Kind: idemregv1.Kind_KIND_OPERATION, Key: "b1",
+				Token: first.GetToken(), ClaimSecret: first.GetClaimSecret(), Result: result})
+			require.NoError(t, err, "a Complete is never refused for the quota")
+			_, added, _ := server.QuotaUsage(srv, "quota.bytes")
+			require.NoError(t, server.RefreshQuotas(ctx, srv))
+			_, counted, _ := server.QuotaUsage(srv, "quota.bytes")
+			require.Equal(t, counted, added, "what the replica added is what the store counts")
+			require.Greater(t, counted, int64(100))
+
+			_, err = c.Claim(ctx, quotaClaim("quota.bytes", "b3"))
+			v := requireQuotaExceeded(t, err, "quota.bytes")
+			require.Contains(t, v.GetDescription(), `at most 100 bytes of live records (max_bytes of consumer "quota.bytes")`)
+			replay, err := c.Claim(ctx, quotaClaim("quota.bytes", "b1"))
+			require.NoError(t, err)
+			require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, replay.GetOutcome())
+		})
+	}
+}
+
+// TestQuotaAcrossReplicas: the count is the database's. A replica learns
+// of the records another replica created at its next refresh, so until
+// then it admits new keys past the quota (the quota's softness); after it,
+// both refuse.
+func TestQuotaAcrossReplicas(t *testing.T) {
+	ctx := t.Context()
+	db := pgtest.NewDatabase(t)
+	replica := func() (idemregv1.RegistryServiceClient, *server.Server) {
+		s, err := postgres.Open(ctx, db)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = s.Close() })
+		return serveQuota(t, s, quotaConfig(t))
+	}
+	a, srvA := replica()
+	b, srvB := replica()
+	for _, k := range []string{"k1", "k2", "k3"} {
+		requireAcquired(t, a, "quota.a", k)
+	}
+	require.NoError(t, server.RefreshQuotas(ctx, srvA))
+	requireAcquired(t, b, "quota.a", "k4") // b has not counted yet
+	require.NoError(t, server.RefreshQuotas(ctx, srvB))
+	require.NoError(t, server.RefreshQuotas(ctx, srvA))
+	for _, c := range []idemregv1.RegistryServiceClient{a, b} {
+		_, err := c.Claim(ctx, quotaClaim("quota.a", "k5"))
+		v := requireQuotaExceeded(t, err, "quota.a")
+		require.Contains(t, v.GetDescription(), "4 known")
+	}
+}
+
+// TestQuotaRefreshFailureKeepsUsage: when the store cannot count, the
+// refresh fails and is logged, and every consumer keeps the usage last
+// known.
+func TestQuotaRefreshFailureKeepsUsage(t *testing.T) {
+	for _, b := range backends {
+		t.Run(b.name, func(t *testing.T) {
+			ctx := t.Context()
+			var logs syncBuffer
+			cfg := quotaConfig(t)
+			cfg.Logger = jsonLogger(&logs)
+			store := b.open(t, &storagetest.Clock{})
+			c, srv := serveQuota(t, store, cfg)
+			for _, k := range []string{"k1", "k2", "k3"} {
+				requireAcquired(t, c, "quota.a", k)
+			}
+			require.NoError(t, server.RefreshQuotas(ctx, srv))
+			_, failedBefore, _ := server.QuotaRefreshes(srv)
+
+			require.NoError(t, store.Close()) // the store fails from now on
+			err := server.RefreshQuotas(ctx, srv)
+			require.ErrorIs(t, err, storage.ErrUnavailable)
+			_, failed, _ := server.QuotaRefreshes(srv)
+			require.Equal(t, failedBefore+1, failed)
+			records, _, ok := server.QuotaUsage(srv, "quota.a")
+			require.True(t, ok)
+			require.EqualValues(t, 3, records, "the usage last known stays")
+			lines := logs.lines(t, "quota refresh failed; consumers keep the usage last known")
+			require.NotEmpty(t, lines)
+			require.EqualValues(t, 1, lines[len(lines)-1]["consumers"])
+		})
+	}
+}
+
+// TestQuotaRefreshLoop: the server refreshes on its own every
+// QuotaRefresh, and its loop stops with Serve: no goroutine is left.
+func TestQuotaRefreshLoop(t *testing.T) {
+	srv, err := server.New(memStore(t), server.Config{File: quotaFile(t, quotaDoc), QuotaRefresh: time.Millisecond})
+	require.NoError(t, err)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, lis) }()
+	c := idemregv1.NewRegistryServiceClient(servertest.Dial(t, lis.Addr().String()))
+	requireAcquired(t, c, "quota.a", "k1")
+	// Wait on the refresh counter, not on a duration.
+	require.Eventually(t, func() bool {
+		records, _, _ := server.QuotaUsage(srv, "quota.a")
+		n, _, running := server.QuotaRefreshes(srv)
+		return running && n >= 2 && records == 1
+	}, time.Minute, time.Millisecond)
+
+	cancel()
+	require.NoError(t, <-done)
+	_, _, running := server.QuotaRefreshes(srv)
+	require.False(t, running, "the refresh loop ended before Serve returned")
+	var stacks strings.Builder
+	require.NoError(t, pprof.Lookup("goroutine").WriteTo(&stacks, 1))
+	require.NotContains(t, stacks.String(), "(*quotas).run")
+}
+
+// TestQuotaCountedWhenFirstSeen: a consumer Claiming for the first time on
+// a replica is counted at once, not at the next QuotaRefresh (here an
+// hour away).
+func TestQuotaCountedWhenFirstSeen(t *testing.T) {
+	addr, srv := servertest.Serve(t, memStore(t), quotaConfig(t))
+	c := idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))
+	requireAcquired(t, c, "quota.a", "k1")
+	require.Eventually(t, func() bool {
+		n, _, _ := server.QuotaRefreshes(srv)
+		return n >= 1
+	}, time.Minute, time.Millisecond)
+	records, _, ok := server.QuotaUsage(srv, "quota.a")
+	require.True(t, ok)
+	require.EqualValues(t, 1, records)
+}
+
+// TestQuotaCost: Claims of consumers under their quota, or without one,
+// make no store call but their Claim; only a consumer at its quota pays a
+// Lookup per Claim, and a refused one makes no Claim. The replica counts
+// its own new keys between refreshes, so it needs none to refuse here.
+func TestQuotaCost(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	cfg := quotaConfig(t)
+	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	c, _ := serveQuota(t, memStore(t), cfg)
+	ops := func() map[string]uint64 {
+		var rm metricdata.ResourceMetrics
+		require.NoError(t, reader.Collect(t.Context(), &rm))
+		out := map[string]uint64{}
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if h, ok := m.Data.(metricdata.Histogram[float64]); ok && m.Name == server.MetricStoreDuration {
+					for _, dp := range h.DataPoints {
+						op, _ := dp.Attributes.Value("op")
+						out[op.AsString()] += dp.Count
+					}
+				}
+			}
+		}
+		return out
+	}
+	for _, k := range []string{"k1", "k2", "k3"} {
+		requireAcquired(t, c, "quota.a", k)
+		requireAcquired(t, c, "quota.other", k)
+	}
+	require.Equal(t, map[string]uint64{"claim": 6}, ops(), "under its quota or without one, a Claim is one store call")
+
+	_, err := c.Claim(t.Context(), quotaClaim("quota.a", "k4"))
+	requireQuotaExceeded(t, err, "quota.a")
+	require.Equal(t, map[string]uint64{"claim": 6, "lookup": 1}, ops(), "refused after one Lookup, without a Claim")
+	_, err = c.Claim(t.Context(), quotaClaim("quota.a", "k1"))
+	require.NoError(t, err)
+	require.Equal(t, map[string]uint64{"claim": 7, "lookup": 2}, ops())
+}
+
+// TestQuotaReload: a reload that removes a consumer's quota lifts it at
+// once, and the next refresh stops following the consumer; one that adds
+// a quota applies from the consumer's next Claim.
+func TestQuotaReload(t *testing.T) {
+	ctx := t.Context()
+	path := filepath.Join(t.TempDir(), "idemreg.yaml")
+	write := func(doc string) {
+		tmp := path + ".next"
+		require.NoError(t, os.WriteFile(tmp, []byte(doc), 0o600))
+		require.NoError(t, os.Rename(tmp, path))
+	}
+	write("consumers:\n  - {name: quota.r, max_records: 1}\n")
+	src, err := configfile.Open(path, server.DefaultLimits().Policy())
+	require.NoError(t, err)
+	c, srv := serveQuota(t, memStore(t), server.Config{File: src, QuotaRefresh: time.Hour})
+
+	requireAcquired(t, c, "quota.r", "k1")
+	requireAcquired(t, c, "quota.s", "k1")
+	require.NoError(t, server.RefreshQuotas(ctx, srv))
+	_, err = c.Claim(ctx, quotaClaim("quota.r", "k2"))
+	requireQuotaExceeded(t, err, "quota.r")
+
+	write("consumers:\n  - {name: quota.s, max_records: 1}\n")
+	_, err = src.Reload()
+	require.NoError(t, err)
+	requireAcquired(t, c, "quota.r", "k2")
+	require.NoError(t, server.RefreshQuotas(ctx, srv))
+	_, _, followed := server.QuotaUsage(srv, "quota.r")
+	require.False(t, followed, "a consumer without a quota is not counted")
+	_, err = c.Claim(ctx, quotaClaim("quota.s", "k2")) // now seen with a quota
+	require.NoError(t, err, "counted as empty until its first count")
+	require.NoError(t, server.RefreshQuotas(ctx, srv))
+	_, err = c.Claim(ctx, quotaClaim("quota.s", "k3"))
+	v := requireQuotaExceeded(t, err, "quota.s")
+	require.Contains(t, v.GetDescription(), "2 known")
+}
