@@ -97,9 +97,13 @@ func New(table string) (*Fence, error) {
 	applied_at timestamptz NOT NULL DEFAULT now(),
 	PRIMARY KEY (consumer, key)
 )`,
-		// The conflicting row is locked even when the WHERE refuses the
-		// update, so a refused Apply holds the row until its transaction
-		// ends and the follow-up read in current sees the token that won.
+		// In PostgreSQL the conflicting row is locked even when the WHERE
+		// refuses the update (and under REPEATABLE READ or SERIALIZABLE a
+		// row newer than the snapshot is a serialization failure), so a
+		// refused Apply holds the row until its transaction ends and the
+		// follow-up read in current sees the token that won. CockroachDB
+		// runs SERIALIZABLE by default: a concurrent change between the
+		// two statements aborts one of the transactions.
 		apply: `INSERT INTO ` + t + ` AS cur (consumer, key, token, applied_at)
 	VALUES ($1, $2, $3, now())
 	ON CONFLICT (consumer, key) DO UPDATE
