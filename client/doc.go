@@ -25,8 +25,9 @@
 // it prevents a duplicate effect only where the handler cooperates: fence
 // writes with the token, forward the idempotency key to a provider that
 // honours it, or record the message id in the same local transaction as the
-// effect. docs/client.md says how to choose keys and what each helper
-// guarantees.
+// effect. Package client/fence does the first in the caller's own
+// transaction, with the standard library's database/sql only.
+// docs/client.md says how to choose keys and what each helper guarantees.
 //
 // Once, OnceBatch and both interceptors run claimed work through one
 // runner (heartbeat, release after a panic, recording), and take options

@@ -15,11 +15,7 @@ import (
 // interceptor must not pull in the registry's server, its storage or a
 // database driver. It lists the package's dependencies with the go command.
 func TestImports(t *testing.T) {
-	goList := func(format string) []string {
-		out, err := exec.CommandContext(t.Context(), "go", "list", "-f", format, ".").CombinedOutput()
-		require.NoError(t, err, "go list: %s", out)
-		return strings.Fields(string(out))
-	}
+	goList := func(format string) []string { return goList(t, format, ".") }
 
 	// Direct imports: the standard library, gRPC, protobuf, the genproto
 	// error details and our generated API, nothing else.
@@ -62,6 +58,25 @@ func TestImports(t *testing.T) {
 				"package client depends on %s", dep)
 		}
 	}
+}
+
+// TestFenceImports keeps client/fence on the standard library alone: it
+// runs inside the caller's database transaction with whatever driver the
+// caller chose, so it must not bring one (or gRPC) of its own.
+func TestFenceImports(t *testing.T) {
+	deps := goList(t, `{{join .Deps " "}}`, "./fence")
+	require.Contains(t, deps, "database/sql", "the dependency list looks wrong")
+	for _, dep := range deps {
+		require.False(t, strings.Contains(strings.SplitN(dep, "/", 2)[0], "."),
+			"package client/fence depends on %s; it may use only the standard library", dep)
+	}
+}
+
+func goList(t *testing.T, format, pkg string) []string {
+	t.Helper()
+	out, err := exec.CommandContext(t.Context(), "go", "list", "-f", format, pkg).CombinedOutput()
+	require.NoError(t, err, "go list: %s", out)
+	return strings.Fields(string(out))
 }
 
 // TestReasonsMatchServer keeps the client's copy of the registry's

@@ -226,9 +226,9 @@ func TestLedgerExactlyOnceInEffect(t *testing.T) {
 
 	// Wait for the stalled write, then kill the replica that made it.
 	var victim string
-	var firstFence int64
+	var firstToken int64
 	waitFor(t, "the stalled ledger write of "+stalled, func() bool {
-		err := db.QueryRow(ctx, `SELECT writer, fence FROM ledger_entries WHERE payment_id = $1`, stalled).Scan(&victim, &firstFence)
+		err := db.QueryRow(ctx, `SELECT writer, token FROM ledger_entries WHERE payment_id = $1`, stalled).Scan(&victim, &firstToken)
 		return err == nil
 	})
 	atKill := count()
@@ -249,17 +249,17 @@ func TestLedgerExactlyOnceInEffect(t *testing.T) {
 	}
 
 	// Exactly the payments, each once, with its amount: no double, no gap.
-	rows, err := db.Query(ctx, `SELECT payment_id, account, amount_minor, fence, attempt, writer FROM ledger_entries`)
+	rows, err := db.Query(ctx, `SELECT payment_id, account, amount_minor, token, attempt, writer FROM ledger_entries`)
 	require.NoError(t, err)
 	type entry struct {
 		p              Payment
-		fence, attempt int64
+		token, attempt int64
 		writer         string
 	}
 	got := map[string]entry{}
 	for rows.Next() {
 		var e entry
-		require.NoError(t, rows.Scan(&e.p.ID, &e.p.Account, &e.p.AmountMinor, &e.fence, &e.attempt, &e.writer))
+		require.NoError(t, rows.Scan(&e.p.ID, &e.p.Account, &e.p.AmountMinor, &e.token, &e.attempt, &e.writer))
 		got[e.p.ID] = e
 	}
 	require.NoError(t, rows.Err())
@@ -282,8 +282,18 @@ func TestLedgerExactlyOnceInEffect(t *testing.T) {
 	// The crashed write was taken over and replaced, not added to.
 	s := got[stalled]
 	require.Greater(t, s.attempt, int64(1), "the stalled payment was applied again after a takeover")
-	require.Greater(t, s.fence, firstFence)
+	require.Greater(t, s.token, firstToken)
 	require.NotEqual(t, victim, s.writer)
+
+	// Every entry was written under the token its fence row holds: no
+	// entry landed past the fence.
+	var fenced, mismatched int
+	require.NoError(t, db.QueryRow(ctx, `
+		SELECT count(*), count(*) FILTER (WHERE f.token <> e.token)
+		FROM ledger_fence f JOIN ledger_entries e ON e.payment_id = f.key
+		WHERE f.consumer = $1`, consumer).Scan(&fenced, &mismatched))
+	require.Equal(t, n, fenced)
+	require.Zero(t, mismatched)
 
 	// The registry holds every outcome, the refusal included.
 	for _, p := range payments {
