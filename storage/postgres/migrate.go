@@ -2,12 +2,16 @@ package postgres
 
 import (
 	"context"
+	"crypto/rand"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"path"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -40,15 +44,29 @@ type migration struct {
 // Each migration runs in its own transaction, and its bookkeeping row is
 // written in a second one, because CockroachDB restricts DDL and DML in one
 // transaction. A crash between the two runs the migration again next time,
-// so every migration must be safe to repeat (IF NOT EXISTS). Run Migrate
-// from one process at a time (a deploy step): two concurrent runs may fail
-// on PostgreSQL's catalog, harmlessly, and the failed one can be rerun.
+// so every migration must be safe to repeat (IF NOT EXISTS).
+//
+// Concurrent runs (two deploy jobs, replicas migrating at start) take
+// turns: a run holds the lock row of idemreg_migration_lock while it
+// migrates, and another waits for it, until ctx ends. Advisory locks would
+// do on PostgreSQL but are no-ops on CockroachDB; a row works on both. A
+// run that dies holding the row leaves it to expire after MigrationLockTTL.
+// The session is SERIALIZABLE whatever the role's default: CockroachDB
+// refuses DDL in an explicit transaction at READ COMMITTED.
 func Migrate(ctx context.Context, databaseURL string) error {
 	conn, err := pgx.Connect(ctx, databaseURL)
 	if err != nil {
 		return fmt.Errorf("postgres migrate: connect: %w", withoutSecrets(err, databaseURL))
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, `SET default_transaction_isolation = 'serializable'`); err != nil {
+		return fmt.Errorf("postgres migrate: set isolation: %w", err)
+	}
+	unlock, err := lockMigrations(ctx, conn)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 
 	var version string
 	if err := conn.QueryRow(ctx, `SELECT version()`).Scan(&version); err != nil {
@@ -122,4 +140,71 @@ func migrations(cockroach bool) ([]migration, error) {
 	}
 	slices.SortFunc(out, func(a, b migration) int { return strings.Compare(a.name, b.name) })
 	return out, nil
+}
+
+// MigrationLockTTL is how long a Migrate holds the migration lock at most:
+// far longer than the migrations take, so that a run that died holding it
+// blocks the next ones for no longer than this.
+const MigrationLockTTL = 10 * time.Minute
+
+const createLockTable = `
+CREATE TABLE IF NOT EXISTS idemreg_migration_lock (
+    id         INT         NOT NULL PRIMARY KEY,
+    holder     TEXT        NOT NULL,
+    expires_at TIMESTAMPTZ NOT NULL
+)`
+
+// acquireLockSQL takes the lock row when it is free or expired, and
+// returns the holder it leaves: this run's when it has the lock.
+const acquireLockSQL = `
+INSERT INTO idemreg_migration_lock AS l (id, holder, expires_at) VALUES (1, $1, now() + $2::INTERVAL)
+ON CONFLICT (id) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at
+    WHERE l.expires_at < now()
+RETURNING holder`
+
+// lockWait is how often a waiting Migrate tries the lock again.
+var lockWait = 100 * time.Millisecond
+
+// lockMigrations waits for the migration lock and returns the function
+// that releases it.
+func lockMigrations(ctx context.Context, conn *pgx.Conn) (unlock func(), err error) {
+	// Concurrent first runs race on creating the table itself:
+	// PostgreSQL's catalog may refuse the loser of IF NOT EXISTS.
+	for attempt := 0; ; attempt++ {
+		_, err = conn.Exec(ctx, createLockTable)
+		if err == nil {
+			break
+		}
+		if code := sqlState(err); (code != "23505" && code != "42P07") || attempt >= 5 {
+			return nil, fmt.Errorf("postgres migrate: create lock table: %w", err)
+		}
+	}
+	holder := lockHolder()
+	ttl := fmt.Sprintf("%d microseconds", MigrationLockTTL.Microseconds())
+	for {
+		var got string
+		err := conn.QueryRow(ctx, acquireLockSQL, holder, ttl).Scan(&got)
+		switch {
+		case err == nil && got == holder:
+			return func() {
+				_, _ = conn.Exec(context.WithoutCancel(ctx), `DELETE FROM idemreg_migration_lock WHERE id = 1 AND holder = $1`, holder)
+			}, nil
+		case err != nil && !errors.Is(err, pgx.ErrNoRows) && !retryable(err):
+			return nil, fmt.Errorf("postgres migrate: take the migration lock: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			var other string
+			var until time.Time
+			_ = conn.QueryRow(context.WithoutCancel(ctx), `SELECT holder, expires_at FROM idemreg_migration_lock WHERE id = 1`).Scan(&other, &until)
+			return nil, fmt.Errorf("postgres migrate: another migrate (%s) holds the migration lock until %s: %w", other, until.UTC().Format(time.RFC3339), ctx.Err())
+		case <-time.After(lockWait):
+		}
+	}
+}
+
+// lockHolder names this run in the lock row, for whoever waits on it.
+func lockHolder() string {
+	host, _ := os.Hostname()
+	return fmt.Sprintf("%s/%d/%s", host, os.Getpid(), rand.Text()[:8])
 }

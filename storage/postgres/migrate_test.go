@@ -1,0 +1,71 @@
+package postgres_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemreg/idemreg/storage/postgres"
+	"github.com/idemreg/idemreg/storage/postgres/pgtest"
+)
+
+// TestConcurrentMigrationsTakeTurns: runs of migrate started together on
+// an empty database all succeed, and each migration is recorded once.
+func TestConcurrentMigrationsTakeTurns(t *testing.T) {
+	for round := range 3 {
+		db := pgtest.NewEmptyDatabase(t)
+		const runs = 6
+		errs := make([]error, runs)
+		var wg sync.WaitGroup
+		for i := range runs {
+			wg.Go(func() { errs[i] = postgres.Migrate(t.Context(), db) })
+		}
+		wg.Wait()
+		for i, err := range errs {
+			require.NoError(t, err, "round %d, run %d", round, i)
+		}
+		conn, err := pgx.Connect(t.Context(), db)
+		require.NoError(t, err)
+		var n, distinct, locks int
+		require.NoError(t, conn.QueryRow(t.Context(), `SELECT count(*), count(DISTINCT name) FROM idemreg_schema_migrations`).Scan(&n, &distinct))
+		require.Equal(t, distinct, n)
+		require.Equal(t, 5, n)
+		require.NoError(t, conn.QueryRow(t.Context(), `SELECT count(*) FROM idemreg_migration_lock`).Scan(&locks))
+		require.Zero(t, locks, "every run released the lock")
+		require.NoError(t, conn.Close(t.Context()))
+	}
+}
+
+// TestMigrateWaitsForTheLock: a run finding the lock held waits for it,
+// says who holds it when its context ends first, and takes over a lock
+// whose holder died (expired).
+func TestMigrateWaitsForTheLock(t *testing.T) {
+	db := pgtest.NewEmptyDatabase(t)
+	require.NoError(t, postgres.Migrate(t.Context(), db))
+	conn, err := pgx.Connect(t.Context(), db)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = conn.Exec(t.Context(), `INSERT INTO idemreg_migration_lock (id, holder, expires_at) VALUES (1, 'deploy-job-7', now() + interval '1 hour')`)
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+	defer cancel()
+	err = postgres.Migrate(ctx, db)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.ErrorContains(t, err, "another migrate (deploy-job-7) holds the migration lock until ")
+
+	done := make(chan error, 1)
+	go func() { done <- postgres.Migrate(t.Context(), db) }()
+	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_migration_lock`)
+	require.NoError(t, err)
+	require.NoError(t, <-done, "the waiting run goes on once the lock is free")
+
+	// A holder that died: its lock expired.
+	_, err = conn.Exec(t.Context(), `INSERT INTO idemreg_migration_lock (id, holder, expires_at) VALUES (1, 'dead', now() - interval '1 second')`)
+	require.NoError(t, err)
+	require.NoError(t, postgres.Migrate(t.Context(), db))
+}
