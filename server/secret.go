@@ -7,6 +7,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"sync"
+	"sync/atomic"
 
 	"github.com/idemreg/idemreg/storage"
 )
@@ -33,8 +34,8 @@ const ClaimSecretSize = 16
 // store on first use, under the first caller's context, and kept.
 type claimSecrets struct {
 	source storage.ClaimKeys
-	mu     sync.Mutex
-	key    []byte // nil until read
+	key    atomic.Pointer[[]byte] // nil until read; then every call reads it without a lock
+	mu     sync.Mutex             // serialises the first reads
 }
 
 // newClaimSecrets reads the key from store when it keeps one. A store that
@@ -47,22 +48,27 @@ func newClaimSecrets(store storage.Store) (c *claimSecrets, perProcess bool) {
 	}
 	key := make([]byte, storage.ClaimKeySize)
 	_, _ = rand.Read(key) // never fails (crypto/rand)
-	return &claimSecrets{key: key}, true
+	c = &claimSecrets{}
+	c.key.Store(&key)
+	return c, true
 }
 
 // load returns the key. Errors: the store's (storage.ErrUnavailable) when
 // it cannot be read.
 func (c *claimSecrets) load(ctx context.Context) ([]byte, error) {
+	if k := c.key.Load(); k != nil {
+		return *k, nil
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.key != nil {
-		return c.key, nil
+	if k := c.key.Load(); k != nil {
+		return *k, nil
 	}
 	key, err := c.source.ClaimKey(ctx)
 	if err != nil {
 		return nil, err
 	}
-	c.key = key
+	c.key.Store(&key)
 	return key, nil
 }
 
