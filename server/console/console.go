@@ -149,6 +149,7 @@ func New(cfg Config) (*Console, error) {
 	// (parked and stuck records, with attempt history) and
 	// "POST /resolve" (same confirmation and CSRF as /invalidate).
 	c.mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
+	c.mux.HandleFunc("GET /favicon.ico", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusNoContent) })
 	c.mux.HandleFunc("GET /signin", c.signInPage)
 	c.mux.HandleFunc("POST /signin", c.signIn)
 	c.mux.HandleFunc("POST /signout", c.signedIn(c.signOut))
@@ -164,7 +165,7 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.Set("Content-Security-Policy", "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 	h.Set("X-Content-Type-Options", "nosniff")
 	h.Set("X-Frame-Options", "DENY")
-	h.Set("Referrer-Policy", "no-referrer")
+	h.Set("Referrer-Policy", "same-origin") // no-referrer would make Chromium send "Origin: null" with the forms
 	h.Set("Cache-Control", "no-store")
 	if r.Method == http.MethodPost && crossSite(r) {
 		c.refuse(w, r, http.StatusForbidden, "cross-site request refused")
@@ -176,9 +177,11 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // crossSite reports a request a browser says came from another site. It is
 // a second line behind the CSRF token and SameSite=Strict, and the only one
 // for the sign-in form, which has no session yet.
+// A browser that sends Sec-Fetch-Site is believed; an older one is judged by
+// Origin ("null" from a sandboxed or privacy-restricted page is refused).
 func crossSite(r *http.Request) bool {
-	if s := r.Header.Get("Sec-Fetch-Site"); s != "" && s != "same-origin" && s != "none" {
-		return true
+	if s := r.Header.Get("Sec-Fetch-Site"); s != "" {
+		return s != "same-origin" && s != "none"
 	}
 	if o := r.Header.Get("Origin"); o != "" {
 		u, err := url.Parse(o)

@@ -326,16 +326,22 @@ func TestConsoleCSRF(t *testing.T) {
 			require.Contains(t, body, "CSRF")
 		})
 	}
-	t.Run("cross-site", func(t *testing.T) {
-		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, e.console.URL+"/invalidate", strings.NewReader(good.Encode()))
-		require.NoError(t, err)
-		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
-		req.Header.Set("Origin", "https://evil.example")
-		res, err := c.Do(req)
-		require.NoError(t, err)
-		_ = res.Body.Close()
-		require.Equal(t, http.StatusForbidden, res.StatusCode)
-	})
+	for name, header := range map[string][2]string{
+		"cross-site origin":       {"Origin", "https://evil.example"},
+		"cross-site fetch":        {"Sec-Fetch-Site", "cross-site"},
+		"same-site, other origin": {"Sec-Fetch-Site", "same-site"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, e.console.URL+"/invalidate", strings.NewReader(good.Encode()))
+			require.NoError(t, err)
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			req.Header.Set(header[0], header[1])
+			res, err := c.Do(req)
+			require.NoError(t, err)
+			_ = res.Body.Close()
+			require.Equal(t, http.StatusForbidden, res.StatusCode)
+		})
+	}
 	t.Run("no session", func(t *testing.T) {
 		code, _ := post(t, e.browser(t), e.console.URL+"/invalidate", good)
 		require.Equal(t, http.StatusForbidden, code)
