@@ -55,6 +55,7 @@ const (
 	// maxReasonBytes mirrors server.MaxReasonBytes, which the AdminService
 	// enforces; the form only uses it as its maxlength.
 	maxReasonBytes = 256
+	maxFormBytes   = 16 << 10
 )
 
 const cookieName = "idemreg_console"
@@ -170,6 +171,10 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.Method == http.MethodPost && crossSite(r) {
 		c.refuse(w, r, http.StatusForbidden, "cross-site request refused")
 		return
+	}
+	if r.Method == http.MethodPost {
+		// Every form is a few short fields; a larger body is not one.
+		r.Body = http.MaxBytesReader(w, r.Body, maxFormBytes)
 	}
 	c.mux.ServeHTTP(w, r)
 }
