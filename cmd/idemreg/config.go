@@ -44,6 +44,10 @@ type config struct {
 	// unless PprofAllowRemote says otherwise.
 	PprofListen      string
 	PprofAllowRemote bool
+	// ConsoleListen serves the operator console there when set; on
+	// loopback only unless ConsoleAllowRemote says otherwise.
+	ConsoleListen      string
+	ConsoleAllowRemote bool
 }
 
 func defaultConfig() config {
@@ -89,6 +93,8 @@ func (c *config) bind(fs *flag.FlagSet, serve bool) {
 	fs.IntVar(&c.SQLBatchSlots, "sql-batch-slots", c.SQLBatchSlots, "SQL store: statements of each kind (Claim, Complete) that run at once before calls queue into batches")
 	fs.StringVar(&c.PprofListen, "pprof-listen", c.PprofListen, "serve net/http/pprof on this loopback address, without authentication (off when empty)")
 	fs.BoolVar(&c.PprofAllowRemote, "pprof-allow-remote", c.PprofAllowRemote, "allow --pprof-listen on an address that is not loopback: anyone who reaches it can profile the process")
+	fs.StringVar(&c.ConsoleListen, "console-listen", c.ConsoleListen, "serve the operator console (look up and invalidate records, as the signed-in identity) on http://ADDR, a loopback address (off when empty)")
+	fs.BoolVar(&c.ConsoleAllowRemote, "console-allow-remote", c.ConsoleAllowRemote, "allow --console-listen on an address that is not loopback: the console speaks plaintext HTTP, so sign-in tokens and records cross the network unencrypted")
 	l := &c.Limits
 	fs.DurationVar(&l.DefaultLease, "default-lease", l.DefaultLease, "lease of a Claim or Extend that gives none")
 	fs.DurationVar(&l.MinLease, "min-lease", l.MinLease, "smallest lease a request may ask for")
@@ -153,6 +159,11 @@ func (c *config) Validate() error {
 		// Profiles, goroutine stacks and the heap show internals to
 		// anyone who reaches the listener, which has no authentication.
 		errs = append(errs, fmt.Errorf("--pprof-listen %s is not a loopback address: pprof has no authentication; bind it to loopback or pass --pprof-allow-remote explicitly", c.PprofListen))
+	}
+	if c.ConsoleListen != "" && !isLoopback(c.ConsoleListen) && !c.ConsoleAllowRemote {
+		// The console has no TLS of its own: a token typed into it, and
+		// every record it shows, would cross the network in the clear.
+		errs = append(errs, fmt.Errorf("--console-listen %s is not a loopback address: the console serves plaintext HTTP; bind it to loopback (reach it through a tunnel or a TLS proxy) or pass --console-allow-remote explicitly", c.ConsoleListen))
 	}
 	if c.LogFormat != "json" && c.LogFormat != "text" {
 		errs = append(errs, fmt.Errorf("--log-format must be json or text, got %q", c.LogFormat))

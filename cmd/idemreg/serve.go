@@ -78,6 +78,12 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.Listen, err)
 	}
+	stopConsole, err := startConsole(&cfg, surface.access, lis.Addr(), logger)
+	if err != nil {
+		_ = lis.Close()
+		return err
+	}
+	defer stopConsole()
 	logger.Info("serving", "listen", lis.Addr().String())
 	if err := srv.Serve(ctx, lis); err != nil {
 		return err

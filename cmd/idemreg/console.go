@@ -1,0 +1,95 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/console"
+)
+
+// startConsole serves the operator console on --console-listen until the
+// returned function is called. The console calls the AdminService over a
+// plaintext loopback connection to grpcAddr, serve's own listener, with the
+// signed-in operator's bearer token: it has no authority of its own.
+func startConsole(cfg *config, src *access.Source, grpcAddr net.Addr, logger *slog.Logger) (stop func(), err error) {
+	addr := cfg.ConsoleListen
+	if addr == "" {
+		return func() {}, nil
+	}
+	if cfg.Surface.TLSCert != "" {
+		// The loopback connection would need a client certificate under
+		// mTLS, and the console would have to forward the operator's.
+		return nil, errors.New("--console-listen does not work with --tls-cert yet: the console reaches the AdminService over a plaintext loopback connection")
+	}
+	set := src.Current()
+	var signIn func(string) (string, bool)
+	switch {
+	case set.Enforced() && !set.HasTokens():
+		return nil, errors.New("--console-listen: the identities of --config all authenticate by client certificate, which the console cannot forward yet; give the operators' identities token_hashes (idemreg new-token)")
+	case set.Enforced():
+		signIn = func(token string) (string, bool) {
+			id, ok := src.Current().ByToken(token)
+			if !ok {
+				return "", false
+			}
+			return id.Name, true
+		}
+	}
+	target, err := loopbackTarget(grpcAddr)
+	if err != nil {
+		return nil, err
+	}
+	conn, err := grpc.NewClient(target, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, fmt.Errorf("console: connecting to %s: %w", target, err)
+	}
+	h, err := console.New(console.Config{Conn: conn, SignIn: signIn, Logger: logger.With("component", "console")})
+	if err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		_ = conn.Close()
+		return nil, fmt.Errorf("console: listening on %s: %w", addr, err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second, MaxHeaderBytes: 64 << 10}
+	go func() {
+		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			logger.Error("console server stopped", "error", err)
+		}
+	}()
+	logger.Info("serving console", "listen", lis.Addr().String(), "sign_in", signIn != nil)
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+		_ = conn.Close()
+	}, nil
+}
+
+// loopbackTarget is the address that reaches a listener from this host: its
+// own, with an unspecified host (0.0.0.0, ::) replaced by loopback.
+func loopbackTarget(addr net.Addr) (string, error) {
+	tcp, ok := addr.(*net.TCPAddr)
+	if !ok {
+		return "", fmt.Errorf("console: the gRPC listener %s is not TCP", addr)
+	}
+	ip := tcp.IP
+	if ip == nil || ip.IsUnspecified() {
+		ip = net.IPv4(127, 0, 0, 1)
+		if tcp.IP != nil && tcp.IP.To4() == nil {
+			ip = net.IPv6loopback
+		}
+	}
+	return net.JoinHostPort(ip.String(), fmt.Sprint(tcp.Port)), nil
+}

@@ -1,0 +1,555 @@
+// Package console is the operator console of issue 15: a small web page,
+// served by `idemreg serve --console-listen`, that looks up a record and
+// invalidates it through the AdminService, as the signed-in identity.
+//
+// It holds no authority of its own. Every page is one or more gRPC calls on
+// the server's own listener carrying the operator's bearer token, so the
+// AdminService's authorisation decides what the operator may see and do.
+// The token stays on the server, in a session map keyed by a random id that
+// is the only thing the browser's cookie holds. Every state-changing POST
+// carries the session's CSRF token; every value shown goes through
+// html/template; stored results are shown as type, size and a hex preview,
+// never as markup.
+//
+// The views are a list (routes table in New): a look-up, the record, the
+// invalidation with its confirmation, and the status panel. A list of
+// parked and stuck records and a resolve action slot in beside them once
+// the AdminService has ListRecords and ResolveRecord.
+package console
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/subtle"
+	"embed"
+	"encoding/base64"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"html/template"
+	"io/fs"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"strconv"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+)
+
+// Defaults of Config.
+const (
+	DefaultSessionTTL  = 8 * time.Hour
+	DefaultMaxSessions = 1024
+	DefaultCallTimeout = 10 * time.Second
+	// previewBytes is how much of a stored response the record page shows.
+	previewBytes = 64
+	// maxReasonBytes mirrors server.MaxReasonBytes, which the AdminService
+	// enforces; the form only uses it as its maxlength.
+	maxReasonBytes = 256
+	maxFormBytes   = 16 << 10
+)
+
+const cookieName = "idemreg_console"
+
+// Config configures a Console.
+type Config struct {
+	// Conn reaches the server's AdminService and health service, as a
+	// loopback connection to its own listener.
+	Conn grpc.ClientConnInterface
+	// SignIn checks a bearer token and returns its identity's name. Nil
+	// means the server has no identities (open, loopback only): no sign-in,
+	// and calls carry no credentials.
+	SignIn func(token string) (identity string, ok bool)
+	// Secure marks the session cookie Secure (the console is behind TLS).
+	Secure bool
+	// SessionTTL is how long a sign-in lasts (DefaultSessionTTL).
+	SessionTTL time.Duration
+	// MaxSessions bounds the sessions held at once (DefaultMaxSessions);
+	// beyond it a sign-in is refused until one expires.
+	MaxSessions int
+	// CallTimeout bounds each gRPC call of a page (DefaultCallTimeout).
+	CallTimeout time.Duration
+	// Logger gets sign-ins and refused requests, never tokens.
+	Logger *slog.Logger
+	// Now is the clock of session expiry (time.Now).
+	Now func() time.Time
+}
+
+// Console is the http.Handler of the console.
+type Console struct {
+	cfg      Config
+	admin    idemregv1.AdminServiceClient
+	health   healthpb.HealthClient
+	pages    *template.Template
+	mux      *http.ServeMux
+	mu       sync.Mutex
+	sessions map[string]*session
+}
+
+// session is one signed-in browser. token is sent on every call and never
+// back to the browser.
+type session struct {
+	identity string
+	token    string
+	csrf     string
+	expires  time.Time
+}
+
+//go:embed templates/*.html
+var templateFiles embed.FS
+
+//go:embed static
+var staticFiles embed.FS
+
+// New returns a console on cfg.Conn.
+func New(cfg Config) (*Console, error) {
+	if cfg.Conn == nil {
+		return nil, errors.New("console: Conn is required")
+	}
+	if cfg.SessionTTL == 0 {
+		cfg.SessionTTL = DefaultSessionTTL
+	}
+	if cfg.MaxSessions == 0 {
+		cfg.MaxSessions = DefaultMaxSessions
+	}
+	if cfg.CallTimeout == 0 {
+		cfg.CallTimeout = DefaultCallTimeout
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	pages, err := template.New("").Funcs(template.FuncMap{"maxReason": func() int { return maxReasonBytes }, "blankKey": func() recordKey { return recordKey{} }}).ParseFS(templateFiles, "templates/*.html")
+	if err != nil {
+		return nil, fmt.Errorf("console: templates: %w", err)
+	}
+	static, err := fs.Sub(staticFiles, "static")
+	if err != nil {
+		return nil, err
+	}
+	c := &Console{
+		cfg:      cfg,
+		admin:    idemregv1.NewAdminServiceClient(cfg.Conn),
+		health:   healthpb.NewHealthClient(cfg.Conn),
+		pages:    pages,
+		mux:      http.NewServeMux(),
+		sessions: make(map[string]*session),
+	}
+	// The views. ListRecords and ResolveRecord will add "GET /records"
+	// (parked and stuck records, with attempt history) and
+	// "POST /resolve" (same confirmation and CSRF as /invalidate).
+	c.mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
+	c.mux.HandleFunc("GET /favicon.ico", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusNoContent) })
+	c.mux.HandleFunc("GET /signin", c.signInPage)
+	c.mux.HandleFunc("POST /signin", c.signIn)
+	c.mux.HandleFunc("POST /signout", c.signedIn(c.signOut))
+	c.mux.HandleFunc("GET /{$}", c.signedIn(c.home))
+	c.mux.HandleFunc("GET /record", c.signedIn(c.record))
+	c.mux.HandleFunc("POST /invalidate", c.signedIn(c.invalidate))
+	return c, nil
+}
+
+// ServeHTTP implements http.Handler.
+func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	h := w.Header()
+	h.Set("Content-Security-Policy", "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+	h.Set("X-Content-Type-Options", "nosniff")
+	h.Set("X-Frame-Options", "DENY")
+	h.Set("Referrer-Policy", "same-origin") // no-referrer would make Chromium send "Origin: null" with the forms
+	h.Set("Cache-Control", "no-store")
+	if r.Method == http.MethodPost && crossSite(r) {
+		c.refuse(w, r, http.StatusForbidden, "cross-site request refused")
+		return
+	}
+	if r.Method == http.MethodPost {
+		// Every form is a few short fields; a larger body is not one.
+		r.Body = http.MaxBytesReader(w, r.Body, maxFormBytes)
+	}
+	c.mux.ServeHTTP(w, r)
+}
+
+// crossSite reports a request a browser says came from another site. It is
+// a second line behind the CSRF token and SameSite=Strict, and the only one
+// for the sign-in form, which has no session yet.
+// A browser that sends Sec-Fetch-Site is believed; an older one is judged by
+// Origin ("null" from a sandboxed or privacy-restricted page is refused).
+func crossSite(r *http.Request) bool {
+	if s := r.Header.Get("Sec-Fetch-Site"); s != "" {
+		return s != "same-origin" && s != "none"
+	}
+	if o := r.Header.Get("Origin"); o != "" {
+		u, err := url.Parse(o)
+		return err != nil || u.Host != r.Host
+	}
+	return false
+}
+
+// page is what every template gets.
+type page struct {
+	Identity string
+	CSRF     string
+	SignIn   bool // sign-in is on: show the sign-out button
+	Error    string
+	Notice   string
+	Data     any
+}
+
+func (c *Console) render(w http.ResponseWriter, code int, name string, p page) {
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(code)
+	if err := c.pages.ExecuteTemplate(w, name, p); err != nil {
+		c.cfg.Logger.Error("console page failed", "page", name, "error", err)
+	}
+}
+
+func (c *Console) refuse(w http.ResponseWriter, r *http.Request, code int, msg string) {
+	c.cfg.Logger.Warn("console request refused", "method", r.Method, "path", r.URL.Path, "status", code, "reason", msg)
+	c.render(w, code, "error.html", page{Error: msg})
+}
+
+// signedIn runs next with the request's session, sending the browser to
+// the sign-in page when there is none. With sign-in off, a browser gets a
+// session without credentials at once, for its CSRF token.
+func (c *Console) signedIn(next func(http.ResponseWriter, *http.Request, *session)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		s := c.session(r)
+		if s == nil && c.cfg.SignIn == nil && r.Method == http.MethodGet {
+			var err error
+			if s, err = c.newSession(w, "anonymous", ""); err != nil {
+				c.refuse(w, r, http.StatusServiceUnavailable, err.Error())
+				return
+			}
+		}
+		if s == nil {
+			if r.Method != http.MethodGet {
+				c.refuse(w, r, http.StatusForbidden, "not signed in, or the session ended: sign in again")
+				return
+			}
+			http.Redirect(w, r, "/signin", http.StatusSeeOther)
+			return
+		}
+		if r.Method == http.MethodPost && !validCSRF(s, r.PostFormValue("csrf")) {
+			c.refuse(w, r, http.StatusForbidden, "the form's CSRF token is missing or wrong: reload the page and try again")
+			return
+		}
+		next(w, r, s)
+	}
+}
+
+func validCSRF(s *session, got string) bool {
+	return got != "" && subtle.ConstantTimeCompare([]byte(got), []byte(s.csrf)) == 1
+}
+
+func (c *Console) session(r *http.Request) *session {
+	ck, err := r.Cookie(cookieName)
+	if err != nil {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s, ok := c.sessions[ck.Value]
+	if !ok {
+		return nil
+	}
+	if !c.cfg.Now().Before(s.expires) {
+		delete(c.sessions, ck.Value)
+		return nil
+	}
+	return s
+}
+
+func (c *Console) newSession(w http.ResponseWriter, identity, token string) (*session, error) {
+	id, csrf := randomID(), randomID()
+	now := c.cfg.Now()
+	s := &session{identity: identity, token: token, csrf: csrf, expires: now.Add(c.cfg.SessionTTL)}
+	c.mu.Lock()
+	for k, old := range c.sessions {
+		if !now.Before(old.expires) {
+			delete(c.sessions, k)
+		}
+	}
+	full := len(c.sessions) >= c.cfg.MaxSessions
+	if !full {
+		c.sessions[id] = s
+	}
+	c.mu.Unlock()
+	if full {
+		return nil, errors.New("too many console sessions: try again later")
+	}
+	http.SetCookie(w, &http.Cookie{
+		Name: cookieName, Value: id, Path: "/", HttpOnly: true, Secure: c.cfg.Secure,
+		SameSite: http.SameSiteStrictMode, Expires: s.expires,
+	})
+	return s, nil
+}
+
+func randomID() string {
+	b := make([]byte, 32)
+	_, _ = rand.Read(b) // crypto/rand.Read does not fail
+	return base64.RawURLEncoding.EncodeToString(b)
+}
+
+func (c *Console) signInPage(w http.ResponseWriter, r *http.Request) {
+	if c.cfg.SignIn == nil {
+		http.Redirect(w, r, "/", http.StatusSeeOther)
+		return
+	}
+	c.render(w, http.StatusOK, "signin.html", page{})
+}
+
+func (c *Console) signIn(w http.ResponseWriter, r *http.Request) {
+	if c.cfg.SignIn == nil {
+		http.Redirect(w, r, "/", http.StatusSeeOther)
+		return
+	}
+	identity, ok := c.cfg.SignIn(r.PostFormValue("token"))
+	if !ok {
+		c.cfg.Logger.Warn("console sign-in refused", "remote", r.RemoteAddr)
+		c.render(w, http.StatusUnauthorized, "signin.html", page{Error: "unknown token: give a bearer token of an identity of --config"})
+		return
+	}
+	if _, err := c.newSession(w, identity, r.PostFormValue("token")); err != nil {
+		c.render(w, http.StatusServiceUnavailable, "signin.html", page{Error: err.Error()})
+		return
+	}
+	c.cfg.Logger.Info("console sign-in", "identity", identity, "remote", r.RemoteAddr)
+	http.Redirect(w, r, "/", http.StatusSeeOther)
+}
+
+func (c *Console) signOut(w http.ResponseWriter, r *http.Request, _ *session) {
+	if ck, err := r.Cookie(cookieName); err == nil {
+		c.mu.Lock()
+		delete(c.sessions, ck.Value)
+		c.mu.Unlock()
+	}
+	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: "", Path: "/", MaxAge: -1, HttpOnly: true, Secure: c.cfg.Secure, SameSite: http.SameSiteStrictMode})
+	http.Redirect(w, r, "/signin", http.StatusSeeOther)
+}
+
+// callContext is the context of one gRPC call made for s.
+func (c *Console) callContext(ctx context.Context, s *session) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.CallTimeout)
+	if s.token != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+s.token)
+	}
+	return ctx, cancel
+}
+
+func (c *Console) page(s *session) page {
+	return page{Identity: s.identity, CSRF: s.csrf, SignIn: c.cfg.SignIn != nil}
+}
+
+// statusPanel is the home page's view of the server.
+type statusPanel struct {
+	Store string // SERVING, NOT_SERVING, or the error
+}
+
+func (c *Console) home(w http.ResponseWriter, r *http.Request, s *session) {
+	p := c.page(s)
+	ctx, cancel := c.callContext(r.Context(), s)
+	defer cancel()
+	panel := statusPanel{}
+	if res, err := c.health.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+		panel.Store = "unknown: " + status.Convert(err).Message()
+	} else {
+		panel.Store = res.GetStatus().String()
+	}
+	p.Data = panel
+	c.render(w, http.StatusOK, "home.html", p)
+}
+
+// recordKey is the (consumer, kind, key) of a form or query.
+type recordKey struct {
+	Consumer, Key string
+	Kind          idemregv1.Kind
+}
+
+func (k recordKey) Query() string {
+	return url.Values{"consumer": {k.Consumer}, "kind": {k.Kind.String()}, "key": {k.Key}}.Encode()
+}
+
+func formKey(r *http.Request) (recordKey, error) {
+	k := recordKey{Consumer: r.FormValue("consumer"), Key: r.FormValue("key")}
+	kind, ok := idemregv1.Kind_value[r.FormValue("kind")]
+	if !ok || kind == 0 {
+		return k, errors.New("choose a kind: KIND_MESSAGE or KIND_OPERATION")
+	}
+	k.Kind = idemregv1.Kind(kind)
+	if k.Consumer == "" || k.Key == "" {
+		return k, errors.New("give a consumer and a key")
+	}
+	return k, nil
+}
+
+// recordView is the record page.
+type recordView struct {
+	Key       recordKey
+	Found     bool
+	Live      bool
+	StoreTime string
+	State     string
+	Token     int64
+	Attempt   int64
+	Holder    string
+	Created   string
+	LeaseEnds string
+	Completed string
+	Expires   string
+	HasFP     bool
+	Result    *resultView
+}
+
+// resultView shows a stored result without ever rendering it: its type and
+// size and a hex preview of its bytes, or a failure's code and message.
+type resultView struct {
+	Kind, Type, Preview, Message string
+	Size                         int
+	Truncated                    bool
+}
+
+func (c *Console) record(w http.ResponseWriter, r *http.Request, s *session) {
+	p := c.page(s)
+	k, err := formKey(r)
+	if err != nil {
+		p.Error = err.Error()
+		c.render(w, http.StatusBadRequest, "record.html", p)
+		return
+	}
+	if r.FormValue("done") == "invalidated" {
+		p.Notice = "Invalidated: the next Claim of the key acquires it, as a takeover."
+	}
+	view, code, msg := c.inspect(r.Context(), s, k)
+	p.Data, p.Error = view, msg
+	c.render(w, code, "record.html", p)
+}
+
+func (c *Console) inspect(ctx context.Context, s *session, k recordKey) (recordView, int, string) {
+	view := recordView{Key: k}
+	ctx, cancel := c.callContext(ctx, s)
+	defer cancel()
+	res, err := c.admin.InspectRecord(ctx, &idemregv1.InspectRecordRequest{Consumer: k.Consumer, Kind: k.Kind, Key: k.Key})
+	if err != nil {
+		code, msg := explain(err)
+		return view, code, msg
+	}
+	rec := res.GetRecord()
+	view.Found = true
+	view.Live = res.GetLive()
+	view.StoreTime = when(res.GetStoreTime())
+	view.State = rec.GetState().String()
+	view.Token = rec.GetToken()
+	view.Attempt = rec.GetAttempt()
+	view.Holder = rec.GetHolder()
+	view.Created = when(rec.GetCreatedAt())
+	view.LeaseEnds = when(rec.GetLeaseExpiresAt())
+	view.Completed = when(rec.GetCompletedAt())
+	view.Expires = when(rec.GetExpiresAt())
+	view.HasFP = len(rec.GetFingerprint()) > 0
+	if result := rec.GetResult(); result != nil {
+		view.Result = showResult(result)
+	}
+	return view, http.StatusOK, ""
+}
+
+func showResult(res *idemregv1.Result) *resultView {
+	if f := res.GetFailure(); f != nil {
+		return &resultView{Kind: "failure", Type: codes.Code(f.GetCode()).String(), Message: f.GetMessage(), Size: len(f.GetMessage())}
+	}
+	data := res.GetResponse().GetData()
+	v := &resultView{Kind: "response", Type: res.GetResponse().GetType(), Size: len(data)}
+	if len(data) > previewBytes {
+		data, v.Truncated = data[:previewBytes], true
+	}
+	v.Preview = hex.EncodeToString(data)
+	return v
+}
+
+func when(ts *timestamppb.Timestamp) string {
+	if ts == nil {
+		return ""
+	}
+	return ts.AsTime().UTC().Format(time.RFC3339Nano)
+}
+
+// explain turns a call's error into the page's status and message.
+func explain(err error) (int, string) {
+	st := status.Convert(err)
+	switch st.Code() {
+	case codes.PermissionDenied:
+		return http.StatusForbidden, "Permission denied: " + st.Message() + ". Your identity needs an admin grant for this consumer in --config."
+	case codes.Unauthenticated:
+		return http.StatusUnauthorized, "Not authenticated: " + st.Message() + ". Sign out and sign in again."
+	case codes.NotFound:
+		return http.StatusNotFound, "No record: " + st.Message()
+	case codes.InvalidArgument:
+		return http.StatusBadRequest, "Invalid request: " + st.Message()
+	case codes.FailedPrecondition:
+		return http.StatusConflict, "Refused: " + st.Message() + " (the record changed since it was shown: look it up again)"
+	default:
+		return http.StatusBadGateway, st.Code().String() + ": " + st.Message()
+	}
+}
+
+// confirmView is the confirmation step of an invalidation.
+type confirmView struct {
+	Key    recordKey
+	Token  int64
+	Reason string
+}
+
+// invalidate is a two-step POST: without confirm=yes it shows what will be
+// done and asks; with it, it calls InvalidateRecord with the token the
+// record page showed, so that a record changed since is not invalidated.
+func (c *Console) invalidate(w http.ResponseWriter, r *http.Request, s *session) {
+	p := c.page(s)
+	k, err := formKey(r)
+	if err != nil {
+		p.Error = err.Error()
+		c.render(w, http.StatusBadRequest, "error.html", p)
+		return
+	}
+	token, err := strconv.ParseInt(r.PostFormValue("token"), 10, 64)
+	if err != nil || token <= 0 {
+		p.Error = "the form has no record token: look the record up again"
+		c.render(w, http.StatusBadRequest, "error.html", p)
+		return
+	}
+	reason := r.PostFormValue("reason")
+	if reason == "" {
+		view, code, msg := c.inspect(r.Context(), s, k)
+		p.Data, p.Error = view, "A reason is required: say why, for the audit log."
+		if msg != "" {
+			p.Error = msg
+		}
+		c.render(w, max(code, http.StatusBadRequest), "record.html", p)
+		return
+	}
+	if r.PostFormValue("confirm") != "yes" {
+		p.Data = confirmView{Key: k, Token: token, Reason: reason}
+		c.render(w, http.StatusOK, "confirm.html", p)
+		return
+	}
+	ctx, cancel := c.callContext(r.Context(), s)
+	defer cancel()
+	_, err = c.admin.InvalidateRecord(ctx, &idemregv1.InvalidateRecordRequest{Consumer: k.Consumer, Kind: k.Kind, Key: k.Key, Token: token, Reason: reason})
+	if err != nil {
+		code, msg := explain(err)
+		view, _, _ := c.inspect(r.Context(), s, k)
+		p.Data, p.Error = view, msg
+		c.render(w, code, "record.html", p)
+		return
+	}
+	c.cfg.Logger.Info("console invalidation", "identity", s.identity)
+	http.Redirect(w, r, "/record?"+k.Query()+"&done=invalidated", http.StatusSeeOther)
+}
