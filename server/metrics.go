@@ -22,6 +22,7 @@ const (
 	MetricCompletes     = "idemreg.completes"
 	MetricReleases      = "idemreg.releases"
 	MetricExtends       = "idemreg.extends"
+	MetricParks         = "idemreg.parks"
 	MetricLeaseLost     = "idemreg.lease_lost"
 	MetricStoreDuration = "idemreg.store.duration"
 	MetricStoreErrors   = "idemreg.store.errors"
@@ -57,16 +58,18 @@ const (
 	ClaimInProgress = "in_progress" // another holder's lease is live
 	ClaimReplay     = "replay"      // completed: the stored result is replayed
 	ClaimMismatch   = "mismatch"    // FINGERPRINT_MISMATCH
+	ClaimParked     = "parked"      // the record is parked (or this Claim parked it at max_attempts)
 )
 
 type metrics struct {
-	claims, completes, releases, extends, leaseLost metric.Int64Counter
-	storeErrors, overloaded, rateLimited, denied    metric.Int64Counter
-	adminActions, boundRefused, waits               metric.Int64Counter
-	storeDuration, waitDuration                     metric.Float64Histogram
-	batchSize                                       metric.Int64Histogram
-	inFlight, connections                           metric.Int64ObservableUpDownCounter
-	meter                                           metric.Meter
+	claims, completes, releases, extends, parks  metric.Int64Counter
+	leaseLost                                    metric.Int64Counter
+	storeErrors, overloaded, rateLimited, denied metric.Int64Counter
+	adminActions, boundRefused, waits            metric.Int64Counter
+	storeDuration, waitDuration                  metric.Float64Histogram
+	batchSize                                    metric.Int64Histogram
+	inFlight, connections                        metric.Int64ObservableUpDownCounter
+	meter                                        metric.Meter
 }
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
@@ -80,10 +83,11 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		errs = append(errs, err)
 		*dst = c
 	}
-	counter(&out.claims, MetricClaims, "{claim}", "Claims answered, by outcome: acquired, takeover, repeat, in_progress, replay, mismatch.")
+	counter(&out.claims, MetricClaims, "{claim}", "Claims answered, by outcome: acquired, takeover, repeat, in_progress, replay, mismatch, parked.")
 	counter(&out.completes, MetricCompletes, "{call}", "Successful Completes (a repeat with the same token counts again).")
 	counter(&out.releases, MetricReleases, "{call}", "Successful Releases.")
 	counter(&out.extends, MetricExtends, "{call}", "Successful Extends.")
+	counter(&out.parks, MetricParks, "{call}", "Successful Parks (a repeat with the same token counts again).")
 	counter(&out.leaseLost, MetricLeaseLost, "{call}", "Completes, Releases and Extends refused with LEASE_LOST (a stale token), by method.")
 	counter(&out.storeErrors, MetricStoreErrors, "{error}", "Failed store calls, by op and error.type: unavailable, deadline, canceled, internal.")
 	counter(&out.overloaded, MetricOverloaded, "{call}", "Calls refused with OVERLOADED because the store already had the most operations in flight (bound=server) or the caller's identity had its share of them (bound=identity).")
@@ -139,5 +143,6 @@ func errorType(err error) string {
 // than a failure of the store.
 func isAnswer(err error) bool {
 	return errors.Is(err, storage.ErrNotFound) || errors.Is(err, storage.ErrLeaseLost) ||
-		errors.Is(err, storage.ErrAlreadyCompleted) || errors.Is(err, storage.ErrFingerprintMismatch)
+		errors.Is(err, storage.ErrAlreadyCompleted) || errors.Is(err, storage.ErrFingerprintMismatch) ||
+		errors.Is(err, storage.ErrParked)
 }
