@@ -43,6 +43,7 @@ const (
 const (
 	WaitCompleted = "completed" // the record was completed: the result is replayed
 	WaitAcquired  = "acquired"  // the lease ended or was released: the caller took over
+	WaitParked    = "parked"    // the record was parked: OUTCOME_PARKED
 	WaitElapsed   = "elapsed"   // wait passed with the key still in progress
 	WaitCanceled  = "canceled"  // the caller's context ended
 	WaitFull      = "full"      // the replica had MaxWaiters waiting: answered at once
@@ -94,7 +95,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.rateLimited, MetricRateLimited, "{call}", "Calls refused with RATE_LIMITED, by identity.")
 	counter(&out.denied, MetricDenied, "{call}", "Calls refused with UNAUTHENTICATED or PERMISSION_DENIED, by code.")
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
-	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, elapsed, canceled, full, drained, error).")
+	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, parked, elapsed, canceled, full, drained, error).")
 	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams (TOO_MANY_STREAMS) or identity_calls (TOO_MANY_CALLS).")
 	var err error
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),

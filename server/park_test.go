@@ -197,3 +197,48 @@ func TestParkMetrics(t *testing.T) {
 	require.EqualValues(t, 1, sums[server.MetricParks], "got %v", sums)
 	require.Zero(t, sums[server.MetricStoreErrors+" error.type=internal op=complete"], "a refusal as PARKED is an answer, not a store error; got %v", sums)
 }
+
+// TestParkEndsWaits: a Claim waiting for a key in progress answers
+// OUTCOME_PARKED when the holder parks it, and a waiting Claim of a parked
+// key answers at once: nobody holds it, so there is nothing to wait for.
+func TestParkEndsWaits(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	forEachWaitBackend(t, server.Config{MeterProvider: mp}, func(t *testing.T, h waitHarness) {
+		ctx := t.Context()
+		held, err := h.c.Claim(ctx, claimReq("w-1", "fp"))
+		require.NoError(t, err)
+		waiter := claimAsync(ctx, h.newClient(t), waiting("w-1", 25*time.Second))
+		h.waitersReach(t, 1)
+		_, err = h.c.Park(ctx, parkReq("w-1", held.GetToken(), held.GetClaimSecret(), "unknown"))
+		require.NoError(t, err)
+		select {
+		case a := <-waiter:
+			require.NoError(t, a.err)
+			requireParkedAnswer(t, a.res, "unknown")
+		case <-time.After(20 * time.Second):
+			t.Fatal("the waiter did not answer when the key was parked")
+		}
+		res, err := h.c.Claim(ctx, waiting("w-1", 25*time.Second))
+		require.NoError(t, err)
+		requireParkedAnswer(t, res, "unknown")
+	})
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(t.Context(), &rm))
+	var parked, other int64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if d, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == server.MetricWaits {
+				for _, dp := range d.DataPoints {
+					if v, _ := dp.Attributes.Value("ended"); v.AsString() == server.WaitParked {
+						parked += dp.Value
+					} else {
+						other += dp.Value
+					}
+				}
+			}
+		}
+	}
+	require.EqualValues(t, len(backends), parked, "one wait per backend ended parked")
+	require.Zero(t, other, "no wait ended otherwise")
+}
