@@ -695,6 +695,11 @@ func TestClaimWritesOnlyWhenItMust(t *testing.T) {
 	require.NoError(t, err)
 	written, xid = claim("k", 10_000_000)
 	require.False(t, written || xid, "a replay: nothing written, nothing locked")
+
+	_, err = conn.Exec(t.Context(), `UPDATE idemreg_records SET state = 3, park_reason = 'r' WHERE key = 'gone'`)
+	require.NoError(t, err)
+	written, xid = claim("gone", 10_000_000)
+	require.False(t, written || xid, "parked: nothing written, nothing locked")
 }
 
 func TestMigrateTwiceIsNoOp(t *testing.T) {
