@@ -696,10 +696,12 @@ func TestClaimWritesOnlyWhenItMust(t *testing.T) {
 	written, xid = claim("k", 10_000_000)
 	require.False(t, written || xid, "a replay: nothing written, nothing locked")
 
-	_, err = conn.Exec(t.Context(), `UPDATE idemreg_records SET state = 3, park_reason = 'r' WHERE key = 'gone'`)
+	written, xid = claim("spent", 1) // its lease is over by the next statement, as for "gone"
+	require.True(t, written && xid)
+	_, err = conn.Exec(t.Context(), `UPDATE idemreg_records SET state = 3, park_reason = 'r' WHERE key = 'spent'`)
 	require.NoError(t, err)
-	written, xid = claim("gone", 10_000_000)
-	require.False(t, written || xid, "parked: nothing written, nothing locked")
+	written, xid = claim("spent", 10_000_000)
+	require.False(t, written || xid, "parked, lease over: nothing written, nothing locked")
 }
 
 func TestMigrateTwiceIsNoOp(t *testing.T) {
