@@ -203,6 +203,22 @@ func (c *Client) Extend(ctx context.Context, k Key, f Fence, lease time.Duration
 	return recordFromProto(res.GetRecord()), nil
 }
 
+// Park parks the caller's claim with reason (1-512 bytes of printable
+// UTF-8): the outcome of its work is unknown and the key must not be done
+// again, as after a call to a provider without an idempotency contract
+// whose answer was lost. Every later Claim answers OutcomeParked until an
+// operator resolves the key. Repeating it with the same fence returns the
+// parked record (the first reason stays). Errors: ErrInvalidArgument,
+// ErrLeaseLost, ErrAlreadyCompleted, ErrNotFound, ErrUnavailable.
+func (c *Client) Park(ctx context.Context, k Key, f Fence, reason string) (Record, error) {
+	consumer, kind, key := k.proto()
+	res, err := c.rpc.Park(ctx, &idemregv1.ParkRequest{Consumer: consumer, Kind: kind, Key: key, Token: f.Token, ClaimSecret: f.Secret, Reason: reason})
+	if err != nil {
+		return Record{}, FromError(err)
+	}
+	return recordFromProto(res.GetRecord()), nil
+}
+
 // Lookup returns the live record. Errors: ErrInvalidArgument, ErrNotFound,
 // ErrUnavailable.
 func (c *Client) Lookup(ctx context.Context, k Key) (Record, error) {

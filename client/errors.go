@@ -24,6 +24,10 @@ const (
 	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
+	// ReasonParked (code FAILED_PRECONDITION): Complete, Release or Extend
+	// of a parked record. Once and the interceptors also answer it, as a
+	// *ParkedError, for a Claim that answered OutcomeParked.
+	ReasonParked = "PARKED"
 	// ReasonLeaseTotalExceeded (code FAILED_PRECONDITION): an Extend would
 	// hold the key past the consumer's max_lease_total since the attempt
 	// began; the metadata's lease_not_after is the latest a lease may end.
@@ -74,6 +78,11 @@ var (
 	ErrFingerprintMismatch = errors.New("idemreg: fingerprint mismatch: the key was used with different parameters")
 	ErrLeaseLost           = errors.New("idemreg: lease lost: another holder took over the key")
 	ErrAlreadyCompleted    = errors.New("idemreg: the key is already completed")
+	// ErrParked: the key is parked (its attempts ran out, or its holder
+	// parked it because the outcome of its work is unknown): do not do the
+	// work; dead-letter or skip the message until an operator resolves it.
+	// For a Claim it is a *ParkedError carrying the record.
+	ErrParked = errors.New("idemreg: the key is parked")
 	// ErrLeaseTotalExceeded: the Extend asked for more than is left of the
 	// consumer's max_lease_total for this attempt; the lease in force is
 	// unchanged, so finish (or Release) before it ends.
@@ -112,6 +121,7 @@ var sentinelByReason = map[string]error{
 	ReasonFingerprintMismatch: ErrFingerprintMismatch,
 	ReasonLeaseLost:           ErrLeaseLost,
 	ReasonAlreadyCompleted:    ErrAlreadyCompleted,
+	ReasonParked:              ErrParked,
 	ReasonLeaseTotalExceeded:  ErrLeaseTotalExceeded,
 	ReasonQuotaExceeded:       ErrQuotaExceeded,
 	ReasonNotFound:            ErrNotFound,
@@ -231,6 +241,31 @@ func (e *InProgressError) GRPCStatus() *status.Status {
 		&errdetails.RetryInfo{RetryDelay: durationpb.New(e.RetryAfter)})
 }
 
+// ParkedError says a Claim found the key parked (Claim.Outcome is
+// OutcomeParked): the work must not be done. Once, OnceBatch and the
+// interceptors return it without running the handler. It matches
+// ErrParked; its status is FAILED_PRECONDITION with reason PARKED, which
+// is what the interceptors return to their callers. It is not final
+// (IsFinal is false): a consumer dead-letters or skips the message rather
+// than acknowledging it as done.
+type ParkedError struct {
+	// Record is the parked record; Record.ParkReason says why.
+	Record Record
+}
+
+func (e *ParkedError) Error() string {
+	return fmt.Sprintf("idemreg: %s: the key is parked (%s); do not do the work", ReasonParked, e.Record.ParkReason)
+}
+
+// Is matches ErrParked.
+func (e *ParkedError) Is(target error) bool { return target == ErrParked }
+
+// GRPCStatus is FAILED_PRECONDITION with ErrorInfo reason PARKED.
+func (e *ParkedError) GRPCStatus() *status.Status {
+	return newStatus(codes.FailedPrecondition, ReasonParked,
+		"the idempotency key is parked: the request must not be run until an operator resolves it")
+}
+
 func newStatus(code codes.Code, reason, msg string, extra ...protoadapt.MessageV1) *status.Status {
 	st := status.New(code, msg)
 	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain}}, extra...)
@@ -241,7 +276,8 @@ func newStatus(code codes.Code, reason, msg string, extra ...protoadapt.MessageV
 }
 
 // FromError rebuilds the typed error of a status error: an *Error, an
-// *UnavailableError or an *InProgressError. Errors the typed client, Once
+// *UnavailableError, an *InProgressError or a *ParkedError (its record
+// is not in the status: use errors.Is(err, ErrParked)). Errors the typed client, Once
 // and the interceptors return are converted already; use FromError on an
 // error from a service that uses UnaryServerInterceptor, to match its
 // IN_PROGRESS and FINGERPRINT_MISMATCH answers with errors.Is. An error that
@@ -254,8 +290,9 @@ func FromError(err error) error {
 		e  *Error
 		ue *UnavailableError
 		ie *InProgressError
+		pe *ParkedError
 	)
-	if errors.As(err, &e) || errors.As(err, &ue) || errors.As(err, &ie) {
+	if errors.As(err, &e) || errors.As(err, &ue) || errors.As(err, &ie) || errors.As(err, &pe) {
 		return err
 	}
 	st, ok := status.FromError(err)

@@ -89,6 +89,7 @@ func TestReasonsMatchServer(t *testing.T) {
 		client.ReasonFingerprintMismatch: server.ReasonFingerprintMismatch,
 		client.ReasonLeaseLost:           server.ReasonLeaseLost,
 		client.ReasonAlreadyCompleted:    server.ReasonAlreadyCompleted,
+		client.ReasonParked:              server.ReasonParked,
 		client.ReasonNotFound:            server.ReasonNotFound,
 		client.ReasonStoreUnavailable:    server.ReasonStoreUnavailable,
 		client.ReasonDeadlineExceeded:    server.ReasonDeadlineExceeded,

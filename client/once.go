@@ -67,6 +67,10 @@ type OnceResult struct {
 //     with the time left on its lease, without running fn; with
 //     WithWaitInProgress, Once waits instead for the outcome (or for a
 //     takeover when the holder's lease runs out).
+//   - The key is parked (its attempts reached the consumer's max_attempts,
+//     or a holder parked it with Park): fn does not run; a *ParkedError
+//     (ErrParked) with the parked record. Dead-letter or skip the message:
+//     it is neither done nor to be retried until an operator resolves it.
 //
 // A consumer acknowledges its message when err == nil || IsFinal(err), and
 // asks for a redelivery otherwise (after InProgressError.RetryAfter for an

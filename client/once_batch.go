@@ -110,6 +110,8 @@ func (c *Client) OnceBatch(ctx context.Context, consumer string, msgs []BatchMes
 				out[i].Err = r.Err
 			case r.Claim.Outcome == OutcomeCompleted:
 				out[i].OnceResult, out[i].Err = replayOnce(r.Claim.Record)
+			case r.Claim.Outcome == OutcomeParked:
+				out[i].Err = &ParkedError{Record: r.Claim.Record}
 			case r.Claim.Outcome == OutcomeAcquired:
 				acquired, claims = append(acquired, i), append(claims, r.Claim)
 			case r.Claim.Outcome == OutcomeInProgress && s.wait != nil:

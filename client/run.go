@@ -13,8 +13,9 @@ import (
 // lost before it gives up.
 const claimRepeats = 3
 
-// claim claims p. While another holder has the key it returns an
-// *InProgressError, or, with s.wait, waits until the key is completed or
+// claim claims p. A parked key is a *ParkedError, so that no caller of
+// claim runs its handler for it. While another holder has the key it
+// returns an *InProgressError, or, with s.wait, waits until the key is completed or
 // acquired or ctx ends: each Claim asks the registry to wait (up to MaxWait
 // and ctx's deadline), and a Claim that still finds the key in progress is
 // repeated after s.wait's backoff (a registry that does not wait answers at
@@ -48,6 +49,9 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 			}
 			repeatDelay = min(2*repeatDelay, DefaultBackoff.Max)
 			continue
+		}
+		if err == nil && cl.Outcome == OutcomeParked {
+			return cl, &ParkedError{Record: cl.Record}
 		}
 		if err != nil || cl.Outcome != OutcomeInProgress {
 			return cl, err

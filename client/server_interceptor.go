@@ -130,9 +130,12 @@ func (c *Client) serverClaimError(ctx context.Context, method string, err error)
 		ue *UnavailableError
 		e  *Error
 	)
+	var pe *ParkedError
 	switch {
 	case errors.As(err, &ie):
 		return ie
+	case errors.As(err, &pe):
+		return pe
 	case errors.Is(err, ErrFingerprintMismatch):
 		return newStatus(codes.FailedPrecondition, ReasonFingerprintMismatch,
 			"the idempotency key was already used with different request parameters").Err()

@@ -35,6 +35,9 @@ const (
 	StateInProgress = State(idemregv1.State_STATE_IN_PROGRESS)
 	// StateCompleted: the record holds the result to replay.
 	StateCompleted = State(idemregv1.State_STATE_COMPLETED)
+	// StateParked: the key must not be done again until an operator
+	// resolves it; Record.ParkReason says why.
+	StateParked = State(idemregv1.State_STATE_PARKED)
 )
 
 func (s State) String() string { return idemregv1.State(s).String() }
@@ -51,6 +54,10 @@ const (
 	// OutcomeCompleted: the work is done; Claim.Record.Result is what to
 	// replay.
 	OutcomeCompleted = Outcome(idemregv1.Outcome_OUTCOME_COMPLETED)
+	// OutcomeParked: the key is parked; do not do the work (dead-letter or
+	// skip the message). No token. Once and the interceptors turn it into
+	// a *ParkedError.
+	OutcomeParked = Outcome(idemregv1.Outcome_OUTCOME_PARKED)
 )
 
 func (o Outcome) String() string { return idemregv1.Outcome(o).String() }
@@ -91,6 +98,9 @@ type Record struct {
 	ExpiresAt time.Time
 	// Result is set when completed.
 	Result *Result
+	// ParkReason is set when parked: the reason given to Park, or
+	// "max_attempts reached".
+	ParkReason string
 }
 
 // Result is what a completed key replays: exactly one of a response and a
@@ -197,5 +207,6 @@ func recordFromProto(p *idemregv1.Record) Record {
 		CompletedAt:    timeOf(p.GetCompletedAt()),
 		ExpiresAt:      timeOf(p.GetExpiresAt()),
 		Result:         resultFromProto(p.GetResult()),
+		ParkReason:     p.GetParkReason(),
 	}
 }

@@ -37,6 +37,7 @@ func toRecord(r storage.Record, withToken bool) (*idemregv1.Record, error) {
 		LeaseExpiresAt: timestamp(r.LeaseExpiresAt),
 		CompletedAt:    timestamp(r.CompletedAt),
 		ExpiresAt:      timestamp(r.ExpiresAt),
+		ParkReason:     r.ParkReason,
 	}
 	if withToken || r.State == storage.StateCompleted {
 		out.Token = r.Token

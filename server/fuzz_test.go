@@ -55,6 +55,12 @@ func (s *echoStore) Extend(_ context.Context, p storage.ExtendParams) (storage.R
 	return s.record(p.Key), nil
 }
 
+func (s *echoStore) Park(_ context.Context, p storage.ParkParams) (storage.Record, error) {
+	r := s.record(p.Key)
+	r.State, r.ParkReason = storage.StateParked, p.Reason
+	return r, nil
+}
+
 // echoKey is the echo store's claim key, so that the fuzz targets can
 // send the right claim secret with any token.
 var echoKey = bytes.Repeat([]byte{0x5A}, storage.ClaimKeySize)
@@ -178,6 +184,16 @@ func expectedViolations(r request) []string {
 		if r.result.GetOutcome() != nil && proto.Size(r.result) > server.DefaultMaxResultBytes {
 			bad = append(bad, "result")
 		}
+	case 5: // Park, with holder as its reason
+		if r.shortSecret {
+			bad = append(bad, "claim_secret")
+		}
+		if r.token <= 0 {
+			bad = append(bad, "token")
+		}
+		if r.holder == "" || len(r.holder) > 512 || !printable(r.holder) {
+			bad = append(bad, "reason")
+		}
 	case 2, 3: // Release, Extend
 		if r.shortSecret {
 			bad = append(bad, "claim_secret")
@@ -219,6 +235,11 @@ func call(svc *server.Service, r request) (*status.Status, *idemregv1.Record) {
 		var res *idemregv1.ExtendResponse
 		res, err = svc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key,
 			Token: r.token, ClaimSecret: secretOf(r), Lease: r.lease})
+		rec = res.GetRecord()
+	case 5:
+		var res *idemregv1.ParkResponse
+		res, err = svc.Park(ctx, &idemregv1.ParkRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key,
+			Token: r.token, ClaimSecret: secretOf(r), Reason: r.holder})
 		rec = res.GetRecord()
 	default:
 		var res *idemregv1.LookupResponse
@@ -270,11 +291,15 @@ func FuzzValidation(f *testing.F) {
 	f.Add(uint8(1), "c", int32(1), "tab\tkey", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(2), "", []byte(nil), int32(0), "\xfe")
 	f.Add(uint8(0), "c", int32(1), "k", []byte(nil), "", int64(0), int64(315576000001), int32(0), int64(0), int32(1e9), uint8(3), uint8(0), "", []byte(nil), int32(0), "")
 
+	f.Add(uint8(5), "billing.worker", int32(2), "op-1", []byte(nil), "sent, no answer", int64(7), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(5), "billing.worker", int32(2), "op-1", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(0), uint8(4), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(5), "c", int32(1), "k", []byte(nil), "line\nbreak", int64(3), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(0), "", []byte(nil), int32(0), "")
+
 	svc, _ := newEchoService(f)
 	f.Fuzz(func(t *testing.T, method uint8, consumer string, kind int32, key string, fingerprint []byte, holder string,
 		token, leaseSec int64, leaseNanos int32, retSec int64, retNanos int32, durations, resultKind uint8,
 		typ string, data []byte, code int32, message string) {
-		r := request{method: method % 5, consumer: consumer, kind: idemregv1.Kind(kind), key: key,
+		r := request{method: method % 6, consumer: consumer, kind: idemregv1.Kind(kind), key: key,
 			fingerprint: fingerprint, holder: holder, token: token}
 		if durations&1 != 0 {
 			r.lease = &durationpb.Duration{Seconds: leaseSec, Nanos: leaseNanos}

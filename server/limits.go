@@ -58,6 +58,7 @@ const (
 	MaxKeyBytes         = 256
 	MaxFingerprintBytes = 64
 	MaxHolderBytes      = 128
+	MaxParkReasonBytes  = 512
 	MaxRequestIDBytes   = 128
 )
 

@@ -22,6 +22,7 @@ const (
 	MetricCompletes     = "idemreg.completes"
 	MetricReleases      = "idemreg.releases"
 	MetricExtends       = "idemreg.extends"
+	MetricParks         = "idemreg.parks"
 	MetricLeaseLost     = "idemreg.lease_lost"
 	MetricStoreDuration = "idemreg.store.duration"
 	MetricStoreErrors   = "idemreg.store.errors"
@@ -42,6 +43,7 @@ const (
 const (
 	WaitCompleted = "completed" // the record was completed: the result is replayed
 	WaitAcquired  = "acquired"  // the lease ended or was released: the caller took over
+	WaitParked    = "parked"    // the record was parked: OUTCOME_PARKED
 	WaitElapsed   = "elapsed"   // wait passed with the key still in progress
 	WaitCanceled  = "canceled"  // the caller's context ended
 	WaitFull      = "full"      // the replica had MaxWaiters waiting: answered at once
@@ -57,16 +59,18 @@ const (
 	ClaimInProgress = "in_progress" // another holder's lease is live
 	ClaimReplay     = "replay"      // completed: the stored result is replayed
 	ClaimMismatch   = "mismatch"    // FINGERPRINT_MISMATCH
+	ClaimParked     = "parked"      // the record is parked (or this Claim parked it at max_attempts)
 )
 
 type metrics struct {
-	claims, completes, releases, extends, leaseLost metric.Int64Counter
-	storeErrors, overloaded, rateLimited, denied    metric.Int64Counter
-	adminActions, boundRefused, waits               metric.Int64Counter
-	storeDuration, waitDuration                     metric.Float64Histogram
-	batchSize                                       metric.Int64Histogram
-	inFlight, connections                           metric.Int64ObservableUpDownCounter
-	meter                                           metric.Meter
+	claims, completes, releases, extends, parks  metric.Int64Counter
+	leaseLost                                    metric.Int64Counter
+	storeErrors, overloaded, rateLimited, denied metric.Int64Counter
+	adminActions, boundRefused, waits            metric.Int64Counter
+	storeDuration, waitDuration                  metric.Float64Histogram
+	batchSize                                    metric.Int64Histogram
+	inFlight, connections                        metric.Int64ObservableUpDownCounter
+	meter                                        metric.Meter
 }
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
@@ -80,17 +84,18 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		errs = append(errs, err)
 		*dst = c
 	}
-	counter(&out.claims, MetricClaims, "{claim}", "Claims answered, by outcome: acquired, takeover, repeat, in_progress, replay, mismatch.")
+	counter(&out.claims, MetricClaims, "{claim}", "Claims answered, by outcome: acquired, takeover, repeat, in_progress, replay, mismatch, parked.")
 	counter(&out.completes, MetricCompletes, "{call}", "Successful Completes (a repeat with the same token counts again).")
 	counter(&out.releases, MetricReleases, "{call}", "Successful Releases.")
 	counter(&out.extends, MetricExtends, "{call}", "Successful Extends.")
+	counter(&out.parks, MetricParks, "{call}", "Successful Parks (a repeat with the same token counts again).")
 	counter(&out.leaseLost, MetricLeaseLost, "{call}", "Completes, Releases and Extends refused with LEASE_LOST (a stale token), by method.")
 	counter(&out.storeErrors, MetricStoreErrors, "{error}", "Failed store calls, by op and error.type: unavailable, deadline, canceled, internal.")
 	counter(&out.overloaded, MetricOverloaded, "{call}", "Calls refused with OVERLOADED because the store already had the most operations in flight (bound=server) or the caller's identity had its share of them (bound=identity).")
 	counter(&out.rateLimited, MetricRateLimited, "{call}", "Calls refused with RATE_LIMITED, by identity.")
 	counter(&out.denied, MetricDenied, "{call}", "Calls refused with UNAUTHENTICATED or PERMISSION_DENIED, by code.")
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
-	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, elapsed, canceled, full, drained, error).")
+	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, parked, elapsed, canceled, full, drained, error).")
 	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams (TOO_MANY_STREAMS) or identity_calls (TOO_MANY_CALLS).")
 	var err error
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),
@@ -139,5 +144,6 @@ func errorType(err error) string {
 // than a failure of the store.
 func isAnswer(err error) bool {
 	return errors.Is(err, storage.ErrNotFound) || errors.Is(err, storage.ErrLeaseLost) ||
-		errors.Is(err, storage.ErrAlreadyCompleted) || errors.Is(err, storage.ErrFingerprintMismatch)
+		errors.Is(err, storage.ErrAlreadyCompleted) || errors.Is(err, storage.ErrFingerprintMismatch) ||
+		errors.Is(err, storage.ErrParked)
 }

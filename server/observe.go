@@ -119,6 +119,7 @@ var (
 	opComplete      = newOpMeasures("complete")
 	opRelease       = newOpMeasures("release")
 	opExtend        = newOpMeasures("extend")
+	opPark          = newOpMeasures("park")
 	opLookup        = newOpMeasures("lookup")
 	opInspect       = newOpMeasures("inspect")
 	opInvalidate    = newOpMeasures("invalidate")
@@ -129,7 +130,7 @@ var (
 // claimOutcomes are the attribute sets of idemreg.claims, by outcome.
 var claimOutcomes = func() map[string]metric.MeasurementOption {
 	m := make(map[string]metric.MeasurementOption)
-	for _, o := range []string{ClaimAcquired, ClaimTakeover, ClaimRepeat, ClaimInProgress, ClaimReplay, ClaimMismatch} {
+	for _, o := range []string{ClaimAcquired, ClaimTakeover, ClaimRepeat, ClaimInProgress, ClaimReplay, ClaimMismatch, ClaimParked} {
 		m[o] = attrs(attribute.String("outcome", o))
 	}
 	return m
@@ -202,6 +203,8 @@ func (o *observedStore) countClaim(ctx context.Context, res storage.ClaimResult,
 		outcome = ClaimInProgress
 	case res.Outcome == storage.OutcomeCompleted:
 		outcome = ClaimReplay
+	case res.Outcome == storage.OutcomeParked:
+		outcome = ClaimParked
 	}
 	o.m.claims.Add(ctx, 1, claimOutcomes[outcome])
 }
@@ -295,6 +298,17 @@ func (o *observedStore) Extend(ctx context.Context, p storage.ExtendParams) (rec
 	})
 	if err == nil {
 		o.m.extends.Add(ctx, 1)
+	}
+	return rec, err
+}
+
+func (o *observedStore) Park(ctx context.Context, p storage.ParkParams) (rec storage.Record, err error) {
+	err = o.do(ctx, opPark, func() error {
+		rec, err = o.Store.Park(ctx, p)
+		return err
+	})
+	if err == nil {
+		o.m.parks.Add(ctx, 1)
 	}
 	return rec, err
 }

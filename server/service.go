@@ -180,6 +180,21 @@ func (s *Service) Extend(ctx context.Context, req *idemregv1.ExtendRequest) (*id
 	return &idemregv1.ExtendResponse{Record: rec}, nil
 }
 
+// Park implements RegistryServiceServer.
+func (s *Service) Park(ctx context.Context, req *idemregv1.ParkRequest) (*idemregv1.ParkResponse, error) {
+	p, err := s.validatePark(req)
+	if err != nil {
+		return nil, err
+	}
+	rec, err := s.fenced(ctx, "Park", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) { return s.store.Park(ctx, p) })
+	if err != nil {
+		return nil, err
+	}
+	// Claims waiting for the key answer OUTCOME_PARKED now.
+	s.waiters.notify(p.Key)
+	return &idemregv1.ParkResponse{Record: rec}, nil
+}
+
 // Lookup implements RegistryServiceServer.
 func (s *Service) Lookup(ctx context.Context, req *idemregv1.LookupRequest) (*idemregv1.LookupResponse, error) {
 	k, err := s.validateLookup(req)

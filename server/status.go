@@ -39,7 +39,10 @@ const (
 	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
 	ReasonLeaseLost           = "LEASE_LOST"
 	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
-	ReasonLeaseTotalExceeded  = "LEASE_TOTAL_EXCEEDED"
+	// PARKED (code FAILED_PRECONDITION): Complete, Release or Extend of a
+	// parked record.
+	ReasonParked             = "PARKED"
+	ReasonLeaseTotalExceeded = "LEASE_TOTAL_EXCEEDED"
 	// QUOTA_EXCEEDED (code RESOURCE_EXHAUSTED, with QuotaFailure): a Claim
 	// of a new key for a consumer at its max_records or max_bytes (quota.go).
 	ReasonQuotaExceeded    = "QUOTA_EXCEEDED"
@@ -134,6 +137,9 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 			"the token is not the record's current token: another holder took over the key", meta)
 	case errors.Is(err, storage.ErrAlreadyCompleted):
 		return newStatus(codes.FailedPrecondition, ReasonAlreadyCompleted, "the record is already completed", meta)
+	case errors.Is(err, storage.ErrParked):
+		return newStatus(codes.FailedPrecondition, ReasonParked,
+			"the record is parked: it must not be done again until an operator resolves it", meta)
 	case errors.Is(err, storage.ErrNotFound):
 		return newStatus(codes.NotFound, ReasonNotFound, "no live record for the key (absent or expired)", meta)
 	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil:

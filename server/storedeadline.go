@@ -74,3 +74,9 @@ func (s marginStore) Lookup(ctx context.Context, k storage.Key) (storage.Record,
 	defer cancel()
 	return s.Store.Lookup(ctx, k)
 }
+
+func (s marginStore) Park(ctx context.Context, p storage.ParkParams) (storage.Record, error) {
+	ctx, cancel := storeContext(ctx)
+	defer cancel()
+	return s.Store.Park(ctx, p)
+}

@@ -146,8 +146,9 @@ func (s *Service) validateClaim(ctx context.Context, r *idemregv1.ClaimRequest) 
 		Lease:       v.duration("lease", r.GetLease(), pol.Lease, "lease", pol.Source),
 		Retention: v.duration("retention", r.GetRetention(), pol.Retention(k.Kind),
 			policy.RetentionField(k.Kind), pol.Source),
-		Holder:    r.GetHolder(),
-		RequestID: r.GetRequestId(),
+		Holder:      r.GetHolder(),
+		RequestID:   r.GetRequestId(),
+		MaxAttempts: pol.MaxAttempts,
 	}
 	var wait time.Duration
 	if w := r.GetWait(); w != nil {
@@ -219,6 +220,21 @@ func (s *Service) validateExtend(ctx context.Context, r *idemregv1.ExtendRequest
 		p.Lease = v.duration("lease", r.GetLease(), pol.Lease, "lease", pol.Source)
 	}
 	v.fence(r.GetToken(), r.GetClaimSecret())
+	return p, v.err()
+}
+
+func (s *Service) validatePark(r *idemregv1.ParkRequest) (storage.ParkParams, error) {
+	var v violations
+	p := storage.ParkParams{Key: v.key(r.GetConsumer(), r.GetKind(), r.GetKey()), Token: r.GetToken(), Reason: r.GetReason()}
+	v.fence(r.GetToken(), r.GetClaimSecret())
+	switch n := len(p.Reason); {
+	case n == 0:
+		v.add("reason", "required: why the outcome is unknown")
+	case n > MaxParkReasonBytes:
+		v.add("reason", "must be at most %d bytes, got %d", MaxParkReasonBytes, n)
+	default:
+		v.printable("reason", p.Reason)
+	}
 	return p, v.err()
 }
 

@@ -171,6 +171,8 @@ func (s *Service) waitClaim(ctx context.Context, p storage.ClaimParams, end time
 			ended = WaitCompleted
 		case res.Outcome == storage.OutcomeAcquired:
 			ended = WaitAcquired
+		case res.Outcome == storage.OutcomeParked:
+			ended = WaitParked // nobody holds it: nothing to wait for
 		case !joined:
 			ended = WaitFull
 		case !time.Now().Before(end):

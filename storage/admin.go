@@ -43,7 +43,11 @@ type InvalidateParams struct {
 //     takeover (attempt + 1, which tells the new holder an earlier attempt
 //     may have had effects) and a token larger than any issued before;
 //   - every earlier holder's Complete, Release and Extend fail with
-//     ErrLeaseLost, so a stuck holder that wakes up cannot write.
+//     ErrLeaseLost, so a stuck holder that wakes up cannot write;
+//   - a parked record is resolved: it is no longer parked, and its Attempt
+//     starts again from 0, so that the consumer's max_attempts counts
+//     afresh and the next Claim takes over (as attempt 1) instead of
+//     parking it again.
 //
 // The record is not deleted because its row carries the token floor of the
 // key: after a delete, NextToken would rely on the clock alone, which has not
@@ -59,7 +63,11 @@ func DecideInvalidate(now time.Time, cur *Record, p InvalidateParams) (rec Recor
 		return Record{}, false, ErrLeaseLost
 	}
 	rec = *cur
+	if cur.State == StateParked {
+		rec.Attempt = 0
+	}
 	rec.State = StateInProgress
+	rec.ParkReason = ""
 	rec.Fingerprint = nil
 	rec.Token = NextToken(cur.Token, now)
 	rec.LeaseExpiresAt = now

@@ -41,6 +41,11 @@ func NextToken(prev int64, now time.Time) int64 {
 // write set. Otherwise cur is unchanged and the result describes it; a
 // repeat of the Claim that holds a live lease (same non-empty RequestID) is
 // answered OUTCOME_ACQUIRED with cur as it is, without a write.
+//
+// A takeover of a record whose Attempt has reached a positive MaxAttempts
+// parks the record instead (parkOnClaim): OutcomeParked with the parked
+// record, written. A live parked record answers OutcomeParked without a
+// write until it expires or an operator invalidates it.
 func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, write bool, err error) {
 	if !cur.Live(now) {
 		var prev int64
@@ -69,12 +74,17 @@ func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, wr
 	switch {
 	case cur.State == StateCompleted:
 		return ClaimResult{Outcome: OutcomeCompleted, Record: *cur}, false, nil
+	case cur.State == StateParked:
+		return ClaimResult{Outcome: OutcomeParked, Record: *cur}, false, nil
 	case cur.LeaseLive(now) && p.RequestID != "" && p.RequestID == cur.RequestID:
 		// A repeat of the Claim that holds the lease (its reply was lost):
 		// the same answer again, nothing written.
 		return ClaimResult{Outcome: OutcomeAcquired, Record: *cur, Repeated: true}, false, nil
 	case cur.LeaseLive(now):
 		return ClaimResult{Outcome: OutcomeInProgress, Record: *cur, RetryAfter: cur.LeaseExpiresAt.Sub(now)}, false, nil
+	}
+	if AttemptsExhausted(cur, p.MaxAttempts) {
+		return ClaimResult{Outcome: OutcomeParked, Record: park(now, cur, ParkReasonMaxAttempts)}, true, nil
 	}
 	// Takeover of an expired lease.
 	rec := *cur
@@ -90,6 +100,25 @@ func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, wr
 	rec.ExpiresAt = now.Add(p.Lease + p.Retention)
 	rec.Retention = p.Retention
 	return ClaimResult{Outcome: OutcomeAcquired, Record: rec}, true, nil
+}
+
+// AttemptsExhausted reports whether a takeover of cur would exceed
+// maxAttempts (positive): cur was acquired that many times already.
+func AttemptsExhausted(cur *Record, maxAttempts int64) bool {
+	return maxAttempts > 0 && cur.Attempt >= maxAttempts
+}
+
+// park is cur parked at now with reason. The token, attempt, holder,
+// fingerprint and lease stay as they were (the token floor of the key is
+// the record's token, as for any record); the record is kept for its
+// retention from now, like a completion, and then swept like any expired
+// record, after which the key starts afresh with a larger token.
+func park(now time.Time, cur *Record, reason string) Record {
+	rec := *cur
+	rec.State = StateParked
+	rec.ParkReason = reason
+	rec.ExpiresAt = now.Add(cur.Retention)
+	return rec
 }
 
 // fenced checks the token of a Complete, Release or Extend.
@@ -111,6 +140,9 @@ func DecideComplete(now time.Time, cur *Record, p CompleteParams) (rec Record, w
 	if err := fenced(now, cur, p.Token); err != nil {
 		return Record{}, false, err
 	}
+	if cur.State == StateParked {
+		return Record{}, false, ErrParked
+	}
 	if cur.State == StateCompleted {
 		return *cur, false, nil
 	}
@@ -129,8 +161,8 @@ func DecideRelease(now time.Time, cur *Record, p ReleaseParams) (rec Record, wri
 	if err := fenced(now, cur, p.Token); err != nil {
 		return Record{}, false, err
 	}
-	if cur.State == StateCompleted {
-		return Record{}, false, ErrAlreadyCompleted
+	if err := notFinal(cur); err != nil {
+		return Record{}, false, err
 	}
 	if !cur.LeaseLive(now) {
 		return *cur, false, nil
@@ -148,8 +180,8 @@ func DecideExtend(now time.Time, cur *Record, p ExtendParams) (rec Record, write
 	if err := fenced(now, cur, p.Token); err != nil {
 		return Record{}, false, err
 	}
-	if cur.State == StateCompleted {
-		return Record{}, false, ErrAlreadyCompleted
+	if err := notFinal(cur); err != nil {
+		return Record{}, false, err
 	}
 	lease := ExtendLease(cur, p)
 	if p.MaxLeaseTotal > 0 && now.Add(lease).After(LeaseNotAfter(cur, p.MaxLeaseTotal)) {
@@ -160,6 +192,35 @@ func DecideExtend(now time.Time, cur *Record, p ExtendParams) (rec Record, write
 	rec.Lease = lease
 	rec.ExpiresAt = maxTime(cur.ExpiresAt, rec.LeaseExpiresAt.Add(cur.Retention))
 	return rec, true, nil
+}
+
+// notFinal refuses a Release or Extend of a completed or parked record.
+func notFinal(cur *Record) error {
+	switch cur.State {
+	case StateCompleted:
+		return ErrAlreadyCompleted
+	case StateParked:
+		return ErrParked
+	}
+	return nil
+}
+
+// DecidePark decides a Park: the holder of the current token parks the
+// record with its reason, because the outcome of its work is unknown and
+// the key must not be done again (see park). Parking a parked record with
+// its token is a success without a write, so a caller whose reply was lost
+// can retry; the first reason stays. A completed record is refused.
+func DecidePark(now time.Time, cur *Record, p ParkParams) (rec Record, write bool, err error) {
+	if err := fenced(now, cur, p.Token); err != nil {
+		return Record{}, false, err
+	}
+	switch cur.State {
+	case StateCompleted:
+		return Record{}, false, ErrAlreadyCompleted
+	case StateParked:
+		return *cur, false, nil
+	}
+	return park(now, cur, p.Reason), true, nil
 }
 
 // ExtendLease is the lease an Extend grants: the one it asks for, else the

@@ -33,6 +33,13 @@ func stored(edit func(r *storage.Record)) *storage.Record {
 	return r
 }
 
+// parkedAt parks a record at t0+20s (its lease ran out) with reason.
+func parkedAt(reason string) func(r *storage.Record) {
+	return func(r *storage.Record) {
+		r.State, r.ParkReason, r.ExpiresAt = storage.StateParked, reason, t0.Add(20*time.Second+time.Hour)
+	}
+}
+
 func completed(r *storage.Record) {
 	r.State, r.Result, r.CompletedAt = storage.StateCompleted, []byte("result"), t0.Add(time.Second)
 	r.ExpiresAt = t0.Add(time.Second + time.Hour)
@@ -56,6 +63,10 @@ func TestDecideClaim(t *testing.T) {
 	claim := func(fp, holder, requestID string) storage.ClaimParams {
 		return storage.ClaimParams{Key: key, Fingerprint: []byte(fp), Lease: 20 * time.Second, Retention: 2 * time.Hour,
 			Holder: holder, RequestID: requestID}
+	}
+	atMost := func(n int64, p storage.ClaimParams) storage.ClaimParams {
+		p.MaxAttempts = n
+		return p
 	}
 	fresh := func(now time.Time, prev int64, fp string) storage.Record {
 		return storage.Record{
@@ -129,6 +140,43 @@ func TestDecideClaim(t *testing.T) {
 				r.Token, r.Attempt, r.Holder, r.RequestID = t0.Add(time.Hour).UnixMicro()+1, 2, "b", "r2"
 				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
 			})}, wantWrite: true},
+		{name: "lease over below max attempts: takeover", now: t0.Add(20 * time.Second), cur: stored(nil), p: atMost(2, claim("fp", "b", "r2")),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
+				now := t0.Add(20 * time.Second)
+				r.Token, r.Attempt, r.Holder, r.RequestID = now.UnixMicro(), 2, "b", "r2"
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
+			})}, wantWrite: true},
+		{name: "lease over at max attempts exactly: parked as it is, kept for its retention from now",
+			now: t0.Add(20 * time.Second), cur: stored(nil), p: atMost(1, claim("fp", "b", "r2")),
+			want: storage.ClaimResult{Outcome: storage.OutcomeParked, Record: *stored(parkedAt(storage.ParkReasonMaxAttempts))}, wantWrite: true},
+		{name: "lease over past max attempts (the bound was lowered): parked", now: t0.Add(20 * time.Second),
+			cur: stored(func(r *storage.Record) { r.Attempt = 5 }), p: atMost(3, claim("", "b", "r2")),
+			want: storage.ClaimResult{Outcome: storage.OutcomeParked, Record: *stored(func(r *storage.Record) {
+				r.Attempt = 5
+				parkedAt(storage.ParkReasonMaxAttempts)(r)
+			})}, wantWrite: true},
+		{name: "max attempts 0: unbounded", now: t0.Add(20 * time.Second), cur: stored(func(r *storage.Record) { r.Attempt = 100 }), p: claim("fp", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
+				now := t0.Add(20 * time.Second)
+				r.Token, r.Attempt, r.Holder, r.RequestID = now.UnixMicro(), 101, "b", "r2"
+				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
+			})}, wantWrite: true},
+		{name: "live lease at max attempts: in progress, not parked", now: t0.Add(4 * time.Second), cur: stored(nil), p: atMost(1, claim("fp", "b", "r2")),
+			want: storage.ClaimResult{Outcome: storage.OutcomeInProgress, Record: *stored(nil), RetryAfter: 6 * time.Second}},
+		{name: "lease over at max attempts, other fingerprint: mismatch, not parked", now: t0.Add(20 * time.Second), cur: stored(nil),
+			p: atMost(1, claim("other", "b", "r2")), wantErr: storage.ErrFingerprintMismatch},
+		{name: "parked: parked, no write", now: t0.Add(time.Minute), cur: stored(parkedAt("why")), p: claim("fp", "b", "r2"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeParked, Record: *stored(parkedAt("why"))}},
+		{name: "parked, same request id: parked", now: t0.Add(time.Minute), cur: stored(parkedAt("why")), p: claim("", "a", "r1"),
+			want: storage.ClaimResult{Outcome: storage.OutcomeParked, Record: *stored(parkedAt("why"))}},
+		{name: "parked, other fingerprint", now: t0.Add(time.Minute), cur: stored(parkedAt("why")), p: claim("other", "b", "r2"),
+			wantErr: storage.ErrFingerprintMismatch},
+		{name: "expired parked: a fresh record, tokens keep increasing", now: t0.Add(20*time.Second + time.Hour),
+			cur: stored(parkedAt("why")), p: atMost(1, claim("fp", "b", "r2")),
+			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: func() storage.Record {
+				r := fresh(t0.Add(20*time.Second+time.Hour), t0.UnixMicro(), "fp")
+				return r
+			}()}, wantWrite: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			res, write, err := storage.DecideClaim(tc.now, tc.cur, tc.p)
@@ -153,6 +201,9 @@ func TestDecideFenced(t *testing.T) {
 		return func(now time.Time, cur *storage.Record, token int64) (storage.Record, bool, error) {
 			return storage.DecideExtend(now, cur, storage.ExtendParams{Key: key, Token: token, Lease: lease, DefaultLease: time.Minute})
 		}
+	}
+	parkOp := func(now time.Time, cur *storage.Record, token int64) (storage.Record, bool, error) {
+		return storage.DecidePark(now, cur, storage.ParkParams{Key: key, Token: token, Reason: "unknown"})
 	}
 	extendTotal := func(lease, total time.Duration) decide {
 		return func(now time.Time, cur *storage.Record, token int64) (storage.Record, bool, error) {
@@ -227,6 +278,23 @@ func TestDecideFenced(t *testing.T) {
 				r.Token = t0.Add(time.Minute).UnixMicro()
 				r.LeaseExpiresAt, r.Lease, r.ExpiresAt = t0.Add(3*time.Minute), time.Minute, t0.Add(3*time.Minute+time.Hour)
 			}), wantWrite: true},
+		{name: "park: the holder, kept for its retention from now", op: parkOp, now: t0.Add(5 * time.Second), cur: stored(nil), token: token,
+			want: stored(func(r *storage.Record) {
+				r.State, r.ParkReason, r.ExpiresAt = storage.StateParked, "unknown", t0.Add(5*time.Second+time.Hour)
+			}), wantWrite: true},
+		{name: "park: after the lease ran out, nobody took over", op: parkOp, now: t0.Add(20 * time.Second), cur: stored(nil), token: token,
+			want: stored(parkedAt("unknown")), wantWrite: true},
+		{name: "park: repeated, the first reason stays", op: parkOp, now: t0.Add(time.Minute), cur: stored(parkedAt("first")), token: token,
+			want: stored(parkedAt("first"))},
+		{name: "park: stale token", op: parkOp, now: t0.Add(time.Second), cur: stored(nil), token: token - 1, wantErr: storage.ErrLeaseLost},
+		{name: "park: parked, stale token", op: parkOp, now: t0.Add(time.Minute), cur: stored(parkedAt("first")), token: token - 1, wantErr: storage.ErrLeaseLost},
+		{name: "park: completed", op: parkOp, now: t0.Add(time.Minute), cur: stored(completed), token: token, wantErr: storage.ErrAlreadyCompleted},
+		{name: "park: absent", op: parkOp, now: t0, token: token, wantErr: storage.ErrNotFound},
+		{name: "park: expired", op: parkOp, now: t0.Add(2 * time.Hour), cur: stored(nil), token: token, wantErr: storage.ErrNotFound},
+		{name: "complete: parked", op: completeOp, now: t0.Add(time.Minute), cur: stored(parkedAt("why")), token: token, wantErr: storage.ErrParked},
+		{name: "complete: parked, stale token", op: completeOp, now: t0.Add(time.Minute), cur: stored(parkedAt("why")), token: token + 1, wantErr: storage.ErrLeaseLost},
+		{name: "release: parked", op: releaseOp, now: t0.Add(time.Minute), cur: stored(parkedAt("why")), token: token, wantErr: storage.ErrParked},
+		{name: "extend: parked", op: extendOp(0), now: t0.Add(time.Minute), cur: stored(parkedAt("why")), token: token, wantErr: storage.ErrParked},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rec, write, err := tc.op(tc.now, tc.cur, tc.token)
@@ -237,6 +305,25 @@ func TestDecideFenced(t *testing.T) {
 			requireDecision(t, want, tc.wantWrite, tc.wantErr, rec, write, err)
 		})
 	}
+}
+
+func TestDecideInvalidateParked(t *testing.T) {
+	now := t0.Add(time.Minute)
+	cur := stored(func(r *storage.Record) {
+		r.Attempt = 3
+		parkedAt("why")(r)
+	})
+	rec, write, err := storage.DecideInvalidate(now, cur, storage.InvalidateParams{Key: key})
+	require.NoError(t, err)
+	require.True(t, write)
+	require.Equal(t, *stored(func(r *storage.Record) {
+		r.Attempt, r.Fingerprint, r.Token, r.LeaseExpiresAt = 0, nil, now.UnixMicro(), now
+		r.ExpiresAt = now.Add(time.Hour)
+	}), rec, "resolved: in progress, no reason, attempts counted afresh")
+	res, _, err := storage.DecideClaim(now, &rec, storage.ClaimParams{Key: key, Lease: time.Second, Retention: time.Hour, MaxAttempts: 1})
+	require.NoError(t, err)
+	require.Equal(t, storage.OutcomeAcquired, res.Outcome, "the next Claim takes over")
+	require.Equal(t, int64(1), res.Record.Attempt)
 }
 
 func TestDecideLookup(t *testing.T) {

@@ -36,6 +36,10 @@ const (
 	StateInProgress State = 1
 	// StateCompleted: the record holds the result to replay.
 	StateCompleted State = 2
+	// StateParked: the key may not be done again until an operator resolves
+	// it (Invalidate): its attempts ran out (ClaimParams.MaxAttempts), or
+	// its holder parked it because the outcome of its work is unknown.
+	StateParked State = 3
 )
 
 // Outcome is the answer to a Claim.
@@ -48,6 +52,8 @@ const (
 	OutcomeInProgress Outcome = 2
 	// OutcomeCompleted: the record holds the result to replay.
 	OutcomeCompleted Outcome = 3
+	// OutcomeParked: the record is parked; the caller must not do the work.
+	OutcomeParked Outcome = 4
 )
 
 // Key identifies a record.
@@ -87,7 +93,14 @@ type Record struct {
 	Retention time.Duration
 	// Result is the encoded result, opaque to storage; set when completed.
 	Result []byte
+	// ParkReason says why the record is parked: the holder's reason given
+	// to Park, or ParkReasonMaxAttempts. Empty unless parked.
+	ParkReason string
 }
+
+// ParkReasonMaxAttempts is the ParkReason of a record a Claim parked
+// because its attempts had reached ClaimParams.MaxAttempts.
+const ParkReasonMaxAttempts = "max_attempts reached"
 
 // ClaimParams are the arguments of Store.Claim. Lease and Retention are
 // positive; the server applies defaults and bounds before calling.
@@ -100,6 +113,10 @@ type ClaimParams struct {
 	// RequestID, when not empty, identifies this claim across repeats:
 	// see DecideClaim.
 	RequestID string
+	// MaxAttempts, when positive, bounds the acquisitions of a record: a
+	// Claim that would take over a record whose Attempt has reached it
+	// parks the record instead (DecideClaim). Zero means no bound.
+	MaxAttempts int64
 }
 
 // ClaimResult is the answer of Store.Claim.
@@ -128,6 +145,13 @@ type ReleaseParams struct {
 	Token int64
 }
 
+// ParkParams are the arguments of Store.Park. Reason is not empty.
+type ParkParams struct {
+	Key
+	Token  int64
+	Reason string
+}
+
 // ExtendParams are the arguments of Store.Extend. Lease is positive.
 type ExtendParams struct {
 	Key
@@ -149,14 +173,17 @@ type Store interface {
 	// Claim decides by DecideClaim. Errors: ErrFingerprintMismatch, ErrUnavailable.
 	Claim(ctx context.Context, p ClaimParams) (ClaimResult, error)
 	// Complete decides by DecideComplete and returns the stored record.
-	// Errors: ErrNotFound, ErrLeaseLost, ErrUnavailable.
+	// Errors: ErrNotFound, ErrLeaseLost, ErrParked, ErrUnavailable.
 	Complete(ctx context.Context, p CompleteParams) (Record, error)
 	// Release decides by DecideRelease. Errors: ErrNotFound, ErrLeaseLost,
-	// ErrAlreadyCompleted, ErrUnavailable.
+	// ErrAlreadyCompleted, ErrParked, ErrUnavailable.
 	Release(ctx context.Context, p ReleaseParams) (Record, error)
 	// Extend decides by DecideExtend. Errors: ErrNotFound, ErrLeaseLost,
-	// ErrAlreadyCompleted, ErrLeaseTotalExceeded, ErrUnavailable.
+	// ErrAlreadyCompleted, ErrParked, ErrLeaseTotalExceeded, ErrUnavailable.
 	Extend(ctx context.Context, p ExtendParams) (Record, error)
+	// Park decides by DecidePark and returns the stored record. Errors:
+	// ErrNotFound, ErrLeaseLost, ErrAlreadyCompleted, ErrUnavailable.
+	Park(ctx context.Context, p ParkParams) (Record, error)
 	// Lookup returns the live record. Errors: ErrNotFound, ErrUnavailable.
 	Lookup(ctx context.Context, k Key) (Record, error)
 	// Ping reports whether the store can serve requests.
@@ -173,8 +200,10 @@ var (
 	ErrNotFound = errors.New("record not found")
 	// ErrLeaseLost: the token is not the record's current token.
 	ErrLeaseLost = errors.New("lease lost: token is not current")
-	// ErrAlreadyCompleted: Release or Extend of a completed record.
+	// ErrAlreadyCompleted: Release, Extend or Park of a completed record.
 	ErrAlreadyCompleted = errors.New("record already completed")
+	// ErrParked: Complete, Release or Extend of a parked record.
+	ErrParked = errors.New("record parked")
 	// ErrLeaseTotalExceeded: the Extend would hold the lease past
 	// LeaseNotAfter; the lease in force is unchanged.
 	ErrLeaseTotalExceeded = errors.New("the lease would run past the most one attempt may hold the key")

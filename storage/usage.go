@@ -28,11 +28,12 @@ type Usage struct {
 
 // RecordBytes is what a record counts against its consumer's max_bytes:
 // the bytes of the fields a caller chose, as they are stored — consumer,
-// key, fingerprint, holder, request id and the encoded result. The
+// key, fingerprint, holder, request id, park reason and the encoded
+// result. The
 // fixed-size fields (state, tokens, times, durations) and each store's own
 // overhead (row headers, indexes, pebble's key encoding and its expiry
 // index) are not counted, so a store holds somewhat more than this, by a
 // bounded amount per record (max_records bounds that).
 func RecordBytes(r *Record) int64 {
-	return int64(len(r.Consumer) + len(r.Key.Key) + len(r.Fingerprint) + len(r.Holder) + len(r.RequestID) + len(r.Result))
+	return int64(len(r.Consumer) + len(r.Key.Key) + len(r.Fingerprint) + len(r.Holder) + len(r.RequestID) + len(r.ParkReason) + len(r.Result))
 }

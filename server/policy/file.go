@@ -22,6 +22,7 @@ import (
 //	  operation_retention: {default: 24h, min: 1m, max: 30d}
 //	  max_records:         1000000     # quotas of each consumer (0: none, the default)
 //	  max_bytes:           1073741824
+//	  max_attempts:        5           # acquisitions of a key before a Claim parks it (0: unbounded, the default)
 //	consumers:
 //	  - name: billing.payment-worker   # an exact consumer name...
 //	    operation_retention: {default: 3d, min: 2d}
@@ -56,6 +57,7 @@ type fileBounds struct {
 	OperationRetention *fileRange `yaml:"operation_retention"`
 	MaxRecords         *int64     `yaml:"max_records"`
 	MaxBytes           *int64     `yaml:"max_bytes"`
+	MaxAttempts        *int64     `yaml:"max_attempts"`
 }
 
 type fileConsumer struct {
@@ -116,6 +118,9 @@ func (f fileBounds) apply(p Policy, source string) Policy {
 	}
 	if f.MaxBytes != nil {
 		p.MaxBytes = *f.MaxBytes
+	}
+	if f.MaxAttempts != nil {
+		p.MaxAttempts = *f.MaxAttempts
 	}
 	return p
 }
@@ -247,7 +252,7 @@ var (
 		"configfile.file":       "a mapping of sections (defaults, consumers, identities, rate_limits)",
 		"[]policy.fileConsumer": "a list of consumer entries",
 		"policy.fileConsumer":   "a consumer entry (a mapping with name or prefix)",
-		"policy.fileBounds":     "a mapping with lease, max_lease_total, message_retention, operation_retention, max_records and max_bytes",
+		"policy.fileBounds":     "a mapping with lease, max_lease_total, message_retention, operation_retention, max_records, max_bytes and max_attempts",
 		"policy.fileRange":      "a mapping with default, min and max",
 		"string":                "a string",
 	}

@@ -44,6 +44,11 @@ type Policy struct {
 	// Each consumer matching an entry has a quota of its own: a prefix's
 	// quota is not shared by the consumers under it.
 	MaxRecords, MaxBytes int64
+	// MaxAttempts bounds how many times a key may be acquired: a Claim
+	// that would take over a record already acquired that many times
+	// parks it instead (storage.ClaimParams.MaxAttempts). Zero means no
+	// bound.
+	MaxAttempts int64
 }
 
 // HasQuota reports whether p sets a quota.
@@ -92,6 +97,9 @@ func (p Policy) Validate() error {
 	}
 	if p.MaxRecords < 0 {
 		errs = append(errs, fmt.Sprintf("max_records must not be negative (0: no quota), got %d", p.MaxRecords))
+	}
+	if p.MaxAttempts < 0 {
+		errs = append(errs, fmt.Sprintf("max_attempts must not be negative (0: unbounded), got %d", p.MaxAttempts))
 	}
 	if p.MaxBytes < 0 {
 		errs = append(errs, fmt.Sprintf("max_bytes must not be negative (0: no quota), got %d", p.MaxBytes))

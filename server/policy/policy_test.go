@@ -146,6 +146,20 @@ func TestParseQuotas(t *testing.T) {
 	require.False(t, set.For("x").HasQuota(), "no quota by default")
 }
 
+// TestParseMaxAttempts: max_attempts under defaults and per entry,
+// inherited like every bound; absent or 0 is unbounded.
+func TestParseMaxAttempts(t *testing.T) {
+	doc := "defaults:\n  max_attempts: 5\nconsumers:\n  - {name: a, max_attempts: 1}\n  - {name: b, max_attempts: 0}\n  - {prefix: p.}\n"
+	set, err := policy.Parse([]byte(doc), base())
+	require.NoError(t, err)
+	for consumer, want := range map[string]int64{"a": 1, "b": 0, "p.x": 5, "other": 5} {
+		require.Equal(t, want, set.For(consumer).MaxAttempts, consumer)
+	}
+	set, err = policy.Parse(nil, base())
+	require.NoError(t, err)
+	require.Zero(t, set.For("x").MaxAttempts, "unbounded by default")
+}
+
 func TestParseEmpty(t *testing.T) {
 	for _, doc := range []string{"", "# nothing\n", "{}", "consumers: []"} {
 		set, err := policy.Parse([]byte(doc), base())
@@ -184,6 +198,8 @@ func TestParseErrors(t *testing.T) {
 			[]string{`consumers[0]: consumer "a": max_lease_total 30m0s is below lease.max 1h0m0s`}},
 		{"negative max lease total", "defaults:\n  max_lease_total: -1h", []string{"max_lease_total must not be negative"}},
 		{"negative max records", "consumers:\n  - {name: a, max_records: -1}", []string{`consumer "a": max_records must not be negative`}},
+		{"negative max attempts", "consumers:\n  - {name: a, max_attempts: -1}", []string{`consumer "a": max_attempts must not be negative`}},
+		{"max attempts not a number", "defaults:\n  max_attempts: many", []string{"line 2"}},
 		{"negative max bytes", "defaults:\n  max_bytes: -5", []string{"defaults:", "max_bytes must not be negative"}},
 		{"max bytes with a unit", "defaults:\n  max_bytes: 1GiB", []string{"line 2"}},
 		{"not a mapping", "- a\n- b", []string{"line 1: expected a mapping with defaults and consumers, found a YAML seq"}},

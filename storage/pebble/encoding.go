@@ -130,10 +130,17 @@ func decodeExpiryKey(b []byte) (expiresAt time.Time, recordKey []byte, err error
 // does not know instead of reading them as part of the result. Version 1
 // values, written before, still decode (no request id, no lease).
 //
+// Version 3 is version 2 with, after the lease, the park reason (uvarint
+// length + bytes). It is written only for a record that has one, a parked
+// record, so every other record keeps the layout older binaries read, and
+// an older binary fails loudly on a parked record instead of reading the
+// reason as part of the result.
+//
 // The key is not repeated: it is the record key.
 const (
 	valueVersion1   byte = 1
 	valueVersion2   byte = 2
+	valueVersion3   byte = 3
 	flagCompletedAt byte = 1 << 0
 )
 
@@ -162,14 +169,20 @@ func recordSize(r *storage.Record) int {
 	if !r.CompletedAt.IsZero() {
 		n += varintLen(r.CompletedAt.UnixMicro())
 	}
-	if valueVersion(r) == valueVersion2 {
+	if valueVersion(r) >= valueVersion2 {
 		n += uvarintLen(uint64(len(r.RequestID))) + len(r.RequestID) + varintLen(r.Lease.Microseconds())
+	}
+	if valueVersion(r) == valueVersion3 {
+		n += uvarintLen(uint64(len(r.ParkReason))) + len(r.ParkReason)
 	}
 	return n
 }
 
 // valueVersion is the layout appendRecord uses for r.
 func valueVersion(r *storage.Record) byte {
+	if r.ParkReason != "" {
+		return valueVersion3
+	}
 	if r.RequestID != "" || r.Lease != 0 {
 		return valueVersion2
 	}
@@ -196,10 +209,14 @@ func appendRecord(dst []byte, r *storage.Record) []byte {
 	dst = append(dst, r.Fingerprint...)
 	dst = binary.AppendUvarint(dst, uint64(len(r.Holder)))
 	dst = append(dst, r.Holder...)
-	if version == valueVersion2 {
+	if version >= valueVersion2 {
 		dst = binary.AppendUvarint(dst, uint64(len(r.RequestID)))
 		dst = append(dst, r.RequestID...)
 		dst = binary.AppendVarint(dst, r.Lease.Microseconds())
+	}
+	if version == valueVersion3 {
+		dst = binary.AppendUvarint(dst, uint64(len(r.ParkReason)))
+		dst = append(dst, r.ParkReason...)
 	}
 	return append(dst, r.Result...)
 }
@@ -242,7 +259,7 @@ func decodeRecord(b []byte, r *storage.Record) error {
 		return errBadValue
 	}
 	version := b[0]
-	if version != valueVersion1 && version != valueVersion2 {
+	if version < valueVersion1 || version > valueVersion3 {
 		return fmt.Errorf("pebble: unknown record value version %d", b[0])
 	}
 	r.State = storage.State(b[1])
@@ -266,12 +283,16 @@ func decodeRecord(b []byte, r *storage.Record) error {
 	fp := v.bytes()
 	holder := v.bytes()
 	var (
-		requestID []byte
-		lease     int64
+		requestID  []byte
+		lease      int64
+		parkReason []byte
 	)
-	if version == valueVersion2 {
+	if version >= valueVersion2 {
 		requestID = v.bytes()
 		lease = v.varint()
+	}
+	if version == valueVersion3 {
+		parkReason = v.bytes()
 	}
 	if v.bad {
 		return errBadValue
@@ -291,6 +312,7 @@ func decodeRecord(b []byte, r *storage.Record) error {
 	}
 	r.Holder = string(holder)
 	r.RequestID = string(requestID)
+	r.ParkReason = string(parkReason)
 	r.Lease = time.Duration(lease) * time.Microsecond
 	return nil
 }

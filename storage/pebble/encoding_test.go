@@ -122,3 +122,22 @@ func FuzzRecordValue(f *testing.F) {
 		}
 	})
 }
+
+func TestRecordValueParked(t *testing.T) {
+	created := time.Date(2030, 1, 2, 3, 4, 5, 6000, time.UTC)
+	rec := storage.Record{
+		Key: storage.Key{Consumer: "c", Kind: storage.KindOperation, Key: "k"}, State: storage.StateParked,
+		Fingerprint: []byte("fp"), Token: 7, Attempt: 3, Holder: "pod-a", RequestID: "r", Lease: time.Second,
+		CreatedAt: created, LeaseExpiresAt: created.Add(time.Second), ExpiresAt: created.Add(time.Hour), Retention: time.Hour,
+		ParkReason: "sent, no answer",
+	}
+	enc := appendRecord(nil, &rec)
+	require.Equal(t, valueVersion3, enc[0], "a parked record's reason needs version 3")
+	require.Len(t, enc, recordSize(&rec))
+	got := storage.Record{Key: rec.Key}
+	require.NoError(t, decodeRecord(enc, &got))
+	require.Equal(t, rec, got)
+
+	rec.State, rec.ParkReason = storage.StateInProgress, ""
+	require.Equal(t, valueVersion2, appendRecord(nil, &rec)[0], "other records keep the layout older binaries read")
+}

@@ -399,6 +399,13 @@ func (s *Store) Extend(ctx context.Context, p storage.ExtendParams) (storage.Rec
 	})
 }
 
+// Park decides by storage.DecidePark under the key's lock.
+func (s *Store) Park(ctx context.Context, p storage.ParkParams) (storage.Record, error) {
+	return s.update(ctx, p.Key, func(now time.Time, cur *storage.Record) (storage.Record, bool, error) {
+		return storage.DecidePark(now, cur, p)
+	})
+}
+
 // Lookup decides by storage.DecideLookup under the key's lock.
 func (s *Store) Lookup(ctx context.Context, k storage.Key) (rec storage.Record, err error) {
 	err = s.withRecord(ctx, k, func(_ []byte, cur *storage.Record) error {

@@ -15,6 +15,9 @@ var _ storage.Admin = (*Store)(nil)
 var invalidateSQL = fencedStatement(5,
 	single(param{1, "consumer", "TEXT"}, param{2, "kind", "SMALLINT"}, param{3, "key", "TEXT"}, param{4, "token", "BIGINT"}),
 	`        state            = 1,                      -- StateInProgress
+        -- a parked record is resolved: Attempt starts again from 0
+        attempt          = CASE WHEN `+parked("r")+` THEN 0 ELSE r.attempt END,
+        park_reason      = '',
         fingerprint      = CAST('' AS BYTEA),      -- Fingerprint = nil
         token            = `+nextToken("r.token", "c.now")+`,
         lease_expires_at = c.now,                  -- the lease ends now

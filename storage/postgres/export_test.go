@@ -43,21 +43,23 @@ func MemberSplits(s *Store) (splits, largestBytes int64) {
 
 // Row runs one single-row statement of the store and returns its answer:
 // whether it wrote, the statement's clock, and the record it returned
-// (written, or the pre-image). op is claim, complete, release, extend or
-// invalidate, with p of the matching storage params type.
+// (written, or the pre-image). op is claim, complete, release, extend, park
+// or invalidate, with p of the matching storage params type.
 func Row(ctx context.Context, s *Store, op string, p any) (written bool, now time.Time, rec storage.Record, err error) {
 	var sql string
 	var args []any
 	switch p := p.(type) {
 	case storage.ClaimParams:
 		sql, args = claimSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, nonNil(p.Fingerprint), p.Holder,
-			p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros(), p.RequestID}
+			p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros(), p.RequestID, p.MaxAttempts}
 	case storage.CompleteParams:
 		sql, args = completeSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Result, s.offsetMicros()}
 	case storage.ReleaseParams:
 		sql, args = releaseSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros()}
 	case storage.ExtendParams:
 		sql, args = extendSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds(), p.MaxLeaseTotal.Microseconds()}
+	case storage.ParkParams:
+		sql, args = parkSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Reason, s.offsetMicros()}
 	case storage.InvalidateParams:
 		sql, args = invalidateSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros()}
 	default:

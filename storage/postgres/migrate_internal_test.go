@@ -16,11 +16,11 @@ func TestMigrationOverlay(t *testing.T) {
 	}
 	base, err := migrations(false)
 	require.NoError(t, err)
-	require.Equal(t, []string{"base/0001_records.sql", "base/0002_expires_at_index.sql", "base/0003_request_id.sql", "base/0004_lease_us.sql", "base/0005_secrets.sql"}, names(base))
+	require.Equal(t, []string{"base/0001_records.sql", "base/0002_expires_at_index.sql", "base/0003_request_id.sql", "base/0004_lease_us.sql", "base/0005_secrets.sql", "base/0006_parking.sql"}, names(base))
 
 	crdb, err := migrations(true)
 	require.NoError(t, err)
-	require.Equal(t, []string{"base/0001_records.sql", "cockroach/0002_expires_at_index.sql", "base/0003_request_id.sql", "base/0004_lease_us.sql", "base/0005_secrets.sql"}, names(crdb),
+	require.Equal(t, []string{"base/0001_records.sql", "cockroach/0002_expires_at_index.sql", "base/0003_request_id.sql", "base/0004_lease_us.sql", "base/0005_secrets.sql", "cockroach/0006_parking.sql"}, names(crdb),
 		"the overlay replaces the base file of the same name")
 	require.Contains(t, crdb[1].sql, "USING HASH")
 	for _, m := range base {

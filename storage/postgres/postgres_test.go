@@ -669,7 +669,7 @@ func TestClaimWritesOnlyWhenItMust(t *testing.T) {
 		require.NoError(t, err)
 		defer tx.Rollback(context.Background()) //nolint:errcheck // committed below
 		rows, err := tx.Query(t.Context(), postgres.ClaimSQL,
-			"plan", int16(storage.KindMessage), key, []byte{}, "h", leaseMicros, int64(3_600_000_000), int64(0), "")
+			"plan", int16(storage.KindMessage), key, []byte{}, "h", leaseMicros, int64(3_600_000_000), int64(0), "", int64(0))
 		require.NoError(t, err)
 		require.True(t, rows.Next())
 		vals, err := rows.Values()
@@ -695,6 +695,13 @@ func TestClaimWritesOnlyWhenItMust(t *testing.T) {
 	require.NoError(t, err)
 	written, xid = claim("k", 10_000_000)
 	require.False(t, written || xid, "a replay: nothing written, nothing locked")
+
+	written, xid = claim("spent", 1) // its lease is over by the next statement, as for "gone"
+	require.True(t, written && xid)
+	_, err = conn.Exec(t.Context(), `UPDATE idemreg_records SET state = 3, park_reason = 'r' WHERE key = 'spent'`)
+	require.NoError(t, err)
+	written, xid = claim("spent", 10_000_000)
+	require.False(t, written || xid, "parked, lease over: nothing written, nothing locked")
 }
 
 func TestMigrateTwiceIsNoOp(t *testing.T) {
@@ -716,12 +723,13 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 		return out
 	}
 	first := applied()
-	require.Len(t, first, 5)
+	require.Len(t, first, 6)
 	require.Equal(t, "0001_records.sql", first[0].Name)
 	require.Equal(t, "0002_expires_at_index.sql", first[1].Name)
 	require.Equal(t, "0003_request_id.sql", first[2].Name)
 	require.Equal(t, "0004_lease_us.sql", first[3].Name)
 	require.Equal(t, "0005_secrets.sql", first[4].Name)
+	require.Equal(t, "0006_parking.sql", first[5].Name)
 
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL))
 	require.Equal(t, first, applied(), "a second Migrate applies nothing")
@@ -730,7 +738,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_schema_migrations`)
 	require.NoError(t, err)
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL), "migrations are safe to repeat")
-	require.Len(t, applied(), 5)
+	require.Len(t, applied(), 6)
 }
 
 // closedPortURL is a database URL nothing listens at.
@@ -949,6 +957,16 @@ func TestWrittenRowsAgreeWithTheRules(t *testing.T) {
 	decideInvalidate := func(now time.Time, pre *storage.Record, p any) (storage.Record, bool, error) {
 		return storage.DecideInvalidate(now, pre, p.(storage.InvalidateParams))
 	}
+	decidePark := func(now time.Time, pre *storage.Record, p any) (storage.Record, bool, error) {
+		return storage.DecidePark(now, pre, p.(storage.ParkParams))
+	}
+	claimAtMost := func(maxAttempts int64, holder string) func() any {
+		return func() any {
+			p := claim("new", holder, 10*time.Second)().(storage.ClaimParams)
+			p.MaxAttempts = maxAttempts
+			return p
+		}
+	}
 	add("claim of a new key", 0, claim("fp", "a", 10*time.Second), decideClaim)
 	add("extend by a new lease", time.Second, func() any {
 		return storage.ExtendParams{Key: k, Token: token, Lease: 20 * time.Second, DefaultLease: time.Minute}
@@ -964,6 +982,12 @@ func TestWrittenRowsAgreeWithTheRules(t *testing.T) {
 	add("claim of the expired completed record", 2*time.Hour, claim("other", "d", 10*time.Second), decideClaim)
 	add("invalidate", time.Second, func() any { return storage.InvalidateParams{Key: k, Token: token} }, decideInvalidate)
 	add("takeover of the invalidated record adopts the fingerprint", time.Second, claim("new", "e", 10*time.Second), decideClaim)
+	add("park by the holder", time.Second, func() any { return storage.ParkParams{Key: k, Token: token, Reason: "outcome unknown"} }, decidePark)
+	add("invalidate the parked record", time.Second, func() any { return storage.InvalidateParams{Key: k, Token: token} }, decideInvalidate)
+	add("takeover of the resolved record, attempts counted afresh", time.Second, claimAtMost(2, "f"), decideClaim)
+	add("takeover within max attempts", 11*time.Second, claimAtMost(2, "g"), decideClaim)
+	add("takeover at max attempts parks", 11*time.Second, claimAtMost(2, "h"), decideClaim)
+	add("claim of the expired parked record", 2*time.Hour, claimAtMost(2, "i"), decideClaim)
 
 	for _, st := range steps {
 		clock.Advance(st.advance)

@@ -3,6 +3,8 @@ package postgres
 import (
 	"fmt"
 	"strings"
+
+	"github.com/idemreg/idemreg/storage"
 )
 
 // The statements below are the whole of the store's SQL. Each RPC runs one
@@ -48,6 +50,19 @@ func leaseLive(r, now string) string { return r + ".lease_expires_at > " + now }
 
 // completed is State == StateCompleted.
 func completed(r string) string { return r + ".state = 2" }
+
+// parked is State == StateParked.
+func parked(r string) string { return r + ".state = 3" }
+
+// notFinal is the state check of Complete, Release, Extend and Park (the
+// rules' notFinal): neither completed nor parked, so in progress.
+func notFinal(r string) string { return r + ".state = 1" }
+
+// attemptsExhausted is storage.AttemptsExhausted: a positive max_attempts
+// that the record's attempt has reached.
+func attemptsExhausted(r, maxAttempts string) string {
+	return fmt.Sprintf("(%[2]s > 0 AND %[1]s.attempt >= %[2]s)", r, maxAttempts)
+}
 
 // fingerprintsConflict is storage.FingerprintsConflict: both fingerprints
 // are set and differ.
@@ -113,15 +128,16 @@ func clock(n int) string {
 
 // recordColumns is the column list every statement returns, in scan order.
 const recordColumns = `consumer, kind, key, state, fingerprint, token, attempt, holder,
-    created_at, lease_expires_at, completed_at, expires_at, retention_us, result, request_id, lease_us`
+    created_at, lease_expires_at, completed_at, expires_at, retention_us, result, request_id, lease_us, park_reason`
 
 // Claim: $1 consumer, $2 kind, $3 key, $4 fingerprint, $5 holder, $6 lease
-// µs, $7 retention µs, $9 request id (arrays for a batch), $8 clock offset
-// µs. A batch's keys are distinct: PostgreSQL refuses an ON CONFLICT DO
+// µs, $7 retention µs, $9 request id, $10 max attempts (0: none) (arrays
+// for a batch), $8 clock offset µs. A batch's keys are distinct: PostgreSQL refuses an ON CONFLICT DO
 // UPDATE that affects a row twice.
 var claimParams = []param{
 	{1, "consumer", "TEXT"}, {2, "kind", "SMALLINT"}, {3, "key", "TEXT"}, {4, "fingerprint", "BYTEA"},
 	{5, "holder", "TEXT"}, {6, "lease_us", "BIGINT"}, {7, "retention_us", "BIGINT"}, {9, "request_id", "TEXT"},
+	{10, "max_attempts", "BIGINT"},
 }
 
 var (
@@ -150,7 +166,7 @@ cur AS (
     FROM i JOIN idemreg_records r ON ` + sameKey("r", "i") + `
 ),
 w AS (
-    INSERT INTO idemreg_records AS r (` + recordColumns + `)
+    INSERT INTO idemreg_records AS r (` + recordColumns + `, max_attempts)
     SELECT i.consumer, i.kind, i.key,
         1,                                        -- StateInProgress
         i.fingerprint,
@@ -164,7 +180,9 @@ w AS (
         i.retention_us,
         NULL,
         i.request_id,
-        i.lease_us                                -- Lease
+        i.lease_us,                               -- Lease
+        '',                                       -- ParkReason
+        i.max_attempts                            -- read back as excluded.max_attempts
     FROM i CROSS JOIN clock c
     WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.ord = i.ord AND ` + claimAnswersWithoutWrite("cur", "c.now", "i.fingerprint") + `)
     ORDER BY i.ord
@@ -180,42 +198,55 @@ WHERE NOT EXISTS (SELECT 1 FROM w WHERE ` + sameKey("w", "cur") + `)`
 
 // claimAnswersWithoutWrite is the negation of DecideClaim's write
 // condition (claimOnConflict's WHERE) for the record alias r at now with
-// the given fingerprint: the record is live, and completed, or its lease
-// is live, or its fingerprint conflicts.
+// the given fingerprint: the record is live, and completed or parked, or
+// its lease is live, or its fingerprint conflicts.
 func claimAnswersWithoutWrite(r, now, fingerprint string) string {
-	return live(r, now) + " AND (" + completed(r) + " OR " + leaseLive(r, now) + " OR " +
+	return live(r, now) + " AND (" + completed(r) + " OR " + parked(r) + " OR " + leaseLive(r, now) + " OR " +
 		fingerprintsConflict(r+".fingerprint", fingerprint) + ")"
 }
 
 // claimOnConflict is the conflict branch of the Claim statement: on a
 // conflict, excluded.created_at is the statement's clock reading (now),
-// and the UPDATE's WHERE is DecideClaim's write condition on the latest
-// row: !cur.Live(now), or the takeover (not completed, lease over, no
-// fingerprint conflict). A record that is not live counts as absent and
-// is replaced by a fresh one; a takeover keeps the record and hands it to
-// the caller.
+// excluded.max_attempts the Claim's MaxAttempts (an ON CONFLICT UPDATE sees
+// only the row and excluded, so the Claim's bound travels in the proposed
+// row's max_attempts column), and the UPDATE's WHERE is DecideClaim's write
+// condition on the latest row: !cur.Live(now), or the takeover (not
+// completed, not parked, lease over, no fingerprint conflict). A record
+// that is not live counts as absent and is replaced by a fresh one; a
+// takeover keeps the record and hands it to the caller, unless its
+// attempts are exhausted (claimParks), when the record is parked as it is
+// (storage's park).
 var claimOnConflict = `    ON CONFLICT (consumer, kind, key) DO UPDATE SET
-        state            = excluded.state,
-        -- takeover: "if len(rec.Fingerprint) == 0 { rec.Fingerprint = p.Fingerprint }"
-        fingerprint      = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) OR octet_length(r.fingerprint) = 0
+        state            = CASE WHEN ` + claimParks + ` THEN 3 ELSE excluded.state END,  -- park: StateParked
+        -- takeover: "if len(rec.Fingerprint) == 0 { rec.Fingerprint = p.Fingerprint }"; park keeps it
+        fingerprint      = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) OR (octet_length(r.fingerprint) = 0 AND NOT ` + claimParks + `)
                                 THEN excluded.fingerprint ELSE r.fingerprint END,
-        token            = ` + nextToken("r.token", "excluded.created_at") + `,  -- NextToken(cur.Token, now), both cases
-        -- takeover: Attempt = cur.Attempt + 1
-        attempt          = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) THEN 1 ELSE r.attempt + 1 END,
-        holder           = excluded.holder,
-        request_id       = excluded.request_id,
-        lease_us         = excluded.lease_us,
+        -- NextToken(cur.Token, now), both cases; park keeps the token
+        token            = CASE WHEN ` + claimParks + ` THEN r.token ELSE ` + nextToken("r.token", "excluded.created_at") + ` END,
+        -- takeover: Attempt = cur.Attempt + 1; park keeps it
+        attempt          = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) THEN 1 WHEN ` + claimParks + ` THEN r.attempt ELSE r.attempt + 1 END,
+        holder           = CASE WHEN ` + claimParks + ` THEN r.holder ELSE excluded.holder END,
+        request_id       = CASE WHEN ` + claimParks + ` THEN r.request_id ELSE excluded.request_id END,
+        lease_us         = CASE WHEN ` + claimParks + ` THEN r.lease_us ELSE excluded.lease_us END,
         -- a takeover keeps CreatedAt
         created_at       = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) THEN excluded.created_at ELSE r.created_at END,
-        lease_expires_at = excluded.lease_expires_at,
+        lease_expires_at = CASE WHEN ` + claimParks + ` THEN r.lease_expires_at ELSE excluded.lease_expires_at END,
         completed_at     = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) THEN NULL ELSE r.completed_at END,
-        expires_at       = excluded.expires_at,
-        retention_us     = excluded.retention_us,
-        result           = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) THEN NULL ELSE r.result END
+        -- park: ExpiresAt = now + cur.Retention
+        expires_at       = CASE WHEN ` + claimParks + ` THEN excluded.created_at + ` + micros("r.retention_us") + ` ELSE excluded.expires_at END,
+        retention_us     = CASE WHEN ` + claimParks + ` THEN r.retention_us ELSE excluded.retention_us END,
+        result           = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) THEN NULL ELSE r.result END,
+        park_reason      = CASE WHEN ` + claimParks + ` THEN '` + storage.ParkReasonMaxAttempts + `' ELSE '' END,
+        max_attempts     = excluded.max_attempts
     WHERE NOT (` + live("r", "excluded.created_at") + `)
-       OR (NOT ` + completed("r") + ` AND NOT ` + leaseLive("r", "excluded.created_at") + `
+       OR (NOT ` + completed("r") + ` AND NOT ` + parked("r") + ` AND NOT ` + leaseLive("r", "excluded.created_at") + `
            AND NOT ` + fingerprintsConflict("r.fingerprint", "excluded.fingerprint") + `)
 `
+
+// claimParks is, within claimOnConflict, DecideClaim's choice to park
+// rather than take over: the row is live (so the write is a takeover) and
+// AttemptsExhausted(cur, p.MaxAttempts).
+var claimParks = "(" + live("r", "excluded.created_at") + " AND " + attemptsExhausted("r", "excluded.max_attempts") + ")"
 
 // fencedStatement is a conditional UPDATE of every row of input (Complete,
 // Release, Extend, Invalidate): set is its SET list and where its condition
@@ -258,7 +289,7 @@ var (
         completed_at = c.now,
         expires_at   = c.now + ` + micros("r.retention_us") + `  -- now + cur.Retention`
 	completeWhere = fenced("r", "c.now", "i.token") + `
-      AND NOT ` + completed("r") + `  -- a repeat is not written`
+      AND ` + notFinal("r") + `  -- a repeat is not written, a parked record is refused`
 	completeSQL      = fencedStatement(6, single(completeParams...), completeSet, completeWhere, recordColumnsOf("r"))
 	completeBatchSQL = fencedStatement(6, batch(completeParams...), completeSet, completeWhere, recordColumnsOf("r"))
 )
@@ -268,7 +299,7 @@ var (
 var releaseSQL = fencedStatement(5,
 	single(param{1, "consumer", "TEXT"}, param{2, "kind", "SMALLINT"}, param{3, "key", "TEXT"}, param{4, "token", "BIGINT"}),
 	`        lease_expires_at = c.now`,
-	fenced("r", "c.now", "i.token")+" AND NOT "+completed("r")+" AND "+leaseLive("r", "c.now"),
+	fenced("r", "c.now", "i.token")+" AND "+notFinal("r")+" AND "+leaseLive("r", "c.now"),
 	recordColumnsNoResultOf("r"))
 
 // extendSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 lease µs (0: the
@@ -282,8 +313,19 @@ var extendSQL = fencedStatement(6,
         lease_us         = `+extendLease+`,
         -- ExpiresAt = max(cur.ExpiresAt, now + ExtendLease(cur, p) + cur.Retention)
         expires_at       = GREATEST(r.expires_at, c.now + `+micros(extendLease+" + r.retention_us")+`)`,
-	fenced("r", "c.now", "i.token")+" AND NOT "+completed("r")+`
+	fenced("r", "c.now", "i.token")+" AND "+notFinal("r")+`
       AND `+leaseWithinTotal("r", "c.now", "i.max_lease_total_us"),
+	recordColumnsNoResultOf("r"))
+
+// parkSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 reason, $6 clock
+// offset µs. A parked record is not written again (the first reason stays).
+var parkSQL = fencedStatement(6,
+	single(param{1, "consumer", "TEXT"}, param{2, "kind", "SMALLINT"}, param{3, "key", "TEXT"}, param{4, "token", "BIGINT"},
+		param{5, "reason", "TEXT"}),
+	`        state       = 3,             -- StateParked
+        park_reason = i.reason,
+        expires_at  = c.now + `+micros("r.retention_us")+`  -- now + cur.Retention`,
+	fenced("r", "c.now", "i.token")+" AND "+notFinal("r"),
 	recordColumnsNoResultOf("r"))
 
 // leaseWithinTotal is the bound of storage.DecideExtend: no bound, or
@@ -340,7 +382,7 @@ const pingSQL = `SELECT 1`
 // preparedStatements are prepared on every new connection, so that each
 // call is a single Bind/Execute round trip from its first use.
 var preparedStatements = []string{
-	claimSQL, completeSQL, releaseSQL, extendSQL, lookupSQL, sweepSQL, oldestExpirySQL,
+	claimSQL, completeSQL, releaseSQL, extendSQL, parkSQL, lookupSQL, sweepSQL, oldestExpirySQL,
 	claimBatchSQL, completeBatchSQL,
 }
 
@@ -348,7 +390,7 @@ func recordColumnsOf(alias string) string {
 	return alias + ".consumer, " + alias + ".kind, " + alias + ".key, " + alias + ".state, " +
 		alias + ".fingerprint, " + alias + ".token, " + alias + ".attempt, " + alias + ".holder, " +
 		alias + ".created_at, " + alias + ".lease_expires_at, " + alias + ".completed_at, " +
-		alias + ".expires_at, " + alias + ".retention_us, " + alias + ".result, " + alias + ".request_id, " + alias + ".lease_us"
+		alias + ".expires_at, " + alias + ".retention_us, " + alias + ".result, " + alias + ".request_id, " + alias + ".lease_us, " + alias + ".park_reason"
 }
 
 // recordColumnsNoResultOf is recordColumnsOf with a NULL result, for answers
@@ -358,5 +400,5 @@ func recordColumnsNoResultOf(alias string) string {
 	return alias + ".consumer, " + alias + ".kind, " + alias + ".key, " + alias + ".state, " +
 		alias + ".fingerprint, " + alias + ".token, " + alias + ".attempt, " + alias + ".holder, " +
 		alias + ".created_at, " + alias + ".lease_expires_at, " + alias + ".completed_at, " +
-		alias + ".expires_at, " + alias + ".retention_us, CAST(NULL AS BYTEA) AS result, " + alias + ".request_id, " + alias + ".lease_us"
+		alias + ".expires_at, " + alias + ".retention_us, CAST(NULL AS BYTEA) AS result, " + alias + ".request_id, " + alias + ".lease_us, " + alias + ".park_reason"
 }

@@ -152,7 +152,7 @@ func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (storage.Claim
 // and for each array element its 4-byte length and 8 bytes per fixed
 // value.
 func claimBytes(p storage.ClaimParams) int {
-	return len(p.Consumer) + len(p.Key.Key) + len(p.Fingerprint) + len(p.Holder) + len(p.RequestID) + 8*4 + 3*8
+	return len(p.Consumer) + len(p.Key.Key) + len(p.Fingerprint) + len(p.Holder) + len(p.RequestID) + 9*4 + 4*8
 }
 
 func completeBytes(p storage.CompleteParams) int {
@@ -163,7 +163,7 @@ func completeBytes(p storage.CompleteParams) int {
 func (s *Store) claimAlone(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
 	return decided(ctx, s, "claim", func(a answer) (storage.ClaimResult, bool, error) { return claimAnswer(a, p) },
 		claimSQL, p.Consumer, int16(p.Kind), p.Key.Key, nonNil(p.Fingerprint), p.Holder,
-		p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros(), p.RequestID)
+		p.Lease.Microseconds(), p.Retention.Microseconds(), s.offsetMicros(), p.RequestID, p.MaxAttempts)
 }
 
 // claimAnswer classifies a Claim statement's row. It is stale when the
@@ -172,6 +172,9 @@ func (s *Store) claimAlone(ctx context.Context, p storage.ClaimParams) (storage.
 // would have written.
 func claimAnswer(a answer, p storage.ClaimParams) (res storage.ClaimResult, stale bool, err error) {
 	if a.written {
+		if a.rec.State == storage.StateParked { // the takeover parked it
+			return storage.ClaimResult{Outcome: storage.OutcomeParked, Record: a.rec}, false, nil
+		}
 		return storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: a.rec}, false, nil
 	}
 	if !a.found {
@@ -193,15 +196,17 @@ func (s *Store) claimBatch(ctx context.Context, calls []*call[storage.ClaimParam
 		leases    = make([]int64, n)
 		retention = make([]int64, n)
 		requests  = make([]string, n)
+		attempts  = make([]int64, n)
 	)
 	for i, cl := range calls {
 		p := &cl.p
 		consumers[i], kinds[i], keys[i] = p.Consumer, int16(p.Kind), p.Key.Key
 		fps[i], holders[i], requests[i] = nonNil(p.Fingerprint), p.Holder, p.RequestID
 		leases[i], retention[i] = p.Lease.Microseconds(), p.Retention.Microseconds()
+		attempts[i] = p.MaxAttempts
 	}
 	answers, err := s.queryBatch(ctx, claimBatchSQL, n,
-		consumers, kinds, keys, fps, holders, leases, retention, s.offsetMicros(), requests)
+		consumers, kinds, keys, fps, holders, leases, retention, s.offsetMicros(), requests, attempts)
 	if err != nil {
 		return err
 	}
@@ -291,6 +296,13 @@ func (s *Store) Extend(ctx context.Context, p storage.ExtendParams) (storage.Rec
 		return storage.DecideExtend(a.now, a.current(), p)
 	}, extendSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Lease.Microseconds(), s.offsetMicros(), p.DefaultLease.Microseconds(),
 		p.MaxLeaseTotal.Microseconds())
+}
+
+// Park decides by storage.DecidePark in one statement.
+func (s *Store) Park(ctx context.Context, p storage.ParkParams) (storage.Record, error) {
+	return s.fencedUpdate(ctx, "park", func(a answer) (storage.Record, bool, error) {
+		return storage.DecidePark(a.now, a.current(), p)
+	}, parkSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Reason, s.offsetMicros())
 }
 
 // fencedUpdate runs one of the fencedStatement statements: the written row
@@ -479,7 +491,7 @@ func scanAnswer(row pgx.Row, lead ...any) (answer, error) {
 	)
 	dest := append(lead, &a.written, &a.now,
 		&r.Consumer, &kind, &r.Key.Key, &state, &r.Fingerprint, &r.Token, &r.Attempt, &r.Holder,
-		&r.CreatedAt, &r.LeaseExpiresAt, &completedAt, &r.ExpiresAt, &retentionUS, &r.Result, &r.RequestID, &leaseUS)
+		&r.CreatedAt, &r.LeaseExpiresAt, &completedAt, &r.ExpiresAt, &retentionUS, &r.Result, &r.RequestID, &leaseUS, &r.ParkReason)
 	if err := row.Scan(dest...); err != nil {
 		return answer{}, err
 	}

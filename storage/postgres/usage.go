@@ -22,7 +22,7 @@ WITH clock AS (
 )
 SELECT r.consumer, CAST(count(*) AS BIGINT),
        CAST(COALESCE(sum(octet_length(r.consumer) + octet_length(r.key) + octet_length(r.fingerprint)
-           + octet_length(r.holder) + octet_length(r.request_id) + COALESCE(octet_length(r.result), 0)), 0) AS BIGINT)
+           + octet_length(r.holder) + octet_length(r.request_id) + octet_length(r.park_reason) + COALESCE(octet_length(r.result), 0)), 0) AS BIGINT)
 FROM idemreg_records r CROSS JOIN clock c
 WHERE r.consumer = ANY(CAST($1 AS TEXT[])) AND ` + live("r", "c.now") + `
 GROUP BY r.consumer`

@@ -24,6 +24,7 @@ func RunAdmin(t *testing.T, newStore Factory) {
 		{"InvalidateInProgressFencesHolder", testInvalidateInProgress},
 		{"InvalidateExpectedToken", testInvalidateExpectedToken},
 		{"InvalidateNotFound", testInvalidateNotFound},
+		{"InvalidateResolvesParked", testInvalidateResolvesParked},
 		{"InvalidateTokensIncrease", testInvalidateTokensIncrease},
 		{"InvalidatedRecordOutlivesSweep", testInvalidatedOutlivesSweep},
 		{"RaceInvalidateVersusComplete", testRaceInvalidateVersusComplete},
@@ -242,4 +243,27 @@ func testRaceInvalidateVersusComplete(t *testing.T, s storage.Store, a storage.A
 		require.Empty(t, got.Record.Result)
 		require.Greater(t, got.Record.Token, rec.Token)
 	}
+}
+
+// testInvalidateResolvesParked: invalidating a parked record is how an
+// operator resolves it: the next Claim takes over as attempt 1, so the
+// consumer's max_attempts counts afresh, and the parked token is fenced.
+func testInvalidateResolvesParked(t *testing.T, s storage.Store, a storage.Admin, c *Clock) {
+	k := newKey(storage.KindOperation)
+	first := acquire(t, s, atMost(claimParams(k, "fp"), 1))
+	c.Advance(lease + time.Second)
+	res, err := s.Claim(t.Context(), atMost(claimParams(k, "fp"), 1))
+	parked := requireParked(t, res, err)
+
+	inv, err := a.Invalidate(t.Context(), storage.InvalidateParams{Key: k, Token: parked.Token})
+	require.NoError(t, err)
+	require.Equal(t, storage.StateInProgress, inv.State)
+	require.Empty(t, inv.ParkReason)
+	require.Zero(t, inv.Attempt)
+
+	next := acquire(t, s, atMost(claimParams(k, "fp"), 1))
+	require.EqualValues(t, 1, next.Attempt)
+	require.Greater(t, next.Token, inv.Token)
+	_, err = s.Park(t.Context(), storage.ParkParams{Key: k, Token: first.Token, Reason: "late"})
+	require.ErrorIs(t, err, storage.ErrLeaseLost)
 }

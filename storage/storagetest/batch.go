@@ -22,6 +22,7 @@ func RunBatcher(t *testing.T, newStore Factory) {
 	}{
 		{"ClaimBatchAnswersLikeClaim", testClaimBatchLikeClaim},
 		{"ClaimBatchSameKeyTwice", testClaimBatchSameKey},
+		{"ClaimBatchParks", testClaimBatchParks},
 		{"CompleteBatchAnswersLikeComplete", testCompleteBatchLikeComplete},
 		{"CompleteBatchSameKeyTwice", testCompleteBatchSameKey},
 		{"BatchOfManyNewKeys", testBatchManyNewKeys},
@@ -223,4 +224,26 @@ func testRaceBatches(t *testing.T, s storage.Store, b storage.Batcher, _ *Clock)
 		require.NoError(t, err)
 		require.Equal(t, winners[k][0], rec.Holder)
 	}
+}
+
+// testClaimBatchParks: a batch parks a record whose attempts ran out, as
+// Claim does, and a later item of the key answers parked.
+func testClaimBatchParks(t *testing.T, s storage.Store, b storage.Batcher, c *Clock) {
+	spent, spare := newKey(storage.KindOperation), newKey(storage.KindOperation)
+	first := acquire(t, s, atMost(claimParams(spent, "fp"), 1))
+	acquire(t, s, atMost(claimParams(spare, "fp"), 2))
+	c.Advance(lease + time.Second)
+	got := b.ClaimBatch(t.Context(), []storage.ClaimParams{
+		atMost(claimParams(spent, "fp"), 1), atMost(claimParams(spare, "fp"), 2), atMost(claimParams(spent, "fp"), 1),
+	})
+	parked := requireParked(t, got[0].Result, got[0].Err)
+	require.Equal(t, first.Token, parked.Token)
+	require.Equal(t, storage.ParkReasonMaxAttempts, parked.ParkReason)
+	require.NoError(t, got[1].Err)
+	require.Equal(t, storage.OutcomeAcquired, got[1].Result.Outcome)
+	require.EqualValues(t, 2, got[1].Result.Record.Attempt)
+	requireSame(t, parked, requireParked(t, got[2].Result, got[2].Err))
+	looked, err := s.Lookup(t.Context(), spent)
+	require.NoError(t, err)
+	requireSame(t, parked, looked)
 }

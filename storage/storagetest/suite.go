@@ -64,6 +64,7 @@ func Run(t *testing.T, newStore Factory) {
 		{"RaceManyKeys", testRaceManyKeys},
 		{"RaceRepeatedRequestID", testRaceRepeatedRequestID},
 	}
+	cases = append(cases, parkCases...)
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			c := &Clock{}
@@ -117,6 +118,7 @@ func requireSame(t *testing.T, want, got storage.Record) {
 	require.True(t, want.ExpiresAt.Equal(got.ExpiresAt), "expires_at %v != %v", want.ExpiresAt, got.ExpiresAt)
 	require.Equal(t, want.Retention, got.Retention)
 	require.Equal(t, string(want.Result), string(got.Result))
+	require.Equal(t, want.ParkReason, got.ParkReason)
 }
 
 func testClaimNewKey(t *testing.T, s storage.Store, c *Clock) {

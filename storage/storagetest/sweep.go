@@ -27,6 +27,7 @@ func RunSweeper(t *testing.T, newStore Factory) {
 		{"LiveRecordsKept", testSweepKeepsLive},
 		{"LimitAndOrder", testSweepLimit},
 		{"ReclaimedKept", testSweepReclaimed},
+		{"ParkedKeptUntilItsRetentionEnds", testSweepParked},
 		{"RaceSweepVersusClaim", testRaceSweepVersusClaim},
 		{"RaceTwoSweepers", testRaceTwoSweepers},
 	}
@@ -329,4 +330,26 @@ func testRaceTwoSweepers(t *testing.T, s storage.Store, sw storage.Sweeper, c *C
 		_, _, ok := oldestExpiry(t, sw)
 		require.False(t, ok)
 	}
+}
+
+// testSweepParked: a parked record is not swept while parked, until its
+// retention from the parking has passed; then it is swept like any expired
+// record, and the key's next token still exceeds the parked record's.
+func testSweepParked(t *testing.T, s storage.Store, sw storage.Sweeper, c *Clock) {
+	k := newKey(storage.KindOperation)
+	acquire(t, s, atMost(claimParams(k, "fp"), 1))
+	c.Advance(lease + time.Second)
+	res, err := s.Claim(t.Context(), atMost(claimParams(k, "fp"), 1))
+	parked := requireParked(t, res, err)
+
+	c.Advance(retention - time.Minute)
+	require.Zero(t, sweep(t, sw, 100).Deleted, "a parked record within its retention is kept")
+	res, err = s.Claim(t.Context(), atMost(claimParams(k, "fp"), 1))
+	requireParked(t, res, err)
+
+	c.Advance(2 * time.Minute)
+	require.Equal(t, 1, sweep(t, sw, 100).Deleted, "swept once its retention ended")
+	fresh := acquire(t, s, atMost(claimParams(k, "fp"), 1))
+	require.EqualValues(t, 1, fresh.Attempt)
+	require.Greater(t, fresh.Token, parked.Token, "the token floor outlives the parked record")
 }

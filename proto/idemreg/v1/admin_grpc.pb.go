@@ -44,7 +44,10 @@ type AdminServiceClient interface {
 	// a takeover with any fingerprint, and fences out every earlier holder:
 	// the record becomes in progress with its lease ended, a fresh token that
 	// nobody holds, and no result or fingerprint. It is kept, not deleted, so
-	// tokens of the key keep increasing. Errors: INVALID_ARGUMENT, NOT_FOUND
+	// tokens of the key keep increasing. It is how an operator resolves a
+	// parked record: the record is no longer parked and its attempt starts
+	// again from 0, so the consumer's max_attempts counts afresh and the next
+	// Claim acquires it as attempt 1. Errors: INVALID_ARGUMENT, NOT_FOUND
 	// (absent or expired), LEASE_LOST (token given and not current),
 	// STORE_UNAVAILABLE.
 	InvalidateRecord(ctx context.Context, in *InvalidateRecordRequest, opts ...grpc.CallOption) (*InvalidateRecordResponse, error)
@@ -93,7 +96,10 @@ type AdminServiceServer interface {
 	// a takeover with any fingerprint, and fences out every earlier holder:
 	// the record becomes in progress with its lease ended, a fresh token that
 	// nobody holds, and no result or fingerprint. It is kept, not deleted, so
-	// tokens of the key keep increasing. Errors: INVALID_ARGUMENT, NOT_FOUND
+	// tokens of the key keep increasing. It is how an operator resolves a
+	// parked record: the record is no longer parked and its attempt starts
+	// again from 0, so the consumer's max_attempts counts afresh and the next
+	// Claim acquires it as attempt 1. Errors: INVALID_ARGUMENT, NOT_FOUND
 	// (absent or expired), LEASE_LOST (token given and not current),
 	// STORE_UNAVAILABLE.
 	InvalidateRecord(context.Context, *InvalidateRecordRequest) (*InvalidateRecordResponse, error)

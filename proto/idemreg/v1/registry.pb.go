@@ -20,7 +20,8 @@
 //   MALFORMED_REQUEST      INVALID_ARGUMENT      the request is not a valid protobuf encoding of its message
 //   FINGERPRINT_MISMATCH   FAILED_PRECONDITION   the key is live with another fingerprint: same key, different parameters
 //   LEASE_LOST             FAILED_PRECONDITION   the token is not the record's current token (someone took over), or claim_secret is not the one its Claim returned
-//   ALREADY_COMPLETED      FAILED_PRECONDITION   Release or Extend of a record already completed
+//   ALREADY_COMPLETED      FAILED_PRECONDITION   Release, Extend or Park of a record already completed
+//   PARKED                 FAILED_PRECONDITION   Complete, Release or Extend of a parked record (an operator must resolve it)
 //   LEASE_TOTAL_EXCEEDED   FAILED_PRECONDITION   Extend would hold the key past the consumer's max_lease_total since the attempt
 //                                                began (ErrorInfo metadata lease_not_after, max_lease_total); the lease is unchanged
 //   NOT_FOUND              NOT_FOUND             no live record (absent or expired)
@@ -117,6 +118,10 @@ const (
 	State_STATE_IN_PROGRESS State = 1
 	// Done; the record holds the result to replay.
 	State_STATE_COMPLETED State = 2
+	// Must not be done again until an operator resolves it: its attempts
+	// reached the consumer's max_attempts, or its holder parked it (Park).
+	// park_reason says which.
+	State_STATE_PARKED State = 3
 )
 
 // Enum value maps for State.
@@ -125,11 +130,13 @@ var (
 		0: "STATE_UNSPECIFIED",
 		1: "STATE_IN_PROGRESS",
 		2: "STATE_COMPLETED",
+		3: "STATE_PARKED",
 	}
 	State_value = map[string]int32{
 		"STATE_UNSPECIFIED": 0,
 		"STATE_IN_PROGRESS": 1,
 		"STATE_COMPLETED":   2,
+		"STATE_PARKED":      3,
 	}
 )
 
@@ -171,6 +178,9 @@ const (
 	Outcome_OUTCOME_IN_PROGRESS Outcome = 2
 	// The work is done; record.result holds what to replay.
 	Outcome_OUTCOME_COMPLETED Outcome = 3
+	// The record is parked (record.park_reason says why): do not do the
+	// work; dead-letter or skip the message. No token.
+	Outcome_OUTCOME_PARKED Outcome = 4
 )
 
 // Enum value maps for Outcome.
@@ -180,12 +190,14 @@ var (
 		1: "OUTCOME_ACQUIRED",
 		2: "OUTCOME_IN_PROGRESS",
 		3: "OUTCOME_COMPLETED",
+		4: "OUTCOME_PARKED",
 	}
 	Outcome_value = map[string]int32{
 		"OUTCOME_UNSPECIFIED": 0,
 		"OUTCOME_ACQUIRED":    1,
 		"OUTCOME_IN_PROGRESS": 2,
 		"OUTCOME_COMPLETED":   3,
+		"OUTCOME_PARKED":      4,
 	}
 )
 
@@ -438,7 +450,10 @@ type Record struct {
 	// After this instant the record counts as absent and may be deleted.
 	ExpiresAt *timestamppb.Timestamp `protobuf:"bytes,12,opt,name=expires_at,json=expiresAt" json:"expires_at,omitempty"`
 	// Set when completed.
-	Result        *Result `protobuf:"bytes,13,opt,name=result" json:"result,omitempty"`
+	Result *Result `protobuf:"bytes,13,opt,name=result" json:"result,omitempty"`
+	// Set when parked: the reason its holder gave to Park, or
+	// "max_attempts reached".
+	ParkReason    string `protobuf:"bytes,14,opt,name=park_reason,json=parkReason" json:"park_reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -562,6 +577,13 @@ func (x *Record) GetResult() *Result {
 		return x.Result
 	}
 	return nil
+}
+
+func (x *Record) GetParkReason() string {
+	if x != nil {
+		return x.ParkReason
+	}
+	return ""
 }
 
 type ClaimRequest struct {
@@ -1167,6 +1189,136 @@ func (x *ExtendResponse) GetRecord() *Record {
 	return nil
 }
 
+type ParkRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Consumer string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
+	Key      string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
+	Token    int64                  `protobuf:"varint,4,opt,name=token" json:"token,omitempty"`
+	// Required: why the outcome is unknown, 1-512 bytes of printable UTF-8.
+	Reason string `protobuf:"bytes,5,opt,name=reason" json:"reason,omitempty"`
+	// Required: the claim_secret of the ClaimResponse that returned token.
+	ClaimSecret   []byte `protobuf:"bytes,6,opt,name=claim_secret,json=claimSecret" json:"claim_secret,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ParkRequest) Reset() {
+	*x = ParkRequest{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ParkRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ParkRequest) ProtoMessage() {}
+
+func (x *ParkRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ParkRequest.ProtoReflect.Descriptor instead.
+func (*ParkRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ParkRequest) GetConsumer() string {
+	if x != nil {
+		return x.Consumer
+	}
+	return ""
+}
+
+func (x *ParkRequest) GetKind() Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return Kind_KIND_UNSPECIFIED
+}
+
+func (x *ParkRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *ParkRequest) GetToken() int64 {
+	if x != nil {
+		return x.Token
+	}
+	return 0
+}
+
+func (x *ParkRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *ParkRequest) GetClaimSecret() []byte {
+	if x != nil {
+		return x.ClaimSecret
+	}
+	return nil
+}
+
+type ParkResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Record        *Record                `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ParkResponse) Reset() {
+	*x = ParkResponse{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ParkResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ParkResponse) ProtoMessage() {}
+
+func (x *ParkResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ParkResponse.ProtoReflect.Descriptor instead.
+func (*ParkResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *ParkResponse) GetRecord() *Record {
+	if x != nil {
+		return x.Record
+	}
+	return nil
+}
+
 type LookupRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Consumer      string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
@@ -1178,7 +1330,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_idemreg_v1_registry_proto_msgTypes[12]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1190,7 +1342,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_registry_proto_msgTypes[12]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1203,7 +1355,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{12}
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *LookupRequest) GetConsumer() string {
@@ -1236,7 +1388,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_idemreg_v1_registry_proto_msgTypes[13]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1248,7 +1400,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_registry_proto_msgTypes[13]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1261,7 +1413,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{13}
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *LookupResponse) GetRecord() *Record {
@@ -1280,7 +1432,7 @@ type BatchClaimRequest struct {
 
 func (x *BatchClaimRequest) Reset() {
 	*x = BatchClaimRequest{}
-	mi := &file_idemreg_v1_registry_proto_msgTypes[14]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1292,7 +1444,7 @@ func (x *BatchClaimRequest) String() string {
 func (*BatchClaimRequest) ProtoMessage() {}
 
 func (x *BatchClaimRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_registry_proto_msgTypes[14]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1305,7 +1457,7 @@ func (x *BatchClaimRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchClaimRequest.ProtoReflect.Descriptor instead.
 func (*BatchClaimRequest) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{14}
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *BatchClaimRequest) GetRequests() []*ClaimRequest {
@@ -1325,7 +1477,7 @@ type BatchClaimResponse struct {
 
 func (x *BatchClaimResponse) Reset() {
 	*x = BatchClaimResponse{}
-	mi := &file_idemreg_v1_registry_proto_msgTypes[15]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1337,7 +1489,7 @@ func (x *BatchClaimResponse) String() string {
 func (*BatchClaimResponse) ProtoMessage() {}
 
 func (x *BatchClaimResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_registry_proto_msgTypes[15]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1350,7 +1502,7 @@ func (x *BatchClaimResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchClaimResponse.ProtoReflect.Descriptor instead.
 func (*BatchClaimResponse) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{15}
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *BatchClaimResponse) GetResults() []*BatchClaimResult {
@@ -1373,7 +1525,7 @@ type BatchClaimResult struct {
 
 func (x *BatchClaimResult) Reset() {
 	*x = BatchClaimResult{}
-	mi := &file_idemreg_v1_registry_proto_msgTypes[16]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1385,7 +1537,7 @@ func (x *BatchClaimResult) String() string {
 func (*BatchClaimResult) ProtoMessage() {}
 
 func (x *BatchClaimResult) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_registry_proto_msgTypes[16]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1398,7 +1550,7 @@ func (x *BatchClaimResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchClaimResult.ProtoReflect.Descriptor instead.
 func (*BatchClaimResult) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{16}
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *BatchClaimResult) GetResult() isBatchClaimResult_Result {
@@ -1452,7 +1604,7 @@ type BatchCompleteRequest struct {
 
 func (x *BatchCompleteRequest) Reset() {
 	*x = BatchCompleteRequest{}
-	mi := &file_idemreg_v1_registry_proto_msgTypes[17]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1464,7 +1616,7 @@ func (x *BatchCompleteRequest) String() string {
 func (*BatchCompleteRequest) ProtoMessage() {}
 
 func (x *BatchCompleteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_registry_proto_msgTypes[17]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1477,7 +1629,7 @@ func (x *BatchCompleteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCompleteRequest.ProtoReflect.Descriptor instead.
 func (*BatchCompleteRequest) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{17}
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *BatchCompleteRequest) GetRequests() []*CompleteRequest {
@@ -1497,7 +1649,7 @@ type BatchCompleteResponse struct {
 
 func (x *BatchCompleteResponse) Reset() {
 	*x = BatchCompleteResponse{}
-	mi := &file_idemreg_v1_registry_proto_msgTypes[18]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1509,7 +1661,7 @@ func (x *BatchCompleteResponse) String() string {
 func (*BatchCompleteResponse) ProtoMessage() {}
 
 func (x *BatchCompleteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_registry_proto_msgTypes[18]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1522,7 +1674,7 @@ func (x *BatchCompleteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCompleteResponse.ProtoReflect.Descriptor instead.
 func (*BatchCompleteResponse) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{18}
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *BatchCompleteResponse) GetResults() []*BatchCompleteResult {
@@ -1545,7 +1697,7 @@ type BatchCompleteResult struct {
 
 func (x *BatchCompleteResult) Reset() {
 	*x = BatchCompleteResult{}
-	mi := &file_idemreg_v1_registry_proto_msgTypes[19]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1557,7 +1709,7 @@ func (x *BatchCompleteResult) String() string {
 func (*BatchCompleteResult) ProtoMessage() {}
 
 func (x *BatchCompleteResult) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_registry_proto_msgTypes[19]
+	mi := &file_idemreg_v1_registry_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1570,7 +1722,7 @@ func (x *BatchCompleteResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCompleteResult.ProtoReflect.Descriptor instead.
 func (*BatchCompleteResult) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{19}
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *BatchCompleteResult) GetResult() isBatchCompleteResult_Result {
@@ -1631,7 +1783,7 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\x06Result\x122\n" +
 	"\bresponse\x18\x01 \x01(\v2\x14.idemreg.v1.ResponseH\x00R\bresponse\x12/\n" +
 	"\afailure\x18\x02 \x01(\v2\x13.idemreg.v1.FailureH\x00R\afailureB\t\n" +
-	"\aoutcome\"\x96\x04\n" +
+	"\aoutcome\"\xb7\x04\n" +
 	"\x06Record\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
@@ -1648,7 +1800,9 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\fcompleted_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\vcompletedAt\x129\n" +
 	"\n" +
 	"expires_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12*\n" +
-	"\x06result\x18\r \x01(\v2\x12.idemreg.v1.ResultR\x06result\"\xd4\x02\n" +
+	"\x06result\x18\r \x01(\v2\x12.idemreg.v1.ResultR\x06result\x12\x1f\n" +
+	"\vpark_reason\x18\x0e \x01(\tR\n" +
+	"parkReason\"\xd4\x02\n" +
 	"\fClaimRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
@@ -1692,6 +1846,15 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\x05lease\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x05lease\x12!\n" +
 	"\fclaim_secret\x18\x06 \x01(\fR\vclaimSecret\"<\n" +
 	"\x0eExtendResponse\x12*\n" +
+	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"\xb2\x01\n" +
+	"\vParkRequest\x12\x1a\n" +
+	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
+	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
+	"\x03key\x18\x03 \x01(\tR\x03key\x12\x14\n" +
+	"\x05token\x18\x04 \x01(\x03R\x05token\x12\x16\n" +
+	"\x06reason\x18\x05 \x01(\tR\x06reason\x12!\n" +
+	"\fclaim_secret\x18\x06 \x01(\fR\vclaimSecret\":\n" +
+	"\fParkResponse\x12*\n" +
 	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"c\n" +
 	"\rLookupRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
@@ -1718,21 +1881,24 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\x04Kind\x12\x14\n" +
 	"\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n" +
 	"\fKIND_MESSAGE\x10\x01\x12\x12\n" +
-	"\x0eKIND_OPERATION\x10\x02*J\n" +
+	"\x0eKIND_OPERATION\x10\x02*\\\n" +
 	"\x05State\x12\x15\n" +
 	"\x11STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11STATE_IN_PROGRESS\x10\x01\x12\x13\n" +
-	"\x0fSTATE_COMPLETED\x10\x02*h\n" +
+	"\x0fSTATE_COMPLETED\x10\x02\x12\x10\n" +
+	"\fSTATE_PARKED\x10\x03*|\n" +
 	"\aOutcome\x12\x17\n" +
 	"\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x14\n" +
 	"\x10OUTCOME_ACQUIRED\x10\x01\x12\x17\n" +
 	"\x13OUTCOME_IN_PROGRESS\x10\x02\x12\x15\n" +
-	"\x11OUTCOME_COMPLETED\x10\x032\xff\x03\n" +
+	"\x11OUTCOME_COMPLETED\x10\x03\x12\x12\n" +
+	"\x0eOUTCOME_PARKED\x10\x042\xba\x04\n" +
 	"\x0fRegistryService\x12<\n" +
 	"\x05Claim\x12\x18.idemreg.v1.ClaimRequest\x1a\x19.idemreg.v1.ClaimResponse\x12E\n" +
 	"\bComplete\x12\x1b.idemreg.v1.CompleteRequest\x1a\x1c.idemreg.v1.CompleteResponse\x12B\n" +
 	"\aRelease\x12\x1a.idemreg.v1.ReleaseRequest\x1a\x1b.idemreg.v1.ReleaseResponse\x12?\n" +
-	"\x06Extend\x12\x19.idemreg.v1.ExtendRequest\x1a\x1a.idemreg.v1.ExtendResponse\x12?\n" +
+	"\x06Extend\x12\x19.idemreg.v1.ExtendRequest\x1a\x1a.idemreg.v1.ExtendResponse\x129\n" +
+	"\x04Park\x12\x17.idemreg.v1.ParkRequest\x1a\x18.idemreg.v1.ParkResponse\x12?\n" +
 	"\x06Lookup\x12\x19.idemreg.v1.LookupRequest\x1a\x1a.idemreg.v1.LookupResponse\x12K\n" +
 	"\n" +
 	"BatchClaim\x12\x1d.idemreg.v1.BatchClaimRequest\x1a\x1e.idemreg.v1.BatchClaimResponse\x12T\n" +
@@ -1751,7 +1917,7 @@ func file_idemreg_v1_registry_proto_rawDescGZIP() []byte {
 }
 
 var file_idemreg_v1_registry_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_idemreg_v1_registry_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
+var file_idemreg_v1_registry_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_idemreg_v1_registry_proto_goTypes = []any{
 	(Kind)(0),                     // 0: idemreg.v1.Kind
 	(State)(0),                    // 1: idemreg.v1.State
@@ -1768,34 +1934,36 @@ var file_idemreg_v1_registry_proto_goTypes = []any{
 	(*ReleaseResponse)(nil),       // 12: idemreg.v1.ReleaseResponse
 	(*ExtendRequest)(nil),         // 13: idemreg.v1.ExtendRequest
 	(*ExtendResponse)(nil),        // 14: idemreg.v1.ExtendResponse
-	(*LookupRequest)(nil),         // 15: idemreg.v1.LookupRequest
-	(*LookupResponse)(nil),        // 16: idemreg.v1.LookupResponse
-	(*BatchClaimRequest)(nil),     // 17: idemreg.v1.BatchClaimRequest
-	(*BatchClaimResponse)(nil),    // 18: idemreg.v1.BatchClaimResponse
-	(*BatchClaimResult)(nil),      // 19: idemreg.v1.BatchClaimResult
-	(*BatchCompleteRequest)(nil),  // 20: idemreg.v1.BatchCompleteRequest
-	(*BatchCompleteResponse)(nil), // 21: idemreg.v1.BatchCompleteResponse
-	(*BatchCompleteResult)(nil),   // 22: idemreg.v1.BatchCompleteResult
-	(*timestamppb.Timestamp)(nil), // 23: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
-	(*status.Status)(nil),         // 25: google.rpc.Status
+	(*ParkRequest)(nil),           // 15: idemreg.v1.ParkRequest
+	(*ParkResponse)(nil),          // 16: idemreg.v1.ParkResponse
+	(*LookupRequest)(nil),         // 17: idemreg.v1.LookupRequest
+	(*LookupResponse)(nil),        // 18: idemreg.v1.LookupResponse
+	(*BatchClaimRequest)(nil),     // 19: idemreg.v1.BatchClaimRequest
+	(*BatchClaimResponse)(nil),    // 20: idemreg.v1.BatchClaimResponse
+	(*BatchClaimResult)(nil),      // 21: idemreg.v1.BatchClaimResult
+	(*BatchCompleteRequest)(nil),  // 22: idemreg.v1.BatchCompleteRequest
+	(*BatchCompleteResponse)(nil), // 23: idemreg.v1.BatchCompleteResponse
+	(*BatchCompleteResult)(nil),   // 24: idemreg.v1.BatchCompleteResult
+	(*timestamppb.Timestamp)(nil), // 25: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 26: google.protobuf.Duration
+	(*status.Status)(nil),         // 27: google.rpc.Status
 }
 var file_idemreg_v1_registry_proto_depIdxs = []int32{
 	3,  // 0: idemreg.v1.Result.response:type_name -> idemreg.v1.Response
 	4,  // 1: idemreg.v1.Result.failure:type_name -> idemreg.v1.Failure
 	0,  // 2: idemreg.v1.Record.kind:type_name -> idemreg.v1.Kind
 	1,  // 3: idemreg.v1.Record.state:type_name -> idemreg.v1.State
-	23, // 4: idemreg.v1.Record.created_at:type_name -> google.protobuf.Timestamp
-	23, // 5: idemreg.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
-	23, // 6: idemreg.v1.Record.completed_at:type_name -> google.protobuf.Timestamp
-	23, // 7: idemreg.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
+	25, // 4: idemreg.v1.Record.created_at:type_name -> google.protobuf.Timestamp
+	25, // 5: idemreg.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
+	25, // 6: idemreg.v1.Record.completed_at:type_name -> google.protobuf.Timestamp
+	25, // 7: idemreg.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
 	5,  // 8: idemreg.v1.Record.result:type_name -> idemreg.v1.Result
 	0,  // 9: idemreg.v1.ClaimRequest.kind:type_name -> idemreg.v1.Kind
-	24, // 10: idemreg.v1.ClaimRequest.lease:type_name -> google.protobuf.Duration
-	24, // 11: idemreg.v1.ClaimRequest.retention:type_name -> google.protobuf.Duration
-	24, // 12: idemreg.v1.ClaimRequest.wait:type_name -> google.protobuf.Duration
+	26, // 10: idemreg.v1.ClaimRequest.lease:type_name -> google.protobuf.Duration
+	26, // 11: idemreg.v1.ClaimRequest.retention:type_name -> google.protobuf.Duration
+	26, // 12: idemreg.v1.ClaimRequest.wait:type_name -> google.protobuf.Duration
 	2,  // 13: idemreg.v1.ClaimResponse.outcome:type_name -> idemreg.v1.Outcome
-	24, // 14: idemreg.v1.ClaimResponse.retry_after:type_name -> google.protobuf.Duration
+	26, // 14: idemreg.v1.ClaimResponse.retry_after:type_name -> google.protobuf.Duration
 	6,  // 15: idemreg.v1.ClaimResponse.record:type_name -> idemreg.v1.Record
 	0,  // 16: idemreg.v1.CompleteRequest.kind:type_name -> idemreg.v1.Kind
 	5,  // 17: idemreg.v1.CompleteRequest.result:type_name -> idemreg.v1.Result
@@ -1803,37 +1971,41 @@ var file_idemreg_v1_registry_proto_depIdxs = []int32{
 	0,  // 19: idemreg.v1.ReleaseRequest.kind:type_name -> idemreg.v1.Kind
 	6,  // 20: idemreg.v1.ReleaseResponse.record:type_name -> idemreg.v1.Record
 	0,  // 21: idemreg.v1.ExtendRequest.kind:type_name -> idemreg.v1.Kind
-	24, // 22: idemreg.v1.ExtendRequest.lease:type_name -> google.protobuf.Duration
+	26, // 22: idemreg.v1.ExtendRequest.lease:type_name -> google.protobuf.Duration
 	6,  // 23: idemreg.v1.ExtendResponse.record:type_name -> idemreg.v1.Record
-	0,  // 24: idemreg.v1.LookupRequest.kind:type_name -> idemreg.v1.Kind
-	6,  // 25: idemreg.v1.LookupResponse.record:type_name -> idemreg.v1.Record
-	7,  // 26: idemreg.v1.BatchClaimRequest.requests:type_name -> idemreg.v1.ClaimRequest
-	19, // 27: idemreg.v1.BatchClaimResponse.results:type_name -> idemreg.v1.BatchClaimResult
-	8,  // 28: idemreg.v1.BatchClaimResult.response:type_name -> idemreg.v1.ClaimResponse
-	25, // 29: idemreg.v1.BatchClaimResult.error:type_name -> google.rpc.Status
-	9,  // 30: idemreg.v1.BatchCompleteRequest.requests:type_name -> idemreg.v1.CompleteRequest
-	22, // 31: idemreg.v1.BatchCompleteResponse.results:type_name -> idemreg.v1.BatchCompleteResult
-	10, // 32: idemreg.v1.BatchCompleteResult.response:type_name -> idemreg.v1.CompleteResponse
-	25, // 33: idemreg.v1.BatchCompleteResult.error:type_name -> google.rpc.Status
-	7,  // 34: idemreg.v1.RegistryService.Claim:input_type -> idemreg.v1.ClaimRequest
-	9,  // 35: idemreg.v1.RegistryService.Complete:input_type -> idemreg.v1.CompleteRequest
-	11, // 36: idemreg.v1.RegistryService.Release:input_type -> idemreg.v1.ReleaseRequest
-	13, // 37: idemreg.v1.RegistryService.Extend:input_type -> idemreg.v1.ExtendRequest
-	15, // 38: idemreg.v1.RegistryService.Lookup:input_type -> idemreg.v1.LookupRequest
-	17, // 39: idemreg.v1.RegistryService.BatchClaim:input_type -> idemreg.v1.BatchClaimRequest
-	20, // 40: idemreg.v1.RegistryService.BatchComplete:input_type -> idemreg.v1.BatchCompleteRequest
-	8,  // 41: idemreg.v1.RegistryService.Claim:output_type -> idemreg.v1.ClaimResponse
-	10, // 42: idemreg.v1.RegistryService.Complete:output_type -> idemreg.v1.CompleteResponse
-	12, // 43: idemreg.v1.RegistryService.Release:output_type -> idemreg.v1.ReleaseResponse
-	14, // 44: idemreg.v1.RegistryService.Extend:output_type -> idemreg.v1.ExtendResponse
-	16, // 45: idemreg.v1.RegistryService.Lookup:output_type -> idemreg.v1.LookupResponse
-	18, // 46: idemreg.v1.RegistryService.BatchClaim:output_type -> idemreg.v1.BatchClaimResponse
-	21, // 47: idemreg.v1.RegistryService.BatchComplete:output_type -> idemreg.v1.BatchCompleteResponse
-	41, // [41:48] is the sub-list for method output_type
-	34, // [34:41] is the sub-list for method input_type
-	34, // [34:34] is the sub-list for extension type_name
-	34, // [34:34] is the sub-list for extension extendee
-	0,  // [0:34] is the sub-list for field type_name
+	0,  // 24: idemreg.v1.ParkRequest.kind:type_name -> idemreg.v1.Kind
+	6,  // 25: idemreg.v1.ParkResponse.record:type_name -> idemreg.v1.Record
+	0,  // 26: idemreg.v1.LookupRequest.kind:type_name -> idemreg.v1.Kind
+	6,  // 27: idemreg.v1.LookupResponse.record:type_name -> idemreg.v1.Record
+	7,  // 28: idemreg.v1.BatchClaimRequest.requests:type_name -> idemreg.v1.ClaimRequest
+	21, // 29: idemreg.v1.BatchClaimResponse.results:type_name -> idemreg.v1.BatchClaimResult
+	8,  // 30: idemreg.v1.BatchClaimResult.response:type_name -> idemreg.v1.ClaimResponse
+	27, // 31: idemreg.v1.BatchClaimResult.error:type_name -> google.rpc.Status
+	9,  // 32: idemreg.v1.BatchCompleteRequest.requests:type_name -> idemreg.v1.CompleteRequest
+	24, // 33: idemreg.v1.BatchCompleteResponse.results:type_name -> idemreg.v1.BatchCompleteResult
+	10, // 34: idemreg.v1.BatchCompleteResult.response:type_name -> idemreg.v1.CompleteResponse
+	27, // 35: idemreg.v1.BatchCompleteResult.error:type_name -> google.rpc.Status
+	7,  // 36: idemreg.v1.RegistryService.Claim:input_type -> idemreg.v1.ClaimRequest
+	9,  // 37: idemreg.v1.RegistryService.Complete:input_type -> idemreg.v1.CompleteRequest
+	11, // 38: idemreg.v1.RegistryService.Release:input_type -> idemreg.v1.ReleaseRequest
+	13, // 39: idemreg.v1.RegistryService.Extend:input_type -> idemreg.v1.ExtendRequest
+	15, // 40: idemreg.v1.RegistryService.Park:input_type -> idemreg.v1.ParkRequest
+	17, // 41: idemreg.v1.RegistryService.Lookup:input_type -> idemreg.v1.LookupRequest
+	19, // 42: idemreg.v1.RegistryService.BatchClaim:input_type -> idemreg.v1.BatchClaimRequest
+	22, // 43: idemreg.v1.RegistryService.BatchComplete:input_type -> idemreg.v1.BatchCompleteRequest
+	8,  // 44: idemreg.v1.RegistryService.Claim:output_type -> idemreg.v1.ClaimResponse
+	10, // 45: idemreg.v1.RegistryService.Complete:output_type -> idemreg.v1.CompleteResponse
+	12, // 46: idemreg.v1.RegistryService.Release:output_type -> idemreg.v1.ReleaseResponse
+	14, // 47: idemreg.v1.RegistryService.Extend:output_type -> idemreg.v1.ExtendResponse
+	16, // 48: idemreg.v1.RegistryService.Park:output_type -> idemreg.v1.ParkResponse
+	18, // 49: idemreg.v1.RegistryService.Lookup:output_type -> idemreg.v1.LookupResponse
+	20, // 50: idemreg.v1.RegistryService.BatchClaim:output_type -> idemreg.v1.BatchClaimResponse
+	23, // 51: idemreg.v1.RegistryService.BatchComplete:output_type -> idemreg.v1.BatchCompleteResponse
+	44, // [44:52] is the sub-list for method output_type
+	36, // [36:44] is the sub-list for method input_type
+	36, // [36:36] is the sub-list for extension type_name
+	36, // [36:36] is the sub-list for extension extendee
+	0,  // [0:36] is the sub-list for field type_name
 }
 
 func init() { file_idemreg_v1_registry_proto_init() }
@@ -1845,11 +2017,11 @@ func file_idemreg_v1_registry_proto_init() {
 		(*Result_Response)(nil),
 		(*Result_Failure)(nil),
 	}
-	file_idemreg_v1_registry_proto_msgTypes[16].OneofWrappers = []any{
+	file_idemreg_v1_registry_proto_msgTypes[18].OneofWrappers = []any{
 		(*BatchClaimResult_Response)(nil),
 		(*BatchClaimResult_Error)(nil),
 	}
-	file_idemreg_v1_registry_proto_msgTypes[19].OneofWrappers = []any{
+	file_idemreg_v1_registry_proto_msgTypes[21].OneofWrappers = []any{
 		(*BatchCompleteResult_Response)(nil),
 		(*BatchCompleteResult_Error)(nil),
 	}
@@ -1859,7 +2031,7 @@ func file_idemreg_v1_registry_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idemreg_v1_registry_proto_rawDesc), len(file_idemreg_v1_registry_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   20,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -20,7 +20,8 @@
 //   MALFORMED_REQUEST      INVALID_ARGUMENT      the request is not a valid protobuf encoding of its message
 //   FINGERPRINT_MISMATCH   FAILED_PRECONDITION   the key is live with another fingerprint: same key, different parameters
 //   LEASE_LOST             FAILED_PRECONDITION   the token is not the record's current token (someone took over), or claim_secret is not the one its Claim returned
-//   ALREADY_COMPLETED      FAILED_PRECONDITION   Release or Extend of a record already completed
+//   ALREADY_COMPLETED      FAILED_PRECONDITION   Release, Extend or Park of a record already completed
+//   PARKED                 FAILED_PRECONDITION   Complete, Release or Extend of a parked record (an operator must resolve it)
 //   LEASE_TOTAL_EXCEEDED   FAILED_PRECONDITION   Extend would hold the key past the consumer's max_lease_total since the attempt
 //                                                began (ErrorInfo metadata lease_not_after, max_lease_total); the lease is unchanged
 //   NOT_FOUND              NOT_FOUND             no live record (absent or expired)
@@ -55,6 +56,7 @@ const (
 	RegistryService_Complete_FullMethodName      = "/idemreg.v1.RegistryService/Complete"
 	RegistryService_Release_FullMethodName       = "/idemreg.v1.RegistryService/Release"
 	RegistryService_Extend_FullMethodName        = "/idemreg.v1.RegistryService/Extend"
+	RegistryService_Park_FullMethodName          = "/idemreg.v1.RegistryService/Park"
 	RegistryService_Lookup_FullMethodName        = "/idemreg.v1.RegistryService/Lookup"
 	RegistryService_BatchClaim_FullMethodName    = "/idemreg.v1.RegistryService/BatchClaim"
 	RegistryService_BatchComplete_FullMethodName = "/idemreg.v1.RegistryService/BatchComplete"
@@ -83,6 +85,16 @@ type RegistryServiceClient interface {
 	// Errors: INVALID_ARGUMENT, LEASE_LOST, ALREADY_COMPLETED,
 	// LEASE_TOTAL_EXCEEDED, NOT_FOUND, STORE_UNAVAILABLE.
 	Extend(ctx context.Context, in *ExtendRequest, opts ...grpc.CallOption) (*ExtendResponse, error)
+	// Park is the holder's answer when the outcome of its work is unknown
+	// and the key must not be done again (a call sent to a provider without
+	// an idempotency contract, whose answer was lost): the record becomes
+	// STATE_PARKED with the reason, and every later Claim answers
+	// OUTCOME_PARKED until an operator resolves it (AdminService
+	// InvalidateRecord) or its retention from now ends. Fenced like
+	// Complete; repeating it with the same token returns the parked record
+	// (the first reason stays). Errors: INVALID_ARGUMENT, LEASE_LOST,
+	// ALREADY_COMPLETED, NOT_FOUND, STORE_UNAVAILABLE.
+	Park(ctx context.Context, in *ParkRequest, opts ...grpc.CallOption) (*ParkResponse, error)
 	// Lookup returns the live record. Errors: INVALID_ARGUMENT, NOT_FOUND,
 	// STORE_UNAVAILABLE.
 	Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error)
@@ -147,6 +159,16 @@ func (c *registryServiceClient) Extend(ctx context.Context, in *ExtendRequest, o
 	return out, nil
 }
 
+func (c *registryServiceClient) Park(ctx context.Context, in *ParkRequest, opts ...grpc.CallOption) (*ParkResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ParkResponse)
+	err := c.cc.Invoke(ctx, RegistryService_Park_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *registryServiceClient) Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(LookupResponse)
@@ -200,6 +222,16 @@ type RegistryServiceServer interface {
 	// Errors: INVALID_ARGUMENT, LEASE_LOST, ALREADY_COMPLETED,
 	// LEASE_TOTAL_EXCEEDED, NOT_FOUND, STORE_UNAVAILABLE.
 	Extend(context.Context, *ExtendRequest) (*ExtendResponse, error)
+	// Park is the holder's answer when the outcome of its work is unknown
+	// and the key must not be done again (a call sent to a provider without
+	// an idempotency contract, whose answer was lost): the record becomes
+	// STATE_PARKED with the reason, and every later Claim answers
+	// OUTCOME_PARKED until an operator resolves it (AdminService
+	// InvalidateRecord) or its retention from now ends. Fenced like
+	// Complete; repeating it with the same token returns the parked record
+	// (the first reason stays). Errors: INVALID_ARGUMENT, LEASE_LOST,
+	// ALREADY_COMPLETED, NOT_FOUND, STORE_UNAVAILABLE.
+	Park(context.Context, *ParkRequest) (*ParkResponse, error)
 	// Lookup returns the live record. Errors: INVALID_ARGUMENT, NOT_FOUND,
 	// STORE_UNAVAILABLE.
 	Lookup(context.Context, *LookupRequest) (*LookupResponse, error)
@@ -235,6 +267,9 @@ func (UnimplementedRegistryServiceServer) Release(context.Context, *ReleaseReque
 }
 func (UnimplementedRegistryServiceServer) Extend(context.Context, *ExtendRequest) (*ExtendResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Extend not implemented")
+}
+func (UnimplementedRegistryServiceServer) Park(context.Context, *ParkRequest) (*ParkResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Park not implemented")
 }
 func (UnimplementedRegistryServiceServer) Lookup(context.Context, *LookupRequest) (*LookupResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Lookup not implemented")
@@ -338,6 +373,24 @@ func _RegistryService_Extend_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _RegistryService_Park_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ParkRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServiceServer).Park(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: RegistryService_Park_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServiceServer).Park(ctx, req.(*ParkRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _RegistryService_Lookup_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(LookupRequest)
 	if err := dec(in); err != nil {
@@ -414,6 +467,10 @@ var RegistryService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Extend",
 			Handler:    _RegistryService_Extend_Handler,
+		},
+		{
+			MethodName: "Park",
+			Handler:    _RegistryService_Park_Handler,
 		},
 		{
 			MethodName: "Lookup",

@@ -69,9 +69,10 @@ type Stats struct {
 
 func (s Stats) String() string {
 	return fmt.Sprintf("%d calls on %d keys, %d ambiguous (at most %d on a key); %d acquired, %d in progress, %d completed replays, "+
-		"%d ok, %d lease lost, %d not found, %d already completed, %d fingerprint mismatch",
+		"%d ok, %d lease lost, %d not found, %d already completed, %d fingerprint mismatch, %d parked claims, %d parked refusals",
 		s.Calls, s.Keys, s.Ambiguous, s.MaxAmbiguousPerKey, s.ByStatus[Acquired], s.ByStatus[InProgress], s.ByStatus[Completed],
-		s.ByStatus[OK], s.ByStatus[LeaseLost], s.ByStatus[NotFound], s.ByStatus[AlreadyCompleted], s.ByStatus[FingerprintMismatch]) +
+		s.ByStatus[OK], s.ByStatus[LeaseLost], s.ByStatus[NotFound], s.ByStatus[AlreadyCompleted], s.ByStatus[FingerprintMismatch],
+		s.ByStatus[Parked], s.ByStatus[ParkedRefusal]) +
 		fmt.Sprintf("; %d batches of %d items (%d after another on their key); %d waiting claims, %d answered completed or acquired",
 			s.Batches, s.BatchItems, s.SameKey, s.Waits, s.Woken)
 }
@@ -215,7 +216,8 @@ const perKeyTimeout = 30 * time.Second
 
 // Classify turns an error of a registry call into the model's answer. The
 // registry's definite refusals (ErrorInfo reasons LEASE_LOST,
-// ALREADY_COMPLETED, FINGERPRINT_MISMATCH, and NOT_FOUND) change nothing;
+// ALREADY_COMPLETED, FINGERPRINT_MISMATCH, PARKED, and NOT_FOUND) change
+// nothing;
 // UNAVAILABLE, DEADLINE_EXCEEDED, CANCELED and transport failures may have
 // been applied and are Unknown. Any other code (INVALID_ARGUMENT,
 // INTERNAL, ...) is a bug in the registry or the workload: unexpected is
@@ -239,6 +241,8 @@ func Classify(err error) (s Status, unexpected bool) {
 			return AlreadyCompleted, false
 		case "FINGERPRINT_MISMATCH":
 			return FingerprintMismatch, false
+		case "PARKED":
+			return ParkedRefusal, false
 		}
 	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled:
 		return Unknown, false

@@ -47,6 +47,7 @@ const (
 	Release
 	Extend
 	Lookup
+	Park
 )
 
 func (m Method) String() string {
@@ -61,6 +62,8 @@ func (m Method) String() string {
 		return "Extend"
 	case Lookup:
 		return "Lookup"
+	case Park:
+		return "Park"
 	}
 	return fmt.Sprintf("Method(%d)", m)
 }
@@ -79,6 +82,8 @@ type Input struct {
 	Fingerprint, Holder, RequestID string
 	// Result of Complete: an identity unique to the call.
 	Result string
+	// Reason of Park: an identity unique to the call.
+	Reason string
 	// Wait of Claim: how long it may wait while another holder's lease is
 	// live. The model does not read it (see the package doc).
 	Wait time.Duration
@@ -111,11 +116,15 @@ const (
 	LeaseLost
 	AlreadyCompleted
 	FingerprintMismatch
+	// Parked is a Claim's OUTCOME_PARKED; ParkedRefusal is a Complete,
+	// Release or Extend refused with PARKED.
+	Parked
+	ParkedRefusal
 )
 
 func (s Status) String() string {
 	return [...]string{"UNKNOWN", "OK", "ACQUIRED", "IN_PROGRESS", "COMPLETED", "NOT_FOUND",
-		"LEASE_LOST", "ALREADY_COMPLETED", "FINGERPRINT_MISMATCH"}[s]
+		"LEASE_LOST", "ALREADY_COMPLETED", "FINGERPRINT_MISMATCH", "PARKED", "PARKED_REFUSAL"}[s]
 }
 
 // Output is what a call returned, as far as the model checks it.
@@ -130,6 +139,9 @@ type Output struct {
 	Holder    string
 	Completed bool
 	Result    string
+	// Parked and its ParkReason, as the record shows them.
+	Parked bool
+	Reason string
 }
 
 // State is the model of one key. Its zero value is an absent key. It is
@@ -148,6 +160,12 @@ type State struct {
 	Holder      string
 	Fingerprint string
 	Result      string
+	// Parked: its holder parked it (Park) with Reason; nobody holds it, and
+	// every Claim answers parked. The workload sets no max_attempts, so
+	// only Park parks a record here; parking by a Claim at max_attempts
+	// needs lease expiry, which the conformance suite checks.
+	Parked bool
+	Reason string
 	// RequestID is the request id of the Claim that acquired the lease.
 	RequestID string
 	// Marks are the batch items taken whose follower on the key is not
@@ -184,6 +202,8 @@ func (s State) String() string {
 	switch {
 	case s.Completed:
 		fmt.Fprintf(&b, "completed %q", s.Result)
+	case s.Parked:
+		fmt.Fprintf(&b, "parked %q", s.Reason)
 	case s.LeaseLive:
 		b.WriteString("in progress")
 	default:
@@ -242,7 +262,8 @@ func stepCall(s State, in Input, out Output) []State {
 		case !s.Exists:
 			return when(out.Status == NotFound, s)
 		}
-		ok := out.Status == OK && out.Completed == s.Completed && out.Attempt == s.Attempt && out.Holder == s.Holder
+		ok := out.Status == OK && out.Completed == s.Completed && out.Attempt == s.Attempt && out.Holder == s.Holder &&
+			out.Parked == s.Parked && out.Reason == s.Reason
 		if s.Completed {
 			ok = ok && out.Token == s.Token && out.Result == s.Result
 		}
@@ -268,10 +289,24 @@ func stepCall(s State, in Input, out Output) []State {
 	}
 	answered := func(next State) bool {
 		return out.Status == OK && out.Token == in.Token && out.Attempt == next.Attempt &&
-			out.Holder == next.Holder && out.Completed == next.Completed && out.Result == next.Result
+			out.Holder == next.Holder && out.Completed == next.Completed && out.Result == next.Result &&
+			out.Parked == next.Parked && out.Reason == next.Reason
 	}
 	next := s
+	if s.Parked && in.Method != Park {
+		// Nothing but an operator changes a parked record.
+		return when(out.Status == Unknown || out.Status == ParkedRefusal, s)
+	}
 	switch in.Method {
+	case Park:
+		switch {
+		case s.Completed:
+			return when(out.Status == Unknown || out.Status == AlreadyCompleted, s)
+		case s.Parked:
+			// A repeat returns the parked record: the first reason stays.
+			return when(out.Status == Unknown || answered(s), s)
+		}
+		next.Parked, next.LeaseLive, next.Reason = true, false, in.Reason
 	case Complete:
 		if s.Completed {
 			// A repeated Complete with the current token returns the
@@ -320,6 +355,10 @@ func stepClaim(s State, in Input, out Output) []State {
 		return when(out.Status == Unknown || out.Status == FingerprintMismatch, s)
 	}
 	switch {
+	case s.Parked:
+		// Parked until an operator resolves it: no token, no takeover.
+		return when(out.Status == Unknown || out.Status == Parked && out.Attempt == s.Attempt &&
+			out.Holder == s.Holder && out.Reason == s.Reason && out.Token == 0, s)
 	case s.LeaseLive && in.RequestID != "" && in.RequestID == s.RequestID:
 		// A repeat of the Claim that acquired the live lease: the same
 		// answer, and the caller learns the token even if the first
@@ -381,6 +420,8 @@ func (in Input) call() string {
 		return fmt.Sprintf("Complete(t=%d%s, %q)", in.Token, forgedMark(in), in.Result)
 	case Release, Extend:
 		return fmt.Sprintf("%s(t=%d%s)", in.Method, in.Token, forgedMark(in))
+	case Park:
+		return fmt.Sprintf("Park(t=%d%s, %q)", in.Token, forgedMark(in), in.Reason)
 	}
 	return in.Method.String() + "()"
 }
@@ -394,12 +435,15 @@ func forgedMark(in Input) string {
 
 func (out Output) String() string {
 	switch out.Status {
-	case Unknown, NotFound, LeaseLost, AlreadyCompleted, FingerprintMismatch:
+	case Unknown, NotFound, LeaseLost, AlreadyCompleted, FingerprintMismatch, ParkedRefusal:
 		return out.Status.String()
 	}
 	s := fmt.Sprintf("%s t=%d a=%d h=%s", out.Status, out.Token, out.Attempt, out.Holder)
 	if out.Completed {
 		s += fmt.Sprintf(" completed %q", out.Result)
+	}
+	if out.Parked {
+		s += fmt.Sprintf(" parked %q", out.Reason)
 	}
 	return s
 }

@@ -27,6 +27,15 @@ func forged(in Input) Input   { in.Forged = true; return in }
 func release(tok int64) Input { return Input{Method: Release, Token: tok} }
 func extend(tok int64) Input  { return Input{Method: Extend, Token: tok} }
 func lookup() Input           { return Input{Method: Lookup} }
+func park(tok int64, reason string) Input {
+	return Input{Method: Park, Token: tok, Reason: reason}
+}
+func parkedBy(tok, attempt int64, holder, reason string) Output {
+	return Output{Status: OK, Token: tok, Attempt: attempt, Holder: holder, Parked: true, Reason: reason}
+}
+func parkedClaim(attempt int64, holder, reason string) Output {
+	return Output{Status: Parked, Attempt: attempt, Holder: holder, Parked: true, Reason: reason}
+}
 
 func acquired(tok, attempt int64, holder string) Output {
 	return Output{Status: Acquired, Token: tok, Attempt: attempt, Holder: holder}
@@ -70,6 +79,38 @@ func TestModel(t *testing.T) {
 			op(1, 4, 5, claim("A", "h2"), replay(10, 1, "h1", "r1")),
 			op(1, 6, 7, claim("B", "h3"), answer(FingerprintMismatch)),
 			op(1, 8, 9, lookup(), done(10, 1, "h1", "r1")),
+		}, true},
+		{"park, then every claim answers parked", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, park(10, "p1"), parkedBy(10, 1, "h1", "p1")),
+			op(1, 4, 5, claim("A", "h2"), parkedClaim(1, "h1", "p1")),
+			op(1, 6, 7, claim("B", "h3"), answer(FingerprintMismatch)),
+			op(0, 8, 9, park(10, "p2"), parkedBy(10, 1, "h1", "p1")),
+			op(0, 10, 11, complete(10, "r1"), answer(ParkedRefusal)),
+			op(0, 12, 13, release(10), answer(ParkedRefusal)),
+			op(1, 14, 15, lookup(), Output{Status: OK, Attempt: 1, Holder: "h1", Parked: true, Reason: "p1"}),
+		}, true},
+		{"a takeover of a parked key", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, park(10, "p1"), parkedBy(10, 1, "h1", "p1")),
+			op(1, 4, 5, claim("A", "h2"), acquired(11, 2, "h2")),
+		}, false},
+		{"a complete after the park", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, park(10, "p1"), parkedBy(10, 1, "h1", "p1")),
+			op(0, 4, 5, complete(10, "r1"), done(10, 1, "h1", "r1")),
+		}, false},
+		{"park of a completed key, and a forged park", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, complete(10, "r1"), done(10, 1, "h1", "r1")),
+			op(0, 4, 5, park(10, "p1"), answer(AlreadyCompleted)),
+			op(1, 6, 7, forged(park(10, "p2")), answer(LeaseLost)),
+			op(1, 8, 9, claim("A", "h2"), replay(10, 1, "h1", "r1")),
+		}, true},
+		{"an ambiguous park may have parked the key", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, open, park(10, "p1"), answer(Unknown)),
+			op(1, 4, 5, claim("A", "h2"), parkedClaim(1, "h1", "p1")),
 		}, true},
 		{"two owners at once", []porcupine.Operation{
 			op(0, 0, 10, claim("A", "h1"), acquired(10, 1, "h1")),

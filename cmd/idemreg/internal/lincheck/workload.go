@@ -435,8 +435,11 @@ func (wk *worker) next() Input {
 			in.Method = Complete
 		case p < 60:
 			in.Method = Release
-		case p < 75:
+		case p < 72:
 			in.Method = Extend
+		case p < 75:
+			// Now and then the outcome is unknown: park the key.
+			in.Method = Park
 		case p < 85:
 			in.Method = Claim
 		case p < 95:
@@ -467,6 +470,8 @@ func (wk *worker) next() Input {
 		in.RequestID = in.Holder
 	case Complete:
 		in.Result = fmt.Sprintf("r-w%d-%d", wk.id, wk.seq)
+	case Park:
+		in.Reason = fmt.Sprintf("p-w%d-%d", wk.id, wk.seq)
 	}
 	return in
 }
@@ -475,7 +480,7 @@ func (wk *worker) next() Input {
 // acquired by anyone on the key (possibly the current one), or 1, which is
 // never issued.
 func (wk *worker) foreign(key string) (m Method, tok int64, forged bool) {
-	m = []Method{Complete, Release, Extend}[wk.rnd.IntN(3)]
+	m = []Method{Complete, Release, Extend, Park}[wk.rnd.IntN(4)]
 	wk.w.mu.Lock()
 	defer wk.w.mu.Unlock()
 	seen := wk.w.seen[key]
@@ -506,8 +511,8 @@ func (wk *worker) observe(in Input, out Output) {
 		wk.w.mu.Lock()
 		wk.w.acked[in.Key] = out
 		wk.w.mu.Unlock()
-	case out.Status == Completed && wk.rnd.IntN(3) == 0:
-		// Seen completed and replayed a few times: use a fresh key.
+	case (out.Status == Completed || out.Status == Parked) && wk.rnd.IntN(3) == 0:
+		// Seen completed (or parked) a few times: use a fresh key.
 		wk.w.retire(in.Key)
 	case out.Status == Unknown:
 		if in.Method == Claim && !wk.repeated {
@@ -564,6 +569,10 @@ func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
 	case Extend:
 		var res *idemregv1.ExtendResponse
 		res, err = w.rpc.Extend(ctx, &idemregv1.ExtendRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token, ClaimSecret: w.secretOf(in), Lease: leaseAndRetention})
+		rec = res.GetRecord()
+	case Park:
+		var res *idemregv1.ParkResponse
+		res, err = w.rpc.Park(ctx, &idemregv1.ParkRequest{Consumer: c, Kind: kind, Key: in.Key, Token: in.Token, ClaimSecret: w.secretOf(in), Reason: in.Reason})
 		rec = res.GetRecord()
 	case Lookup:
 		var res *idemregv1.LookupResponse
@@ -622,6 +631,11 @@ func (w *Workload) claimOutput(in Input, res *idemregv1.ClaimResponse) (Output, 
 		}
 	case idemregv1.Outcome_OUTCOME_COMPLETED:
 		out.Status = Completed
+	case idemregv1.Outcome_OUTCOME_PARKED:
+		out.Status = Parked
+		if res.GetToken() != 0 || rec.GetToken() != 0 || len(res.GetClaimSecret()) > 0 {
+			return Output{}, fmt.Errorf("parked answer shows a token (%d, record %d) or a claim secret", res.GetToken(), rec.GetToken())
+		}
 	default:
 		return Output{}, fmt.Errorf("claim outcome %v", res.GetOutcome())
 	}
@@ -644,6 +658,8 @@ func (w *Workload) recordOutput(in Input, out Output, rec *idemregv1.Record) (Ou
 	if out.Completed {
 		out.Result = string(rec.GetResult().GetResponse().GetData())
 	}
+	out.Parked = rec.GetState() == idemregv1.State_STATE_PARKED
+	out.Reason = rec.GetParkReason()
 	return out, nil
 }
 
