@@ -71,3 +71,12 @@ func Row(ctx context.Context, s *Store, op string, p any) (written bool, now tim
 	}
 	return answers[0].written, answers[0].now, answers[0].rec, nil
 }
+
+// MigrationCount is how many migrations Migrate applies on PostgreSQL.
+func MigrationCount() int {
+	all, err := migrations(false)
+	if err != nil {
+		panic(err)
+	}
+	return len(all)
+}
