@@ -175,7 +175,9 @@ func lockMigrations(ctx context.Context, conn *pgx.Conn) (unlock func(), err err
 		if err == nil {
 			break
 		}
-		if code := sqlState(err); (code != "23505" && code != "42P07") || attempt >= 5 {
+		// 23505 (the catalog's unique index), 42P07 (duplicate table) or
+		// 42710 (duplicate type): another run created it meanwhile.
+		if code := sqlState(err); (code != "23505" && code != "42P07" && code != "42710") || attempt >= 5 {
 			return nil, fmt.Errorf("postgres migrate: create lock table: %w", err)
 		}
 	}
