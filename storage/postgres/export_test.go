@@ -69,3 +69,6 @@ func Row(ctx context.Context, s *Store, op string, p any) (written bool, now tim
 	}
 	return answers[0].written, answers[0].now, answers[0].rec, nil
 }
+
+// SweepSQL is the sweeper's statement, for the cursor tests.
+var SweepSQL = sweepSQL
