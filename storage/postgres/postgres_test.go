@@ -459,6 +459,7 @@ func blockSlot(t *testing.T, s *postgres.Store, databaseURL string, claims bool)
 // lock.
 func waitForLockWaiters(t *testing.T, watch *pgx.Conn, n int) {
 	t.Helper()
+	pgtest.RequirePostgreSQL(t, watch.Config().ConnString(), "it watches pg_stat_activity's lock waits, which CockroachDB does not report")
 	require.Eventually(t, func() bool {
 		var waiting int
 		err := watch.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
@@ -657,9 +658,7 @@ func expectOutcome(res storage.ClaimResult, err error, want storage.Outcome) err
 // flush).
 func TestClaimWritesOnlyWhenItMust(t *testing.T) {
 	databaseURL := pgtest.NewDatabase(t)
-	if isCockroach(t, databaseURL) {
-		t.Skip("asks PostgreSQL for pg_current_xact_id_if_assigned()")
-	}
+	pgtest.RequirePostgreSQL(t, databaseURL, "it asks pg_current_xact_id_if_assigned() whether a transaction wrote")
 	conn, err := pgx.Connect(t.Context(), databaseURL)
 	require.NoError(t, err)
 	defer conn.Close(context.Background())
