@@ -204,13 +204,14 @@ var lockWait = 100 * time.Millisecond
 // that releases it.
 func lockMigrations(ctx context.Context, conn *pgx.Conn) (unlock func(), err error) {
 	// Concurrent first runs race on creating the table itself:
-	// PostgreSQL's catalog may refuse the loser of IF NOT EXISTS.
+	// PostgreSQL's catalog may refuse the loser of IF NOT EXISTS, on the
+	// table's name (23505, 42P07) or on its row type's (42710).
 	for attempt := 0; ; attempt++ {
 		_, err = conn.Exec(ctx, createLockTable)
 		if err == nil {
 			break
 		}
-		if code := sqlState(err); (code != "23505" && code != "42P07") || attempt >= 5 {
+		if code := sqlState(err); (code != "23505" && code != "42P07" && code != "42710") || attempt >= 5 {
 			return nil, fmt.Errorf("postgres migrate: create lock table: %w", err)
 		}
 	}
