@@ -6,7 +6,9 @@
 -- prefixes the key with a computed shard (a hidden crdb_internal column),
 -- so that sequential keys spread over the buckets' ranges; point lookups
 -- by the full key compute the shard and still read one row. Range scans by
--- consumer (usage, admin) fan out over the buckets.
+-- consumer (usage, admin) fan out over the buckets. Needs v22.1+, where a
+-- hash-sharded key can arbitrate ON CONFLICT (consumer, kind, key)
+-- (cockroachdb/cockroach#60829).
 --
 -- A primary key cannot be changed cheaply once the table holds data, so
 -- this file only shapes new clusters: a cluster that ran the base 0001
