@@ -72,3 +72,6 @@ func Row(ctx context.Context, s *Store, op string, p any) (written bool, now tim
 
 // SweepSQL is the sweeper's statement, for the cursor tests.
 var SweepSQL = sweepSQL
+
+// OldestExpirySQL is the sweeper's lag read, for the cursor tests.
+var OldestExpirySQL = oldestExpirySQL

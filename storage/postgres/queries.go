@@ -335,10 +335,12 @@ d AS (
 )
 SELECT c.now, (SELECT count(*) FROM d), (SELECT max(expires_at) FROM d) FROM clock c`
 
-// oldestExpirySQL: $1 clock offset µs.
+// oldestExpirySQL: $1 clock offset µs, $2 the sweep cursor, so that it
+// does not read through the tombstones below it either (sweepSQL).
 const oldestExpirySQL = `
 SELECT min(expires_at), now() + CAST($1 AS BIGINT) * INTERVAL '1 microsecond'
-FROM idemreg_records`
+FROM idemreg_records
+WHERE expires_at >= CAST($2 AS TIMESTAMPTZ)`
 
 // pingSQL is what Ping runs.
 const pingSQL = `SELECT 1`

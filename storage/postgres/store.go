@@ -356,10 +356,14 @@ func (s *Store) SweepExpired(ctx context.Context, limit int) (storage.SweepResul
 }
 
 // OldestExpiry reports the earliest expires_at and the database's clock.
+// It reads from the sweep cursor, as SweepExpired does: below it there are
+// only tombstones, and the rare record written under it (sweep.go), which
+// the next rescan deletes and this does not report meanwhile.
 func (s *Store) OldestExpiry(ctx context.Context) (oldest, now time.Time, ok bool, err error) {
 	var first *time.Time
+	from := s.sweep.from()
 	err = s.run(ctx, "oldest expiry", func(ctx context.Context) error {
-		return s.pool.QueryRow(ctx, oldestExpirySQL, s.offsetMicros()).Scan(&first, &now)
+		return s.pool.QueryRow(ctx, oldestExpirySQL, s.offsetMicros(), from).Scan(&first, &now)
 	})
 	if err != nil {
 		return time.Time{}, time.Time{}, false, err

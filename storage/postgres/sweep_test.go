@@ -20,15 +20,19 @@ import (
 // sweepTracer records the cursor ($3) of every sweep statement the store
 // sends.
 type sweepTracer struct {
-	mu    sync.Mutex
-	froms []time.Time
+	mu      sync.Mutex
+	froms   []time.Time
+	oldests []time.Time // the cursor of each OldestExpiry
 }
 
 func (c *sweepTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	if d.SQL == postgres.SweepSQL {
-		c.mu.Lock()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch d.SQL {
+	case postgres.SweepSQL:
 		c.froms = append(c.froms, d.Args[2].(time.Time))
-		c.mu.Unlock()
+	case postgres.OldestExpirySQL:
+		c.oldests = append(c.oldests, d.Args[1].(time.Time))
 	}
 	return ctx
 }
@@ -119,6 +123,20 @@ func TestSweepStartsAfterCursor(t *testing.T) {
 	res2 := f.sweep(t, 3)
 	require.Zero(t, res2.Deleted)
 	require.True(t, f.tracer.last(t).Equal(res.Now.Add(-postgres.DefaultSweepCursorLag)), "after a short batch the cursor is the horizon minus the lag")
+
+	// The lag read starts at the cursor too.
+	live := f.claim(t, time.Hour)
+	oldest, _, ok, err := f.s.OldestExpiry(t.Context())
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.True(t, oldest.Equal(live))
+	f.sweep(t, 3)
+	cursor := f.tracer.last(t)
+	require.False(t, cursor.IsZero())
+	f.tracer.mu.Lock()
+	read := f.tracer.oldests[len(f.tracer.oldests)-1]
+	f.tracer.mu.Unlock()
+	require.True(t, read.Equal(cursor), "OldestExpiry reads from the cursor the next batch starts at")
 
 	// The statement's lower bound is an index condition, not a filter
 	// applied after a scan from the oldest expiry.
