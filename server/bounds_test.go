@@ -474,6 +474,7 @@ identities:
 	locker, err := pgx.Connect(t.Context(), dbURL)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = locker.Close(context.Background()) })
+	pgtest.RequirePostgreSQL(t, dbURL, "it takes LOCK TABLE and watches pg_stat_activity's lock waits")
 	admin, err := pgx.Connect(t.Context(), dbURL)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = admin.Close(context.Background()) })

@@ -106,6 +106,7 @@ func TestIdentityRateLimitRules(t *testing.T) {
 // calls still run.
 func TestInFlightShareIsolatesIdentities(t *testing.T) {
 	db := pgtest.NewDatabase(t)
+	pgtest.RequirePostgreSQL(t, db, "it watches pg_stat_activity's lock waits")
 	store, err := postgres.Open(t.Context(), db+"&pool_max_conns=16")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })

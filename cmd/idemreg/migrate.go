@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 
 	"github.com/idemreg/idemreg/storage/postgres"
 )
@@ -15,6 +16,8 @@ func migrate(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs := flag.NewFlagSet("idemreg migrate", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cfg.bind(fs, false)
+	ttl := fs.Bool("cockroach-ttl", os.Getenv("IDEMREG_COCKROACH_TTL") == "true",
+		"CockroachDB only: let the cluster's row-level TTL delete expired records and drop the expires_at index; nothing may sweep the database after it (env IDEMREG_COCKROACH_TTL=true)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -24,7 +27,11 @@ func migrate(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	if err := postgres.Migrate(ctx, cfg.DatabaseURL); err != nil {
+	var opts []postgres.MigrateOption
+	if *ttl {
+		opts = append(opts, postgres.WithRowLevelTTL())
+	}
+	if err := postgres.Migrate(ctx, cfg.DatabaseURL, opts...); err != nil {
 		return fmt.Errorf("migrating %s: %w", postgres.Redact(cfg.DatabaseURL), err)
 	}
 	fmt.Fprintln(stdout, "schema is up to date:", postgres.Redact(cfg.DatabaseURL))

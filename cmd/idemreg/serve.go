@@ -149,6 +149,12 @@ func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger 
 		logger.Info("sweeper off", "sweep_interval", cfg.SweepInterval, "store_can_sweep", ok)
 		return func() {}, nil
 	}
+	if ttl, err := rowLevelTTL(ctx, store); err != nil {
+		return nil, fmt.Errorf("sweeper: %w", err)
+	} else if ttl {
+		logger.Info("sweeper off: CockroachDB's row-level TTL deletes expired records (idemreg migrate --cockroach-ttl)", "sweep_interval", cfg.SweepInterval)
+		return func() {}, nil
+	}
 	sweeper, err := retention.New(sw, cfg.sweeper(logger.With("component", "sweeper")))
 	if err != nil {
 		return nil, err
@@ -158,6 +164,20 @@ func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger 
 	done := make(chan struct{})
 	go func() { defer close(done); sweeper.Run(ctx) }()
 	return func() { cancel(); <-done }, nil
+}
+
+// rowLevelTTL reports whether store's database deletes expired records
+// itself (postgres.Store.RowLevelTTL), so that nothing may sweep it.
+func rowLevelTTL(ctx context.Context, store storage.Store) (bool, error) {
+	s, ok := store.(interface {
+		RowLevelTTL(context.Context) (bool, error)
+	})
+	if !ok {
+		return false, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
+	defer cancel()
+	return s.RowLevelTTL(ctx)
 }
 
 // openStore opens the SQL store when a database URL is given, the embedded

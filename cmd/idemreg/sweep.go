@@ -76,6 +76,11 @@ func sweep(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return failed("the store does not answer: %w", err)
 	}
+	if ttl, err := rowLevelTTL(ctx, store); err != nil {
+		return failed("%w", err)
+	} else if ttl {
+		return failed("this database deletes expired records with CockroachDB's row-level TTL (idemreg migrate --cockroach-ttl), and has no expires_at index to sweep by")
+	}
 
 	sweeper, err := retention.New(sw, cfg.sweeper(logger))
 	if err != nil {

@@ -312,3 +312,32 @@ func TestSweepAndPolicyConfigErrors(t *testing.T) {
 		})
 	}
 }
+
+// TestSweepRowLevelTTL: on a database migrated with --cockroach-ttl (faked
+// here in the bookkeeping: PostgreSQL has no row-level TTL, and migrate
+// refuses the flag there), `idemreg sweep` refuses and serve does not start
+// its sweeper.
+func TestSweepRowLevelTTL(t *testing.T) {
+	bin := buildBinary(t)
+	dbURL := pgtest.NewDatabase(t)
+	out, err := exec.CommandContext(t.Context(), bin, "migrate", "--database-url", dbURL, "--cockroach-ttl").CombinedOutput()
+	require.Error(t, err)
+	require.Contains(t, string(out), "row-level TTL needs CockroachDB")
+
+	conn, err := pgx.Connect(t.Context(), dbURL)
+	require.NoError(t, err)
+	_, err = conn.Exec(t.Context(), `INSERT INTO idemreg_schema_migrations (name, variant) VALUES ('ttl_0001_row_level_ttl.sql', 'cockroach-ttl')`)
+	require.NoError(t, err)
+	require.NoError(t, conn.Close(t.Context()))
+
+	_, stderr, code := runSweep(t, bin, []string{"IDEMREG_DATABASE_URL=" + dbURL})
+	require.Equal(t, exitSweepFailed, code)
+	require.Contains(t, stderr, "row-level TTL")
+
+	p := startServe(t, bin, t.TempDir(), nil, "--database-url", dbURL, "--sweep-interval", "100ms")
+	p.waitLog(t, "sweeper off: CockroachDB's row-level TTL deletes expired records (idemreg migrate --cockroach-ttl)")
+	p.waitLog(t, "serving")
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
+	p.waitLog(t, "stopped")
+	require.NoError(t, p.cmd.Wait())
+}

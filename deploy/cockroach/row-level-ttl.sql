@@ -1,7 +1,9 @@
 -- Opt-in, CockroachDB only: let the cluster delete expired records itself
 -- with row-level TTL, in place of `idemreg sweep` and serve's sweeper.
--- docs/retention.md says when to prefer it. Not applied by `idemreg migrate`:
--- run it by hand after migrating, then turn the sweepers off
+-- docs/retention.md says when to prefer it. `idemreg migrate --cockroach-ttl`
+-- applies the same settings, drops the expires_at index and marks the
+-- database so that serve and sweep do not sweep it; this file is for a
+-- hand-run that keeps the index: turn the sweepers off yourself
 -- (--sweep-interval=0 on serve, no sweep CronJob).
 --
 -- The TTL job deletes rows whose expires_at has passed by the cluster's

@@ -134,19 +134,25 @@
 //
 // The SQL is the subset both databases accept (BIGINT, no sequences,
 // triggers, functions, UPSERT or xmax tricks); CockroachDB-only DDL lives in
-// migrations/cockroach and replaces the base file of the same name there,
-// such as the hash-sharded index on expires_at, which would otherwise be a
-// write hotspot. Each call is a single-statement implicit transaction on
-// one row, the shape CockroachDB can commit in one round trip (1PC). Two
-// things may keep it from the one-phase fast path, and neither has been
-// measured, since no cluster runs here: a write also updates the row's
-// expires_at index entry, usually in another range (it then takes a
-// parallel commit, still without a client round trip), and the mutation
-// sits in a CTE rather than at the root of the plan. Answers are
+// migrations/cockroach and replaces the base file of the same name there:
+// the hash-sharded primary key (sequential keys within a consumer would
+// otherwise append to one range) and the hash-sharded index on expires_at,
+// which would otherwise be a write hotspot. Each call is one statement
+// from the client, but not a one-phase commit there: CockroachDB commits
+// in one phase only a mutation at the root of the plan whose writes sit in
+// one range, and here the mutation sits in a CTE and a write also updates
+// the row's expires_at index entry, usually in another range. Each write is
+// then a distributed (parallel) commit with intents to resolve, and readers
+// of the key wait on them. The row-level TTL variant (WithRowLevelTTL)
+// drops that index, so a write touches one range. docs/cockroachdb.md has
+// the cost model and what to measure on a cluster. Answers are
 // kept small because CockroachDB retries an implicit transaction
 // server-side only while its result is buffered (16 KiB by default): a
 // written Complete does not send the result back, and only replays and
-// repeated Completes carry one. Larger answers that conflict are retried by
-// the client loop above. The conformance suite runs against a cluster when
+// repeated Completes carry one. Larger answers that conflict get 40001 at
+// the client and are retried by the loop above (batches split first). The
+// sweeper starts its scans at a cursor (sweep.go) so that it does not read
+// again the tombstones CockroachDB keeps for gc.ttlseconds. The
+// conformance suite runs against a cluster when
 // IDEMREG_TEST_COCKROACH_URL is set.
 package postgres

@@ -74,9 +74,15 @@ func Row(ctx context.Context, s *Store, op string, p any) (written bool, now tim
 
 // MigrationCount is how many migrations Migrate applies on PostgreSQL.
 func MigrationCount() int {
-	all, err := migrations(false)
+	all, err := migrations(false, false)
 	if err != nil {
 		panic(err)
 	}
 	return len(all)
 }
+
+// SweepSQL is the sweeper's statement, for the cursor tests.
+var SweepSQL = sweepSQL
+
+// OldestExpirySQL is the sweeper's lag read, for the cursor tests.
+var OldestExpirySQL = oldestExpirySQL

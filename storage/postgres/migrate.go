@@ -19,10 +19,32 @@ import (
 // migrationFiles holds the schema. migrations/*.sql run on both databases;
 // migrations/cockroach/*.sql is laid over them on CockroachDB only, by file
 // name: a file there replaces the base file of the same name (the
-// hash-sharded expiry index) or adds one.
+// hash-sharded primary key and expiry index) or adds one.
+// migrations/cockroach-ttl/*.sql is added on CockroachDB when asked for
+// (WithRowLevelTTL); its names start with ttl_ so that they sort after, and
+// never replace, a base file.
 //
-//go:embed migrations/*.sql migrations/cockroach/*.sql
+//go:embed migrations/*.sql migrations/cockroach/*.sql migrations/cockroach-ttl/*.sql
 var migrationFiles embed.FS
+
+// VariantRowLevelTTL is the bookkeeping variant of the row-level TTL
+// migrations: a store whose database has one applied must not be swept
+// (RowLevelTTL).
+const VariantRowLevelTTL = "cockroach-ttl"
+
+// MigrateOption configures Migrate.
+type MigrateOption func(*migrateOptions)
+
+type migrateOptions struct{ rowLevelTTL bool }
+
+// WithRowLevelTTL applies the row-level TTL variant on CockroachDB: the
+// cluster deletes expired records itself and the expires_at index is
+// dropped, so the sweeper must not run against that database. Migrate
+// refuses it on PostgreSQL. Once applied it stays: running Migrate without
+// it later does not undo it (migrations/cockroach-ttl says how).
+func WithRowLevelTTL() MigrateOption {
+	return func(o *migrateOptions) { o.rowLevelTTL = true }
+}
 
 const createMigrationsTable = `
 CREATE TABLE IF NOT EXISTS idemreg_schema_migrations (
@@ -53,7 +75,11 @@ type migration struct {
 // run that dies holding the row leaves it to expire after MigrationLockTTL.
 // The session is SERIALIZABLE whatever the role's default: CockroachDB
 // refuses DDL in an explicit transaction at READ COMMITTED.
-func Migrate(ctx context.Context, databaseURL string) error {
+func Migrate(ctx context.Context, databaseURL string, opts ...MigrateOption) error {
+	var o migrateOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
 	conn, err := pgx.Connect(ctx, databaseURL)
 	if err != nil {
 		return fmt.Errorf("postgres migrate: connect: %w", withoutSecrets(err, databaseURL))
@@ -72,7 +98,11 @@ func Migrate(ctx context.Context, databaseURL string) error {
 	if err := conn.QueryRow(ctx, `SELECT version()`).Scan(&version); err != nil {
 		return fmt.Errorf("postgres migrate: read server version: %w", err)
 	}
-	all, err := migrations(strings.Contains(version, "CockroachDB"))
+	cockroach := strings.Contains(version, "CockroachDB")
+	if o.rowLevelTTL && !cockroach {
+		return errors.New("postgres migrate: row-level TTL needs CockroachDB; this database is not (sweep it with idemreg sweep or serve --sweep-interval)")
+	}
+	all, err := migrations(cockroach, o.rowLevelTTL)
 	if err != nil {
 		return err
 	}
@@ -111,12 +141,17 @@ func Migrate(ctx context.Context, databaseURL string) error {
 }
 
 // migrations lists the migrations to apply in order, with the CockroachDB
-// overlay laid over the base set when cockroach is true.
-func migrations(cockroach bool) ([]migration, error) {
+// overlay laid over the base set when cockroach is true, and the row-level
+// TTL files added when ttl is too.
+func migrations(cockroach, ttl bool) ([]migration, error) {
 	byName := map[string]migration{}
-	dirs := []struct{ dir, variant string }{{"migrations", "base"}}
+	type dir struct{ dir, variant string }
+	dirs := []dir{{"migrations", "base"}}
 	if cockroach {
-		dirs = append(dirs, struct{ dir, variant string }{"migrations/cockroach", "cockroach"})
+		dirs = append(dirs, dir{"migrations/cockroach", "cockroach"})
+		if ttl {
+			dirs = append(dirs, dir{"migrations/cockroach-ttl", VariantRowLevelTTL})
+		}
 	}
 	for _, d := range dirs {
 		entries, err := fs.ReadDir(migrationFiles, d.dir)
@@ -169,14 +204,13 @@ var lockWait = 100 * time.Millisecond
 // that releases it.
 func lockMigrations(ctx context.Context, conn *pgx.Conn) (unlock func(), err error) {
 	// Concurrent first runs race on creating the table itself:
-	// PostgreSQL's catalog may refuse the loser of IF NOT EXISTS.
+	// PostgreSQL's catalog may refuse the loser of IF NOT EXISTS, on the
+	// table's name (23505, 42P07) or on its row type's (42710).
 	for attempt := 0; ; attempt++ {
 		_, err = conn.Exec(ctx, createLockTable)
 		if err == nil {
 			break
 		}
-		// 23505 (the catalog's unique index), 42P07 (duplicate table) or
-		// 42710 (duplicate type): another run created it meanwhile.
 		if code := sqlState(err); (code != "23505" && code != "42P07" && code != "42710") || attempt >= 5 {
 			return nil, fmt.Errorf("postgres migrate: create lock table: %w", err)
 		}
@@ -209,4 +243,20 @@ func lockMigrations(ctx context.Context, conn *pgx.Conn) (unlock func(), err err
 func lockHolder() string {
 	host, _ := os.Hostname()
 	return fmt.Sprintf("%s/%d/%s", host, os.Getpid(), rand.Text()[:8])
+}
+
+// RowLevelTTL reports whether the database was migrated with
+// WithRowLevelTTL: CockroachDB's TTL job deletes its expired records and the
+// expires_at index is gone, so a sweeper must not run against it (its scan
+// would read the whole table). False on a database never migrated.
+func (s *Store) RowLevelTTL(ctx context.Context) (bool, error) {
+	var ttl bool
+	err := s.run(ctx, "row-level ttl", func(ctx context.Context) error {
+		return s.pool.QueryRow(ctx,
+			`SELECT EXISTS (SELECT 1 FROM idemreg_schema_migrations WHERE variant = $1)`, VariantRowLevelTTL).Scan(&ttl)
+	})
+	if sqlState(err) == "42P01" {
+		return false, nil
+	}
+	return ttl, err
 }

@@ -69,3 +69,41 @@ func TestMigrateWaitsForTheLock(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, postgres.Migrate(t.Context(), db))
 }
+
+// TestRowLevelTTLOnPostgreSQL: Migrate refuses the row-level TTL variant on
+// PostgreSQL and leaves the base schema as it is; RowLevelTTL reports the
+// variant from the bookkeeping, which is what serve and sweep consult.
+func TestRowLevelTTLOnPostgreSQL(t *testing.T) {
+	db := pgtest.NewEmptyDatabase(t)
+	err := postgres.Migrate(t.Context(), db, postgres.WithRowLevelTTL())
+	require.ErrorContains(t, err, "row-level TTL needs CockroachDB")
+	require.NoError(t, postgres.Migrate(t.Context(), db))
+
+	conn, err := pgx.Connect(t.Context(), db)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	var variants []string
+	rows, err := conn.Query(t.Context(), `SELECT DISTINCT variant FROM idemreg_schema_migrations`)
+	require.NoError(t, err)
+	variants, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"base"}, variants)
+	var indexed bool
+	require.NoError(t, conn.QueryRow(t.Context(), `SELECT EXISTS (SELECT 1 FROM pg_indexes WHERE indexname = 'idemreg_records_expires_at')`).Scan(&indexed))
+	require.True(t, indexed, "PostgreSQL keeps the expires_at index")
+
+	s := openStore(t, db)
+	ttl, err := s.RowLevelTTL(t.Context())
+	require.NoError(t, err)
+	require.False(t, ttl)
+	_, err = conn.Exec(t.Context(), `INSERT INTO idemreg_schema_migrations (name, variant) VALUES ('ttl_0001_row_level_ttl.sql', $1)`, postgres.VariantRowLevelTTL)
+	require.NoError(t, err)
+	ttl, err = s.RowLevelTTL(t.Context())
+	require.NoError(t, err)
+	require.True(t, ttl)
+
+	never := openStore(t, pgtest.NewEmptyDatabase(t))
+	ttl, err = never.RowLevelTTL(t.Context())
+	require.NoError(t, err)
+	require.False(t, ttl, "a database never migrated has no TTL")
+}

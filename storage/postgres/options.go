@@ -34,6 +34,8 @@ type options struct {
 	batchSize     int
 	batchWindow   time.Duration
 	batchInFlight int
+
+	sweepCursorLag, sweepRescanEvery time.Duration
 }
 
 func defaultOptions() options {
@@ -43,6 +45,9 @@ func defaultOptions() options {
 		logger:      slog.Default(),
 		batchSize:   DefaultBatchSize,
 		batchWindow: DefaultBatchWindow,
+
+		sweepCursorLag:   DefaultSweepCursorLag,
+		sweepRescanEvery: DefaultSweepRescanEvery,
 	}
 }
 
@@ -51,6 +56,16 @@ func defaultOptions() options {
 // offset is applied in microseconds, the database's precision.
 func WithClockOffset(offset func() time.Duration) Option {
 	return func(o *options) { o.clockOffset = offset }
+}
+
+// WithSweepCursor sets how SweepExpired's cursor is bounded (sweep.go):
+// it stays at least lag behind the horizon of the batch that moved it
+// (default DefaultSweepCursorLag), and a batch starts from the oldest expiry
+// again once rescanEvery has passed by database time since the last one
+// that did (default DefaultSweepRescanEvery). A rescanEvery of zero or less
+// turns the cursor off: every batch scans from the oldest expiry.
+func WithSweepCursor(lag, rescanEvery time.Duration) Option {
+	return func(o *options) { o.sweepCursorLag, o.sweepRescanEvery = max(lag, 0), rescanEvery }
 }
 
 // WithMaxRetries sets how many times a statement is retried after a

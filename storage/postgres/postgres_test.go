@@ -456,13 +456,20 @@ func blockSlot(t *testing.T, s *postgres.Store, databaseURL string, claims bool)
 }
 
 // waitForLockWaiters waits until n sessions of the database wait on a
-// lock.
+// lock: PostgreSQL reports them in pg_stat_activity, CockroachDB in
+// crdb_internal.cluster_locks (the documented table of its lock table's
+// holders and waiters; not run here, as no cluster is).
 func waitForLockWaiters(t *testing.T, watch *pgx.Conn, n int) {
 	t.Helper()
+	query := `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock'`
+	if isCockroach(t, watch.Config().ConnString()) {
+		query = `SELECT count(*) FROM crdb_internal.cluster_locks
+			WHERE database_name = current_database() AND NOT granted`
+	}
 	require.Eventually(t, func() bool {
 		var waiting int
-		err := watch.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
-			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
+		err := watch.QueryRow(t.Context(), query).Scan(&waiting)
 		return err == nil && waiting == n
 	}, 10*time.Second, time.Millisecond, "%d sessions wait on a lock", n)
 }
@@ -657,9 +664,7 @@ func expectOutcome(res storage.ClaimResult, err error, want storage.Outcome) err
 // flush).
 func TestClaimWritesOnlyWhenItMust(t *testing.T) {
 	databaseURL := pgtest.NewDatabase(t)
-	if isCockroach(t, databaseURL) {
-		t.Skip("asks PostgreSQL for pg_current_xact_id_if_assigned()")
-	}
+	pgtest.RequirePostgreSQL(t, databaseURL, "it asks pg_current_xact_id_if_assigned() whether a transaction wrote")
 	conn, err := pgx.Connect(t.Context(), databaseURL)
 	require.NoError(t, err)
 	defer conn.Close(context.Background())

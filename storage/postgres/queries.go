@@ -350,11 +350,16 @@ SELECT false, c.now, ` + recordColumnsOf("r") + `
 FROM idemreg_records r CROSS JOIN clock c
 WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3`
 
-// sweepSQL: $1 limit, $2 clock offset µs. The outer expiry predicate repeats
-// the inner one so that a record re-claimed after the inner select read it
-// is kept (the DELETE re-checks it on the row's latest version at READ
-// COMMITTED; at SERIALIZABLE such a race aborts with 40001 and is retried).
-// Expired is !Live: expires_at <= now.
+// sweepSQL: $1 limit, $2 clock offset µs, $3 the sweep cursor (a lower
+// bound on expires_at, inclusive: records sharing the last deleted expiry
+// may be left by the LIMIT). The outer expiry predicate repeats the inner
+// one so that a record re-claimed after the inner select read it is kept
+// (the DELETE re-checks it on the row's latest version at READ COMMITTED;
+// at SERIALIZABLE such a race aborts with 40001 and is retried). Expired is
+// !Live: expires_at <= now. It returns the latest expiry it deleted, from
+// which the store moves its cursor (sweepCursor in store.go): the index
+// scan then starts there rather than at the rows deleted before, which
+// CockroachDB keeps as MVCC garbage for gc.ttlseconds and scans again.
 const sweepSQL = `
 WITH clock AS (
     SELECT now() + CAST($2 AS BIGINT) * INTERVAL '1 microsecond' AS now
@@ -363,18 +368,21 @@ d AS (
     DELETE FROM idemreg_records
     WHERE (consumer, kind, key) IN (
             SELECT consumer, kind, key FROM idemreg_records
-            WHERE expires_at <= (SELECT now FROM clock)
+            WHERE expires_at >= CAST($3 AS TIMESTAMPTZ)
+              AND expires_at <= (SELECT now FROM clock)
             ORDER BY expires_at
             LIMIT $1)
       AND expires_at <= (SELECT now FROM clock)
-    RETURNING 1
+    RETURNING expires_at
 )
-SELECT c.now, (SELECT count(*) FROM d) FROM clock c`
+SELECT c.now, (SELECT count(*) FROM d), (SELECT max(expires_at) FROM d) FROM clock c`
 
-// oldestExpirySQL: $1 clock offset µs.
+// oldestExpirySQL: $1 clock offset µs, $2 the sweep cursor, so that it
+// does not read through the tombstones below it either (sweepSQL).
 const oldestExpirySQL = `
 SELECT min(expires_at), now() + CAST($1 AS BIGINT) * INTERVAL '1 microsecond'
-FROM idemreg_records`
+FROM idemreg_records
+WHERE expires_at >= CAST($2 AS TIMESTAMPTZ)`
 
 // pingSQL is what Ping runs.
 const pingSQL = `SELECT 1`

@@ -33,6 +33,9 @@ type Store struct {
 	coalescer *coalescer
 	claims    *batcher[storage.ClaimParams, storage.ClaimResult]
 	completes *batcher[storage.CompleteParams, storage.Record]
+
+	// sweep is where SweepExpired's index scan starts (sweep.go).
+	sweep sweepCursor
 }
 
 var (
@@ -85,7 +88,8 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if err != nil {
 		return nil, fmt.Errorf("postgres: open pool: %w", withoutSecrets(err, databaseURL))
 	}
-	s := &Store{pool: pool, clockOffset: o.clockOffset, maxRetries: o.maxRetries, logger: o.logger}
+	s := &Store{pool: pool, clockOffset: o.clockOffset, maxRetries: o.maxRetries, logger: o.logger,
+		sweep: sweepCursor{lag: o.sweepCursorLag, rescanEvery: o.sweepRescanEvery}}
 	limit := o.batchInFlight
 	if limit <= 0 {
 		limit = DefaultBatchInFlight
@@ -332,7 +336,9 @@ func (s *Store) Lookup(ctx context.Context, k storage.Key) (storage.Record, erro
 }
 
 // SweepExpired deletes at most limit expired records, oldest expiry first,
-// in one statement.
+// in one statement. Its scan starts at the store's sweep cursor rather than
+// at the oldest expiry (sweepCursor in sweep.go says why that is safe, and
+// how it is bounded).
 func (s *Store) SweepExpired(ctx context.Context, limit int) (storage.SweepResult, error) {
 	if limit < 0 {
 		return storage.SweepResult{}, fmt.Errorf("postgres sweep: negative limit %d", limit)
@@ -340,23 +346,36 @@ func (s *Store) SweepExpired(ctx context.Context, limit int) (storage.SweepResul
 	var (
 		res     storage.SweepResult
 		deleted int64
+		latest  *time.Time
 	)
+	from := s.sweep.from()
 	err := s.run(ctx, "sweep", func(ctx context.Context) error {
-		return s.pool.QueryRow(ctx, sweepSQL, int64(limit), s.offsetMicros()).Scan(&res.Now, &deleted)
+		return s.pool.QueryRow(ctx, sweepSQL, int64(limit), s.offsetMicros(), from).Scan(&res.Now, &deleted, &latest)
 	})
 	if err != nil {
 		return storage.SweepResult{}, err
 	}
 	res.Deleted = int(deleted)
 	res.Now = res.Now.UTC()
+	if limit > 0 {
+		var last time.Time
+		if latest != nil {
+			last = latest.UTC()
+		}
+		s.sweep.moved(from, res.Now, last, res.Deleted < limit)
+	}
 	return res, nil
 }
 
 // OldestExpiry reports the earliest expires_at and the database's clock.
+// It reads from the sweep cursor, as SweepExpired does: below it there are
+// only tombstones, and the rare record written under it (sweep.go), which
+// the next rescan deletes and this does not report meanwhile.
 func (s *Store) OldestExpiry(ctx context.Context) (oldest, now time.Time, ok bool, err error) {
 	var first *time.Time
+	from := s.sweep.from()
 	err = s.run(ctx, "oldest expiry", func(ctx context.Context) error {
-		return s.pool.QueryRow(ctx, oldestExpirySQL, s.offsetMicros()).Scan(&first, &now)
+		return s.pool.QueryRow(ctx, oldestExpirySQL, s.offsetMicros(), from).Scan(&first, &now)
 	})
 	if err != nil {
 		return time.Time{}, time.Time{}, false, err

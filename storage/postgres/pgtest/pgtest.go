@@ -128,3 +128,23 @@ func randomSuffix(t testing.TB) string {
 	}
 	return hex.EncodeToString(b)
 }
+
+// RequirePostgreSQL skips a test that relies on PostgreSQL's catalogs,
+// functions or locking (pg_stat_activity, pg_current_xact_id_if_assigned,
+// LOCK TABLE) when databaseURL is CockroachDB, saying which and why: the
+// suites run against a cluster through the same URLs (docs/cockroachdb.md).
+func RequirePostgreSQL(t testing.TB, databaseURL, why string) {
+	t.Helper()
+	conn, err := pgx.Connect(t.Context(), databaseURL)
+	if err != nil {
+		t.Fatalf("pgtest: connect: %v", err)
+	}
+	defer conn.Close(context.Background())
+	var version string
+	if err := conn.QueryRow(t.Context(), `SELECT version()`).Scan(&version); err != nil {
+		t.Fatalf("pgtest: read the server version: %v", err)
+	}
+	if strings.Contains(version, "CockroachDB") {
+		t.Skipf("PostgreSQL only, skipped on CockroachDB: %s", why)
+	}
+}
