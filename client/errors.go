@@ -11,51 +11,53 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
 // ErrorDomain is the google.rpc.ErrorInfo domain of every idemreg error,
 // the registry's and the interceptors'.
-const ErrorDomain = "idemreg"
+const ErrorDomain = idemregv1.ErrorDomain
 
 // Reasons carried in ErrorInfo.Reason. The registry's are documented in
 // docs/semantics.md and the proto; the interceptors add their own.
 const (
-	ReasonInvalidArgument     = "INVALID_ARGUMENT"
-	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
-	ReasonLeaseLost           = "LEASE_LOST"
-	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
+	ReasonInvalidArgument     = idemregv1.ReasonInvalidArgument
+	ReasonFingerprintMismatch = idemregv1.ReasonFingerprintMismatch
+	ReasonLeaseLost           = idemregv1.ReasonLeaseLost
+	ReasonAlreadyCompleted    = idemregv1.ReasonAlreadyCompleted
 	// ReasonParked (code FAILED_PRECONDITION): Complete, Release or Extend
 	// of a parked record. Once and the interceptors also answer it, as a
 	// *ParkedError, for a Claim that answered OutcomeParked.
-	ReasonParked = "PARKED"
+	ReasonParked = idemregv1.ReasonParked
 	// ReasonLeaseTotalExceeded (code FAILED_PRECONDITION): an Extend would
 	// hold the key past the consumer's max_lease_total since the attempt
 	// began; the metadata's lease_not_after is the latest a lease may end.
-	ReasonLeaseTotalExceeded = "LEASE_TOTAL_EXCEEDED"
+	ReasonLeaseTotalExceeded = idemregv1.ReasonLeaseTotalExceeded
 	// ReasonQuotaExceeded (code RESOURCE_EXHAUSTED, with QuotaFailure): a
 	// Claim of a new key for a consumer at its max_records or max_bytes;
 	// Claims of its live keys still work.
-	ReasonQuotaExceeded    = "QUOTA_EXCEEDED"
-	ReasonNotFound         = "NOT_FOUND"
-	ReasonStoreUnavailable = "STORE_UNAVAILABLE"
-	ReasonDeadlineExceeded = "DEADLINE_EXCEEDED"
-	ReasonCanceled         = "CANCELED"
-	ReasonInternal         = "INTERNAL"
-	ReasonUnauthenticated  = "UNAUTHENTICATED"
-	ReasonPermissionDenied = "PERMISSION_DENIED"
+	ReasonQuotaExceeded    = idemregv1.ReasonQuotaExceeded
+	ReasonNotFound         = idemregv1.ReasonNotFound
+	ReasonStoreUnavailable = idemregv1.ReasonStoreUnavailable
+	ReasonDeadlineExceeded = idemregv1.ReasonDeadlineExceeded
+	ReasonCanceled         = idemregv1.ReasonCanceled
+	ReasonInternal         = idemregv1.ReasonInternal
+	ReasonUnauthenticated  = idemregv1.ReasonUnauthenticated
+	ReasonPermissionDenied = idemregv1.ReasonPermissionDenied
 	// ReasonRateLimited (code RESOURCE_EXHAUSTED, with QuotaFailure and
 	// RetryInfo): the consumer's or the identity's rate limit was reached.
-	ReasonRateLimited = "RATE_LIMITED"
+	ReasonRateLimited = idemregv1.ReasonRateLimited
 	// ReasonTooManyCalls (code RESOURCE_EXHAUSTED, with QuotaFailure and
 	// RetryInfo): the caller's identity has as many calls in progress as
 	// the registry allows one identity; it matches ErrRateLimited.
-	ReasonTooManyCalls = "TOO_MANY_CALLS"
+	ReasonTooManyCalls = idemregv1.ReasonTooManyCalls
 	// ReasonOverloaded (code UNAVAILABLE, with RetryInfo): the registry has
 	// too many store operations in flight; it returns an *UnavailableError.
-	ReasonOverloaded = "OVERLOADED"
+	ReasonOverloaded = idemregv1.ReasonOverloaded
 	// ReasonMalformedRequest (code INVALID_ARGUMENT): the request did not
 	// decode as its protobuf message; it returns ErrInvalidArgument.
-	ReasonMalformedRequest = "MALFORMED_REQUEST"
+	ReasonMalformedRequest = idemregv1.ReasonMalformedRequest
 
 	// ReasonInProgress (code ABORTED, with RetryInfo) is the interceptors'
 	// answer to a duplicate that arrives while the first call still runs.

@@ -8,7 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/server"
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
 // TestImports keeps package client light: a service that adds the
@@ -79,30 +79,11 @@ func goList(t *testing.T, format, pkg string) []string {
 	return strings.Fields(string(out))
 }
 
-// TestReasonsMatchServer keeps the client's copy of the registry's
-// ErrorInfo reasons in step with the server's.
-func TestReasonsMatchServer(t *testing.T) {
-	require.Equal(t, server.ErrorDomain, client.ErrorDomain)
-	for got, want := range map[string]string{
-		client.ReasonInvalidArgument:     server.ReasonInvalidArgument,
-		client.ReasonMalformedRequest:    server.ReasonMalformedRequest,
-		client.ReasonFingerprintMismatch: server.ReasonFingerprintMismatch,
-		client.ReasonLeaseLost:           server.ReasonLeaseLost,
-		client.ReasonAlreadyCompleted:    server.ReasonAlreadyCompleted,
-		client.ReasonParked:              server.ReasonParked,
-		client.ReasonNotFound:            server.ReasonNotFound,
-		client.ReasonStoreUnavailable:    server.ReasonStoreUnavailable,
-		client.ReasonDeadlineExceeded:    server.ReasonDeadlineExceeded,
-		client.ReasonCanceled:            server.ReasonCanceled,
-		client.ReasonInternal:            server.ReasonInternal,
-		client.ReasonUnauthenticated:     server.ReasonUnauthenticated,
-		client.ReasonPermissionDenied:    server.ReasonPermissionDenied,
-		client.ReasonRateLimited:         server.ReasonRateLimited,
-		client.ReasonOverloaded:          server.ReasonOverloaded,
-		client.ReasonTooManyCalls:        server.ReasonTooManyCalls,
-		client.ReasonQuotaExceeded:       server.ReasonQuotaExceeded,
-		client.ReasonLeaseTotalExceeded:  server.ReasonLeaseTotalExceeded,
-	} {
-		require.Equal(t, want, got)
+// TestInterceptorReasonsAreTheirOwn: the reasons only the interceptors
+// answer with never collide with a registry reason (declared once, in the
+// API package), so that a caller can tell who refused.
+func TestInterceptorReasonsAreTheirOwn(t *testing.T) {
+	for _, own := range []string{client.ReasonInProgress, client.ReasonMissingKey, client.ReasonRegistryUnavailable} {
+		require.NotContains(t, idemregv1.Reasons, own)
 	}
 }

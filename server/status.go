@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -31,36 +32,36 @@ func (e *leaseTotalExceeded) Error() string { return storage.ErrLeaseTotalExceed
 func (e *leaseTotalExceeded) Unwrap() error { return storage.ErrLeaseTotalExceeded }
 
 // ErrorDomain is the ErrorInfo domain of every idemreg error.
-const ErrorDomain = "idemreg"
+const ErrorDomain = idemregv1.ErrorDomain
 
 // Reasons carried in ErrorInfo.Reason; the proto documents each.
 const (
-	ReasonInvalidArgument     = "INVALID_ARGUMENT"
-	ReasonFingerprintMismatch = "FINGERPRINT_MISMATCH"
-	ReasonLeaseLost           = "LEASE_LOST"
-	ReasonAlreadyCompleted    = "ALREADY_COMPLETED"
+	ReasonInvalidArgument     = idemregv1.ReasonInvalidArgument
+	ReasonFingerprintMismatch = idemregv1.ReasonFingerprintMismatch
+	ReasonLeaseLost           = idemregv1.ReasonLeaseLost
+	ReasonAlreadyCompleted    = idemregv1.ReasonAlreadyCompleted
 	// PARKED (code FAILED_PRECONDITION): Complete, Release or Extend of a
 	// parked record.
-	ReasonParked             = "PARKED"
-	ReasonLeaseTotalExceeded = "LEASE_TOTAL_EXCEEDED"
+	ReasonParked             = idemregv1.ReasonParked
+	ReasonLeaseTotalExceeded = idemregv1.ReasonLeaseTotalExceeded
 	// QUOTA_EXCEEDED (code RESOURCE_EXHAUSTED, with QuotaFailure): a Claim
 	// of a new key for a consumer at its max_records or max_bytes (quota.go).
-	ReasonQuotaExceeded    = "QUOTA_EXCEEDED"
-	ReasonNotFound         = "NOT_FOUND"
-	ReasonStoreUnavailable = "STORE_UNAVAILABLE"
-	ReasonDeadlineExceeded = "DEADLINE_EXCEEDED"
-	ReasonCanceled         = "CANCELED"
-	ReasonInternal         = "INTERNAL"
+	ReasonQuotaExceeded    = idemregv1.ReasonQuotaExceeded
+	ReasonNotFound         = idemregv1.ReasonNotFound
+	ReasonStoreUnavailable = idemregv1.ReasonStoreUnavailable
+	ReasonDeadlineExceeded = idemregv1.ReasonDeadlineExceeded
+	ReasonCanceled         = idemregv1.ReasonCanceled
+	ReasonInternal         = idemregv1.ReasonInternal
 	// The middleware's own answers (auth.go, deadline.go, observe.go,
 	// bounds.go); MALFORMED_REQUEST (code INVALID_ARGUMENT): the request is
 	// not a valid protobuf encoding of its message (codec.go).
-	ReasonUnauthenticated  = "UNAUTHENTICATED"
-	ReasonPermissionDenied = "PERMISSION_DENIED"
-	ReasonRateLimited      = "RATE_LIMITED"
-	ReasonOverloaded       = "OVERLOADED"
-	ReasonTooManyStreams   = "TOO_MANY_STREAMS"
-	ReasonTooManyCalls     = "TOO_MANY_CALLS"
-	ReasonMalformedRequest = "MALFORMED_REQUEST"
+	ReasonUnauthenticated  = idemregv1.ReasonUnauthenticated
+	ReasonPermissionDenied = idemregv1.ReasonPermissionDenied
+	ReasonRateLimited      = idemregv1.ReasonRateLimited
+	ReasonOverloaded       = idemregv1.ReasonOverloaded
+	ReasonTooManyStreams   = idemregv1.ReasonTooManyStreams
+	ReasonTooManyCalls     = idemregv1.ReasonTooManyCalls
+	ReasonMalformedRequest = idemregv1.ReasonMalformedRequest
 )
 
 // unavailableRetryAfter is the RetryInfo delay suggested when the store is

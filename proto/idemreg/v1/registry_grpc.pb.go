@@ -27,6 +27,8 @@
 //   NOT_FOUND              NOT_FOUND             no live record (absent or expired)
 //   STORE_UNAVAILABLE      UNAVAILABLE           the store is down or kept conflicting; retry after RetryInfo
 //   DEADLINE_EXCEEDED      DEADLINE_EXCEEDED     the request's deadline ran out before the store answered
+//   CANCELED               CANCELLED             the caller cancelled the request before the store answered
+//   INTERNAL               INTERNAL              a bug (a stored result that does not decode, a panic); logged with its cause
 //   UNAUTHENTICATED        UNAUTHENTICATED       no credentials, or ones no identity of the server's config lists
 //   PERMISSION_DENIED      PERMISSION_DENIED     the caller may not use the request's consumer (checked before any read)
 //   RATE_LIMITED           RESOURCE_EXHAUSTED    the consumer or the caller's identity is over its rate limit; QuotaFailure and RetryInfo
