@@ -8,7 +8,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"strings"
 	"time"
@@ -141,7 +140,7 @@ func (c *adminConn) dial(ctx context.Context) (*grpc.ClientConn, context.Context
 			cfg.Certificates = []tls.Certificate{pair}
 		}
 		creds = credentials.NewTLS(cfg)
-	} else if !loopback(c.addr) {
+	} else if !isLoopback(c.addr) {
 		return nil, nil, nil, fmt.Errorf("--addr %s is not loopback: give --tls-ca, so that the token and the records do not travel in plaintext", c.addr)
 	}
 	conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(creds))
@@ -153,16 +152,4 @@ func (c *adminConn) dial(ctx context.Context) (*grpc.ClientConn, context.Context
 		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+c.token)
 	}
 	return conn, ctx, cancel, nil
-}
-
-func loopback(addr string) bool {
-	host, _, err := net.SplitHostPort(addr)
-	if err != nil {
-		return false
-	}
-	if host == "localhost" {
-		return true
-	}
-	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
 }
