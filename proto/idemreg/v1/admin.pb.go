@@ -15,6 +15,7 @@ package idemregv1
 import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
+	durationpb "google.golang.org/protobuf/types/known/durationpb"
 	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	reflect "reflect"
 	sync "sync"
@@ -28,6 +29,175 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// AttemptEnd says how an earlier attempt on a record ended.
+type AttemptEnd int32
+
+const (
+	AttemptEnd_ATTEMPT_END_UNSPECIFIED AttemptEnd = 0
+	// Its lease ended (ran out, or was released) and a Claim took over.
+	AttemptEnd_ATTEMPT_END_TAKEN_OVER AttemptEnd = 1
+	// An operator invalidated the record (InvalidateRecord).
+	AttemptEnd_ATTEMPT_END_INVALIDATED AttemptEnd = 2
+	// An operator resolved the record with a result (ResolveRecord).
+	AttemptEnd_ATTEMPT_END_RESOLVED_COMPLETED AttemptEnd = 3
+	// An operator released the record for a fresh attempt (ResolveRecord).
+	AttemptEnd_ATTEMPT_END_RESOLVED_RELEASED AttemptEnd = 4
+)
+
+// Enum value maps for AttemptEnd.
+var (
+	AttemptEnd_name = map[int32]string{
+		0: "ATTEMPT_END_UNSPECIFIED",
+		1: "ATTEMPT_END_TAKEN_OVER",
+		2: "ATTEMPT_END_INVALIDATED",
+		3: "ATTEMPT_END_RESOLVED_COMPLETED",
+		4: "ATTEMPT_END_RESOLVED_RELEASED",
+	}
+	AttemptEnd_value = map[string]int32{
+		"ATTEMPT_END_UNSPECIFIED":        0,
+		"ATTEMPT_END_TAKEN_OVER":         1,
+		"ATTEMPT_END_INVALIDATED":        2,
+		"ATTEMPT_END_RESOLVED_COMPLETED": 3,
+		"ATTEMPT_END_RESOLVED_RELEASED":  4,
+	}
+)
+
+func (x AttemptEnd) Enum() *AttemptEnd {
+	p := new(AttemptEnd)
+	*p = x
+	return p
+}
+
+func (x AttemptEnd) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (AttemptEnd) Descriptor() protoreflect.EnumDescriptor {
+	return file_idemreg_v1_admin_proto_enumTypes[0].Descriptor()
+}
+
+func (AttemptEnd) Type() protoreflect.EnumType {
+	return &file_idemreg_v1_admin_proto_enumTypes[0]
+}
+
+func (x AttemptEnd) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use AttemptEnd.Descriptor instead.
+func (AttemptEnd) EnumDescriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{0}
+}
+
+// Attempt is an earlier acquisition of a record: who held which token and
+// how it ended. A record keeps its last few (the server's documented
+// bound); the attempt in progress is the record itself.
+type Attempt struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Attempt int64                  `protobuf:"varint,1,opt,name=attempt" json:"attempt,omitempty"`
+	Token   int64                  `protobuf:"varint,2,opt,name=token" json:"token,omitempty"`
+	Holder  string                 `protobuf:"bytes,3,opt,name=holder" json:"holder,omitempty"`
+	// When the attempt started, read off its token.
+	AcquiredAt *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=acquired_at,json=acquiredAt" json:"acquired_at,omitempty"`
+	// When it ended: for TAKEN_OVER when its lease ended, else when the
+	// operator acted.
+	EndedAt *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=ended_at,json=endedAt" json:"ended_at,omitempty"`
+	End     AttemptEnd             `protobuf:"varint,6,opt,name=end,enum=idemreg.v1.AttemptEnd" json:"end,omitempty"`
+	// The record's park reason when the attempt ended, empty if it was not
+	// parked.
+	ParkReason string `protobuf:"bytes,7,opt,name=park_reason,json=parkReason" json:"park_reason,omitempty"`
+	// The operator's reason, for an operator's end.
+	Note          string `protobuf:"bytes,8,opt,name=note" json:"note,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Attempt) Reset() {
+	*x = Attempt{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Attempt) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Attempt) ProtoMessage() {}
+
+func (x *Attempt) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Attempt.ProtoReflect.Descriptor instead.
+func (*Attempt) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *Attempt) GetAttempt() int64 {
+	if x != nil {
+		return x.Attempt
+	}
+	return 0
+}
+
+func (x *Attempt) GetToken() int64 {
+	if x != nil {
+		return x.Token
+	}
+	return 0
+}
+
+func (x *Attempt) GetHolder() string {
+	if x != nil {
+		return x.Holder
+	}
+	return ""
+}
+
+func (x *Attempt) GetAcquiredAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.AcquiredAt
+	}
+	return nil
+}
+
+func (x *Attempt) GetEndedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.EndedAt
+	}
+	return nil
+}
+
+func (x *Attempt) GetEnd() AttemptEnd {
+	if x != nil {
+		return x.End
+	}
+	return AttemptEnd_ATTEMPT_END_UNSPECIFIED
+}
+
+func (x *Attempt) GetParkReason() string {
+	if x != nil {
+		return x.ParkReason
+	}
+	return ""
+}
+
+func (x *Attempt) GetNote() string {
+	if x != nil {
+		return x.Note
+	}
+	return ""
+}
+
 type InspectRecordRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Consumer      string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
@@ -39,7 +209,7 @@ type InspectRecordRequest struct {
 
 func (x *InspectRecordRequest) Reset() {
 	*x = InspectRecordRequest{}
-	mi := &file_idemreg_v1_admin_proto_msgTypes[0]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[1]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -51,7 +221,7 @@ func (x *InspectRecordRequest) String() string {
 func (*InspectRecordRequest) ProtoMessage() {}
 
 func (x *InspectRecordRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_admin_proto_msgTypes[0]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[1]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -64,7 +234,7 @@ func (x *InspectRecordRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InspectRecordRequest.ProtoReflect.Descriptor instead.
 func (*InspectRecordRequest) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{0}
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{1}
 }
 
 func (x *InspectRecordRequest) GetConsumer() string {
@@ -96,14 +266,16 @@ type InspectRecordResponse struct {
 	StoreTime *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=store_time,json=storeTime" json:"store_time,omitempty"`
 	// Whether the record is live at store_time (an expired record counts as
 	// absent for RegistryService).
-	Live          bool `protobuf:"varint,3,opt,name=live" json:"live,omitempty"`
+	Live bool `protobuf:"varint,3,opt,name=live" json:"live,omitempty"`
+	// The record's earlier attempts, oldest first.
+	History       []*Attempt `protobuf:"bytes,4,rep,name=history" json:"history,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *InspectRecordResponse) Reset() {
 	*x = InspectRecordResponse{}
-	mi := &file_idemreg_v1_admin_proto_msgTypes[1]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -115,7 +287,7 @@ func (x *InspectRecordResponse) String() string {
 func (*InspectRecordResponse) ProtoMessage() {}
 
 func (x *InspectRecordResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_admin_proto_msgTypes[1]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -128,7 +300,7 @@ func (x *InspectRecordResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InspectRecordResponse.ProtoReflect.Descriptor instead.
 func (*InspectRecordResponse) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{1}
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *InspectRecordResponse) GetRecord() *Record {
@@ -152,6 +324,13 @@ func (x *InspectRecordResponse) GetLive() bool {
 	return false
 }
 
+func (x *InspectRecordResponse) GetHistory() []*Attempt {
+	if x != nil {
+		return x.History
+	}
+	return nil
+}
+
 type InvalidateRecordRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Consumer string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
@@ -168,7 +347,7 @@ type InvalidateRecordRequest struct {
 
 func (x *InvalidateRecordRequest) Reset() {
 	*x = InvalidateRecordRequest{}
-	mi := &file_idemreg_v1_admin_proto_msgTypes[2]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -180,7 +359,7 @@ func (x *InvalidateRecordRequest) String() string {
 func (*InvalidateRecordRequest) ProtoMessage() {}
 
 func (x *InvalidateRecordRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_admin_proto_msgTypes[2]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -193,7 +372,7 @@ func (x *InvalidateRecordRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateRecordRequest.ProtoReflect.Descriptor instead.
 func (*InvalidateRecordRequest) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{2}
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *InvalidateRecordRequest) GetConsumer() string {
@@ -241,7 +420,7 @@ type InvalidateRecordResponse struct {
 
 func (x *InvalidateRecordResponse) Reset() {
 	*x = InvalidateRecordResponse{}
-	mi := &file_idemreg_v1_admin_proto_msgTypes[3]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -253,7 +432,7 @@ func (x *InvalidateRecordResponse) String() string {
 func (*InvalidateRecordResponse) ProtoMessage() {}
 
 func (x *InvalidateRecordResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_admin_proto_msgTypes[3]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -266,7 +445,7 @@ func (x *InvalidateRecordResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateRecordResponse.ProtoReflect.Descriptor instead.
 func (*InvalidateRecordResponse) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{3}
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *InvalidateRecordResponse) GetRecord() *Record {
@@ -276,21 +455,518 @@ func (x *InvalidateRecordResponse) GetRecord() *Record {
 	return nil
 }
 
+type ListRecordsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The consumer whose records to list (exact), or with consumer_prefix the
+	// start of the names of the consumers to list; empty with consumer_prefix
+	// lists every consumer the caller may administer.
+	Consumer       string `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	ConsumerPrefix bool   `protobuf:"varint,2,opt,name=consumer_prefix,json=consumerPrefix" json:"consumer_prefix,omitempty"`
+	// Only records in this state; STATE_UNSPECIFIED lists every state.
+	State State `protobuf:"varint,3,opt,name=state,enum=idemreg.v1.State" json:"state,omitempty"`
+	// Only records acquired at least this many times (0: any).
+	MinAttempt int64 `protobuf:"varint,4,opt,name=min_attempt,json=minAttempt" json:"min_attempt,omitempty"`
+	// Only records first claimed at least this long ago by the store's clock
+	// (unset: any).
+	OlderThan *durationpb.Duration `protobuf:"bytes,5,opt,name=older_than,json=olderThan" json:"older_than,omitempty"`
+	// At most this many records per page: 1-500, 100 when 0.
+	PageSize int32 `protobuf:"varint,6,opt,name=page_size,json=pageSize" json:"page_size,omitempty"`
+	// The next_page_token of the previous page, with the same filters.
+	PageToken     string `protobuf:"bytes,7,opt,name=page_token,json=pageToken" json:"page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListRecordsRequest) Reset() {
+	*x = ListRecordsRequest{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListRecordsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListRecordsRequest) ProtoMessage() {}
+
+func (x *ListRecordsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListRecordsRequest.ProtoReflect.Descriptor instead.
+func (*ListRecordsRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *ListRecordsRequest) GetConsumer() string {
+	if x != nil {
+		return x.Consumer
+	}
+	return ""
+}
+
+func (x *ListRecordsRequest) GetConsumerPrefix() bool {
+	if x != nil {
+		return x.ConsumerPrefix
+	}
+	return false
+}
+
+func (x *ListRecordsRequest) GetState() State {
+	if x != nil {
+		return x.State
+	}
+	return State_STATE_UNSPECIFIED
+}
+
+func (x *ListRecordsRequest) GetMinAttempt() int64 {
+	if x != nil {
+		return x.MinAttempt
+	}
+	return 0
+}
+
+func (x *ListRecordsRequest) GetOlderThan() *durationpb.Duration {
+	if x != nil {
+		return x.OlderThan
+	}
+	return nil
+}
+
+func (x *ListRecordsRequest) GetPageSize() int32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListRecordsRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+type ListedRecord struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The record without its result.
+	Record *Record `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
+	// Its earlier attempts, oldest first.
+	History       []*Attempt `protobuf:"bytes,2,rep,name=history" json:"history,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListedRecord) Reset() {
+	*x = ListedRecord{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListedRecord) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListedRecord) ProtoMessage() {}
+
+func (x *ListedRecord) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListedRecord.ProtoReflect.Descriptor instead.
+func (*ListedRecord) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *ListedRecord) GetRecord() *Record {
+	if x != nil {
+		return x.Record
+	}
+	return nil
+}
+
+func (x *ListedRecord) GetHistory() []*Attempt {
+	if x != nil {
+		return x.History
+	}
+	return nil
+}
+
+type ListRecordsResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Records []*ListedRecord        `protobuf:"bytes,1,rep,name=records" json:"records,omitempty"`
+	// Empty when the listing is over.
+	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken" json:"next_page_token,omitempty"`
+	// The store's clock when the page was read.
+	StoreTime     *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=store_time,json=storeTime" json:"store_time,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListRecordsResponse) Reset() {
+	*x = ListRecordsResponse{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListRecordsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListRecordsResponse) ProtoMessage() {}
+
+func (x *ListRecordsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListRecordsResponse.ProtoReflect.Descriptor instead.
+func (*ListRecordsResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *ListRecordsResponse) GetRecords() []*ListedRecord {
+	if x != nil {
+		return x.Records
+	}
+	return nil
+}
+
+func (x *ListRecordsResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
+func (x *ListRecordsResponse) GetStoreTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StoreTime
+	}
+	return nil
+}
+
+type ResolveRecordRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Consumer string                 `protobuf:"bytes,1,opt,name=consumer" json:"consumer,omitempty"`
+	Kind     Kind                   `protobuf:"varint,2,opt,name=kind,enum=idemreg.v1.Kind" json:"kind,omitempty"`
+	Key      string                 `protobuf:"bytes,3,opt,name=key" json:"key,omitempty"`
+	// Required: the record's current token, as InspectRecord or ListRecords
+	// showed it.
+	Token int64 `protobuf:"varint,4,opt,name=token" json:"token,omitempty"`
+	// Why, for the audit log and the record's history: 1-256 bytes of
+	// printable UTF-8.
+	Reason string `protobuf:"bytes,5,opt,name=reason" json:"reason,omitempty"`
+	// What to do: exactly one.
+	//
+	// Types that are valid to be assigned to Resolution:
+	//
+	//	*ResolveRecordRequest_Result
+	//	*ResolveRecordRequest_Release
+	Resolution    isResolveRecordRequest_Resolution `protobuf_oneof:"resolution"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResolveRecordRequest) Reset() {
+	*x = ResolveRecordRequest{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolveRecordRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolveRecordRequest) ProtoMessage() {}
+
+func (x *ResolveRecordRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolveRecordRequest.ProtoReflect.Descriptor instead.
+func (*ResolveRecordRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ResolveRecordRequest) GetConsumer() string {
+	if x != nil {
+		return x.Consumer
+	}
+	return ""
+}
+
+func (x *ResolveRecordRequest) GetKind() Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return Kind_KIND_UNSPECIFIED
+}
+
+func (x *ResolveRecordRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *ResolveRecordRequest) GetToken() int64 {
+	if x != nil {
+		return x.Token
+	}
+	return 0
+}
+
+func (x *ResolveRecordRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *ResolveRecordRequest) GetResolution() isResolveRecordRequest_Resolution {
+	if x != nil {
+		return x.Resolution
+	}
+	return nil
+}
+
+func (x *ResolveRecordRequest) GetResult() *Result {
+	if x != nil {
+		if x, ok := x.Resolution.(*ResolveRecordRequest_Result); ok {
+			return x.Result
+		}
+	}
+	return nil
+}
+
+func (x *ResolveRecordRequest) GetRelease() bool {
+	if x != nil {
+		if x, ok := x.Resolution.(*ResolveRecordRequest_Release); ok {
+			return x.Release
+		}
+	}
+	return false
+}
+
+type isResolveRecordRequest_Resolution interface {
+	isResolveRecordRequest_Resolution()
+}
+
+type ResolveRecordRequest_Result struct {
+	// Complete the record with this result: it becomes COMPLETED and every
+	// later Claim replays it.
+	Result *Result `protobuf:"bytes,6,opt,name=result,oneof"`
+}
+
+type ResolveRecordRequest_Release struct {
+	// Release the record for a fresh attempt: the next Claim acquires it
+	// as attempt 1 (the consumer's max_attempts counts afresh).
+	Release bool `protobuf:"varint,7,opt,name=release,oneof"`
+}
+
+func (*ResolveRecordRequest_Result) isResolveRecordRequest_Resolution() {}
+
+func (*ResolveRecordRequest_Release) isResolveRecordRequest_Resolution() {}
+
+type ResolveRecordResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The record after the resolution, with its new token.
+	Record        *Record `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResolveRecordResponse) Reset() {
+	*x = ResolveRecordResponse{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolveRecordResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolveRecordResponse) ProtoMessage() {}
+
+func (x *ResolveRecordResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolveRecordResponse.ProtoReflect.Descriptor instead.
+func (*ResolveRecordResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ResolveRecordResponse) GetRecord() *Record {
+	if x != nil {
+		return x.Record
+	}
+	return nil
+}
+
+type CountParkedRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Count the consumers whose name starts with this (empty: every consumer
+	// the caller may administer).
+	ConsumerPrefix string `protobuf:"bytes,1,opt,name=consumer_prefix,json=consumerPrefix" json:"consumer_prefix,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *CountParkedRequest) Reset() {
+	*x = CountParkedRequest{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CountParkedRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CountParkedRequest) ProtoMessage() {}
+
+func (x *CountParkedRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CountParkedRequest.ProtoReflect.Descriptor instead.
+func (*CountParkedRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *CountParkedRequest) GetConsumerPrefix() string {
+	if x != nil {
+		return x.ConsumerPrefix
+	}
+	return ""
+}
+
+type CountParkedResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Live parked records per consumer; consumers with none are absent.
+	Parked        map[string]int64 `protobuf:"bytes,1,rep,name=parked" json:"parked,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CountParkedResponse) Reset() {
+	*x = CountParkedResponse{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CountParkedResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CountParkedResponse) ProtoMessage() {}
+
+func (x *CountParkedResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CountParkedResponse.ProtoReflect.Descriptor instead.
+func (*CountParkedResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *CountParkedResponse) GetParked() map[string]int64 {
+	if x != nil {
+		return x.Parked
+	}
+	return nil
+}
+
 var File_idemreg_v1_admin_proto protoreflect.FileDescriptor
 
 const file_idemreg_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"\x16idemreg/v1/admin.proto\x12\n" +
-	"idemreg.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19idemreg/v1/registry.proto\"j\n" +
+	"idemreg.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19idemreg/v1/registry.proto\"\xa4\x02\n" +
+	"\aAttempt\x12\x18\n" +
+	"\aattempt\x18\x01 \x01(\x03R\aattempt\x12\x14\n" +
+	"\x05token\x18\x02 \x01(\x03R\x05token\x12\x16\n" +
+	"\x06holder\x18\x03 \x01(\tR\x06holder\x12;\n" +
+	"\vacquired_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"acquiredAt\x125\n" +
+	"\bended_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x12(\n" +
+	"\x03end\x18\x06 \x01(\x0e2\x16.idemreg.v1.AttemptEndR\x03end\x12\x1f\n" +
+	"\vpark_reason\x18\a \x01(\tR\n" +
+	"parkReason\x12\x12\n" +
+	"\x04note\x18\b \x01(\tR\x04note\"j\n" +
 	"\x14InspectRecordRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
-	"\x03key\x18\x03 \x01(\tR\x03key\"\x92\x01\n" +
+	"\x03key\x18\x03 \x01(\tR\x03key\"\xc1\x01\n" +
 	"\x15InspectRecordResponse\x12*\n" +
 	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\x129\n" +
 	"\n" +
 	"store_time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\tstoreTime\x12\x12\n" +
-	"\x04live\x18\x03 \x01(\bR\x04live\"\x9b\x01\n" +
+	"\x04live\x18\x03 \x01(\bR\x04live\x12-\n" +
+	"\ahistory\x18\x04 \x03(\v2\x13.idemreg.v1.AttemptR\ahistory\"\x9b\x01\n" +
 	"\x17InvalidateRecordRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
@@ -298,10 +974,58 @@ const file_idemreg_v1_admin_proto_rawDesc = "" +
 	"\x05token\x18\x04 \x01(\x03R\x05token\x12\x16\n" +
 	"\x06reason\x18\x05 \x01(\tR\x06reason\"F\n" +
 	"\x18InvalidateRecordResponse\x12*\n" +
-	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record2\xc3\x01\n" +
+	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"\x99\x02\n" +
+	"\x12ListRecordsRequest\x12\x1a\n" +
+	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12'\n" +
+	"\x0fconsumer_prefix\x18\x02 \x01(\bR\x0econsumerPrefix\x12'\n" +
+	"\x05state\x18\x03 \x01(\x0e2\x11.idemreg.v1.StateR\x05state\x12\x1f\n" +
+	"\vmin_attempt\x18\x04 \x01(\x03R\n" +
+	"minAttempt\x128\n" +
+	"\n" +
+	"older_than\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\tolderThan\x12\x1b\n" +
+	"\tpage_size\x18\x06 \x01(\x05R\bpageSize\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\a \x01(\tR\tpageToken\"i\n" +
+	"\fListedRecord\x12*\n" +
+	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\x12-\n" +
+	"\ahistory\x18\x02 \x03(\v2\x13.idemreg.v1.AttemptR\ahistory\"\xac\x01\n" +
+	"\x13ListRecordsResponse\x122\n" +
+	"\arecords\x18\x01 \x03(\v2\x18.idemreg.v1.ListedRecordR\arecords\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x129\n" +
+	"\n" +
+	"store_time\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\tstoreTime\"\xf0\x01\n" +
+	"\x14ResolveRecordRequest\x12\x1a\n" +
+	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
+	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
+	"\x03key\x18\x03 \x01(\tR\x03key\x12\x14\n" +
+	"\x05token\x18\x04 \x01(\x03R\x05token\x12\x16\n" +
+	"\x06reason\x18\x05 \x01(\tR\x06reason\x12,\n" +
+	"\x06result\x18\x06 \x01(\v2\x12.idemreg.v1.ResultH\x00R\x06result\x12\x1a\n" +
+	"\arelease\x18\a \x01(\bH\x00R\areleaseB\f\n" +
+	"\n" +
+	"resolution\"C\n" +
+	"\x15ResolveRecordResponse\x12*\n" +
+	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"=\n" +
+	"\x12CountParkedRequest\x12'\n" +
+	"\x0fconsumer_prefix\x18\x01 \x01(\tR\x0econsumerPrefix\"\x95\x01\n" +
+	"\x13CountParkedResponse\x12C\n" +
+	"\x06parked\x18\x01 \x03(\v2+.idemreg.v1.CountParkedResponse.ParkedEntryR\x06parked\x1a9\n" +
+	"\vParkedEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01*\xa9\x01\n" +
+	"\n" +
+	"AttemptEnd\x12\x1b\n" +
+	"\x17ATTEMPT_END_UNSPECIFIED\x10\x00\x12\x1a\n" +
+	"\x16ATTEMPT_END_TAKEN_OVER\x10\x01\x12\x1b\n" +
+	"\x17ATTEMPT_END_INVALIDATED\x10\x02\x12\"\n" +
+	"\x1eATTEMPT_END_RESOLVED_COMPLETED\x10\x03\x12!\n" +
+	"\x1dATTEMPT_END_RESOLVED_RELEASED\x10\x042\xb9\x03\n" +
 	"\fAdminService\x12T\n" +
 	"\rInspectRecord\x12 .idemreg.v1.InspectRecordRequest\x1a!.idemreg.v1.InspectRecordResponse\x12]\n" +
-	"\x10InvalidateRecord\x12#.idemreg.v1.InvalidateRecordRequest\x1a$.idemreg.v1.InvalidateRecordResponseB>Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1\x92\x03\x04\b\x02 \x03b\beditionsp\xe8\a"
+	"\x10InvalidateRecord\x12#.idemreg.v1.InvalidateRecordRequest\x1a$.idemreg.v1.InvalidateRecordResponse\x12N\n" +
+	"\vListRecords\x12\x1e.idemreg.v1.ListRecordsRequest\x1a\x1f.idemreg.v1.ListRecordsResponse\x12T\n" +
+	"\rResolveRecord\x12 .idemreg.v1.ResolveRecordRequest\x1a!.idemreg.v1.ResolveRecordResponse\x12N\n" +
+	"\vCountParked\x12\x1e.idemreg.v1.CountParkedRequest\x1a\x1f.idemreg.v1.CountParkedResponseB>Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1\x92\x03\x04\b\x02 \x03b\beditionsp\xe8\a"
 
 var (
 	file_idemreg_v1_admin_proto_rawDescOnce sync.Once
@@ -315,31 +1039,65 @@ func file_idemreg_v1_admin_proto_rawDescGZIP() []byte {
 	return file_idemreg_v1_admin_proto_rawDescData
 }
 
-var file_idemreg_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_idemreg_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_idemreg_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_idemreg_v1_admin_proto_goTypes = []any{
-	(*InspectRecordRequest)(nil),     // 0: idemreg.v1.InspectRecordRequest
-	(*InspectRecordResponse)(nil),    // 1: idemreg.v1.InspectRecordResponse
-	(*InvalidateRecordRequest)(nil),  // 2: idemreg.v1.InvalidateRecordRequest
-	(*InvalidateRecordResponse)(nil), // 3: idemreg.v1.InvalidateRecordResponse
-	(Kind)(0),                        // 4: idemreg.v1.Kind
-	(*Record)(nil),                   // 5: idemreg.v1.Record
-	(*timestamppb.Timestamp)(nil),    // 6: google.protobuf.Timestamp
+	(AttemptEnd)(0),                  // 0: idemreg.v1.AttemptEnd
+	(*Attempt)(nil),                  // 1: idemreg.v1.Attempt
+	(*InspectRecordRequest)(nil),     // 2: idemreg.v1.InspectRecordRequest
+	(*InspectRecordResponse)(nil),    // 3: idemreg.v1.InspectRecordResponse
+	(*InvalidateRecordRequest)(nil),  // 4: idemreg.v1.InvalidateRecordRequest
+	(*InvalidateRecordResponse)(nil), // 5: idemreg.v1.InvalidateRecordResponse
+	(*ListRecordsRequest)(nil),       // 6: idemreg.v1.ListRecordsRequest
+	(*ListedRecord)(nil),             // 7: idemreg.v1.ListedRecord
+	(*ListRecordsResponse)(nil),      // 8: idemreg.v1.ListRecordsResponse
+	(*ResolveRecordRequest)(nil),     // 9: idemreg.v1.ResolveRecordRequest
+	(*ResolveRecordResponse)(nil),    // 10: idemreg.v1.ResolveRecordResponse
+	(*CountParkedRequest)(nil),       // 11: idemreg.v1.CountParkedRequest
+	(*CountParkedResponse)(nil),      // 12: idemreg.v1.CountParkedResponse
+	nil,                              // 13: idemreg.v1.CountParkedResponse.ParkedEntry
+	(*timestamppb.Timestamp)(nil),    // 14: google.protobuf.Timestamp
+	(Kind)(0),                        // 15: idemreg.v1.Kind
+	(*Record)(nil),                   // 16: idemreg.v1.Record
+	(State)(0),                       // 17: idemreg.v1.State
+	(*durationpb.Duration)(nil),      // 18: google.protobuf.Duration
+	(*Result)(nil),                   // 19: idemreg.v1.Result
 }
 var file_idemreg_v1_admin_proto_depIdxs = []int32{
-	4, // 0: idemreg.v1.InspectRecordRequest.kind:type_name -> idemreg.v1.Kind
-	5, // 1: idemreg.v1.InspectRecordResponse.record:type_name -> idemreg.v1.Record
-	6, // 2: idemreg.v1.InspectRecordResponse.store_time:type_name -> google.protobuf.Timestamp
-	4, // 3: idemreg.v1.InvalidateRecordRequest.kind:type_name -> idemreg.v1.Kind
-	5, // 4: idemreg.v1.InvalidateRecordResponse.record:type_name -> idemreg.v1.Record
-	0, // 5: idemreg.v1.AdminService.InspectRecord:input_type -> idemreg.v1.InspectRecordRequest
-	2, // 6: idemreg.v1.AdminService.InvalidateRecord:input_type -> idemreg.v1.InvalidateRecordRequest
-	1, // 7: idemreg.v1.AdminService.InspectRecord:output_type -> idemreg.v1.InspectRecordResponse
-	3, // 8: idemreg.v1.AdminService.InvalidateRecord:output_type -> idemreg.v1.InvalidateRecordResponse
-	7, // [7:9] is the sub-list for method output_type
-	5, // [5:7] is the sub-list for method input_type
-	5, // [5:5] is the sub-list for extension type_name
-	5, // [5:5] is the sub-list for extension extendee
-	0, // [0:5] is the sub-list for field type_name
+	14, // 0: idemreg.v1.Attempt.acquired_at:type_name -> google.protobuf.Timestamp
+	14, // 1: idemreg.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
+	0,  // 2: idemreg.v1.Attempt.end:type_name -> idemreg.v1.AttemptEnd
+	15, // 3: idemreg.v1.InspectRecordRequest.kind:type_name -> idemreg.v1.Kind
+	16, // 4: idemreg.v1.InspectRecordResponse.record:type_name -> idemreg.v1.Record
+	14, // 5: idemreg.v1.InspectRecordResponse.store_time:type_name -> google.protobuf.Timestamp
+	1,  // 6: idemreg.v1.InspectRecordResponse.history:type_name -> idemreg.v1.Attempt
+	15, // 7: idemreg.v1.InvalidateRecordRequest.kind:type_name -> idemreg.v1.Kind
+	16, // 8: idemreg.v1.InvalidateRecordResponse.record:type_name -> idemreg.v1.Record
+	17, // 9: idemreg.v1.ListRecordsRequest.state:type_name -> idemreg.v1.State
+	18, // 10: idemreg.v1.ListRecordsRequest.older_than:type_name -> google.protobuf.Duration
+	16, // 11: idemreg.v1.ListedRecord.record:type_name -> idemreg.v1.Record
+	1,  // 12: idemreg.v1.ListedRecord.history:type_name -> idemreg.v1.Attempt
+	7,  // 13: idemreg.v1.ListRecordsResponse.records:type_name -> idemreg.v1.ListedRecord
+	14, // 14: idemreg.v1.ListRecordsResponse.store_time:type_name -> google.protobuf.Timestamp
+	15, // 15: idemreg.v1.ResolveRecordRequest.kind:type_name -> idemreg.v1.Kind
+	19, // 16: idemreg.v1.ResolveRecordRequest.result:type_name -> idemreg.v1.Result
+	16, // 17: idemreg.v1.ResolveRecordResponse.record:type_name -> idemreg.v1.Record
+	13, // 18: idemreg.v1.CountParkedResponse.parked:type_name -> idemreg.v1.CountParkedResponse.ParkedEntry
+	2,  // 19: idemreg.v1.AdminService.InspectRecord:input_type -> idemreg.v1.InspectRecordRequest
+	4,  // 20: idemreg.v1.AdminService.InvalidateRecord:input_type -> idemreg.v1.InvalidateRecordRequest
+	6,  // 21: idemreg.v1.AdminService.ListRecords:input_type -> idemreg.v1.ListRecordsRequest
+	9,  // 22: idemreg.v1.AdminService.ResolveRecord:input_type -> idemreg.v1.ResolveRecordRequest
+	11, // 23: idemreg.v1.AdminService.CountParked:input_type -> idemreg.v1.CountParkedRequest
+	3,  // 24: idemreg.v1.AdminService.InspectRecord:output_type -> idemreg.v1.InspectRecordResponse
+	5,  // 25: idemreg.v1.AdminService.InvalidateRecord:output_type -> idemreg.v1.InvalidateRecordResponse
+	8,  // 26: idemreg.v1.AdminService.ListRecords:output_type -> idemreg.v1.ListRecordsResponse
+	10, // 27: idemreg.v1.AdminService.ResolveRecord:output_type -> idemreg.v1.ResolveRecordResponse
+	12, // 28: idemreg.v1.AdminService.CountParked:output_type -> idemreg.v1.CountParkedResponse
+	24, // [24:29] is the sub-list for method output_type
+	19, // [19:24] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_idemreg_v1_admin_proto_init() }
@@ -348,18 +1106,23 @@ func file_idemreg_v1_admin_proto_init() {
 		return
 	}
 	file_idemreg_v1_registry_proto_init()
+	file_idemreg_v1_admin_proto_msgTypes[8].OneofWrappers = []any{
+		(*ResolveRecordRequest_Result)(nil),
+		(*ResolveRecordRequest_Release)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idemreg_v1_admin_proto_rawDesc), len(file_idemreg_v1_admin_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   4,
+			NumEnums:      1,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_idemreg_v1_admin_proto_goTypes,
 		DependencyIndexes: file_idemreg_v1_admin_proto_depIdxs,
+		EnumInfos:         file_idemreg_v1_admin_proto_enumTypes,
 		MessageInfos:      file_idemreg_v1_admin_proto_msgTypes,
 	}.Build()
 	File_idemreg_v1_admin_proto = out.File

@@ -27,14 +27,18 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	AdminService_InspectRecord_FullMethodName    = "/idemreg.v1.AdminService/InspectRecord"
 	AdminService_InvalidateRecord_FullMethodName = "/idemreg.v1.AdminService/InvalidateRecord"
+	AdminService_ListRecords_FullMethodName      = "/idemreg.v1.AdminService/ListRecords"
+	AdminService_ResolveRecord_FullMethodName    = "/idemreg.v1.AdminService/ResolveRecord"
+	AdminService_CountParked_FullMethodName      = "/idemreg.v1.AdminService/CountParked"
 )
 
 // AdminServiceClient is the client API for AdminService service.
 //
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 //
-// AdminService lets an operator look at a record as stored and invalidate
-// a stuck or wrong one.
+// AdminService lets an operator look at a record as stored, list the
+// records that need a decision (parked, or stuck in progress), resolve them,
+// and invalidate a stuck or wrong one.
 type AdminServiceClient interface {
 	// InspectRecord returns the record as stored, with its token and result,
 	// also when it expired and was not swept yet. Errors: INVALID_ARGUMENT,
@@ -51,6 +55,30 @@ type AdminServiceClient interface {
 	// (absent or expired), LEASE_LOST (token given and not current),
 	// STORE_UNAVAILABLE.
 	InvalidateRecord(ctx context.Context, in *InvalidateRecordRequest, opts ...grpc.CallOption) (*InvalidateRecordResponse, error)
+	// ListRecords lists live records in key order (consumer, kind, key),
+	// filtered, one page at a time (AIP-158). Each page reads a bounded range
+	// of an index (the primary key, or the index of parked records when
+	// state is STATE_PARKED), so a page may hold fewer than page_size records
+	// while next_page_token is set; the listing is over when it is empty.
+	// Paging is by key: a record that exists and matches for the whole
+	// listing is listed exactly once, whatever is written meanwhile. Results
+	// are not included (InspectRecord has them). Errors: INVALID_ARGUMENT
+	// (also a page_token from another filter), STORE_UNAVAILABLE.
+	ListRecords(ctx context.Context, in *ListRecordsRequest, opts ...grpc.CallOption) (*ListRecordsResponse, error)
+	// ResolveRecord settles a parked or stuck in-progress record the
+	// operator inspected (token): either completes it with a result, which
+	// every later Claim replays, or releases it for a fresh attempt with the
+	// attempt count started again. Either way the record gets a fresh token
+	// nobody holds, so the earlier holder's Complete, Release, Extend and
+	// Park fail with LEASE_LOST, and the attempt it ended is kept in the
+	// record's history with the reason. Errors: INVALID_ARGUMENT, NOT_FOUND
+	// (absent or expired), LEASE_LOST (the token is not current: someone
+	// acted first), ALREADY_COMPLETED, STORE_UNAVAILABLE.
+	ResolveRecord(ctx context.Context, in *ResolveRecordRequest, opts ...grpc.CallOption) (*ResolveRecordResponse, error)
+	// CountParked counts the live parked records per consumer, for consumers
+	// whose name starts with consumer_prefix. Errors: INVALID_ARGUMENT,
+	// STORE_UNAVAILABLE.
+	CountParked(ctx context.Context, in *CountParkedRequest, opts ...grpc.CallOption) (*CountParkedResponse, error)
 }
 
 type adminServiceClient struct {
@@ -81,12 +109,43 @@ func (c *adminServiceClient) InvalidateRecord(ctx context.Context, in *Invalidat
 	return out, nil
 }
 
+func (c *adminServiceClient) ListRecords(ctx context.Context, in *ListRecordsRequest, opts ...grpc.CallOption) (*ListRecordsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListRecordsResponse)
+	err := c.cc.Invoke(ctx, AdminService_ListRecords_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) ResolveRecord(ctx context.Context, in *ResolveRecordRequest, opts ...grpc.CallOption) (*ResolveRecordResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ResolveRecordResponse)
+	err := c.cc.Invoke(ctx, AdminService_ResolveRecord_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) CountParked(ctx context.Context, in *CountParkedRequest, opts ...grpc.CallOption) (*CountParkedResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CountParkedResponse)
+	err := c.cc.Invoke(ctx, AdminService_CountParked_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServiceServer is the server API for AdminService service.
 // All implementations must embed UnimplementedAdminServiceServer
 // for forward compatibility.
 //
-// AdminService lets an operator look at a record as stored and invalidate
-// a stuck or wrong one.
+// AdminService lets an operator look at a record as stored, list the
+// records that need a decision (parked, or stuck in progress), resolve them,
+// and invalidate a stuck or wrong one.
 type AdminServiceServer interface {
 	// InspectRecord returns the record as stored, with its token and result,
 	// also when it expired and was not swept yet. Errors: INVALID_ARGUMENT,
@@ -103,6 +162,30 @@ type AdminServiceServer interface {
 	// (absent or expired), LEASE_LOST (token given and not current),
 	// STORE_UNAVAILABLE.
 	InvalidateRecord(context.Context, *InvalidateRecordRequest) (*InvalidateRecordResponse, error)
+	// ListRecords lists live records in key order (consumer, kind, key),
+	// filtered, one page at a time (AIP-158). Each page reads a bounded range
+	// of an index (the primary key, or the index of parked records when
+	// state is STATE_PARKED), so a page may hold fewer than page_size records
+	// while next_page_token is set; the listing is over when it is empty.
+	// Paging is by key: a record that exists and matches for the whole
+	// listing is listed exactly once, whatever is written meanwhile. Results
+	// are not included (InspectRecord has them). Errors: INVALID_ARGUMENT
+	// (also a page_token from another filter), STORE_UNAVAILABLE.
+	ListRecords(context.Context, *ListRecordsRequest) (*ListRecordsResponse, error)
+	// ResolveRecord settles a parked or stuck in-progress record the
+	// operator inspected (token): either completes it with a result, which
+	// every later Claim replays, or releases it for a fresh attempt with the
+	// attempt count started again. Either way the record gets a fresh token
+	// nobody holds, so the earlier holder's Complete, Release, Extend and
+	// Park fail with LEASE_LOST, and the attempt it ended is kept in the
+	// record's history with the reason. Errors: INVALID_ARGUMENT, NOT_FOUND
+	// (absent or expired), LEASE_LOST (the token is not current: someone
+	// acted first), ALREADY_COMPLETED, STORE_UNAVAILABLE.
+	ResolveRecord(context.Context, *ResolveRecordRequest) (*ResolveRecordResponse, error)
+	// CountParked counts the live parked records per consumer, for consumers
+	// whose name starts with consumer_prefix. Errors: INVALID_ARGUMENT,
+	// STORE_UNAVAILABLE.
+	CountParked(context.Context, *CountParkedRequest) (*CountParkedResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
 
@@ -118,6 +201,15 @@ func (UnimplementedAdminServiceServer) InspectRecord(context.Context, *InspectRe
 }
 func (UnimplementedAdminServiceServer) InvalidateRecord(context.Context, *InvalidateRecordRequest) (*InvalidateRecordResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method InvalidateRecord not implemented")
+}
+func (UnimplementedAdminServiceServer) ListRecords(context.Context, *ListRecordsRequest) (*ListRecordsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListRecords not implemented")
+}
+func (UnimplementedAdminServiceServer) ResolveRecord(context.Context, *ResolveRecordRequest) (*ResolveRecordResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ResolveRecord not implemented")
+}
+func (UnimplementedAdminServiceServer) CountParked(context.Context, *CountParkedRequest) (*CountParkedResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CountParked not implemented")
 }
 func (UnimplementedAdminServiceServer) mustEmbedUnimplementedAdminServiceServer() {}
 func (UnimplementedAdminServiceServer) testEmbeddedByValue()                      {}
@@ -176,6 +268,60 @@ func _AdminService_InvalidateRecord_Handler(srv interface{}, ctx context.Context
 	return interceptor(ctx, in, info, handler)
 }
 
+func _AdminService_ListRecords_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListRecordsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ListRecords(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ListRecords_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ListRecords(ctx, req.(*ListRecordsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_ResolveRecord_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ResolveRecordRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ResolveRecord(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ResolveRecord_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ResolveRecord(ctx, req.(*ResolveRecordRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_CountParked_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CountParkedRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).CountParked(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_CountParked_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).CountParked(ctx, req.(*CountParkedRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // AdminService_ServiceDesc is the grpc.ServiceDesc for AdminService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -190,6 +336,18 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "InvalidateRecord",
 			Handler:    _AdminService_InvalidateRecord_Handler,
+		},
+		{
+			MethodName: "ListRecords",
+			Handler:    _AdminService_ListRecords_Handler,
+		},
+		{
+			MethodName: "ResolveRecord",
+			Handler:    _AdminService_ResolveRecord_Handler,
+		},
+		{
+			MethodName: "CountParked",
+			Handler:    _AdminService_CountParked_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
