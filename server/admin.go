@@ -4,8 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"unicode"
-	"unicode/utf8"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"google.golang.org/grpc/codes"
@@ -15,19 +14,34 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// MaxReasonBytes bounds the reason of an InvalidateRecord.
+// MaxReasonBytes bounds the reason of an InvalidateRecord or a
+// ResolveRecord.
 const MaxReasonBytes = 256
 
+// ListRecords bounds: DefaultListPageSize is the page of a request that
+// gives none, MaxListPageSize the largest a request may ask for (each page
+// reads at most storage.ListScanLimit of it), MaxListOlderThan the largest
+// older_than, far past any retention, so that the store's arithmetic on it
+// stays in range.
+const (
+	DefaultListPageSize = 100
+	MaxListPageSize     = 500
+	MaxListOlderThan    = 10 * 365 * 24 * time.Hour
+)
+
 // AdminService implements idemregv1.AdminServiceServer: an operator's view
-// of a record as stored, and its invalidation. Every call is logged with the
-// caller's identity and what it did, never with the record's fingerprint,
-// token or result.
+// of records as stored, their listing and resolution, and their
+// invalidation. Every call is logged with the caller's identity and what
+// it did (audit), never with a record's fingerprint, token or result.
 type AdminService struct {
 	idemregv1.UnimplementedAdminServiceServer
-	svc   *Service // for toStatus and the logger
+	svc   *Service // for toStatus, the limits, the waiters and the logger
 	store *observedStore
 	m     *metrics
 }
+
+// errNoAdmin answers every call when the store cannot administer records.
+var errNoAdmin = status.Error(codes.Unimplemented, "the store has no admin capability")
 
 // InspectRecord implements AdminServiceServer.
 func (a *AdminService) InspectRecord(ctx context.Context, req *idemregv1.InspectRecordRequest) (*idemregv1.InspectRecordResponse, error) {
@@ -37,10 +51,10 @@ func (a *AdminService) InspectRecord(ctx context.Context, req *idemregv1.Inspect
 		return nil, err
 	}
 	if a.store.admin == nil {
-		return nil, status.Error(codes.Unimplemented, "the store has no admin capability")
+		return nil, errNoAdmin
 	}
 	got, err := a.store.Inspect(ctx, k)
-	a.audit(ctx, "inspect", k, "", err, slog.Bool("live", err == nil && got.Record.Live(got.Now)))
+	a.audit(ctx, "inspect", keyAttrs(k), "", err, slog.Bool("live", err == nil && got.Record.Live(got.Now)))
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "InspectRecord", k, err)
 	}
@@ -48,7 +62,8 @@ func (a *AdminService) InspectRecord(ctx context.Context, req *idemregv1.Inspect
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "InspectRecord", k, err)
 	}
-	return &idemregv1.InspectRecordResponse{Record: rec, StoreTime: timestamp(got.Now), Live: got.Record.Live(got.Now)}, nil
+	return &idemregv1.InspectRecordResponse{Record: rec, StoreTime: timestamp(got.Now), Live: got.Record.Live(got.Now),
+		History: toAttempts(got.Record.History)}, nil
 }
 
 // InvalidateRecord implements AdminServiceServer.
@@ -58,30 +73,16 @@ func (a *AdminService) InvalidateRecord(ctx context.Context, req *idemregv1.Inva
 	if req.GetToken() < 0 {
 		v.add("token", "must be positive, or zero for any")
 	}
-	reason := req.GetReason()
-	switch {
-	case reason == "":
-		v.add("reason", "required: say why, for the audit log")
-	case len(reason) > MaxReasonBytes:
-		v.add("reason", "must be at most %d bytes, got %d", MaxReasonBytes, len(reason))
-	case !utf8.ValidString(reason):
-		v.add("reason", "must be valid UTF-8")
-	default:
-		for i, r := range reason {
-			if !unicode.IsPrint(r) {
-				v.add("reason", "must be printable, found U+%04X at byte %d", r, i)
-				break
-			}
-		}
-	}
+	v.reason("reason", req.GetReason())
 	if err := v.err(); err != nil {
 		return nil, err
 	}
 	if a.store.admin == nil {
-		return nil, status.Error(codes.Unimplemented, "the store has no admin capability")
+		return nil, errNoAdmin
 	}
-	got, err := a.store.Invalidate(ctx, storage.InvalidateParams{Key: k, Token: req.GetToken()})
-	a.audit(ctx, "invalidate", k, reason, err, slog.Bool("expected_token", req.GetToken() != 0), slog.Int64("attempt", got.Attempt))
+	reason := req.GetReason()
+	got, err := a.store.Invalidate(ctx, storage.InvalidateParams{Key: k, Token: req.GetToken(), Reason: reason})
+	a.audit(ctx, "invalidate", keyAttrs(k), reason, err, slog.Bool("expected_token", req.GetToken() != 0), slog.Int64("attempt", got.Attempt))
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "InvalidateRecord", k, err)
 	}
@@ -93,14 +94,236 @@ func (a *AdminService) InvalidateRecord(ctx context.Context, req *idemregv1.Inva
 	return &idemregv1.InvalidateRecordResponse{Record: rec}, nil
 }
 
-// audit logs one admin action and counts it.
-func (a *AdminService) audit(ctx context.Context, action string, k storage.Key, reason string, err error, extra ...slog.Attr) {
+// Resolutions, the values of the "resolution" field of a resolve's audit
+// line.
+const (
+	resolvedCompleted = "completed"
+	resolvedReleased  = "released"
+)
+
+// ResolveRecord implements AdminServiceServer.
+func (a *AdminService) ResolveRecord(ctx context.Context, req *idemregv1.ResolveRecordRequest) (*idemregv1.ResolveRecordResponse, error) {
+	p, err := a.validateResolve(req)
+	if err != nil {
+		return nil, err
+	}
+	if a.store.admin == nil {
+		return nil, errNoAdmin
+	}
+	got, err := a.store.Resolve(ctx, p)
+	fields := []slog.Attr{slog.String("resolution", resolvedReleased)}
+	if p.Complete {
+		fields[0] = slog.String("resolution", resolvedCompleted)
+		// What kind of result the operator stored, never the result.
+		if f := req.GetResult().GetFailure(); f != nil {
+			fields = append(fields, slog.String("result_outcome", "failure"), slog.Int("failure_code", int(f.GetCode())))
+		} else {
+			fields = append(fields, slog.String("result_outcome", "response"))
+		}
+	}
+	if attempt, ok := a.resolvedAttempt(ctx, p, got, err); ok {
+		fields = append(fields, slog.Int64("attempt", attempt))
+	}
+	a.audit(ctx, "resolve", keyAttrs(p.Key), p.Reason, err, fields...)
+	if err != nil {
+		return nil, a.svc.toStatus(ctx, "ResolveRecord", p.Key, err)
+	}
+	// Released, a waiter takes over; completed, it replays the result.
+	a.svc.waiters.notify(p.Key)
+	rec, err := toRecord(got, true)
+	if err != nil {
+		return nil, a.svc.toStatus(ctx, "ResolveRecord", p.Key, err)
+	}
+	return &idemregv1.ResolveRecordResponse{Record: rec}, nil
+}
+
+// resolvedAttempt is the attempt a successful resolution ended, for the
+// audit log. A completed record keeps its attempt; a released one starts
+// again from 0, and Resolve returns no history, so the ended attempt is read
+// back from the history entry of the token resolved: tokens are never
+// reused, and an attempt changes only with the token, so that entry is the
+// one this call wrote. The read costs a store call per release, which an
+// operator's action can afford; when it fails, the line goes without.
+func (a *AdminService) resolvedAttempt(ctx context.Context, p storage.ResolveParams, got storage.Record, err error) (int64, bool) {
+	if err != nil {
+		return 0, false
+	}
+	if p.Complete {
+		return got.Attempt, true
+	}
+	back, err := a.store.Inspect(ctx, p.Key)
+	if err != nil {
+		return 0, false
+	}
+	for _, h := range back.Record.History {
+		if h.Token == p.Token {
+			return h.Attempt, true
+		}
+	}
+	return 0, false
+}
+
+func (a *AdminService) validateResolve(r *idemregv1.ResolveRecordRequest) (storage.ResolveParams, error) {
+	var v violations
+	p := storage.ResolveParams{Key: v.key(r.GetConsumer(), r.GetKind(), r.GetKey()), Token: r.GetToken(), Reason: r.GetReason()}
+	if p.Token <= 0 {
+		v.add("token", "required: the record's current token, as InspectRecord or ListRecords showed it")
+	}
+	v.reason("reason", p.Reason)
+	switch res := r.GetResolution().(type) {
+	case nil:
+		v.add("resolution", "required: a result to complete the record with, or release: true")
+	case *idemregv1.ResolveRecordRequest_Release:
+		if !res.Release {
+			v.add("release", "must be true to release the record; give a result to complete it instead")
+		}
+	case *idemregv1.ResolveRecordRequest_Result:
+		// The same checks and encoding as Complete's: Claims replay it as
+		// if its holder had stored it.
+		p.Complete = true
+		p.Result = v.result("result", res.Result, a.svc.limits.MaxResultBytes)
+	}
+	return p, v.err()
+}
+
+// ListRecords implements AdminServiceServer.
+func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecordsRequest) (*idemregv1.ListRecordsResponse, error) {
+	p, filters, err := validateList(req)
+	if err != nil {
+		return nil, err
+	}
+	if a.store.admin == nil {
+		return nil, errNoAdmin
+	}
+	may, err := administrable(ctx, p.Consumer, p.Prefix)
+	if err != nil {
+		return nil, err
+	}
+	claimKey, err := a.svc.secrets.load(ctx)
+	if err != nil {
+		return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
+	}
+	sealer := pageSealer(claimKey)
+	if t := req.GetPageToken(); t != "" {
+		var v violations
+		if p.After = v.pageToken(sealer, t, filters, p); v.err() != nil {
+			return nil, v.err()
+		}
+	}
+	page, err := a.store.List(ctx, p)
+	out := &idemregv1.ListRecordsResponse{StoreTime: timestamp(page.Now)}
+	for _, r := range page.Records {
+		if may != nil && !may(r.Consumer) {
+			continue
+		}
+		// A listing never carries results (InspectRecord has them), even
+		// from a store that read one.
+		r.Result = nil
+		rec, cerr := toRecord(r, true)
+		if cerr != nil {
+			err = cerr
+			break
+		}
+		out.Records = append(out.Records, &idemregv1.ListedRecord{Record: rec, History: toAttempts(r.History)})
+	}
+	a.audit(ctx, "list", listAttrs(p), "", err, slog.Int("page_size", p.Limit), slog.Int("records", len(out.Records)),
+		slog.Bool("more", err == nil && page.Next != nil))
+	if err != nil {
+		return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
+	}
+	if page.Next != nil {
+		out.NextPageToken = encodePageToken(sealer, filters, *page.Next)
+	}
+	return out, nil
+}
+
+// CountParked implements AdminServiceServer.
+func (a *AdminService) CountParked(ctx context.Context, req *idemregv1.CountParkedRequest) (*idemregv1.CountParkedResponse, error) {
+	var v violations
+	prefix := req.GetConsumerPrefix()
+	v.consumerPrefix("consumer_prefix", prefix)
+	if err := v.err(); err != nil {
+		return nil, err
+	}
+	if a.store.admin == nil {
+		return nil, errNoAdmin
+	}
+	may, err := administrable(ctx, prefix, true)
+	if err != nil {
+		return nil, err
+	}
+	counts, err := a.store.CountParked(ctx, prefix)
+	out := &idemregv1.CountParkedResponse{Parked: make(map[string]int64, len(counts))}
+	for consumer, n := range counts {
+		if may == nil || may(consumer) {
+			out.Parked[consumer] = n
+		}
+	}
+	a.audit(ctx, "count_parked", []slog.Attr{slog.String("consumer_prefix", echo(prefix))}, "", err, slog.Int("consumers", len(out.Parked)))
+	if err != nil {
+		return nil, a.svc.toStatus(ctx, "CountParked", storage.Key{Consumer: prefix}, err)
+	}
+	return out, nil
+}
+
+// administrable returns the filter of the consumers the caller may
+// administer among those a request reaches (consumer, or with prefix every
+// consumer starting with it), or nil when it may administer them all. The
+// authorize interceptor has already refused a caller that may administer
+// none of them; what is left is the caller granted part of a prefix, whose
+// listing shows only its part. No identity means the handler runs outside
+// the interceptors, which never happens in New: refused, not opened.
+func administrable(ctx context.Context, consumer string, prefix bool) (func(string) bool, error) {
+	id, ok := IdentityFrom(ctx)
+	if !ok {
+		return nil, newStatus(codes.Internal, ReasonInternal, "internal error", nil)
+	}
+	if !prefix {
+		return nil, nil // the interceptor checked the one consumer
+	}
+	if all, _ := id.MayAdministerUnder(consumer); all {
+		return nil, nil
+	}
+	return id.MayAdminister, nil
+}
+
+func keyAttrs(k storage.Key) []slog.Attr {
+	return []slog.Attr{slog.String("consumer", echo(k.Consumer)), slog.String("kind", kindName(k.Kind)), slog.String("key", echo(k.Key))}
+}
+
+func listAttrs(p storage.ListParams) []slog.Attr {
+	out := []slog.Attr{slog.String("consumer", echo(p.Consumer)), slog.Bool("consumer_prefix", p.Prefix)}
+	if p.State != 0 {
+		out = append(out, slog.String("state", idemregv1.State(p.State).String()))
+	}
+	if p.MinAttempt > 0 {
+		out = append(out, slog.Int64("min_attempt", p.MinAttempt))
+	}
+	if p.OlderThan > 0 {
+		out = append(out, slog.Duration("older_than", p.OlderThan))
+	}
+	if p.After != nil {
+		out = append(out, slog.Bool("continued", true))
+	}
+	return out
+}
+
+// readOnlyActions are the admin actions that change nothing: logged at
+// INFO, the others at WARN.
+var readOnlyActions = map[string]bool{"inspect": true, "list": true, "count_parked": true}
+
+// audit logs one admin action as an audit event (who: the identity; what:
+// the action and its target; when: the line's time; why: the reason) and
+// counts it by action and result.
+func (a *AdminService) audit(ctx context.Context, action string, target []slog.Attr, reason string, err error, extra ...slog.Attr) {
 	result := "ok"
 	switch {
 	case errors.Is(err, storage.ErrNotFound):
 		result = ReasonNotFound
 	case errors.Is(err, storage.ErrLeaseLost):
 		result = ReasonLeaseLost
+	case errors.Is(err, storage.ErrAlreadyCompleted):
+		result = ReasonAlreadyCompleted
 	case errors.Is(err, errOverloaded):
 		result = ReasonOverloaded
 	case err != nil:
@@ -111,17 +334,14 @@ func (a *AdminService) audit(ctx context.Context, action string, k storage.Key, 
 		identity = id.Name
 	}
 	a.m.adminActions.Add(ctx, 1, attrs(attribute.String("action", action), attribute.String("result", result)))
-	fields := []slog.Attr{
-		slog.String("action", action), slog.String("identity", identity),
-		slog.String("consumer", echo(k.Consumer)), slog.String("kind", kindName(k.Kind)), slog.String("key", echo(k.Key)),
-		slog.String("result", result),
-	}
+	fields := append([]slog.Attr{slog.String("action", action), slog.String("identity", identity)}, target...)
+	fields = append(fields, slog.String("result", result))
 	if reason != "" {
 		fields = append(fields, slog.String("reason", echo(reason)))
 	}
-	level := slog.LevelInfo
-	if action != "inspect" {
-		level = slog.LevelWarn // a change an operator made by hand
+	level := slog.LevelWarn // a change an operator made by hand
+	if readOnlyActions[action] {
+		level = slog.LevelInfo
 	}
 	a.svc.logger.LogAttrs(ctx, level, "admin action", append(fields, extra...)...)
 }

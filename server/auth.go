@@ -112,8 +112,9 @@ func unauthenticated(msg string) error {
 
 // authorize checks, before the handler reads anything, that the caller may
 // use the request's consumer: RegistryService needs a consumers grant,
-// AdminService an admin grant. A method of any other service that is not
-// public is refused: new services must be added here on purpose.
+// AdminService an admin grant (for a request by consumer prefix, a grant
+// of at least one consumer under it). A method of any other service that
+// is not public is refused: new services must be added here on purpose.
 func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
 	id, ok := IdentityFrom(ctx)
 	if !ok {
@@ -133,6 +134,15 @@ func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerI
 		}
 		return next(ctx, req)
 	}
+	if prefix, ok := adminPrefix(req); ok && service == idemregv1.AdminService_ServiceDesc.ServiceName {
+		// Many consumers, not one: the handler shows only those the
+		// identity may administer (administrable). One that may administer
+		// none of them is refused here, as for a single consumer.
+		if _, some := id.MayAdministerUnder(prefix); !some {
+			return nil, s.denied(ctx, id, prefix, "identity "+quote(id.Name)+" may administer no consumer whose name starts with "+quote(echo(prefix)))
+		}
+		return next(ctx, req)
+	}
 	r, hasConsumer := req.(interface{ GetConsumer() string })
 	if !hasConsumer {
 		return nil, s.denied(ctx, id, "", "the method is not open to identities")
@@ -149,6 +159,19 @@ func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerI
 		return nil, s.denied(ctx, id, consumer, "")
 	}
 	return next(ctx, req)
+}
+
+// adminPrefix returns the consumer prefix of an AdminService request that
+// reaches every consumer whose name starts with it: a ListRecords with
+// consumer_prefix, and every CountParked.
+func adminPrefix(req any) (string, bool) {
+	switch r := req.(type) {
+	case *idemregv1.ListRecordsRequest:
+		return r.GetConsumer(), r.GetConsumerPrefix()
+	case *idemregv1.CountParkedRequest:
+		return r.GetConsumerPrefix(), true
+	}
+	return "", false
 }
 
 func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg string) error {

@@ -51,3 +51,25 @@ func toRecord(r storage.Record, withToken bool) (*idemregv1.Record, error) {
 	}
 	return out, nil
 }
+
+// toAttempts converts a record's history for an admin response. Its
+// tokens are of ended attempts, which fence nothing any more.
+func toAttempts(h []storage.Attempt) []*idemregv1.Attempt {
+	if len(h) == 0 {
+		return nil
+	}
+	out := make([]*idemregv1.Attempt, len(h))
+	for i, a := range h {
+		out[i] = &idemregv1.Attempt{
+			Attempt:    a.Attempt,
+			Token:      a.Token,
+			Holder:     a.Holder,
+			AcquiredAt: timestamp(a.AcquiredAt()),
+			EndedAt:    timestamp(a.EndedAt),
+			End:        idemregv1.AttemptEnd(a.End),
+			ParkReason: a.ParkReason,
+			Note:       a.Note,
+		}
+	}
+	return out
+}

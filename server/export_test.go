@@ -1,6 +1,13 @@
 package server
 
-import "context"
+import (
+	"context"
+
+	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/storage"
+)
 
 // DeriveClaimSecret is derive, for tests that play a holder against a
 // store whose claim key they chose.
@@ -32,3 +39,32 @@ func QuotaUsage(srv *Server, consumer string) (records, bytes int64, ok bool) {
 // soon as it is first seen, so that a test's counts come from its own
 // RefreshQuotas calls alone. Call it before Serve.
 func WithoutQuotaWake(srv *Server) { srv.svc.quotas.wake = nil }
+
+// CountParkedNow counts srv's parked records for its gauge now, as its
+// loop does every ParkedCountInterval.
+func CountParkedNow(ctx context.Context, srv *Server) error { return srv.parked.count(ctx) }
+
+// NewAdminService returns the AdminService on store as New registers it,
+// for tests that call its handlers directly; they give it a context from
+// AsAnonymous, as the interceptors would.
+func NewAdminService(store storage.Store, limits Limits) (*AdminService, error) {
+	m, err := newMetrics(noop.NewMeterProvider())
+	if err != nil {
+		return nil, err
+	}
+	observed, err := newObservedStore(store, DefaultMaxInFlight, DefaultMaxInFlight, m, &callOutcomes{})
+	if err != nil {
+		return nil, err
+	}
+	svc, err := newService(observed, store, limits, nil, m, waiting{})
+	if err != nil {
+		return nil, err
+	}
+	return &AdminService{svc: svc, store: observed, m: m}, nil
+}
+
+// AsAnonymous is ctx as the interceptors leave it for a caller of an open
+// server.
+func AsAnonymous(ctx context.Context) context.Context {
+	return context.WithValue(ctx, identityKey{}, access.Anonymous)
+}

@@ -86,11 +86,47 @@ func (s *echoStore) Lookup(_ context.Context, k storage.Key) (storage.Record, er
 	return r, nil
 }
 
-func newEchoService(t testing.TB) (*server.Service, *echoStore) {
+// The echo store's storage.Admin: Resolve answers like Complete (or a
+// release), List and CountParked find nothing.
+
+func (s *echoStore) Inspect(_ context.Context, k storage.Key) (storage.InspectResult, error) {
+	return storage.InspectResult{Record: s.record(k), Now: time.Unix(2, 0)}, nil
+}
+
+func (s *echoStore) Invalidate(_ context.Context, p storage.InvalidateParams) (storage.Record, error) {
+	return s.record(p.Key), nil
+}
+
+func (s *echoStore) Resolve(_ context.Context, p storage.ResolveParams) (storage.Record, error) {
+	r := s.record(p.Key)
+	if p.Complete {
+		r.State, r.Result, r.CompletedAt = storage.StateCompleted, p.Result, time.Unix(2, 0)
+	}
+	return r, nil
+}
+
+func (s *echoStore) List(context.Context, storage.ListParams) (storage.ListResult, error) {
+	return storage.ListResult{Now: time.Unix(2, 0)}, nil
+}
+
+func (s *echoStore) CountParked(context.Context, string) (map[string]int64, error) {
+	return map[string]int64{}, nil
+}
+
+// services are what the fuzz targets call: the registry and the admin
+// service on one echo store.
+type services struct {
+	registry *server.Service
+	admin    *server.AdminService
+}
+
+func newEchoService(t testing.TB) (services, *echoStore) {
 	st := &echoStore{}
 	svc, err := server.NewService(st, server.DefaultLimits(), nil)
 	require.NoError(t, err)
-	return svc, st
+	admin, err := server.NewAdminService(st, server.DefaultLimits())
+	require.NoError(t, err)
+	return services{registry: svc, admin: admin}, st
 }
 
 // request is one call to the service, for the fuzz targets.
@@ -105,20 +141,47 @@ type request struct {
 	shortSecret      bool // send the claim secret cut short
 	lease, retention *durationpb.Duration
 	result           *idemregv1.Result
+	// ResolveRecord: release, when set, is the resolution instead of
+	// result (which, nil, leaves none). ListRecords: prefix, state,
+	// pageSize and pageToken; token is its min_attempt and lease its
+	// older_than.
+	release   *bool
+	prefix    bool
+	state     int32
+	pageSize  int32
+	pageToken string
 }
+
+// Methods of request.method beyond the registry's.
+const (
+	methodResolve = 6
+	methodList    = 7
+	methodCount   = 8
+	methods       = 9
+)
 
 // expectedViolations is the documented contract (docs/semantics.md,
 // "Limits"), written out independently of validate.go: the fields r
 // breaks, sorted.
 func expectedViolations(r request) []string {
 	var bad []string
-	consumerOK := r.consumer != "" && len(r.consumer) <= 128
+	// A consumer, or the start of one: at most 128 bytes of [A-Za-z0-9._:/-].
+	consumerPrefixOK := len(r.consumer) <= 128
 	for _, c := range []byte(r.consumer) {
 		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || slices.Contains([]byte("._:/-"), c)) {
-			consumerOK = false
+			consumerPrefixOK = false
 		}
 	}
-	if !consumerOK {
+	switch r.method {
+	case methodCount:
+		if !consumerPrefixOK {
+			bad = append(bad, "consumer_prefix")
+		}
+		return bad
+	case methodList:
+		return expectedListViolations(r, consumerPrefixOK)
+	}
+	if r.consumer == "" || !consumerPrefixOK {
 		bad = append(bad, "consumer")
 	}
 	if r.kind != idemregv1.Kind_KIND_MESSAGE && r.kind != idemregv1.Kind_KIND_OPERATION {
@@ -166,23 +229,23 @@ func expectedViolations(r request) []string {
 		if r.token <= 0 {
 			bad = append(bad, "token")
 		}
-		switch o := r.result.GetOutcome().(type) {
-		case nil:
-			bad = append(bad, "result")
-		case *idemregv1.Result_Response:
-			if !utf8.ValidString(o.Response.GetType()) {
-				bad = append(bad, "result.response.type")
-			}
-		case *idemregv1.Result_Failure:
-			if c := o.Failure.GetCode(); c < 1 || c > 16 {
-				bad = append(bad, "result.failure.code")
-			}
-			if !utf8.ValidString(o.Failure.GetMessage()) {
-				bad = append(bad, "result.failure.message")
-			}
+		bad = append(bad, expectedResultViolations(r.result)...)
+	case methodResolve: // ResolveRecord, with holder as its reason
+		if r.token <= 0 {
+			bad = append(bad, "token")
 		}
-		if r.result.GetOutcome() != nil && proto.Size(r.result) > server.DefaultMaxResultBytes {
-			bad = append(bad, "result")
+		if r.holder == "" || len(r.holder) > 256 || !printable(r.holder) {
+			bad = append(bad, "reason")
+		}
+		switch {
+		case r.release != nil:
+			if !*r.release {
+				bad = append(bad, "release")
+			}
+		case r.result == nil:
+			bad = append(bad, "resolution")
+		default:
+			bad = append(bad, expectedResultViolations(r.result)...)
 		}
 	case 5: // Park, with holder as its reason
 		if r.shortSecret {
@@ -209,9 +272,62 @@ func expectedViolations(r request) []string {
 	return slices.Compact(bad)
 }
 
-// call sends r to the service and returns the status.
-func call(svc *server.Service, r request) (*status.Status, *idemregv1.Record) {
+// expectedResultViolations are the fields a result to store breaks, as
+// Complete and ResolveRecord check it.
+func expectedResultViolations(res *idemregv1.Result) []string {
+	var bad []string
+	switch o := res.GetOutcome().(type) {
+	case nil:
+		bad = append(bad, "result")
+	case *idemregv1.Result_Response:
+		if !utf8.ValidString(o.Response.GetType()) {
+			bad = append(bad, "result.response.type")
+		}
+	case *idemregv1.Result_Failure:
+		if c := o.Failure.GetCode(); c < 1 || c > 16 {
+			bad = append(bad, "result.failure.code")
+		}
+		if !utf8.ValidString(o.Failure.GetMessage()) {
+			bad = append(bad, "result.failure.message")
+		}
+	}
+	if res.GetOutcome() != nil && proto.Size(res) > server.DefaultMaxResultBytes {
+		bad = append(bad, "result")
+	}
+	return bad
+}
+
+// expectedListViolations are the fields of a ListRecords r breaks.
+func expectedListViolations(r request, consumerPrefixOK bool) []string {
+	var bad []string
+	if !consumerPrefixOK || !r.prefix && r.consumer == "" {
+		bad = append(bad, "consumer")
+	}
+	if r.state < 0 || r.state > 3 {
+		bad = append(bad, "state")
+	}
+	if r.token < 0 {
+		bad = append(bad, "min_attempt")
+	}
+	if d := r.lease; d != nil && (d.CheckValid() != nil || d.AsDuration() < 0 || d.AsDuration() > 10*365*24*time.Hour) {
+		bad = append(bad, "older_than")
+	}
+	if r.pageSize < 0 || r.pageSize > 500 {
+		bad = append(bad, "page_size")
+	}
+	// Its length is checked with the filters, the token itself once they
+	// are valid; a fuzzed token is never one the server sealed.
+	if len(r.pageToken) > 1024 || len(bad) == 0 && r.pageToken != "" {
+		bad = append(bad, "page_token")
+	}
+	slices.Sort(bad)
+	return bad
+}
+
+// call sends r to the services and returns the status.
+func call(s services, r request) (*status.Status, *idemregv1.Record) {
 	ctx := context.Background()
+	svc := s.registry
 	var (
 		rec *idemregv1.Record
 		err error
@@ -241,6 +357,22 @@ func call(svc *server.Service, r request) (*status.Status, *idemregv1.Record) {
 		res, err = svc.Park(ctx, &idemregv1.ParkRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key,
 			Token: r.token, ClaimSecret: secretOf(r), Reason: r.holder})
 		rec = res.GetRecord()
+	case methodResolve:
+		req := &idemregv1.ResolveRecordRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key, Token: r.token, Reason: r.holder}
+		switch {
+		case r.release != nil:
+			req.Resolution = &idemregv1.ResolveRecordRequest_Release{Release: *r.release}
+		case r.result != nil:
+			req.Resolution = &idemregv1.ResolveRecordRequest_Result{Result: r.result}
+		}
+		var res *idemregv1.ResolveRecordResponse
+		res, err = s.admin.ResolveRecord(server.AsAnonymous(ctx), req)
+		rec = res.GetRecord()
+	case methodList:
+		_, err = s.admin.ListRecords(server.AsAnonymous(ctx), &idemregv1.ListRecordsRequest{Consumer: r.consumer, ConsumerPrefix: r.prefix,
+			State: idemregv1.State(r.state), MinAttempt: r.token, OlderThan: r.lease, PageSize: r.pageSize, PageToken: r.pageToken})
+	case methodCount:
+		_, err = s.admin.CountParked(server.AsAnonymous(ctx), &idemregv1.CountParkedRequest{ConsumerPrefix: r.consumer})
 	default:
 		var res *idemregv1.LookupResponse
 		res, err = svc.Lookup(ctx, &idemregv1.LookupRequest{Consumer: r.consumer, Kind: r.kind, Key: r.key})
@@ -295,11 +427,26 @@ func FuzzValidation(f *testing.F) {
 	f.Add(uint8(5), "billing.worker", int32(2), "op-1", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(0), uint8(4), uint8(0), "", []byte(nil), int32(0), "")
 	f.Add(uint8(5), "c", int32(1), "k", []byte(nil), "line\nbreak", int64(3), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(0), "", []byte(nil), int32(0), "")
 
+	// ResolveRecord: a result, a release, none; an invalid reason and token.
+	f.Add(uint8(6), "billing.worker", int32(2), "op-1", []byte(nil), "checked the provider", int64(7), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(1), "payments.v1.Charge", []byte("charged"), int32(0), "")
+	f.Add(uint8(6), "billing.worker", int32(2), "op-1", []byte(nil), "fixed", int64(7), int64(0), int32(0), int64(0), int32(0), uint8(24), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(6), "billing.worker", int32(2), "op-1", []byte(nil), "fixed", int64(7), int64(0), int32(0), int64(0), int32(0), uint8(8), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(6), "c", int32(1), "k", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(6), "c", int32(1), "k", []byte(nil), "tab\there", int64(3), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(2), "", []byte(nil), int32(0), "declined")
+	// ListRecords: by consumer, by prefix (every consumer), bad filters, a garbled token.
+	f.Add(uint8(7), "billing.worker", int32(0), "", []byte(nil), "", int64(2), int64(3600), int32(0), int64(0), int32(50), uint8(1), uint8(0), "", []byte(nil), int32(3), "")
+	f.Add(uint8(7), "", int32(0), "", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(0), uint8(8), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(7), "", int32(0), "", []byte(nil), "", int64(-1), int64(-5), int32(0), int64(0), int32(501), uint8(1), uint8(0), "", []byte(nil), int32(9), "")
+	f.Add(uint8(7), "billing.", int32(0), "", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(10), uint8(8), uint8(0), "", []byte(nil), int32(0), "AQID")
+	// CountParked.
+	f.Add(uint8(8), "billing.", int32(0), "", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(0), "", []byte(nil), int32(0), "")
+	f.Add(uint8(8), "bill ing", int32(0), "", []byte(nil), "", int64(0), int64(0), int32(0), int64(0), int32(0), uint8(0), uint8(0), "", []byte(nil), int32(0), "")
+
 	svc, _ := newEchoService(f)
 	f.Fuzz(func(t *testing.T, method uint8, consumer string, kind int32, key string, fingerprint []byte, holder string,
 		token, leaseSec int64, leaseNanos int32, retSec int64, retNanos int32, durations, resultKind uint8,
 		typ string, data []byte, code int32, message string) {
-		r := request{method: method % 6, consumer: consumer, kind: idemregv1.Kind(kind), key: key,
+		r := request{method: method % methods, consumer: consumer, kind: idemregv1.Kind(kind), key: key,
 			fingerprint: fingerprint, holder: holder, token: token}
 		if durations&1 != 0 {
 			r.lease = &durationpb.Duration{Seconds: leaseSec, Nanos: leaseNanos}
@@ -316,6 +463,13 @@ func FuzzValidation(f *testing.F) {
 		case 3:
 			r.result = &idemregv1.Result{}
 		}
+		if r.method == methodResolve && durations&8 != 0 {
+			release := durations&16 != 0
+			r.release = &release
+		}
+		if r.method == methodList {
+			r.prefix, r.state, r.pageSize, r.pageToken = durations&8 != 0, code, retNanos, message
+		}
 		want := expectedViolations(r)
 		st, rec := call(svc, r)
 		if len(want) > 0 {
@@ -323,8 +477,11 @@ func FuzzValidation(f *testing.F) {
 			return
 		}
 		require.Equal(t, codes.OK, st.Code(), "a valid request: %v", st.Message())
+		if r.method == methodList || r.method == methodCount {
+			return // nothing listed or counted by the echo store
+		}
 		require.Equal(t, key, rec.GetKey())
-		if r.method == 1 {
+		if r.method == 1 || r.method == methodResolve && r.release == nil {
 			require.True(t, proto.Equal(r.result, rec.GetResult()), "the result comes back as it was sent")
 		}
 	})

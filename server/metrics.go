@@ -36,6 +36,7 @@ const (
 	MetricBatchSize     = "idemreg.batch.size"
 	MetricWaits         = "idemreg.waits"
 	MetricWaitDuration  = "idemreg.wait.duration"
+	MetricParkedRecords = "idemreg.parked_records"
 )
 
 // How a waiting Claim ended, the values of the "ended" attribute of
@@ -70,6 +71,7 @@ type metrics struct {
 	storeDuration, waitDuration                  metric.Float64Histogram
 	batchSize                                    metric.Int64Histogram
 	inFlight, connections                        metric.Int64ObservableUpDownCounter
+	parkedRecords                                metric.Int64ObservableGauge
 	meter                                        metric.Meter
 }
 
@@ -115,6 +117,9 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	errs = append(errs, err)
 	out.connections, err = m.Int64ObservableUpDownCounter(MetricConnections, metric.WithUnit("{connection}"),
 		metric.WithDescription("Connections open, by listener (grpc, health); each is bounded by MaxConnections."))
+	errs = append(errs, err)
+	out.parkedRecords, err = m.Int64ObservableGauge(MetricParkedRecords, metric.WithUnit("{record}"),
+		metric.WithDescription("Live parked records per consumer, as the store counted them at the last count (every ParkedCountInterval); the same on every replica of one database."))
 	errs = append(errs, err)
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("server: metrics: %w", err)

@@ -123,6 +123,9 @@ var (
 	opLookup        = newOpMeasures("lookup")
 	opInspect       = newOpMeasures("inspect")
 	opInvalidate    = newOpMeasures("invalidate")
+	opResolve       = newOpMeasures("resolve")
+	opList          = newOpMeasures("list")
+	opCountParked   = newOpMeasures("count_parked")
 	opClaimBatch    = newOpMeasures("claim_batch")
 	opCompleteBatch = newOpMeasures("complete_batch")
 )
@@ -335,4 +338,28 @@ func (o *observedStore) Invalidate(ctx context.Context, p storage.InvalidatePara
 		return err
 	})
 	return rec, err
+}
+
+func (o *observedStore) Resolve(ctx context.Context, p storage.ResolveParams) (rec storage.Record, err error) {
+	err = o.do(ctx, opResolve, func() error {
+		rec, err = o.admin.Resolve(ctx, p)
+		return err
+	})
+	return rec, err
+}
+
+func (o *observedStore) List(ctx context.Context, p storage.ListParams) (res storage.ListResult, err error) {
+	err = o.do(ctx, opList, func() error {
+		res, err = o.admin.List(ctx, p)
+		return err
+	})
+	return res, err
+}
+
+func (o *observedStore) CountParked(ctx context.Context, prefix string) (counts map[string]int64, err error) {
+	err = o.do(ctx, opCountParked, func() error {
+		counts, err = o.admin.CountParked(ctx, prefix)
+		return err
+	})
+	return counts, err
 }

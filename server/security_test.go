@@ -70,6 +70,21 @@ func (s *spyStore) Invalidate(ctx context.Context, p storage.InvalidateParams) (
 	return s.Store.(storage.Admin).Invalidate(ctx, p)
 }
 
+func (s *spyStore) Resolve(ctx context.Context, p storage.ResolveParams) (storage.Record, error) {
+	s.calls.Add(1)
+	return s.Store.(storage.Admin).Resolve(ctx, p)
+}
+
+func (s *spyStore) List(ctx context.Context, p storage.ListParams) (storage.ListResult, error) {
+	s.calls.Add(1)
+	return s.Store.(storage.Admin).List(ctx, p)
+}
+
+func (s *spyStore) CountParked(ctx context.Context, prefix string) (map[string]int64, error) {
+	s.calls.Add(1)
+	return s.Store.(storage.Admin).CountParked(ctx, prefix)
+}
+
 // serve starts a server on a loopback listener until the test ends and
 // returns its address.
 func serve(t *testing.T, store storage.Store, cfg server.Config) (string, *server.Server) {
@@ -138,14 +153,24 @@ var everyCall = []teamCall{
 		_, err := idemregv1.NewAdminServiceClient(conn).InvalidateRecord(ctx, &idemregv1.InvalidateRecordRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key, Reason: "test"})
 		return err
 	}},
+	{"ResolveRecord", func(ctx context.Context, conn *grpc.ClientConn, consumer, key string, token int64) error {
+		_, err := idemregv1.NewAdminServiceClient(conn).ResolveRecord(ctx, &idemregv1.ResolveRecordRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key,
+			Token: token, Reason: "test", Resolution: &idemregv1.ResolveRecordRequest_Release{Release: true}})
+		return err
+	}},
+	{"ListRecords", func(ctx context.Context, conn *grpc.ClientConn, consumer, _ string, _ int64) error {
+		_, err := idemregv1.NewAdminServiceClient(conn).ListRecords(ctx, &idemregv1.ListRecordsRequest{Consumer: consumer})
+		return err
+	}},
 }
 
 // TestTeamIsolationMTLS: two identities, each allowed one consumer and
 // identified by its client certificate over mTLS (a URI SAN for one, a DNS
 // SAN for the other), on both backends. Neither can claim, complete,
-// release, extend, look up, inspect or invalidate the other's keys — not
-// even with the other's real token — and every refusal is PERMISSION_DENIED
-// whether the key exists or not, decided before the store is called.
+// release, extend, look up, inspect, invalidate, resolve or list the
+// other's keys — not even with the other's real token — and every refusal
+// is PERMISSION_DENIED whether the key exists or not, decided before the
+// store is called.
 func TestTeamIsolationMTLS(t *testing.T) {
 	ca := newPKI(t, "test CA")
 	srvCert := ca.issue("server", true, nil, nil, pkix.Name{CommonName: "idemreg"})

@@ -90,6 +90,11 @@ type Config struct {
 	// quota.go): the bound on how late a replica learns of the records
 	// other replicas created.
 	QuotaRefresh time.Duration
+	// ParkedCountInterval is how often the parked records of every
+	// consumer are counted in the store for the idemreg.parked_records
+	// gauge (DefaultParkedCountInterval; parked.go): how late the gauge
+	// may be. Negative turns the gauge off.
+	ParkedCountInterval time.Duration
 	// MaxInFlight bounds the store operations in flight; a call beyond it
 	// fails at once with UNAVAILABLE, reason OVERLOADED (DefaultMaxInFlight).
 	MaxInFlight int
@@ -187,6 +192,9 @@ func (c *Config) setDefaults() {
 	if c.QuotaRefresh <= 0 {
 		c.QuotaRefresh = DefaultQuotaRefresh
 	}
+	if c.ParkedCountInterval == 0 {
+		c.ParkedCountInterval = DefaultParkedCountInterval
+	}
 	if c.MaxInFlight <= 0 {
 		c.MaxInFlight = DefaultMaxInFlight
 	}
@@ -241,6 +249,8 @@ type Server struct {
 	// listeners are the bounded listeners, by name, once serving: read by
 	// the connections gauge.
 	listeners sync.Map // "grpc", "health" → *limitListener
+	// parked is the last count of parked records, for the gauge.
+	parked *parkedCounts
 	// outcomes counts the service's store calls for readiness; window
 	// (health loop only) keeps the last intervals' counts.
 	outcomes *callOutcomes
@@ -287,6 +297,8 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
 		outcomes:      outcomes,
 		window:        newReadinessWindow(cfg.Readiness),
+		// The backend counts: the gauge's count is not a request's store call.
+		parked: newParkedCounts(store, cfg.Logger),
 	}
 	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
 		s.listeners.Range(func(name, l any) bool {
@@ -295,6 +307,12 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		})
 		return nil
 	}, m.connections); err != nil {
+		return nil, fmt.Errorf("server: metrics: %w", err)
+	}
+	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
+		s.parked.observe(obs, m.parkedRecords)
+		return nil
+	}, m.parkedRecords); err != nil {
 		return nil, fmt.Errorf("server: metrics: %w", err)
 	}
 	opts := []grpc.ServerOption{
@@ -351,6 +369,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	s.checkHealth(ctx)
 	go s.watchHealth(ctx)
 	loops.Go(func() { s.svc.quotas.run(ctx, s.cfg.QuotaRefresh) })
+	loops.Go(func() { s.parked.run(ctx, s.cfg.ParkedCountInterval) })
 
 	lis = s.limitConnections("grpc", lis)
 	served := make(chan error, 1)
@@ -494,8 +513,10 @@ func (s *Server) checkHealth(ctx context.Context) {
 //  5. a request that did not decode is refused (codec.go): INVALID_ARGUMENT,
 //     reason MALFORMED_REQUEST;
 //  6. authorization (same selector): the identity may use the request's
-//     consumer (RegistryService) or administer it (AdminService), or
-//     PERMISSION_DENIED — before the handler has read anything;
+//     consumer (RegistryService) or administer it (AdminService; for a
+//     request by consumer prefix, at least one consumer under it, and the
+//     handler shows only those), or PERMISSION_DENIED — before the handler
+//     has read anything;
 //  7. calls per identity (bounds.go): an identity with MaxCallsPerIdentity
 //     calls in progress gets RESOURCE_EXHAUSTED, TOO_MANY_CALLS;
 //  8. rate limit: the identity's token bucket, then the consumer's, or

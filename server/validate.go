@@ -39,18 +39,10 @@ func consumerByteOK(c byte) bool {
 
 // key validates the (consumer, kind, key) triple shared by every request.
 func (v *violations) key(consumer string, kind idemregv1.Kind, key string) storage.Key {
-	switch {
-	case consumer == "":
+	if consumer == "" {
 		v.add("consumer", "required")
-	case len(consumer) > MaxConsumerBytes:
-		v.add("consumer", "must be at most %d bytes, got %d", MaxConsumerBytes, len(consumer))
-	default:
-		for i := 0; i < len(consumer); i++ {
-			if !consumerByteOK(consumer[i]) {
-				v.add("consumer", "must contain only [A-Za-z0-9._:/-], found %q at byte %d", consumer[i], i)
-				break
-			}
-		}
+	} else {
+		v.consumerPrefix("consumer", consumer)
 	}
 	k := storage.Kind(kind)
 	if kind != idemregv1.Kind_KIND_MESSAGE && kind != idemregv1.Kind_KIND_OPERATION {
@@ -65,6 +57,67 @@ func (v *violations) key(consumer string, kind idemregv1.Kind, key string) stora
 		v.printable("key", key)
 	}
 	return storage.Key{Consumer: consumer, Kind: k, Key: key}
+}
+
+// consumerPrefix checks that s is a consumer name or the start of one:
+// empty, or within the bounds and the charset of consumer names.
+func (v *violations) consumerPrefix(field, s string) {
+	if len(s) > MaxConsumerBytes {
+		v.add(field, "must be at most %d bytes, got %d", MaxConsumerBytes, len(s))
+		return
+	}
+	for i := 0; i < len(s); i++ {
+		if !consumerByteOK(s[i]) {
+			v.add(field, "must contain only [A-Za-z0-9._:/-], found %q at byte %d", s[i], i)
+			return
+		}
+	}
+}
+
+// reason checks an operator's reason (InvalidateRecord, ResolveRecord): it
+// goes to the audit log and the record's history, so it is required,
+// short, and printable.
+func (v *violations) reason(field, reason string) {
+	switch {
+	case reason == "":
+		v.add(field, "required: say why, for the audit log")
+	case len(reason) > MaxReasonBytes:
+		v.add(field, "must be at most %d bytes, got %d", MaxReasonBytes, len(reason))
+	default:
+		v.printable(field, reason)
+	}
+}
+
+// result checks a result to store (Complete, ResolveRecord) under field
+// and returns its encoding: the bytes every later Claim replays, the same
+// whoever stored them.
+func (v *violations) result(field string, res *idemregv1.Result, maxBytes int) []byte {
+	switch o := res.GetOutcome().(type) {
+	case nil:
+		v.add(field, "required: a response or a failure")
+		return nil
+	case *idemregv1.Result_Failure:
+		if c := o.Failure.GetCode(); c <= 0 || c > 16 {
+			v.add(field+".failure.code", "must be a google.rpc.Code other than OK (1-16), got %d", c)
+		}
+		if !utf8.ValidString(o.Failure.GetMessage()) {
+			v.add(field+".failure.message", "must be valid UTF-8")
+		}
+	case *idemregv1.Result_Response:
+		if !utf8.ValidString(o.Response.GetType()) {
+			v.add(field+".response.type", "must be valid UTF-8")
+		}
+	}
+	if n := proto.Size(res); n > maxBytes {
+		v.add(field, "encoded result must be at most %d bytes, got %d", maxBytes, n)
+		return nil
+	}
+	b, err := (proto.MarshalOptions{Deterministic: true}).Marshal(res)
+	if err != nil {
+		v.add(field, "cannot be encoded: %v", err)
+		return nil
+	}
+	return b
 }
 
 // printable checks that s is valid UTF-8 of printable characters (letters,
@@ -171,31 +224,7 @@ func (s *Service) validateComplete(r *idemregv1.CompleteRequest) (storage.Comple
 	var v violations
 	p := storage.CompleteParams{Key: v.key(r.GetConsumer(), r.GetKind(), r.GetKey()), Token: r.GetToken()}
 	v.fence(r.GetToken(), r.GetClaimSecret())
-	res := r.GetResult()
-	switch o := res.GetOutcome().(type) {
-	case nil:
-		v.add("result", "required: a response or a failure")
-	case *idemregv1.Result_Failure:
-		if c := o.Failure.GetCode(); c <= 0 || c > 16 {
-			v.add("result.failure.code", "must be a google.rpc.Code other than OK (1-16), got %d", c)
-		}
-		if !utf8.ValidString(o.Failure.GetMessage()) {
-			v.add("result.failure.message", "must be valid UTF-8")
-		}
-	case *idemregv1.Result_Response:
-		if !utf8.ValidString(o.Response.GetType()) {
-			v.add("result.response.type", "must be valid UTF-8")
-		}
-	}
-	if res.GetOutcome() != nil {
-		if n := proto.Size(res); n > s.limits.MaxResultBytes {
-			v.add("result", "encoded result must be at most %d bytes, got %d", s.limits.MaxResultBytes, n)
-		} else if b, err := (proto.MarshalOptions{Deterministic: true}).Marshal(res); err != nil {
-			v.add("result", "cannot be encoded: %v", err)
-		} else {
-			p.Result = b
-		}
-	}
+	p.Result = v.result("result", r.GetResult(), s.limits.MaxResultBytes)
 	return p, v.err()
 }
 

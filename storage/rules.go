@@ -88,6 +88,10 @@ func DecideClaim(now time.Time, cur *Record, p ClaimParams) (res ClaimResult, wr
 	}
 	// Takeover of an expired lease.
 	rec := *cur
+	if cur.Lease > 0 {
+		// Someone held the token taken over (not an operator's fresh one).
+		rec.History = appendHistory(cur.History, ended(cur, cur.LeaseExpiresAt, AttemptTakenOver, ""))
+	}
 	if len(rec.Fingerprint) == 0 {
 		rec.Fingerprint = p.Fingerprint
 	}
@@ -258,6 +262,13 @@ func DecideLookup(now time.Time, cur *Record) (Record, error) {
 		return Record{}, ErrNotFound
 	}
 	return *cur, nil
+}
+
+func minTime(a, b time.Time) time.Time {
+	if a.Before(b) {
+		return a
+	}
+	return b
 }
 
 func maxTime(a, b time.Time) time.Time {

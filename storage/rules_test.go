@@ -1,6 +1,7 @@
 package storage_test
 
 import (
+	"fmt"
 	"testing"
 	"time"
 
@@ -31,6 +32,12 @@ func stored(edit func(r *storage.Record)) *storage.Record {
 		edit(r)
 	}
 	return r
+}
+
+// takenOver is the history entry of stored(nil)'s attempt ended by a
+// takeover: its lease ended at t0+10s.
+func takenOver(r *storage.Record) {
+	r.History = []storage.Attempt{{Attempt: 1, Token: t0.UnixMicro(), Holder: "a", EndedAt: t0.Add(10 * time.Second), End: storage.AttemptTakenOver}}
 }
 
 // parkedAt parks a record at t0+20s (its lease ran out) with reason.
@@ -116,12 +123,14 @@ func TestDecideClaim(t *testing.T) {
 			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
 				now := t0.Add(10 * time.Second)
 				r.Token, r.Attempt, r.Holder, r.RequestID = now.UnixMicro(), 2, "b", "r2"
+				takenOver(r)
 				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
 			})}, wantWrite: true},
 		{name: "lease over, same request id: a takeover, not a repeat", now: t0.Add(11 * time.Second), cur: stored(nil), p: claim("fp", "a", "r1"),
 			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
 				now := t0.Add(11 * time.Second)
 				r.Token, r.Attempt = now.UnixMicro(), 2
+				takenOver(r)
 				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
 			})}, wantWrite: true},
 		{name: "lease over, other fingerprint", now: t0.Add(11 * time.Second), cur: stored(nil), p: claim("other", "b", "r2"),
@@ -131,6 +140,7 @@ func TestDecideClaim(t *testing.T) {
 			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
 				now := t0.Add(11 * time.Second)
 				r.Fingerprint, r.Token, r.Attempt, r.Holder, r.RequestID = []byte("new"), now.UnixMicro(), 2, "b", "r2"
+				takenOver(r)
 				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
 			})}, wantWrite: true},
 		{name: "takeover with a token ahead of the clock: token + 1", now: t0.Add(11 * time.Second),
@@ -138,12 +148,14 @@ func TestDecideClaim(t *testing.T) {
 			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
 				now := t0.Add(11 * time.Second)
 				r.Token, r.Attempt, r.Holder, r.RequestID = t0.Add(time.Hour).UnixMicro()+1, 2, "b", "r2"
+				r.History = []storage.Attempt{{Attempt: 1, Token: t0.Add(time.Hour).UnixMicro(), Holder: "a", EndedAt: t0.Add(10 * time.Second), End: storage.AttemptTakenOver}}
 				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
 			})}, wantWrite: true},
 		{name: "lease over below max attempts: takeover", now: t0.Add(20 * time.Second), cur: stored(nil), p: atMost(2, claim("fp", "b", "r2")),
 			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
 				now := t0.Add(20 * time.Second)
 				r.Token, r.Attempt, r.Holder, r.RequestID = now.UnixMicro(), 2, "b", "r2"
+				takenOver(r)
 				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
 			})}, wantWrite: true},
 		{name: "lease over at max attempts exactly: parked as it is, kept for its retention from now",
@@ -159,6 +171,7 @@ func TestDecideClaim(t *testing.T) {
 			want: storage.ClaimResult{Outcome: storage.OutcomeAcquired, Record: *stored(func(r *storage.Record) {
 				now := t0.Add(20 * time.Second)
 				r.Token, r.Attempt, r.Holder, r.RequestID = now.UnixMicro(), 101, "b", "r2"
+				r.History = []storage.Attempt{{Attempt: 100, Token: t0.UnixMicro(), Holder: "a", EndedAt: t0.Add(10 * time.Second), End: storage.AttemptTakenOver}}
 				r.LeaseExpiresAt, r.Lease, r.ExpiresAt, r.Retention = now.Add(20*time.Second), 20*time.Second, now.Add(20*time.Second+2*time.Hour), 2*time.Hour
 			})}, wantWrite: true},
 		{name: "live lease at max attempts: in progress, not parked", now: t0.Add(4 * time.Second), cur: stored(nil), p: atMost(1, claim("fp", "b", "r2")),
@@ -313,17 +326,108 @@ func TestDecideInvalidateParked(t *testing.T) {
 		r.Attempt = 3
 		parkedAt("why")(r)
 	})
-	rec, write, err := storage.DecideInvalidate(now, cur, storage.InvalidateParams{Key: key})
+	rec, write, err := storage.DecideInvalidate(now, cur, storage.InvalidateParams{Key: key, Reason: "gone"})
 	require.NoError(t, err)
 	require.True(t, write)
 	require.Equal(t, *stored(func(r *storage.Record) {
-		r.Attempt, r.Fingerprint, r.Token, r.LeaseExpiresAt = 0, nil, now.UnixMicro(), now
+		r.Attempt, r.Fingerprint, r.Token, r.LeaseExpiresAt, r.Lease = 0, nil, now.UnixMicro(), now, 0
 		r.ExpiresAt = now.Add(time.Hour)
+		r.History = []storage.Attempt{{Attempt: 3, Token: t0.UnixMicro(), Holder: "a", EndedAt: now, End: storage.AttemptInvalidated, ParkReason: "why", Note: "gone"}}
 	}), rec, "resolved: in progress, no reason, attempts counted afresh")
 	res, _, err := storage.DecideClaim(now, &rec, storage.ClaimParams{Key: key, Lease: time.Second, Retention: time.Hour, MaxAttempts: 1})
 	require.NoError(t, err)
 	require.Equal(t, storage.OutcomeAcquired, res.Outcome, "the next Claim takes over")
 	require.Equal(t, int64(1), res.Record.Attempt)
+}
+
+func TestDecideResolve(t *testing.T) {
+	now := t0.Add(time.Minute)
+	parked := stored(func(r *storage.Record) { r.Attempt = 3; parkedAt("unknown")(r) })
+	resolve := func(token int64, complete bool) storage.ResolveParams {
+		p := storage.ResolveParams{Key: key, Token: token, Reason: "checked the provider", Complete: complete}
+		if complete {
+			p.Result = []byte("by hand")
+		}
+		return p
+	}
+	entry := func(end storage.AttemptEnd, parkReason string, attempt int64) []storage.Attempt {
+		return []storage.Attempt{{Attempt: attempt, Token: t0.UnixMicro(), Holder: "a", EndedAt: now, End: end, ParkReason: parkReason, Note: "checked the provider"}}
+	}
+	for _, tc := range []struct {
+		name      string
+		now       time.Time
+		cur       *storage.Record
+		p         storage.ResolveParams
+		want      *storage.Record
+		wantWrite bool
+		wantErr   error
+	}{
+		{name: "absent", now: now, p: resolve(t0.UnixMicro(), true), wantErr: storage.ErrNotFound},
+		{name: "expired", now: t0.Add(2 * time.Hour), cur: stored(nil), p: resolve(t0.UnixMicro(), true), wantErr: storage.ErrNotFound},
+		{name: "another token: someone acted first", now: now, cur: parked, p: resolve(t0.UnixMicro()+1, true), wantErr: storage.ErrLeaseLost},
+		{name: "completed: refused", now: now, cur: stored(completed), p: resolve(t0.UnixMicro(), false), wantErr: storage.ErrAlreadyCompleted},
+		{name: "parked, with a result: completed under a fresh token, kept its retention from now", now: now, cur: parked, p: resolve(t0.UnixMicro(), true),
+			want: stored(func(r *storage.Record) {
+				r.Attempt, r.State, r.Result, r.CompletedAt, r.Token = 3, storage.StateCompleted, []byte("by hand"), now, now.UnixMicro()
+				r.LeaseExpiresAt, r.ExpiresAt, r.Lease = t0.Add(10*time.Second), now.Add(time.Hour), 0
+				r.History = entry(storage.AttemptResolvedCompleted, "unknown", 3)
+			}), wantWrite: true},
+		{name: "parked, released: in progress, lease over, attempt 0, fingerprint kept", now: now, cur: parked, p: resolve(t0.UnixMicro(), false),
+			want: stored(func(r *storage.Record) {
+				r.Attempt, r.Token, r.LeaseExpiresAt, r.ExpiresAt, r.Lease = 0, now.UnixMicro(), now, now.Add(time.Hour), 0
+				r.History = entry(storage.AttemptResolvedReleased, "unknown", 3)
+			}), wantWrite: true},
+		{name: "stuck under a live lease, released: the lease ends now", now: t0.Add(5 * time.Second), cur: stored(nil), p: resolve(t0.UnixMicro(), false),
+			want: stored(func(r *storage.Record) {
+				at := t0.Add(5 * time.Second)
+				r.Attempt, r.Token, r.LeaseExpiresAt, r.Lease = 0, at.UnixMicro(), at, 0
+				r.History = []storage.Attempt{{Attempt: 1, Token: t0.UnixMicro(), Holder: "a", EndedAt: at, End: storage.AttemptResolvedReleased, Note: "checked the provider"}}
+			}), wantWrite: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec, write, err := storage.DecideResolve(tc.now, tc.cur, tc.p)
+			var want storage.Record
+			if tc.want != nil {
+				want = *tc.want
+			}
+			requireDecision(t, want, tc.wantWrite, tc.wantErr, rec, write, err)
+		})
+	}
+	// The resolved record answers the next Claim as the rules say.
+	done, _, _ := storage.DecideResolve(now, parked, resolve(t0.UnixMicro(), true))
+	res, write, err := storage.DecideClaim(now.Add(time.Second), &done, storage.ClaimParams{Key: key, Fingerprint: []byte("fp")})
+	require.NoError(t, err)
+	require.False(t, write)
+	require.Equal(t, storage.OutcomeCompleted, res.Outcome, "the operator's result is replayed")
+	again, _, _ := storage.DecideResolve(now, parked, resolve(t0.UnixMicro(), false))
+	res, _, err = storage.DecideClaim(now.Add(time.Second), &again, storage.ClaimParams{Key: key, Fingerprint: []byte("fp"), Lease: time.Second, Retention: time.Hour, MaxAttempts: 3})
+	require.NoError(t, err)
+	require.Equal(t, storage.OutcomeAcquired, res.Outcome, "released: the next Claim acquires")
+	require.Equal(t, int64(1), res.Record.Attempt, "attempts counted afresh")
+	require.Greater(t, res.Record.Token, again.Token)
+	require.Empty(t, res.Record.History[1:], "the operator's token, held by nobody, adds no attempt when taken over")
+}
+
+func TestHistoryIsBounded(t *testing.T) {
+	cur := stored(nil)
+	now := t0
+	for i := range storage.MaxHistory + 3 {
+		now = now.Add(time.Minute)
+		res, write, err := storage.DecideClaim(now, cur, storage.ClaimParams{Key: key, Fingerprint: []byte("fp"), Holder: fmt.Sprint("h", i),
+			Lease: time.Second, Retention: time.Hour})
+		require.NoError(t, err)
+		require.True(t, write)
+		prev := cur
+		cur = &res.Record
+		require.LessOrEqual(t, len(cur.History), storage.MaxHistory)
+		last := cur.History[len(cur.History)-1]
+		require.Equal(t, prev.Token, last.Token, "the attempt taken over is the last entry")
+		require.Equal(t, prev.Attempt, last.Attempt)
+		require.True(t, last.EndedAt.Equal(prev.LeaseExpiresAt))
+		require.Len(t, prev.History, min(i, storage.MaxHistory), "a decision does not change the record it was given")
+	}
+	require.Len(t, cur.History, storage.MaxHistory)
+	require.Equal(t, int64(storage.MaxHistory+4)-int64(storage.MaxHistory), cur.History[0].Attempt, "the oldest entries go first")
 }
 
 func TestDecideLookup(t *testing.T) {

@@ -75,8 +75,10 @@ type Record struct {
 	Attempt int64
 	Holder  string
 	// Lease is the length of the current lease, as the Claim that acquired
-	// it or the last Extend set it; zero for a record written before
-	// records kept it. An Extend without a lease extends by it.
+	// it or the last Extend set it. An Extend without a lease extends by
+	// it. Zero when nobody holds the current token (an operator's
+	// Invalidate or Resolve issued it), and for a record written before
+	// records kept it.
 	Lease time.Duration
 	// RequestID is the request_id of the Claim that acquired the current
 	// lease, empty when it sent none; a repeat of that Claim while the
@@ -96,6 +98,11 @@ type Record struct {
 	// ParkReason says why the record is parked: the holder's reason given
 	// to Park, or ParkReasonMaxAttempts. Empty unless parked.
 	ParkReason string
+	// History is the record's last ended attempts, oldest first, at most
+	// MaxHistory (DecideClaim's takeover, DecideInvalidate and
+	// DecideResolve append to it). Only Admin's Inspect and List return
+	// it; the answers of the other methods leave it nil.
+	History []Attempt
 }
 
 // ParkReasonMaxAttempts is the ParkReason of a record a Claim parked

@@ -29,7 +29,9 @@ type Usage struct {
 // RecordBytes is what a record counts against its consumer's max_bytes:
 // the bytes of the fields a caller chose, as they are stored — consumer,
 // key, fingerprint, holder, request id, park reason and the encoded
-// result. The
+// result. The attempt history (at most MaxHistory entries of a holder, a
+// park reason and an operator's reason, each bounded by the server) is
+// not counted either, nor are the
 // fixed-size fields (state, tokens, times, durations) and each store's own
 // overhead (row headers, indexes, pebble's key encoding and its expiry
 // index) are not counted, so a store holds somewhat more than this, by a

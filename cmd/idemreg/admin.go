@@ -9,31 +9,63 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
-// adminUsage lists the admin subcommands. list and resolve need
-// AdminService calls that do not exist yet (issue 15).
-const adminUsage = `idemreg admin: an operator's calls to a running registry
+// adminUsage lists the admin subcommands.
+const adminUsage = `idemreg admin: an operator's calls to a running registry (AdminService), answers as JSON
 
-  idemreg admin inspect    --consumer C --kind K --key KEY   the record as stored, token and result included
+  idemreg admin list       [--consumer C | --prefix P] [--state S] [--min-attempt N] [--older-than D]
+                           [--page-size N] [--page-token T] [--all]
+                           live records in key order, without results, one page at a time (--all:
+                           every page); neither --consumer nor --prefix lists every consumer the
+                           identity may administer; --state parked|in_progress|completed
+  idemreg admin inspect    --consumer C --kind K --key KEY
+                           the record as stored, token, result and attempt history included
+  idemreg admin resolve    --consumer C --kind K --key KEY --expect-token T --reason TEXT
+                           (--release | --response-type TYPE [--response-data S | --response-file F]
+                                      | --failure-code CODE [--failure-message TEXT])
+                           settle a parked or stuck record the operator inspected (T is its token):
+                           --release for a fresh attempt (attempt 1 again), or complete it with a
+                           result that every later Claim replays
   idemreg admin invalidate --consumer C --kind K --key KEY --reason TEXT [--expect-token T]
                            end the record's lease or result: the next Claim takes over
 
-Connection flags (every subcommand): --addr, --token (or IDEMREG_TOKEN), --tls-ca,
+Run "idemreg admin <command> -h" for the flags of a command.
+Connection flags (every command): --addr, --token (or IDEMREG_TOKEN), --tls-ca,
 --tls-cert and --tls-key (a client certificate), --server-name, --timeout.
 Without --tls-ca the connection is plaintext, which only a loopback --addr accepts.
 `
+
+// adminCall is one command's call, its flags parsed and checked.
+type adminCall func(ctx context.Context, api idemregv1.AdminServiceClient) (proto.Message, error)
+
+// adminCommand binds a command's flags on fs and returns what, once they
+// are parsed, checks them and makes its call.
+type adminCommand struct {
+	synopsis string
+	bind     func(fs *flag.FlagSet) func() (adminCall, error)
+}
+
+var adminCommands = map[string]adminCommand{
+	"list":       {"[--consumer C | --prefix P] [filters] [--all]", bindList},
+	"inspect":    {"--consumer C --kind K --key KEY", bindInspect},
+	"resolve":    {"--consumer C --kind K --key KEY --expect-token T --reason TEXT (--release | a result)", bindResolve},
+	"invalidate": {"--consumer C --kind K --key KEY --reason TEXT [--expect-token T]", bindInvalidate},
+}
 
 // admin runs an AdminService call against a server, with the credentials
 // a service would use, and prints the answer as JSON.
@@ -45,22 +77,30 @@ func admin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		return nil
 	}
-	cmd := args[0]
-	fs := flag.NewFlagSet("idemreg admin "+cmd, flag.ContinueOnError)
+	name := args[0]
+	cmd, ok := adminCommands[name]
+	if !ok {
+		fmt.Fprint(stderr, adminUsage)
+		return fmt.Errorf("unknown admin command %q", name)
+	}
+	fs := flag.NewFlagSet("idemreg admin "+name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "usage: idemreg admin %s %s\n\nflags:\n", name, cmd.synopsis)
+		fs.PrintDefaults()
+	}
 	c := adminConn{}
 	c.bind(fs)
-	consumer := fs.String("consumer", "", "the record's consumer")
-	kind := fs.String("kind", "", "message or operation")
-	key := fs.String("key", "", "the record's key")
-	reason := fs.String("reason", "", "invalidate: why, for the audit log (required)")
-	expect := fs.Int64("expect-token", 0, "invalidate: act only if this is still the record's token (as inspect showed it)")
+	prepare := cmd.bind(fs)
 	if err := parse(fs, args[1:]); err != nil {
 		return err
 	}
-	k, err := parseKind(*kind)
+	if fs.NArg() > 0 {
+		return fmt.Errorf("admin %s: unexpected arguments %q", name, fs.Args())
+	}
+	call, err := prepare()
 	if err != nil {
-		return err
+		return fmt.Errorf("admin %s: %w", name, err)
 	}
 	conn, ctx, cancel, err := c.dial(ctx)
 	if err != nil {
@@ -68,22 +108,9 @@ func admin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	defer cancel()
 	defer conn.Close()
-	api := idemregv1.NewAdminServiceClient(conn)
-	var out proto.Message
-	switch cmd {
-	case "inspect":
-		out, err = api.InspectRecord(ctx, &idemregv1.InspectRecordRequest{Consumer: *consumer, Kind: k, Key: *key})
-	case "invalidate":
-		if strings.TrimSpace(*reason) == "" {
-			return errors.New("invalidate needs --reason: it goes to the audit log")
-		}
-		out, err = api.InvalidateRecord(ctx, &idemregv1.InvalidateRecordRequest{Consumer: *consumer, Kind: k, Key: *key, Token: *expect, Reason: *reason})
-	default:
-		fmt.Fprint(stderr, adminUsage)
-		return fmt.Errorf("unknown admin command %q", cmd)
-	}
+	out, err := call(ctx, idemregv1.NewAdminServiceClient(conn))
 	if err != nil {
-		return &exitError{code: 1, err: fmt.Errorf("admin %s: %w", cmd, err)}
+		return &exitError{code: 1, err: fmt.Errorf("admin %s: %w", name, err)}
 	}
 	b, err := protojson.MarshalOptions{Multiline: true, Indent: "  "}.Marshal(out)
 	if err != nil {
@@ -91,6 +118,157 @@ func admin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	_, err = fmt.Fprintln(stdout, string(b))
 	return err
+}
+
+// keyFlags name one record.
+type keyFlags struct{ consumer, kind, key string }
+
+func (k *keyFlags) bind(fs *flag.FlagSet) {
+	fs.StringVar(&k.consumer, "consumer", "", "the record's consumer")
+	fs.StringVar(&k.kind, "kind", "", "the record's kind: message or operation")
+	fs.StringVar(&k.key, "key", "", "the record's key")
+}
+
+func bindInspect(fs *flag.FlagSet) func() (adminCall, error) {
+	var k keyFlags
+	k.bind(fs)
+	return func() (adminCall, error) {
+		kind, err := parseKind(k.kind)
+		if err != nil {
+			return nil, err
+		}
+		return func(ctx context.Context, api idemregv1.AdminServiceClient) (proto.Message, error) {
+			return api.InspectRecord(ctx, &idemregv1.InspectRecordRequest{Consumer: k.consumer, Kind: kind, Key: k.key})
+		}, nil
+	}
+}
+
+func bindInvalidate(fs *flag.FlagSet) func() (adminCall, error) {
+	var k keyFlags
+	k.bind(fs)
+	reason := fs.String("reason", "", "why, for the audit log and the record's history (required)")
+	expect := fs.Int64("expect-token", 0, "act only if this is still the record's token (as inspect showed it)")
+	return func() (adminCall, error) {
+		kind, err := parseKind(k.kind)
+		if err != nil {
+			return nil, err
+		}
+		if strings.TrimSpace(*reason) == "" {
+			return nil, errors.New("invalidate needs --reason: it goes to the audit log")
+		}
+		return func(ctx context.Context, api idemregv1.AdminServiceClient) (proto.Message, error) {
+			return api.InvalidateRecord(ctx, &idemregv1.InvalidateRecordRequest{Consumer: k.consumer, Kind: kind, Key: k.key, Token: *expect, Reason: *reason})
+		}, nil
+	}
+}
+
+func bindResolve(fs *flag.FlagSet) func() (adminCall, error) {
+	var k keyFlags
+	k.bind(fs)
+	reason := fs.String("reason", "", "why, for the audit log and the record's history (required)")
+	expect := fs.Int64("expect-token", 0, "the record's current token, as inspect or list showed it (required): of two operators, only the first acts")
+	release := fs.Bool("release", false, "release the record for a fresh attempt: the next Claim acquires it as attempt 1")
+	respType := fs.String("response-type", "", "complete with a response of this type (the message's full name, as the service's Complete would store it)")
+	respData := fs.String("response-data", "", "the response's bytes, as given")
+	respFile := fs.String("response-file", "", "a file holding the response's bytes")
+	failCode := fs.String("failure-code", "", "complete with a failure of this google.rpc.Code (1-16, or its name: FAILED_PRECONDITION)")
+	failMsg := fs.String("failure-message", "", "the failure's message")
+	return func() (adminCall, error) {
+		kind, err := parseKind(k.kind)
+		if err != nil {
+			return nil, err
+		}
+		if strings.TrimSpace(*reason) == "" {
+			return nil, errors.New("resolve needs --reason: it goes to the audit log and the record's history")
+		}
+		if *expect <= 0 {
+			return nil, errors.New("resolve needs --expect-token: the record's token as inspect or list showed it")
+		}
+		req := &idemregv1.ResolveRecordRequest{Consumer: k.consumer, Kind: kind, Key: k.key, Token: *expect, Reason: *reason}
+		response := *respType != "" || *respData != "" || *respFile != ""
+		failure := *failCode != "" || *failMsg != ""
+		switch {
+		case *release && (response || failure), response && failure:
+			return nil, errors.New("give exactly one of --release, a response (--response-*) or a failure (--failure-*)")
+		case *release:
+			req.Resolution = &idemregv1.ResolveRecordRequest_Release{Release: true}
+		case response:
+			if *respData != "" && *respFile != "" {
+				return nil, errors.New("--response-data and --response-file are the same bytes: give one")
+			}
+			data := []byte(*respData)
+			if *respFile != "" {
+				if data, err = os.ReadFile(*respFile); err != nil {
+					return nil, err
+				}
+			}
+			req.Resolution = &idemregv1.ResolveRecordRequest_Result{Result: &idemregv1.Result{
+				Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: *respType, Data: data}}}}
+		case failure:
+			code, err := parseCode(*failCode)
+			if err != nil {
+				return nil, err
+			}
+			req.Resolution = &idemregv1.ResolveRecordRequest_Result{Result: &idemregv1.Result{
+				Outcome: &idemregv1.Result_Failure{Failure: &idemregv1.Failure{Code: int32(code), Message: *failMsg}}}}
+		default:
+			return nil, errors.New("resolve needs --release, a response (--response-type) or a failure (--failure-code)")
+		}
+		return func(ctx context.Context, api idemregv1.AdminServiceClient) (proto.Message, error) {
+			return api.ResolveRecord(ctx, req)
+		}, nil
+	}
+}
+
+func bindList(fs *flag.FlagSet) func() (adminCall, error) {
+	consumer := fs.String("consumer", "", "list this consumer's records")
+	prefix := fs.String("prefix", "", "list the records of the consumers whose name starts with this; without --consumer and --prefix, every consumer the identity may administer")
+	state := fs.String("state", "", "only records in this state: parked, in_progress or completed (default: any)")
+	minAttempt := fs.Int64("min-attempt", 0, "only records acquired at least this many times")
+	olderThan := fs.Duration("older-than", 0, "only records first claimed at least this long ago (default: any)")
+	pageSize := fs.Int("page-size", 0, "records per page, 1-500 (default: the server's, 100)")
+	pageToken := fs.String("page-token", "", "start at this next_page_token of an earlier page (with the same filters)")
+	all := fs.Bool("all", false, "follow next_page_token to the end and print every record as one answer")
+	return func() (adminCall, error) {
+		if *consumer != "" && *prefix != "" {
+			return nil, errors.New("give --consumer or --prefix, not both")
+		}
+		st, err := parseState(*state)
+		if err != nil {
+			return nil, err
+		}
+		if *pageSize < 0 || *pageSize > 500 {
+			return nil, fmt.Errorf("--page-size must be between 1 and 500 (0: the server's default), got %d", *pageSize)
+		}
+		req := &idemregv1.ListRecordsRequest{Consumer: *consumer, ConsumerPrefix: *consumer == "", State: st,
+			MinAttempt: *minAttempt, PageSize: int32(*pageSize), PageToken: *pageToken}
+		if req.ConsumerPrefix {
+			req.Consumer = *prefix
+		}
+		if *olderThan != 0 {
+			req.OlderThan = durationpb.New(*olderThan)
+		}
+		return func(ctx context.Context, api idemregv1.AdminServiceClient) (proto.Message, error) {
+			if !*all {
+				return api.ListRecords(ctx, req)
+			}
+			// Every page, as one answer: the records in order and the
+			// store's clock at the last page.
+			out := &idemregv1.ListRecordsResponse{}
+			for {
+				page, err := api.ListRecords(ctx, req)
+				if err != nil {
+					return nil, err
+				}
+				out.Records = append(out.Records, page.GetRecords()...)
+				out.StoreTime = page.GetStoreTime()
+				if page.GetNextPageToken() == "" {
+					return out, nil
+				}
+				req.PageToken = page.GetNextPageToken()
+			}
+		}, nil
+	}
 }
 
 func parseKind(s string) (idemregv1.Kind, error) {
@@ -101,6 +279,32 @@ func parseKind(s string) (idemregv1.Kind, error) {
 		return idemregv1.Kind_KIND_OPERATION, nil
 	}
 	return 0, fmt.Errorf("--kind must be message or operation, got %q", s)
+}
+
+func parseState(s string) (idemregv1.State, error) {
+	switch strings.TrimPrefix(strings.ToLower(s), "state_") {
+	case "", "any":
+		return idemregv1.State_STATE_UNSPECIFIED, nil
+	case "in_progress", "in-progress":
+		return idemregv1.State_STATE_IN_PROGRESS, nil
+	case "completed":
+		return idemregv1.State_STATE_COMPLETED, nil
+	case "parked":
+		return idemregv1.State_STATE_PARKED, nil
+	}
+	return 0, fmt.Errorf("--state must be parked, in_progress, completed or any, got %q", s)
+}
+
+// parseCode reads a google.rpc.Code by number or by name.
+func parseCode(s string) (codes.Code, error) {
+	if n, err := strconv.ParseUint(s, 10, 32); err == nil {
+		return codes.Code(n), nil // the server checks the range
+	}
+	var c codes.Code
+	if err := c.UnmarshalJSON([]byte(strconv.Quote(strings.ToUpper(s)))); err != nil {
+		return 0, fmt.Errorf("--failure-code must be a google.rpc.Code, 1-16 or its name (NOT_FOUND, FAILED_PRECONDITION, ...), got %q", s)
+	}
+	return c, nil
 }
 
 // adminConn is how admin reaches a server: the flags a service's client
@@ -117,7 +321,7 @@ func (c *adminConn) bind(fs *flag.FlagSet) {
 	fs.StringVar(&c.cert, "tls-cert", "", "PEM client certificate, for an identity of its subject (with --tls-key)")
 	fs.StringVar(&c.key, "tls-key", "", "PEM key of --tls-cert")
 	fs.StringVar(&c.serverName, "server-name", "", "name to verify the server's certificate against (default: --addr's host)")
-	fs.DurationVar(&c.timeout, "timeout", 10*time.Second, "give up after this long")
+	fs.DurationVar(&c.timeout, "timeout", 10*time.Second, "give up after this long (for list --all, on every page together)")
 }
 
 func (c *adminConn) dial(ctx context.Context) (*grpc.ClientConn, context.Context, context.CancelFunc, error) {

@@ -4,7 +4,7 @@
 //	idemreg migrate   apply the SQL schema to --database-url
 //	idemreg sweep     delete expired records once (for a cron job)
 //	idemreg health    ask a server's health listener whether it is serving
-//	idemreg admin     inspect or invalidate a record on a running server
+//	idemreg admin     list, inspect, resolve or invalidate records on a running server
 //	idemreg new-token make a bearer token and the hash the config file keeps
 //	idemreg bench     load-test the registry against hand-written baselines
 //
@@ -32,8 +32,8 @@ Usage:
                             0 finished, 1 failed, 3 stopped by --max-duration
   idemreg health  [flags]   check a server's --health-listen (exit 0 when SERVING)
   idemreg new-token         print a new bearer token and its hash for --config
-  idemreg admin   CMD       inspect or invalidate a record on a running server
-                            (idemreg admin help)
+  idemreg admin   CMD       list, inspect, resolve or invalidate records on a running
+                            server (idemreg admin help)
   idemreg bench   [flags]   drive the registry and the sql and redis baselines with
                             the same load and print throughput and latency
 

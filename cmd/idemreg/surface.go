@@ -49,6 +49,7 @@ type surfaceConfig struct {
 	MaxWaiters                      int
 	WaitRecheck                     time.Duration
 	QuotaRefresh                    time.Duration
+	ParkedCountInterval             time.Duration // 0: no parked records gauge
 	StreamWorkers                   int
 	MaxConnectionAge                time.Duration
 	MaxConnectionIdle               time.Duration
@@ -64,17 +65,18 @@ type surfaceConfig struct {
 func defaultSurface() surfaceConfig {
 	ka := server.DefaultKeepalive()
 	return surfaceConfig{
-		RequestTimeout:    server.DefaultRequestTimeout,
-		MaxRequestTimeout: server.DefaultMaxRequestTimeout,
-		MaxInFlight:       server.DefaultMaxInFlight,
-		MaxWaiters:        server.DefaultMaxWaiters,
-		WaitRecheck:       server.DefaultWaitRecheck,
-		QuotaRefresh:      server.DefaultQuotaRefresh,
-		StreamWorkers:     server.DefaultStreamWorkers,
-		MaxConnectionAge:  ka.MaxConnectionAge,
-		MaxConnectionIdle: ka.MaxConnectionIdle,
-		ShutdownTimeout:   10 * time.Second,
-		Bounds:            server.DefaultBounds(),
+		RequestTimeout:      server.DefaultRequestTimeout,
+		MaxRequestTimeout:   server.DefaultMaxRequestTimeout,
+		MaxInFlight:         server.DefaultMaxInFlight,
+		MaxWaiters:          server.DefaultMaxWaiters,
+		WaitRecheck:         server.DefaultWaitRecheck,
+		QuotaRefresh:        server.DefaultQuotaRefresh,
+		ParkedCountInterval: server.DefaultParkedCountInterval,
+		StreamWorkers:       server.DefaultStreamWorkers,
+		MaxConnectionAge:    ka.MaxConnectionAge,
+		MaxConnectionIdle:   ka.MaxConnectionIdle,
+		ShutdownTimeout:     10 * time.Second,
+		Bounds:              server.DefaultBounds(),
 		Readiness: server.Readiness{
 			Window:          server.DefaultReadinessWindow,
 			MinCalls:        server.DefaultReadinessMinCalls,
@@ -98,6 +100,7 @@ func (s *surfaceConfig) bind(fs *flag.FlagSet) {
 	fs.IntVar(&s.MaxWaiters, "max-waiters", s.MaxWaiters, "most Claims waiting at once for a key in progress (ClaimRequest.wait); beyond it a Claim answers at once")
 	fs.DurationVar(&s.WaitRecheck, "wait-recheck", s.WaitRecheck, "how often a waiting Claim looks for changes made through other replicas: how late it may wake for them")
 	fs.DurationVar(&s.QuotaRefresh, "quota-refresh", s.QuotaRefresh, "how often the live records and bytes of the consumers with a quota (max_records, max_bytes in --config) are counted in the store: how late a replica learns of other replicas' new keys")
+	fs.DurationVar(&s.ParkedCountInterval, "parked-count-interval", s.ParkedCountInterval, "how often the parked records of every consumer are counted in the store (from its index of parked records) for the idemreg_parked_records gauge; 0 turns the gauge off")
 	fs.IntVar(&s.StreamWorkers, "stream-workers", s.StreamWorkers, "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
 	fs.DurationVar(&s.MaxConnectionAge, "max-connection-age", s.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
 	fs.DurationVar(&s.MaxConnectionIdle, "max-connection-idle", s.MaxConnectionIdle, "close client connections that have had no call for this long")
@@ -158,6 +161,9 @@ func (s *surfaceConfig) validate(listen string) []error {
 	}
 	if s.QuotaRefresh < time.Second {
 		errs = append(errs, fmt.Errorf("--quota-refresh must be at least 1s (each refresh counts every record of the consumers with a quota), got %v", s.QuotaRefresh))
+	}
+	if s.ParkedCountInterval != 0 && s.ParkedCountInterval < time.Second {
+		errs = append(errs, fmt.Errorf("--parked-count-interval must be at least 1s, or 0 to turn the parked records gauge off, got %v", s.ParkedCountInterval))
 	}
 	if s.StreamWorkers < 0 {
 		errs = append(errs, fmt.Errorf("--stream-workers must not be negative, got %d", s.StreamWorkers))
@@ -270,6 +276,7 @@ func (s *surface) serverConfig(cfg *config, logger *slog.Logger) (server.Config,
 		MaxWaiters:             sc.MaxWaiters,
 		WaitRecheck:            sc.WaitRecheck,
 		QuotaRefresh:           sc.QuotaRefresh,
+		ParkedCountInterval:    cmp.Or(sc.ParkedCountInterval, -1),
 		StreamWorkers:          cmp.Or(sc.StreamWorkers, -1),
 		DrainDelay:             sc.DrainDelay,
 		ShutdownTimeout:        sc.ShutdownTimeout,

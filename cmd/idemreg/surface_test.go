@@ -68,6 +68,7 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"no waiters", []string{"--max-waiters", "0"}, "--max-waiters must be positive"},
 		{"re-check too slow", []string{"--wait-recheck", "1m"}, "--wait-recheck must be between"},
 		{"quota refresh too often", []string{"--quota-refresh", "10ms"}, "--quota-refresh must be at least 1s"},
+		{"parked count too often", []string{"--parked-count-interval", "10ms"}, "--parked-count-interval must be at least 1s"},
 		{"identity share above the server's", []string{"--max-in-flight", "8", "--max-in-flight-per-identity", "9"}, "--max-in-flight-per-identity must be between 0"},
 	}
 	for _, tc := range cases {

@@ -27,16 +27,25 @@ type Identity struct {
 	// Name names the identity in logs and metrics.
 	Name string
 	// consumers are what it may use through RegistryService; admin what it
-	// may inspect and invalidate through AdminService.
+	// may inspect, list, resolve and invalidate through AdminService.
 	consumers, admin Patterns
 }
 
 // MayUse reports whether id may use consumer through RegistryService.
 func (id *Identity) MayUse(consumer string) bool { return id.consumers.Match(consumer) }
 
-// MayAdminister reports whether id may inspect and invalidate the records of
-// consumer through AdminService.
+// MayAdminister reports whether id may inspect, list, resolve and
+// invalidate the records of consumer through AdminService.
 func (id *Identity) MayAdminister(consumer string) bool { return id.admin.Match(consumer) }
+
+// MayAdministerUnder reports whether id may administer every consumer whose
+// name starts with prefix (all), and whether it may administer at least
+// one such name (some). A listing by prefix filters its records through
+// MayAdminister unless all holds, and is refused when some does not: it
+// could only ever come back empty, after reading other teams' records.
+func (id *Identity) MayAdministerUnder(prefix string) (all, some bool) {
+	return id.admin.Under(prefix)
+}
 
 // Anonymous is the identity of every caller of an open Set.
 var Anonymous = &Identity{Name: "anonymous", consumers: Patterns{all: true}, admin: Patterns{all: true}}
@@ -61,6 +70,28 @@ func (p Patterns) Match(consumer string) bool {
 		}
 	}
 	return false
+}
+
+// Under reports whether the patterns match every consumer name that starts
+// with prefix (all), and whether they match at least one (some).
+func (p Patterns) Under(prefix string) (all, some bool) {
+	if p.all {
+		return true, true
+	}
+	for _, pre := range p.prefixes {
+		if strings.HasPrefix(prefix, pre) {
+			return true, true // the pattern is as wide as the prefix, or wider
+		}
+		if strings.HasPrefix(pre, prefix) {
+			some = true // a narrower pattern inside the prefix
+		}
+	}
+	for name := range p.names {
+		if strings.HasPrefix(name, prefix) {
+			return false, true
+		}
+	}
+	return false, some
 }
 
 // Set is an immutable set of identities and rate limits.

@@ -257,3 +257,40 @@ func TestSharedFile(t *testing.T) {
 	_, err = policy.Parse([]byte("identitiez: []\n"), base)
 	require.ErrorContains(t, err, `unknown field "identitiez"`, "a misspelt section is caught by the policy's parser")
 }
+
+func TestMayAdministerUnder(t *testing.T) {
+	set, err := access.Parse([]byte(`
+identities:
+  - {name: ops, token_hashes: ["` + access.HashToken("ops") + `"], admin: ["billing.*", "orders.inbox"]}
+  - {name: root, token_hashes: ["` + access.HashToken("root") + `"], admin: ["*"]}
+  - {name: user, token_hashes: ["` + access.HashToken("user") + `"], consumers: ["*"]}
+`))
+	require.NoError(t, err)
+	ops, _ := set.ByToken("ops")
+	root, _ := set.ByToken("root")
+	user, _ := set.ByToken("user")
+	for _, tc := range []struct {
+		name      string
+		id        *access.Identity
+		prefix    string
+		all, some bool
+	}{
+		{"everything, partly granted", ops, "", false, true},
+		{"the granted prefix itself", ops, "billing.", true, true},
+		{"inside the granted prefix", ops, "billing.eu.", true, true},
+		{"wider than the granted prefix", ops, "bill", false, true},
+		{"a granted name under the prefix", ops, "orders.", false, true},
+		{"the granted name as prefix: longer names are not granted", ops, "orders.inbox", false, true},
+		{"past the granted name", ops, "orders.inbox2", false, false},
+		{"another team", ops, "payments.", false, false},
+		{"admin everything", root, "anything", true, true},
+		{"no admin grant", user, "", false, false},
+		{"anonymous", access.Anonymous, "", true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			all, some := tc.id.MayAdministerUnder(tc.prefix)
+			require.Equal(t, tc.all, all, "all")
+			require.Equal(t, tc.some, some, "some")
+		})
+	}
+}

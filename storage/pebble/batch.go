@@ -31,10 +31,12 @@ func (s *Store) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []stor
 			normalize(&out[i].Result.Record)
 			return &out[i].Result.Record, nil
 		})
-	if err != nil {
-		for i := range out {
+	for i := range out {
+		if err != nil {
 			out[i] = storage.ClaimAnswer{Err: err}
 		}
+		// Only Inspect and List return History.
+		out[i].Result.Record.History = nil
 	}
 	return out
 }
@@ -52,10 +54,11 @@ func (s *Store) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) 
 			normalize(&out[i].Record)
 			return &out[i].Record, nil
 		})
-	if err != nil {
-		for i := range out {
+	for i := range out {
+		if err != nil {
 			out[i] = storage.CompleteAnswer{Err: err}
 		}
+		out[i].Record.History = nil
 	}
 	return out
 }

@@ -21,8 +21,9 @@
 //
 // # Key layout
 //
-//	0x00 "format"             layout version (1)
+//	0x00 "format"             layout version (2)
 //	0x00 "token-floor"        greatest token of any record the sweeper deleted
+//	0x00 "claim-key"          the claim key (storage.ClaimKeys)
 //	0x01 consumer 0x00 0x01 kind key
 //	                          a record; 0x00 in the consumer is written
 //	                          0x00 0xFF, so the key is unambiguous and sorts
@@ -30,12 +31,29 @@
 //	0x02 expires_at record-key
 //	                          the expiry index: expires_at in big-endian
 //	                          microseconds, one entry per record
+//	0x03 record-key           the parked index: one entry per record in
+//	                          StateParked, its value the record's expires_at
 //
 // A record value is a version byte followed by a compact binary encoding
-// (varints, length-prefixed bytes, the result last). Every write moves the
-// record's index entry in the same batch, so SweepExpired walks expiries
-// oldest first, touching only what it may delete, and OldestExpiry reads a
-// single entry.
+// (varints, length-prefixed bytes, the history of ended attempts, the result
+// last); each version adds fields after the last one's, and a record is
+// written in the oldest version that holds what it has (encoding.go).
+// Every write moves the record's index entries in the same batch, so
+// SweepExpired walks expiries oldest first, touching only what it may
+// delete, OldestExpiry reads a single entry, and a listing or count of
+// parked records (List with StateParked, CountParked) reads the parked
+// index, never the records around them.
+//
+// Other listings walk a consumer's, or a prefix's, record keys: escaping is
+// byte by byte, so the consumers that start with a prefix are one range.
+// A page reads at most storage.ListScanLimit entries and takes the records
+// it returns again under their key locks.
+//
+// Layout version 1 had no parked index. Open builds it in a version 1
+// directory, reading every record once, and stamps version 2 in the same
+// synced batch as the last entries; a binary of version 1 refuses the
+// directory from then on, since it would park records without indexing
+// them.
 //
 // # Tokens
 //

@@ -1,6 +1,7 @@
 package pebble
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -9,12 +10,13 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// Key space. The first byte of every key says what it is, so the three
-// families never interleave and each can be walked on its own.
+// Key space. The first byte of every key says what it is, so the families
+// never interleave and each can be walked on its own.
 const (
 	prefixMeta   byte = 0x00
 	prefixRecord byte = 0x01
 	prefixExpiry byte = 0x02
+	prefixParked byte = 0x03
 )
 
 var (
@@ -28,7 +30,13 @@ var (
 )
 
 // layoutVersion is the version of the key layout and of metaFormat.
-const layoutVersion byte = 1
+// Version 2 added the parked index; Open builds it in a directory of
+// version 1 (migrateV1). The version is what keeps a binary that does not
+// maintain the index out of a directory that has one.
+const (
+	layoutVersion   byte = 2
+	layoutVersionV1 byte = 1
+)
 
 // A record key is prefixRecord, the escaped consumer, a terminator, the kind
 // byte and the key's bytes as they are. Escaping 0x00 as 0x00 0xFF and
@@ -115,6 +123,57 @@ func decodeExpiryKey(b []byte) (expiresAt time.Time, recordKey []byte, err error
 	return time.UnixMicro(micros).UTC(), b[expiryHeader:], nil
 }
 
+// A parked index key is prefixParked followed by the record key of a record
+// whose state is StateParked, so the index sorts like the records, by
+// (consumer, kind, key), and a consumer's or a prefix's parked records are
+// one range. Its value is the record's expires_at in microseconds, biased
+// big-endian like the expiry index, so a count of live parked records reads
+// the index alone.
+const parkedValueSize = 8
+
+func appendParkedKey(dst, recordKey []byte) []byte {
+	return append(append(dst, prefixParked), recordKey...)
+}
+
+func appendParkedValue(dst []byte, expiresAt time.Time) []byte {
+	return binary.BigEndian.AppendUint64(dst, uint64(expiresAt.UnixMicro())^timeBias)
+}
+
+func decodeParkedValue(b []byte) (time.Time, error) {
+	if len(b) != parkedValueSize {
+		return time.Time{}, fmt.Errorf("pebble: malformed parked index value %x", b)
+	}
+	return time.UnixMicro(int64(binary.BigEndian.Uint64(b) ^ timeBias)).UTC(), nil
+}
+
+// consumerPrefix is the start of the record keys of the consumer, up to its
+// terminator, or with prefix of the record keys of every consumer whose
+// name starts with consumer. Escaping is byte by byte, so an escaped prefix
+// starts the escaped names that start with it and no other: where an
+// escaped name ends with the terminator 0x00 0x01, an escaped prefix that
+// goes on has 0x00 0xFF or a byte that is not 0x00.
+func consumerPrefix(consumer string, prefix bool) []byte {
+	b := appendRecordKey(nil, storage.Key{Consumer: consumer})
+	b = b[:len(b)-1] // without the kind
+	if prefix {
+		b = b[:len(b)-2]
+	}
+	return b
+}
+
+// prefixEnd is the least key greater than every key that starts with b,
+// nil when there is none (b is all 0xFF).
+func prefixEnd(b []byte) []byte {
+	end := bytes.Clone(b)
+	for i := len(end) - 1; i >= 0; i-- {
+		if end[i] != 0xFF {
+			end[i]++
+			return end[:i+1]
+		}
+	}
+	return nil
+}
+
 // A record value, version 1:
 //
 //	version (1) | state | flags | token varint | attempt uvarint
@@ -136,11 +195,18 @@ func decodeExpiryKey(b []byte) (expiresAt time.Time, recordKey []byte, err error
 // an older binary fails loudly on a parked record instead of reading the
 // reason as part of the result.
 //
+// Version 4 is version 3 with, after the park reason, the history: a
+// uvarint count, then per attempt, oldest first, token varint | attempt
+// uvarint | ended_at varint µs | end byte | holder, park reason and note,
+// each uvarint length + bytes. It is written only for a record that has a
+// history, so records that never changed hands keep the older layouts.
+//
 // The key is not repeated: it is the record key.
 const (
 	valueVersion1   byte = 1
 	valueVersion2   byte = 2
 	valueVersion3   byte = 3
+	valueVersion4   byte = 4
 	flagCompletedAt byte = 1 << 0
 )
 
@@ -169,17 +235,31 @@ func recordSize(r *storage.Record) int {
 	if !r.CompletedAt.IsZero() {
 		n += varintLen(r.CompletedAt.UnixMicro())
 	}
-	if valueVersion(r) >= valueVersion2 {
+	version := valueVersion(r)
+	if version >= valueVersion2 {
 		n += uvarintLen(uint64(len(r.RequestID))) + len(r.RequestID) + varintLen(r.Lease.Microseconds())
 	}
-	if valueVersion(r) == valueVersion3 {
+	if version >= valueVersion3 {
 		n += uvarintLen(uint64(len(r.ParkReason))) + len(r.ParkReason)
+	}
+	if version >= valueVersion4 {
+		n += uvarintLen(uint64(len(r.History)))
+		for i := range r.History {
+			a := &r.History[i]
+			n += varintLen(a.Token) + uvarintLen(uint64(a.Attempt)) + varintLen(a.EndedAt.UnixMicro()) + 1 +
+				uvarintLen(uint64(len(a.Holder))) + len(a.Holder) +
+				uvarintLen(uint64(len(a.ParkReason))) + len(a.ParkReason) +
+				uvarintLen(uint64(len(a.Note))) + len(a.Note)
+		}
 	}
 	return n
 }
 
 // valueVersion is the layout appendRecord uses for r.
 func valueVersion(r *storage.Record) byte {
+	if len(r.History) > 0 {
+		return valueVersion4
+	}
 	if r.ParkReason != "" {
 		return valueVersion3
 	}
@@ -214,11 +294,27 @@ func appendRecord(dst []byte, r *storage.Record) []byte {
 		dst = append(dst, r.RequestID...)
 		dst = binary.AppendVarint(dst, r.Lease.Microseconds())
 	}
-	if version == valueVersion3 {
-		dst = binary.AppendUvarint(dst, uint64(len(r.ParkReason)))
-		dst = append(dst, r.ParkReason...)
+	if version >= valueVersion3 {
+		dst = appendBytes(dst, r.ParkReason)
+	}
+	if version >= valueVersion4 {
+		dst = binary.AppendUvarint(dst, uint64(len(r.History)))
+		for i := range r.History {
+			a := &r.History[i]
+			dst = binary.AppendVarint(dst, a.Token)
+			dst = binary.AppendUvarint(dst, uint64(a.Attempt))
+			dst = binary.AppendVarint(dst, a.EndedAt.UnixMicro())
+			dst = append(dst, byte(a.End))
+			dst = appendBytes(dst, a.Holder)
+			dst = appendBytes(dst, a.ParkReason)
+			dst = appendBytes(dst, a.Note)
+		}
 	}
 	return append(dst, r.Result...)
+}
+
+func appendBytes(dst []byte, s string) []byte {
+	return append(binary.AppendUvarint(dst, uint64(len(s))), s...)
 }
 
 var errBadValue = errors.New("pebble: malformed record value")
@@ -250,28 +346,80 @@ func (v *valueReader) bytes() []byte {
 	return out
 }
 
+func (v *valueReader) uvarint() uint64 {
+	x, n := binary.Uvarint(v.b)
+	if n <= 0 {
+		v.bad = true
+		return 0
+	}
+	v.b = v.b[n:]
+	return x
+}
+
+func (v *valueReader) byte() byte {
+	if len(v.b) == 0 {
+		v.bad = true
+		return 0
+	}
+	c := v.b[0]
+	v.b = v.b[1:]
+	return c
+}
+
 func (v *valueReader) time() time.Time { return time.UnixMicro(v.varint()).UTC() }
+
+// history reads a version 4 history; nil when it has no entry.
+func (v *valueReader) history() []storage.Attempt {
+	n := v.uvarint()
+	if n > uint64(len(v.b)) {
+		// Every entry takes at least 7 bytes: the count is malformed, not
+		// an allocation to make.
+		v.bad = true
+	}
+	if v.bad || n == 0 {
+		return nil
+	}
+	h := make([]storage.Attempt, n)
+	for i := range h {
+		a := &h[i]
+		a.Token = v.varint()
+		a.Attempt = int64(v.uvarint())
+		a.EndedAt = v.time()
+		a.End = storage.AttemptEnd(v.byte())
+		a.Holder = string(v.bytes())
+		a.ParkReason = string(v.bytes())
+		a.Note = string(v.bytes())
+		if v.bad {
+			return nil
+		}
+	}
+	return h
+}
 
 // decodeRecord fills r (whose Key the caller sets) from a value. It copies
 // what it keeps, so b may be released afterwards.
-func decodeRecord(b []byte, r *storage.Record) error {
+func decodeRecord(b []byte, r *storage.Record) error { return decodeValue(b, r, true) }
+
+// decodeRecordMeta is decodeRecord without the result, which a listing
+// does not return and need not copy.
+func decodeRecordMeta(b []byte, r *storage.Record) error { return decodeValue(b, r, false) }
+
+func decodeValue(b []byte, r *storage.Record, withResult bool) error {
 	if len(b) < 3 {
 		return errBadValue
 	}
 	version := b[0]
-	if version < valueVersion1 || version > valueVersion3 {
+	if version < valueVersion1 || version > valueVersion4 {
 		return fmt.Errorf("pebble: unknown record value version %d", b[0])
 	}
 	r.State = storage.State(b[1])
 	flags := b[2]
 	v := valueReader{b: b[3:]}
 	r.Token = v.varint()
-	attempt, n := binary.Uvarint(v.b)
-	if n <= 0 {
+	r.Attempt = int64(v.uvarint())
+	if v.bad {
 		return errBadValue
 	}
-	v.b = v.b[n:]
-	r.Attempt = int64(attempt)
 	r.CreatedAt = v.time()
 	r.LeaseExpiresAt = v.time()
 	r.CompletedAt = time.Time{}
@@ -291,11 +439,18 @@ func decodeRecord(b []byte, r *storage.Record) error {
 		requestID = v.bytes()
 		lease = v.varint()
 	}
-	if version == valueVersion3 {
+	if version >= valueVersion3 {
 		parkReason = v.bytes()
+	}
+	r.History = nil
+	if version >= valueVersion4 {
+		r.History = v.history()
 	}
 	if v.bad {
 		return errBadValue
+	}
+	if !withResult {
+		v.b = nil
 	}
 	// One allocation for both byte fields; the holder becomes a string.
 	r.Fingerprint, r.Result = nil, nil
@@ -329,6 +484,9 @@ func normalize(r *storage.Record) {
 	r.ExpiresAt = truncTime(r.ExpiresAt)
 	r.Retention = r.Retention.Truncate(time.Microsecond)
 	r.Lease = r.Lease.Truncate(time.Microsecond)
+	for i := range r.History {
+		r.History[i].EndedAt = truncTime(r.History[i].EndedAt)
+	}
 }
 
 func truncTime(t time.Time) time.Time { return t.Truncate(time.Microsecond).UTC() }

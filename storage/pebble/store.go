@@ -67,8 +67,8 @@ func withFS(fs vfs.FS) Option { return func(c *config) { c.fs = fs } }
 // 4096 stripes keep that rare at hundreds of concurrent callers.
 const stripes = 4096
 
-// Store is the embedded durable store. It implements storage.Store and
-// storage.Sweeper.
+// Store is the embedded durable store. It implements storage.Store and the
+// optional capabilities asserted beside their methods.
 type Store struct {
 	db      *pebble.DB
 	dir     string
@@ -155,15 +155,24 @@ func Open(dir string, opts ...Option) (*Store, error) {
 	return s, nil
 }
 
-// init checks the layout version, stamping it on a new directory, and loads
-// the token floor.
+// init checks the layout version, stamping it on a new directory and
+// migrating an older one, and loads the token floor.
 func (s *Store) init() error {
 	v, closer, err := s.db.Get(metaFormat)
 	switch {
 	case err == nil:
-		ok := len(v) == 1 && v[0] == layoutVersion
+		version := byte(0)
+		if len(v) == 1 {
+			version = v[0]
+		}
 		_ = closer.Close()
-		if !ok {
+		switch version {
+		case layoutVersion:
+		case layoutVersionV1:
+			if err := s.migrateV1(); err != nil {
+				return err
+			}
+		default:
 			return fmt.Errorf("pebble: %s has an unknown layout version %x (this build writes %d)", s.dir, v, layoutVersion)
 		}
 	case errors.Is(err, pebble.ErrNotFound):
@@ -195,6 +204,66 @@ func (s *Store) init() error {
 	}
 	return nil
 }
+
+// migrateV1 builds the parked index of a version 1 directory, which has
+// none, and stamps version 2. It reads every record once, at Open, before
+// any call: nothing else writes meanwhile. The entries go in batches of
+// migrateBatch and the stamp in the last, synced one, so a crash midway
+// leaves version 1 and the next Open starts over (the entries it wrote
+// again are the same).
+func (s *Store) migrateV1() error {
+	it, err := s.db.NewIter(&pebble.IterOptions{LowerBound: []byte{prefixRecord}, UpperBound: []byte{prefixRecord + 1}})
+	if err != nil {
+		return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
+	}
+	defer func() { _ = it.Close() }()
+	b := s.db.NewBatch()
+	defer func() { _ = b.Close() }()
+	parked, undecodable := 0, 0
+	var rec storage.Record
+	for ok := it.First(); ok; ok = it.Next() {
+		v, err := it.ValueAndErr()
+		if err != nil {
+			return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
+		}
+		if err := decodeRecordMeta(v, &rec); err != nil {
+			// Every call on this key fails on it anyway (read); failing
+			// Open would take every other key down with it.
+			s.log.Error("undecodable record", "key", fmt.Sprintf("%x", it.Key()), "err", err)
+			undecodable++
+			continue
+		}
+		if rec.State != storage.StateParked {
+			continue
+		}
+		if err := b.Set(appendParkedKey(nil, it.Key()), appendParkedValue(nil, rec.ExpiresAt), nil); err != nil {
+			return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
+		}
+		if parked++; parked%migrateBatch == 0 {
+			if err := b.Commit(pebble.NoSync); err != nil {
+				return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
+			}
+			_ = b.Close()
+			b = s.db.NewBatch()
+		}
+	}
+	if err := it.Error(); err != nil {
+		return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
+	}
+	if err := b.Set(metaFormat, []byte{layoutVersion}, nil); err != nil {
+		return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
+	}
+	// Synced: the WAL is written in order, so the earlier, unsynced
+	// batches are durable with this one.
+	if err := b.Commit(pebble.Sync); err != nil {
+		return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
+	}
+	s.log.Info("pebble layout migrated", "dir", s.dir, "from", layoutVersionV1, "to", layoutVersion, "parked", parked, "undecodable", undecodable)
+	return nil
+}
+
+// migrateBatch bounds the entries of one batch of migrateV1.
+const migrateBatch = 10_000
 
 func (s *Store) empty() (bool, error) {
 	it, err := s.db.NewIter(nil)
@@ -246,14 +315,20 @@ func unavailable(what string, err error) error {
 
 // read loads the record at recordKey into r and reports whether there is one.
 func (s *Store) read(recordKey []byte, r *storage.Record) (bool, error) {
-	v, closer, err := s.db.Get(recordKey)
+	return s.readWith(s.db, recordKey, r, decodeRecord)
+}
+
+// readWith is read from db (the store's, or a snapshot of it), decoding
+// with decode.
+func (s *Store) readWith(db pebble.Reader, recordKey []byte, r *storage.Record, decode func([]byte, *storage.Record) error) (bool, error) {
+	v, closer, err := db.Get(recordKey)
 	if errors.Is(err, pebble.ErrNotFound) {
 		return false, nil
 	}
 	if err != nil {
 		return false, unavailable("read record", err)
 	}
-	err = decodeRecord(v, r)
+	err = decode(v, r)
 	_ = closer.Close()
 	if err != nil {
 		s.log.Error("undecodable record", "key", fmt.Sprintf("%x", recordKey), "err", err)
@@ -263,10 +338,10 @@ func (s *Store) read(recordKey []byte, r *storage.Record) (bool, error) {
 }
 
 // write stores next in place of prev (nil when there is none) and moves the
-// record's expiry index entry, in one batch synced to the WAL before it
+// record's index entries, in one batch synced to the WAL before it
 // returns.
 func (s *Store) write(recordKey []byte, prev, next *storage.Record) error {
-	b := s.db.NewBatchWithSize(recordSize(next) + 3*(len(recordKey)+expiryHeader+16))
+	b := s.db.NewBatchWithSize(recordSize(next) + 5*(len(recordKey)+expiryHeader+16))
 	defer b.Close()
 	if err := addWrite(b, recordKey, prev, next); err != nil {
 		return err
@@ -277,9 +352,10 @@ func (s *Store) write(recordKey []byte, prev, next *storage.Record) error {
 	return nil
 }
 
-// addWrite adds to b the write of next in place of prev: the record and
-// the move of its expiry index entry. Writes of one key added in turn to
-// one batch apply in turn.
+// addWrite adds to b the write of next in place of prev: the record, the
+// move of its expiry index entry and, when it is parked before or after,
+// its parked index entry. Writes of one key added in turn to one batch
+// apply in turn.
 func addWrite(b *pebble.Batch, recordKey []byte, prev, next *storage.Record) error {
 	size := recordSize(next)
 	op := b.SetDeferred(len(recordKey), size)
@@ -303,6 +379,21 @@ func addWrite(b *pebble.Batch, recordKey []byte, prev, next *storage.Record) err
 		if err := op.Finish(); err != nil {
 			return unavailable("batch", err)
 		}
+	}
+	wasParked := prev != nil && prev.State == storage.StateParked
+	switch {
+	case next.State == storage.StateParked && (!wasParked || !prev.ExpiresAt.Equal(next.ExpiresAt)):
+		op = b.SetDeferred(1+len(recordKey), parkedValueSize)
+		appendParkedKey(op.Key[:0], recordKey)
+		appendParkedValue(op.Value[:0], next.ExpiresAt)
+	case next.State != storage.StateParked && wasParked:
+		op = b.DeleteDeferred(1 + len(recordKey))
+		appendParkedKey(op.Key[:0], recordKey)
+	default:
+		return nil
+	}
+	if err := op.Finish(); err != nil {
+		return unavailable("batch", err)
 	}
 	return nil
 }
@@ -357,11 +448,13 @@ func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (res storage.C
 	if err != nil {
 		return storage.ClaimResult{}, err
 	}
+	res.Record.History = nil
 	return res, nil
 }
 
 // update runs a fenced decision on k under its lock and stores what it
-// decides to write.
+// decides to write. The answer is without History, which only Inspect and
+// List return.
 func (s *Store) update(ctx context.Context, k storage.Key, decide func(now time.Time, cur *storage.Record) (storage.Record, bool, error)) (rec storage.Record, err error) {
 	err = s.withRecord(ctx, k, func(key []byte, cur *storage.Record) error {
 		var write bool
@@ -375,6 +468,7 @@ func (s *Store) update(ctx context.Context, k storage.Key, decide func(now time.
 	if err != nil {
 		return storage.Record{}, err
 	}
+	rec.History = nil
 	return rec, nil
 }
 
@@ -412,6 +506,7 @@ func (s *Store) Lookup(ctx context.Context, k storage.Key) (rec storage.Record, 
 		rec, err = storage.DecideLookup(s.clock(), cur)
 		return err
 	})
+	rec.History = nil
 	return rec, err
 }
 

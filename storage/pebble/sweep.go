@@ -17,8 +17,8 @@ import (
 // oldest expiry first. It walks the expiry index up to the clock reading, so
 // it reads only what it may delete, then re-checks each record under its
 // key's lock: a record extended or claimed again meanwhile is kept. The
-// deletes, their index entries and the raised token floor go in one synced
-// batch.
+// deletes, their index entries (the expiry index, and the parked index for
+// a parked record) and the raised token floor go in one synced batch.
 func (s *Store) SweepExpired(ctx context.Context, limit int) (storage.SweepResult, error) {
 	if err := s.begin(ctx); err != nil {
 		return storage.SweepResult{}, err
@@ -84,6 +84,11 @@ func (s *Store) SweepExpired(ctx context.Context, limit int) (storage.SweepResul
 		}
 		if err := b.Delete(appendExpiryKey(nil, rec.ExpiresAt, key), nil); err != nil {
 			return res, unavailable("batch", err)
+		}
+		if rec.State == storage.StateParked {
+			if err := b.Delete(appendParkedKey(nil, key), nil); err != nil {
+				return res, unavailable("batch", err)
+			}
 		}
 		floor = max(floor, rec.Token)
 		res.Deleted++

@@ -28,10 +28,8 @@ func (s *Store) ConsumerUsage(ctx context.Context, consumers []string) (map[stri
 		if err := ctx.Err(); err != nil {
 			return nil, unavailable("count usage", err)
 		}
-		lower := appendRecordKey(nil, storage.Key{Consumer: consumer})
-		lower = lower[:len(lower)-1] // up to the terminator, without the kind
-		upper := append(lower[:len(lower)-1:len(lower)-1], escTerm+1)
-		it, err := s.db.NewIter(&pebble.IterOptions{LowerBound: lower, UpperBound: upper})
+		lower := consumerPrefix(consumer, false)
+		it, err := s.db.NewIter(&pebble.IterOptions{LowerBound: lower, UpperBound: prefixEnd(lower)})
 		if err != nil {
 			return nil, unavailable("iterate records", err)
 		}

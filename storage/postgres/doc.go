@@ -1,6 +1,6 @@
-// Package postgres is the SQL storage backend: storage.Store and
-// storage.Sweeper on PostgreSQL or CockroachDB, through pgx, with the
-// schema and its migrations (Migrate).
+// Package postgres is the SQL storage backend: storage.Store,
+// storage.Sweeper and storage.Admin on PostgreSQL or CockroachDB, through
+// pgx, with the schema and its migrations (Migrate).
 //
 // # One statement per call
 //
@@ -129,6 +129,38 @@
 // survives ROLLBACK TO SAVEPOINT). Retrying the whole statement serves both
 // databases, and with one statement per call there is no transaction to
 // manage.
+//
+// # History and listing
+//
+// A record's History is a JSONB array in its row (migration 0007): the
+// statements that end an attempt (a Claim's takeover, Invalidate, Resolve)
+// append to it with the fragments appendHistory and ended (queries.go),
+// named after the rules' functions, and none of them returns it, so that
+// their answers stay small; only Inspect and List read it.
+//
+// List is a keyset scan: one statement reads at most
+// storage.ListScanLimit(Limit) entries of one index in key order after the
+// page's starting key (a row comparison on (consumer, kind, key), which
+// both databases turn into the start of an index range), keeps those that
+// match the filters, and returns up to Limit of them. Next is the last
+// record returned when the page is full, else the last entry read when the
+// window was read whole, else nil: the range is over. Each page is one
+// snapshot; a listing is not, but every record that exists throughout it
+// is listed exactly once. A listing of parked records reads the partial
+// index idemreg_records_parked (WHERE state = 3), and so does CountParked;
+// each variant of the statement is its own text, with the predicate
+// written out, because a prepared statement's generic plan can only use
+// a partial index whose predicate the text itself implies (TestListPlans).
+//
+// A prefix listing reads the primary key range [prefix, prefixEnd(prefix)),
+// which holds exactly the consumers starting with prefix in code point
+// order. CockroachDB always orders strings so; PostgreSQL does under a C or
+// C.UTF-8 collation, which the database must be created with (CREATE
+// DATABASE ... LOCALE 'C.UTF-8' TEMPLATE template0; the tests' server
+// uses it). Under a linguistic collation such as en_US.UTF-8 a prefix
+// listing or count may miss consumers or include others, and every listing
+// comes in that collation's order rather than the one storage.Admin
+// documents; listing one consumer is still complete.
 //
 // # CockroachDB
 //

@@ -43,8 +43,8 @@ func MemberSplits(s *Store) (splits, largestBytes int64) {
 
 // Row runs one single-row statement of the store and returns its answer:
 // whether it wrote, the statement's clock, and the record it returned
-// (written, or the pre-image). op is claim, complete, release, extend, park
-// or invalidate, with p of the matching storage params type.
+// (written, or the pre-image). op is claim, complete, release, extend, park,
+// invalidate or resolve, with p of the matching storage params type.
 func Row(ctx context.Context, s *Store, op string, p any) (written bool, now time.Time, rec storage.Record, err error) {
 	var sql string
 	var args []any
@@ -61,7 +61,13 @@ func Row(ctx context.Context, s *Store, op string, p any) (written bool, now tim
 	case storage.ParkParams:
 		sql, args = parkSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Reason, s.offsetMicros()}
 	case storage.InvalidateParams:
-		sql, args = invalidateSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros()}
+		sql, args = invalidateSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, s.offsetMicros(), p.Reason}
+	case storage.ResolveParams:
+		var result []byte
+		if p.Complete {
+			result = p.Result
+		}
+		sql, args = resolveSQL, []any{p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Complete, result, p.Reason, s.offsetMicros()}
 	default:
 		return false, time.Time{}, storage.Record{}, fmt.Errorf("%s: params %T", op, p)
 	}
@@ -86,3 +92,24 @@ var SweepSQL = sweepSQL
 
 // OldestExpirySQL is the sweeper's lag read, for the cursor tests.
 var OldestExpirySQL = oldestExpirySQL
+
+// ListSQL is the List statement of a scope ("exact", "from" or "range"),
+// for the plan test; parked picks the variant that reads the parked index.
+func ListSQL(scope string, parked bool) string {
+	v := listVariant{parked: parked}
+	switch scope {
+	case "exact":
+		v.scope = scopeExact
+	case "from":
+		v.scope = scopeFrom
+	case "range":
+		v.scope = scopeRange
+	default:
+		panic("scope " + scope)
+	}
+	return listSQL[v]
+}
+
+// CountParkedRangeSQL is CountParked's statement for a prefix with an end,
+// for the plan test.
+var CountParkedRangeSQL = countParkedRangeSQL

@@ -1,6 +1,7 @@
 package postgres
 
 import (
+	"fmt"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -88,6 +89,12 @@ func storeSQL(t *testing.T) map[string]string {
 	}
 	for i, s := range preparedStatements {
 		out["preparedStatements["+strconv.Itoa(i)+"]"] = s
+	}
+	// The admin statements, as built: they are not prepared.
+	out["invalidateSQL"], out["resolveSQL"], out["inspectSQL"] = invalidateSQL, resolveSQL, inspectSQL
+	out["countParkedFromSQL"], out["countParkedRangeSQL"] = countParkedFromSQL, countParkedRangeSQL
+	for v, s := range listSQL {
+		out[fmt.Sprintf("listSQL[%+v]", v)] = s
 	}
 	return out
 }

@@ -728,13 +728,14 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 		return out
 	}
 	first := applied()
-	require.Len(t, first, 6)
+	require.Len(t, first, 7)
 	require.Equal(t, "0001_records.sql", first[0].Name)
 	require.Equal(t, "0002_expires_at_index.sql", first[1].Name)
 	require.Equal(t, "0003_request_id.sql", first[2].Name)
 	require.Equal(t, "0004_lease_us.sql", first[3].Name)
 	require.Equal(t, "0005_secrets.sql", first[4].Name)
 	require.Equal(t, "0006_parking.sql", first[5].Name)
+	require.Equal(t, "0007_history_and_parked_index.sql", first[6].Name)
 
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL))
 	require.Equal(t, first, applied(), "a second Migrate applies nothing")
@@ -743,7 +744,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_schema_migrations`)
 	require.NoError(t, err)
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL), "migrations are safe to repeat")
-	require.Len(t, applied(), 6)
+	require.Len(t, applied(), 7)
 }
 
 // closedPortURL is a database URL nothing listens at.
@@ -909,7 +910,9 @@ func TestExtendRecordWithoutLease(t *testing.T) {
 // make, one at a time, and checks that the row each wrote is exactly the
 // record the storage.Decide* function makes from the row before it (read
 // with Inspect; nothing else runs, so it is the row the write saw) at the
-// statement's own clock reading. Declined writes are checked on every call
+// statement's own clock reading; the history, which no statement but
+// Inspect and List returns, is read back with Inspect. Declined writes are
+// checked on every call
 // (Store.decided); this checks the written ones, which the store does not
 // check at run time: at READ COMMITTED its pre-image may be older than the
 // row the write changed.
@@ -965,6 +968,9 @@ func TestWrittenRowsAgreeWithTheRules(t *testing.T) {
 	decidePark := func(now time.Time, pre *storage.Record, p any) (storage.Record, bool, error) {
 		return storage.DecidePark(now, pre, p.(storage.ParkParams))
 	}
+	decideResolve := func(now time.Time, pre *storage.Record, p any) (storage.Record, bool, error) {
+		return storage.DecideResolve(now, pre, p.(storage.ResolveParams))
+	}
 	claimAtMost := func(maxAttempts int64, holder string) func() any {
 		return func() any {
 			p := claim("new", holder, 10*time.Second)().(storage.ClaimParams)
@@ -993,6 +999,19 @@ func TestWrittenRowsAgreeWithTheRules(t *testing.T) {
 	add("takeover within max attempts", 11*time.Second, claimAtMost(2, "g"), decideClaim)
 	add("takeover at max attempts parks", 11*time.Second, claimAtMost(2, "h"), decideClaim)
 	add("claim of the expired parked record", 2*time.Hour, claimAtMost(2, "i"), decideClaim)
+	add("park for the operator", time.Second, func() any { return storage.ParkParams{Key: k, Token: token, Reason: "unknown"} }, decidePark)
+	add("release the parked record", time.Second, func() any {
+		return storage.ResolveParams{Key: k, Token: token, Reason: "retry it"}
+	}, decideResolve)
+	add("takeover of the released record adds no history", time.Second, claim("new", "j", 10*time.Second), decideClaim)
+	add("resolve the record under a live lease with a result", time.Second, func() any {
+		return storage.ResolveParams{Key: k, Token: token, Complete: true, Result: []byte("by hand"), Reason: "done by hand"}
+	}, decideResolve)
+	add("invalidate the resolved record", time.Second, func() any { return storage.InvalidateParams{Key: k, Token: token, Reason: "wrong"} }, decideInvalidate)
+	add("takeover of the invalidated record", time.Second, claim("new", "k", 10*time.Second), decideClaim)
+	for i := range storage.MaxHistory + 1 {
+		add(fmt.Sprint("takeover ", i, " keeps the history bounded"), 11*time.Second, claim("new", fmt.Sprint("l", i), 10*time.Second), decideClaim)
+	}
 
 	for _, st := range steps {
 		clock.Advance(st.advance)
@@ -1014,7 +1033,17 @@ func TestWrittenRowsAgreeWithTheRules(t *testing.T) {
 		if cp, ok := p.(storage.CompleteParams); ok {
 			rec.Result = cp.Result // a written Complete does not send its result back
 		}
+		if rp, ok := p.(storage.ResolveParams); ok && rp.Complete {
+			rec.Result = rp.Result // nor does a written Resolve
+		}
+		require.Nil(t, rec.History, "%s: the statement does not return the history", st.name)
+		stored, err := s.Inspect(ctx, k)
+		require.NoError(t, err, st.name)
+		rec.History = stored.Record.History
 		require.Equal(t, normal(want), normal(rec), st.name)
 		token = rec.Token
 	}
+	got, err := s.Inspect(ctx, k)
+	require.NoError(t, err)
+	require.Len(t, got.Record.History, storage.MaxHistory, "the steps ran past the bound")
 }

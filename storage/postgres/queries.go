@@ -72,8 +72,39 @@ func fingerprintsConflict(stored, given string) string {
 
 // nextToken is storage.NextToken(prev, now): max(prev+1, now in µs).
 func nextToken(prev, now string) string {
-	return fmt.Sprintf("GREATEST(%s + 1, CAST(extract(epoch FROM %s) * 1000000 AS BIGINT))", prev, now)
+	return fmt.Sprintf("GREATEST(%s + 1, %s)", prev, epochMicros(now))
 }
+
+// epochMicros is a timestamp as microseconds since the epoch: the unit of
+// tokens (storage.AcquiredAt reads one as a time) and of the history's
+// times.
+func epochMicros(ts string) string {
+	return fmt.Sprintf("CAST(extract(epoch FROM %s) * 1000000 AS BIGINT)", ts)
+}
+
+// ended is storage's ended(cur, at, end, note): the attempt the record r
+// holds, ended at the timestamp at by end, with note, as one element of the
+// history column (historyEntry in admin.go reads it back).
+func ended(r, at string, end storage.AttemptEnd, note string) string {
+	return fmt.Sprintf("jsonb_build_object('a', %[1]s.attempt, 't', %[1]s.token, 'h', %[1]s.holder, 'e', %[2]s, 'n', %[3]d, 'p', %[1]s.park_reason, 'o', %[4]s)",
+		r, epochMicros(at), end, note)
+}
+
+// appendHistory is storage's appendHistory: the history h with entry
+// appended, its oldest entry dropped when h already holds MaxHistory. Every
+// write of the column goes through here, so h never holds more than
+// MaxHistory and dropping one entry is enough.
+func appendHistory(h, entry string) string {
+	return fmt.Sprintf("(CASE WHEN jsonb_array_length(%[1]s) >= %[3]d THEN %[1]s - 0 ELSE %[1]s END) || jsonb_build_array(%[2]s)",
+		h, entry, storage.MaxHistory)
+}
+
+// tokenHeld is DecideClaim's "cur.Lease > 0": a Claim acquired the
+// record's token, which an operator's fresh token (lease 0) was not.
+func tokenHeld(r string) string { return "(" + r + ".lease_us > 0)" }
+
+// noHistory is the history of a fresh record.
+const noHistory = "CAST('[]' AS JSONB)"
 
 // fenced is the check of Complete, Release and Extend (storage's fenced):
 // the record is live and token is its current token.
@@ -215,7 +246,9 @@ func claimAnswersWithoutWrite(r, now, fingerprint string) string {
 // that is not live counts as absent and is replaced by a fresh one; a
 // takeover keeps the record and hands it to the caller, unless its
 // attempts are exhausted (claimParks), when the record is parked as it is
-// (storage's park).
+// (storage's park). The history the takeover appends to is written and not
+// returned: only Inspect and List read it, and the answers of the other
+// statements stay small (see fencedStatement).
 var claimOnConflict = `    ON CONFLICT (consumer, kind, key) DO UPDATE SET
         state            = CASE WHEN ` + claimParks + ` THEN 3 ELSE excluded.state END,  -- park: StateParked
         -- takeover: "if len(rec.Fingerprint) == 0 { rec.Fingerprint = p.Fingerprint }"; park keeps it
@@ -237,7 +270,13 @@ var claimOnConflict = `    ON CONFLICT (consumer, kind, key) DO UPDATE SET
         retention_us     = CASE WHEN ` + claimParks + ` THEN r.retention_us ELSE excluded.retention_us END,
         result           = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) THEN NULL ELSE r.result END,
         park_reason      = CASE WHEN ` + claimParks + ` THEN '` + storage.ParkReasonMaxAttempts + `' ELSE '' END,
-        max_attempts     = excluded.max_attempts
+        max_attempts     = excluded.max_attempts,
+        -- takeover: the attempt taken over ended when its lease did, if
+        -- someone held its token; a fresh record has no history, and park
+        -- appends nothing
+        history          = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) THEN ` + noHistory + `
+                                WHEN ` + claimParks + ` OR NOT ` + tokenHeld("r") + ` THEN r.history
+                                ELSE ` + appendHistory("r.history", ended("r", "r.lease_expires_at", storage.AttemptTakenOver, "CAST('' AS TEXT)")) + ` END
     WHERE NOT (` + live("r", "excluded.created_at") + `)
        OR (NOT ` + completed("r") + ` AND NOT ` + parked("r") + ` AND NOT ` + leaseLive("r", "excluded.created_at") + `
            AND NOT ` + fingerprintsConflict("r.fingerprint", "excluded.fingerprint") + `)
@@ -393,6 +432,9 @@ var preparedStatements = []string{
 	claimSQL, completeSQL, releaseSQL, extendSQL, parkSQL, lookupSQL, sweepSQL, oldestExpirySQL,
 	claimBatchSQL, completeBatchSQL,
 }
+
+// recordColumnCount is how many columns recordColumnsOf lists.
+var recordColumnCount = strings.Count(recordColumns, ",") + 1
 
 func recordColumnsOf(alias string) string {
 	return alias + ".consumer, " + alias + ".kind, " + alias + ".key, " + alias + ".state, " +

@@ -500,6 +500,12 @@ func (s *Store) queryBatch(ctx context.Context, sql string, n int, args ...any) 
 // scanAnswer scans one row of a record statement, after the columns in
 // lead (the ordinal of a batched statement).
 func scanAnswer(row pgx.Row, lead ...any) (answer, error) {
+	return scanRecord(row, lead, false)
+}
+
+// scanRecord is scanAnswer of a row that ends with the history column
+// when withHistory is set (Inspect, List).
+func scanRecord(row pgx.Row, lead []any, withHistory bool) (answer, error) {
 	var (
 		a           answer
 		r           = &a.rec
@@ -507,12 +513,22 @@ func scanAnswer(row pgx.Row, lead ...any) (answer, error) {
 		completedAt *time.Time
 		retentionUS int64
 		leaseUS     int64
+		history     []byte
 	)
 	dest := append(lead, &a.written, &a.now,
 		&r.Consumer, &kind, &r.Key.Key, &state, &r.Fingerprint, &r.Token, &r.Attempt, &r.Holder,
 		&r.CreatedAt, &r.LeaseExpiresAt, &completedAt, &r.ExpiresAt, &retentionUS, &r.Result, &r.RequestID, &leaseUS, &r.ParkReason)
+	if withHistory {
+		dest = append(dest, &history)
+	}
 	if err := row.Scan(dest...); err != nil {
 		return answer{}, err
+	}
+	if withHistory {
+		var err error
+		if r.History, err = decodeHistory(history); err != nil {
+			return answer{}, err
+		}
 	}
 	a.found = true
 	a.now = a.now.UTC()

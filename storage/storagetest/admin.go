@@ -29,6 +29,7 @@ func RunAdmin(t *testing.T, newStore Factory) {
 		{"InvalidatedRecordOutlivesSweep", testInvalidatedOutlivesSweep},
 		{"RaceInvalidateVersusComplete", testRaceInvalidateVersusComplete},
 	}
+	cases = append(cases, reconcileCases...)
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			c := &Clock{}

@@ -36,13 +36,15 @@ func RunUsage(t *testing.T, newStore Factory) {
 	}
 }
 
-// newConsumer returns a consumer name no other case uses.
-func newConsumer() string {
-	return fmt.Sprintf("usage.c-%d-%d", time.Now().UnixNano(), keySeq.Add(1))
+// newConsumer returns a consumer name under prefix that no other case
+// uses, so that a case sees only its own records even when stores are
+// shared.
+func newConsumer(prefix string) string {
+	return fmt.Sprintf("%s.c-%d-%d", prefix, time.Now().UnixNano(), keySeq.Add(1))
 }
 
 func testUsageNoRecords(t *testing.T, _ storage.Store, u storage.UsageCounter, _ *Clock) {
-	a, b := newConsumer(), newConsumer()
+	a, b := newConsumer("usage"), newConsumer("usage")
 	got, err := u.ConsumerUsage(t.Context(), []string{a, b})
 	require.NoError(t, err)
 	require.Equal(t, map[string]storage.Usage{a: {}, b: {}}, got, "a consumer with no record has an entry of zeros")
@@ -58,7 +60,7 @@ func testUsageNoConsumers(t *testing.T, _ storage.Store, u storage.UsageCounter,
 // their bytes are those RecordBytes names: consumer, key, fingerprint,
 // holder, request id and result, counted here by hand.
 func testUsageCounts(t *testing.T, s storage.Store, u storage.UsageCounter, _ *Clock) {
-	consumer := newConsumer()
+	consumer := newConsumer("usage")
 	ctx := t.Context()
 	want := storage.Usage{}
 	add := func(key, fp, holder, requestID, result string) {
@@ -103,7 +105,7 @@ func testUsageCounts(t *testing.T, s storage.Store, u storage.UsageCounter, _ *C
 // testUsageExpired: a record whose lease ran out still counts until its
 // retention ends; then it counts as absent, swept or not.
 func testUsageExpired(t *testing.T, s storage.Store, u storage.UsageCounter, c *Clock) {
-	consumer := newConsumer()
+	consumer := newConsumer("usage")
 	ctx := t.Context()
 	acquire(t, s, storage.ClaimParams{Key: storage.Key{Consumer: consumer, Kind: storage.KindMessage, Key: "short"}, Lease: lease, Retention: time.Minute})
 	acquire(t, s, storage.ClaimParams{Key: storage.Key{Consumer: consumer, Kind: storage.KindMessage, Key: "long"}, Lease: lease, Retention: retention})
@@ -129,7 +131,7 @@ func testUsageExpired(t *testing.T, s storage.Store, u storage.UsageCounter, c *
 // name is a prefix of another's, and consumers not asked about are left
 // out.
 func testUsageConsumersApart(t *testing.T, s storage.Store, u storage.UsageCounter, _ *Clock) {
-	a := newConsumer()
+	a := newConsumer("usage")
 	ab, other := a+"b", a+".other"
 	for i, consumer := range []string{a, ab, ab, other} {
 		acquire(t, s, storage.ClaimParams{Key: storage.Key{Consumer: consumer, Kind: storage.KindOperation, Key: fmt.Sprintf("k%d", i)},
