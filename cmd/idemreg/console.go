@@ -14,13 +14,15 @@ import (
 
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/console"
+	"github.com/idemreg/idemreg/storage"
 )
 
 // startConsole serves the operator console on --console-listen until the
 // returned function is called. The console calls the AdminService over a
 // plaintext loopback connection to grpcAddr, serve's own listener, with the
-// signed-in operator's bearer token: it has no authority of its own.
-func startConsole(cfg *config, src *access.Source, grpcAddr net.Addr, logger *slog.Logger) (stop func(), err error) {
+// signed-in operator's bearer token: it has no authority of its own. Its
+// status panel reads the sweeper's lag from store, when store can sweep.
+func startConsole(ctx context.Context, cfg *config, src *access.Source, grpcAddr net.Addr, store storage.Store, logger *slog.Logger) (stop func(), err error) {
 	addr := cfg.ConsoleListen
 	if addr == "" {
 		return func() {}, nil
@@ -44,6 +46,10 @@ func startConsole(cfg *config, src *access.Source, grpcAddr net.Addr, logger *sl
 			return id.Name, true
 		}
 	}
+	sweepLag, err := consoleSweepLag(ctx, store)
+	if err != nil {
+		return nil, err
+	}
 	target, err := loopbackTarget(grpcAddr)
 	if err != nil {
 		return nil, err
@@ -52,7 +58,7 @@ func startConsole(cfg *config, src *access.Source, grpcAddr net.Addr, logger *sl
 	if err != nil {
 		return nil, fmt.Errorf("console: connecting to %s: %w", target, err)
 	}
-	h, err := console.New(console.Config{Conn: conn, SignIn: signIn, Logger: logger.With("component", "console")})
+	h, err := console.New(console.Config{Conn: conn, SignIn: signIn, SweepLag: sweepLag, Logger: logger.With("component", "console")})
 	if err != nil {
 		_ = conn.Close()
 		return nil, err
@@ -75,6 +81,23 @@ func startConsole(cfg *config, src *access.Source, grpcAddr net.Addr, logger *sl
 		_ = srv.Shutdown(ctx)
 		_ = conn.Close()
 	}, nil
+}
+
+// consoleSweepLag is the console's SweepLag for store: nil when the store
+// cannot report its oldest expiry, or when CockroachDB's row-level TTL
+// deletes expired records, as there is then no expires_at index and each
+// look at the status panel would scan the table.
+func consoleSweepLag(ctx context.Context, store storage.Store) (func(context.Context) (time.Duration, bool, error), error) {
+	sw, ok := store.(storage.Sweeper)
+	if !ok {
+		return nil, nil
+	}
+	if ttl, err := rowLevelTTL(ctx, store); err != nil {
+		return nil, fmt.Errorf("console: %w", err)
+	} else if ttl {
+		return nil, nil
+	}
+	return console.SweepLagFrom(sw), nil
 }
 
 // loopbackTarget is the address that reaches a listener from this host: its

@@ -124,6 +124,7 @@ func TestServeConsole(t *testing.T) {
 	_ = res.Body.Close()
 	require.Equal(t, http.StatusOK, res.StatusCode, string(body))
 	require.Contains(t, string(body), `<b id="identity">oncall</b>`)
+	require.Contains(t, string(body), `<dd id="sweep-lag">none: no stored record has expired yet</dd>`, "the lag is read from the store")
 
 	res, err = browser.Get(base + "/record?" + url.Values{"consumer": {"billing.payment-worker"}, "kind": {"KIND_OPERATION"}, "key": {"charge:order-42"}}.Encode())
 	require.NoError(t, err)

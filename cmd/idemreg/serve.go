@@ -78,7 +78,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.Listen, err)
 	}
-	stopConsole, err := startConsole(&cfg, surface.access, lis.Addr(), logger)
+	stopConsole, err := startConsole(ctx, &cfg, surface.access, lis.Addr(), store, logger)
 	if err != nil {
 		_ = lis.Close()
 		return err

@@ -2,6 +2,7 @@ package console_test
 
 import (
 	"context"
+	"encoding/hex"
 	"encoding/json"
 	"os"
 	"os/exec"
@@ -11,6 +12,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
 // chromium is Debian's package's binary; .ci/run installs it.
@@ -33,12 +36,10 @@ func artifactDir(t *testing.T) string {
 	return dir
 }
 
-// TestConsoleInBrowser clicks through the console in headless Chromium,
-// driven by Playwright, against a real server: sign in, look up a claimed
-// key whose name is markup, invalidate it with a reason through the
-// confirmation, and see its new state. Without Chromium, node or
-// node_modules it skips, except in CI (CI set), where it fails.
-func TestConsoleInBrowser(t *testing.T) {
+// needBrowser skips the test where Chromium, node or playwright-core is
+// missing, except in CI (CI set), where it fails.
+func needBrowser(t *testing.T) {
+	t.Helper()
 	var missing string
 	if _, err := os.Stat(chromium); err != nil {
 		missing = chromium + " (apt-get install chromium)"
@@ -53,27 +54,48 @@ func TestConsoleInBrowser(t *testing.T) {
 		}
 		t.Skipf("SKIPPED: the browser test needs %s", missing)
 	}
+}
 
-	e := setup(t, true)
-	const key = `charge:<img src=x onerror=alert("xss")>`
-	claimed := e.claim(t, key, "worker-<b>7</b>")
-	screenshot := filepath.Join(artifactDir(t), "console-invalidated.png")
-	_ = os.Remove(screenshot)
-	const reason = "worker-7 crashed with a long lease, OPS-7"
-
+// runBrowser runs the Playwright script in browserDir with env (and
+// CHROMIUM, USER_DATA_DIR) and decodes the JSON line it prints into seen.
+func runBrowser(t *testing.T, script string, seen any, env ...string) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "node", "console.mjs")
+	cmd := exec.CommandContext(ctx, "node", script)
 	cmd.Dir = browserDir
-	cmd.Env = append(os.Environ(),
-		"CONSOLE_URL="+e.console.URL, "TOKEN="+oncallToken, "CONSUMER="+consumer, "KEY="+key, "REASON="+reason,
-		"CHROMIUM="+chromium, "USER_DATA_DIR="+t.TempDir(), "SCREENSHOT="+screenshot)
+	cmd.Env = append(append(os.Environ(), "CHROMIUM="+chromium, "USER_DATA_DIR="+t.TempDir()), env...)
 	out, err := cmd.Output()
 	var stderr []byte
 	if ee, ok := err.(*exec.ExitError); ok {
 		stderr = ee.Stderr
 	}
-	require.NoError(t, err, "node console.mjs: %s%s", out, stderr)
+	require.NoError(t, err, "node %s: %s%s", script, out, stderr)
+	require.NoError(t, json.Unmarshal(out, seen), "%s", out)
+}
+
+// screenshot is the path of a fresh screenshot named name in the
+// artifact directory.
+func screenshot(t *testing.T, name string) string {
+	t.Helper()
+	path := filepath.Join(artifactDir(t), name)
+	_ = os.Remove(path)
+	return path
+}
+
+// TestConsoleInBrowser clicks through the console in headless Chromium,
+// driven by Playwright, against a real server: sign in, look up a claimed
+// key whose name is markup, invalidate it with a reason through the
+// confirmation, and see its new state. Without Chromium, node or
+// node_modules it skips, except in CI (CI set), where it fails.
+func TestConsoleInBrowser(t *testing.T) {
+	needBrowser(t)
+
+	e := setup(t, true)
+	const key = `charge:<img src=x onerror=alert("xss")>`
+	claimed := e.claim(t, key, "worker-<b>7</b>")
+	shot := screenshot(t, "console-invalidated.png")
+	const reason = "worker-7 crashed with a long lease, OPS-7"
 
 	var seen struct {
 		Identity, StoreHealth, KeyShown, HolderShown string
@@ -82,9 +104,10 @@ func TestConsoleInBrowser(t *testing.T) {
 		Dialogs                                      []struct{ Type, Message string }
 		ConsoleErrors                                []string
 	}
-	require.NoError(t, json.Unmarshal(out, &seen), "%s", out)
-	t.Logf("screenshot: %s", screenshot)
-	require.FileExists(t, screenshot)
+	runBrowser(t, "console.mjs", &seen,
+		"CONSOLE_URL="+e.console.URL, "TOKEN="+oncallToken, "CONSUMER="+consumer, "KEY="+key, "REASON="+reason, "SCREENSHOT="+shot)
+	t.Logf("screenshot: %s", shot)
+	require.FileExists(t, shot)
 
 	require.Equal(t, "oncall", seen.Identity)
 	require.Equal(t, "SERVING", seen.StoreHealth)
@@ -107,4 +130,100 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 	require.True(t, audited, "the invalidation is in the audit log")
 	require.Empty(t, seen.ConsoleErrors, "no script or policy error in the page")
+}
+
+// TestConsoleResolveInBrowser resolves a parked record in headless
+// Chromium against a real server: sign in, open the records page, find the
+// parked record (a key and a park reason that are markup), open it, read
+// its attempt history, complete it with a result through the
+// confirmation, and then a Claim through the registry replays that result.
+// It keeps screenshots of the records page, the confirmation and the
+// resolved record.
+func TestConsoleResolveInBrowser(t *testing.T) {
+	needBrowser(t)
+
+	e := setup(t, true)
+	const (
+		key        = `refund:<img src=x onerror=alert("xss")>`
+		parkReason = `provider timed out after the send; outcome <i>unknown</i>`
+		reason     = "provider shows refund rf_9 succeeded, OPS-9"
+		resultType = "example.v1.RefundResponse"
+		resultData = `{"refund":"rf_9","status":"succeeded"}`
+	)
+	// Attempt 1 released, attempt 2 parked with a reason: two lines of
+	// history by the time the operator is done.
+	retried := e.retried(t, key, "worker-<b>8</b>", "worker-<b>9</b>")
+	_, err := e.registry().Park(oncall(t), &idemregv1.ParkRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key,
+		Token: retried.GetToken(), ClaimSecret: retried.GetClaimSecret(), Reason: parkReason})
+	require.NoError(t, err)
+	parked := e.claim(t, key, "worker-10")
+	require.Equal(t, idemregv1.Outcome_OUTCOME_PARKED, parked.GetOutcome(), "parked until an operator resolves it")
+	e.park(t, consumer, "charge:other", "worker-11", "another parked record on the page")
+
+	recordsShot, confirmShot, resolvedShot := screenshot(t, "console-records.png"), screenshot(t, "console-resolve-confirm.png"), screenshot(t, "console-resolved.png")
+	var seen struct {
+		Identity, Parked, SweepLag                              string
+		RowsMatching                                            int
+		Row                                                     map[string]string
+		State, KeyShown, ParkReason                             string
+		History, HistoryAfter                                   []map[string]string
+		ResultFieldsHiddenAtFirst, ResultFieldsShownForComplete bool
+		ConfirmReason, ConfirmAction, ConfirmType               string
+		ConfirmPreview                                          string
+		Notice, StateAfter, ResultType, ResultPreview           string
+		ResolveFormAfter                                        int
+		Dialogs                                                 []struct{ Type, Message string }
+		ConsoleErrors                                           []string
+	}
+	runBrowser(t, "resolve.mjs", &seen,
+		"CONSOLE_URL="+e.console.URL, "TOKEN="+oncallToken, "KEY="+key, "REASON="+reason,
+		"RESULT_TYPE="+resultType, "RESULT_DATA="+resultData,
+		"RECORDS_SCREENSHOT="+recordsShot, "CONFIRM_SCREENSHOT="+confirmShot, "RESOLVED_SCREENSHOT="+resolvedShot)
+	for _, shot := range []string{recordsShot, confirmShot, resolvedShot} {
+		t.Logf("screenshot: %s", shot)
+		require.FileExists(t, shot)
+	}
+
+	require.Equal(t, "oncall", seen.Identity)
+	require.Contains(t, seen.Parked, "2 in all")
+	require.Equal(t, "none: no stored record has expired yet", seen.SweepLag)
+	require.Equal(t, 1, seen.RowsMatching)
+	require.Equal(t, map[string]string{"consumer": consumer, "key": key, "state": "STATE_PARKED", "attempt": "2",
+		"holder": "worker-<b>9</b>", "park-reason": parkReason}, seen.Row, "the row shows the record, as text")
+	require.Equal(t, "STATE_PARKED", seen.State)
+	require.Equal(t, key, seen.KeyShown)
+	require.Equal(t, parkReason, seen.ParkReason)
+	require.Equal(t, []map[string]string{{"attempt": "1", "holder": "worker-<b>8</b>", "end": "taken over (its lease ended)"}}, seen.History)
+
+	require.True(t, seen.ResultFieldsHiddenAtFirst, "release is the default: no result fields")
+	require.True(t, seen.ResultFieldsShownForComplete)
+	require.Equal(t, reason, seen.ConfirmReason)
+	require.Contains(t, seen.ConfirmAction, "every later Claim of the key replays this result")
+	require.Equal(t, resultType, seen.ConfirmType)
+	require.Equal(t, hex.EncodeToString([]byte(resultData)), seen.ConfirmPreview)
+	require.Len(t, seen.Dialogs, 1, "only the confirmation, no alert from the key: %v", seen.Dialogs)
+	require.Equal(t, "confirm", seen.Dialogs[0].Type)
+
+	require.Contains(t, seen.Notice, "Resolved with your result")
+	require.Equal(t, "STATE_COMPLETED", seen.StateAfter)
+	require.Equal(t, resultType, seen.ResultType)
+	require.Equal(t, hex.EncodeToString([]byte(resultData)), seen.ResultPreview)
+	require.Equal(t, []map[string]string{
+		{"attempt": "1", "end": "taken over (its lease ended)", "note": ""},
+		{"attempt": "2", "end": "resolved by an operator: completed", "note": reason},
+	}, seen.HistoryAfter)
+	require.Zero(t, seen.ResolveFormAfter, "a completed record offers no resolution")
+	require.Empty(t, seen.ConsoleErrors, "no script or policy error in the page")
+
+	// The registry replays the operator's result.
+	again := e.claim(t, key, "worker-12")
+	require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, again.GetOutcome())
+	resp := again.GetRecord().GetResult().GetResponse()
+	require.Equal(t, resultType, resp.GetType())
+	require.Equal(t, []byte(resultData), resp.GetData())
+	var audited bool
+	for _, l := range e.logs.lines(t, "admin action") {
+		audited = audited || (l["action"] == "resolve" && l["reason"] == reason && l["identity"] == "oncall" && l["result"] == "ok")
+	}
+	require.True(t, audited, "the resolution is in the audit log")
 }

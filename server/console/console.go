@@ -1,6 +1,7 @@
 // Package console is the operator console of issue 15: a small web page,
-// served by `idemreg serve --console-listen`, that looks up a record and
-// invalidates it through the AdminService, as the signed-in identity.
+// served by `idemreg serve --console-listen`, that looks up, lists,
+// resolves and invalidates records through the AdminService, as the
+// signed-in identity.
 //
 // It holds no authority of its own. Every page is one or more gRPC calls on
 // the server's own listener carrying the operator's bearer token, so the
@@ -11,10 +12,16 @@
 // html/template; stored results are shown as type, size and a hex preview,
 // never as markup.
 //
-// The views are a list (routes table in New): a look-up, the record, the
-// invalidation with its confirmation, and the status panel. A list of
-// parked and stuck records and a resolve action slot in beside them once
-// the AdminService has ListRecords and ResolveRecord.
+// The views are a list (routes table in New): the status panel (store
+// health, sweeper lag, parked records per consumer), a look-up, the list of
+// parked and stuck records (ListRecords, paged), the record with its
+// attempt history, and two actions with a confirmation page each:
+// resolving a parked or in-progress record (a result, or a release for a
+// fresh attempt) and invalidating one. Both actions name the token the
+// operator saw, so of two operators acting on the same record the second
+// is refused (LEASE_LOST) and told that someone acted first. The sweeper's
+// lag is the one figure not read through the AdminService (Config.SweepLag):
+// it names no record.
 package console
 
 import (
@@ -31,10 +38,13 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -55,7 +65,10 @@ const (
 	// maxReasonBytes mirrors server.MaxReasonBytes, which the AdminService
 	// enforces; the form only uses it as its maxlength.
 	maxReasonBytes = 256
-	maxFormBytes   = 16 << 10
+	// maxFormBytes bounds a POST body: the resolve form's result data
+	// (maxResultDataBytes, as text or base64, URL-encoded) and a few short
+	// fields.
+	maxFormBytes = 64 << 10
 )
 
 const cookieName = "idemreg_console"
@@ -82,6 +95,13 @@ type Config struct {
 	Logger *slog.Logger
 	// Now is the clock of session expiry (time.Now).
 	Now func() time.Time
+	// SweepLag reports, for the status panel, how long the oldest stored
+	// record has been expired by the store's clock without being deleted
+	// (zero when none is); ok is false when the store holds no record. It
+	// is the one figure the console reads other than through the
+	// AdminService, as it names no record. Nil: the panel says the lag is
+	// not available.
+	SweepLag func(ctx context.Context) (lag time.Duration, ok bool, err error)
 }
 
 // Console is the http.Handler of the console.
@@ -130,7 +150,13 @@ func New(cfg Config) (*Console, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	pages, err := template.New("").Funcs(template.FuncMap{"maxReason": func() int { return maxReasonBytes }, "blankKey": func() recordKey { return recordKey{} }}).ParseFS(templateFiles, "templates/*.html")
+	pages, err := template.New("").Funcs(template.FuncMap{
+		"maxReason":    func() int { return maxReasonBytes },
+		"maxType":      func() int { return maxResultTypeBytes },
+		"maxMessage":   func() int { return maxFailureMessageBytes },
+		"blankKey":     func() recordKey { return recordKey{} },
+		"failureCodes": failureCodes,
+	}).ParseFS(templateFiles, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
 	}
@@ -146,16 +172,16 @@ func New(cfg Config) (*Console, error) {
 		mux:      http.NewServeMux(),
 		sessions: make(map[string]*session),
 	}
-	// The views. ListRecords and ResolveRecord will add "GET /records"
-	// (parked and stuck records, with attempt history) and
-	// "POST /resolve" (same confirmation and CSRF as /invalidate).
+	// The views.
 	c.mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
 	c.mux.HandleFunc("GET /favicon.ico", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusNoContent) })
 	c.mux.HandleFunc("GET /signin", c.signInPage)
 	c.mux.HandleFunc("POST /signin", c.signIn)
 	c.mux.HandleFunc("POST /signout", c.signedIn(c.signOut))
 	c.mux.HandleFunc("GET /{$}", c.signedIn(c.home))
+	c.mux.HandleFunc("GET /records", c.signedIn(c.records))
 	c.mux.HandleFunc("GET /record", c.signedIn(c.record))
+	c.mux.HandleFunc("POST /resolve", c.signedIn(c.resolve))
 	c.mux.HandleFunc("POST /invalidate", c.signedIn(c.invalidate))
 	return c, nil
 }
@@ -173,8 +199,18 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if r.Method == http.MethodPost {
-		// Every form is a few short fields; a larger body is not one.
+		// Every form is a few short fields and at most one result's data;
+		// a larger body is not one of them.
 		r.Body = http.MaxBytesReader(w, r.Body, maxFormBytes)
+		if err := r.ParseForm(); err != nil {
+			var tooLarge *http.MaxBytesError
+			if errors.As(err, &tooLarge) {
+				c.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("the form is larger than %d bytes", maxFormBytes))
+				return
+			}
+			c.refuse(w, r, http.StatusBadRequest, "the form cannot be read")
+			return
+		}
 	}
 	c.mux.ServeHTTP(w, r)
 }
@@ -353,6 +389,24 @@ func (c *Console) page(s *session) page {
 // statusPanel is the home page's view of the server.
 type statusPanel struct {
 	Store string // SERVING, NOT_SERVING, or the error
+	// Lag is the sweeper's lag as the panel says it.
+	Lag string
+	// Parked is the count of parked records per consumer the identity
+	// administers, by name; ParkedError says why it is missing.
+	Parked      []parkedCount
+	ParkedTotal int64
+	ParkedError string
+}
+
+// parkedCount is one consumer's line of the status panel.
+type parkedCount struct {
+	Consumer string
+	Count    int64
+}
+
+// Link is the records page listing the consumer's parked records.
+func (p parkedCount) Link() template.URL {
+	return listFilter{Consumer: p.Consumer, Exact: true, State: idemregv1.State_STATE_PARKED}.link("")
 }
 
 func (c *Console) home(w http.ResponseWriter, r *http.Request, s *session) {
@@ -365,8 +419,57 @@ func (c *Console) home(w http.ResponseWriter, r *http.Request, s *session) {
 	} else {
 		panel.Store = res.GetStatus().String()
 	}
+	panel.Lag = c.sweepLag(ctx)
+	if res, err := c.admin.CountParked(ctx, &idemregv1.CountParkedRequest{}); err != nil {
+		_, panel.ParkedError = explain(err)
+	} else {
+		for consumer, n := range res.GetParked() {
+			panel.Parked = append(panel.Parked, parkedCount{Consumer: consumer, Count: n})
+			panel.ParkedTotal += n
+		}
+		slices.SortFunc(panel.Parked, func(a, b parkedCount) int { return strings.Compare(a.Consumer, b.Consumer) })
+	}
 	p.Data = panel
 	c.render(w, http.StatusOK, "home.html", p)
+}
+
+// ExpiryReader is the method of storage.Sweeper that SweepLagFrom reads;
+// the console names it here rather than import the storage package.
+type ExpiryReader interface {
+	OldestExpiry(ctx context.Context) (oldest, now time.Time, ok bool, err error)
+}
+
+// SweepLagFrom is a Config.SweepLag that reads a store's oldest expiry: the
+// lag is how long before the store's clock the oldest stored record
+// expired, zero when it has not yet.
+func SweepLagFrom(store ExpiryReader) func(context.Context) (time.Duration, bool, error) {
+	return func(ctx context.Context) (time.Duration, bool, error) {
+		oldest, now, ok, err := store.OldestExpiry(ctx)
+		if err != nil || !ok {
+			return 0, false, err
+		}
+		return max(now.Sub(oldest), 0), true, nil
+	}
+}
+
+// sweepLag is the status panel's line about the sweeper.
+func (c *Console) sweepLag(ctx context.Context) string {
+	if c.cfg.SweepLag == nil {
+		return "not available: this server's store does not report it"
+	}
+	lag, ok, err := c.cfg.SweepLag(ctx)
+	switch {
+	case err != nil:
+		// The store's error may quote its driver: it goes to the log only.
+		c.cfg.Logger.Warn("console sweep lag failed", "error", err)
+		return "unknown: the store did not answer (the server's log has the error)"
+	case !ok:
+		return "none: the store holds no record"
+	case lag <= 0:
+		return "none: no stored record has expired yet"
+	default:
+		return fmtDuration(lag) + ": the oldest expired record has waited this long to be deleted"
+	}
 }
 
 // recordKey is the (consumer, kind, key) of a form or query.
@@ -378,6 +481,11 @@ type recordKey struct {
 func (k recordKey) Query() string {
 	return url.Values{"consumer": {k.Consumer}, "kind": {k.Kind.String()}, "key": {k.Key}}.Encode()
 }
+
+// Link is the record page of k. It is a template.URL because html/template
+// escapes a value after a URL's "?" as one query component, "=" and "&"
+// included; Query's encoding already made it safe.
+func (k recordKey) Link() template.URL { return template.URL("/record?" + k.Query()) }
 
 func formKey(r *http.Request) (recordKey, error) {
 	k := recordKey{Consumer: r.FormValue("consumer"), Key: r.FormValue("key")}
@@ -394,20 +502,67 @@ func formKey(r *http.Request) (recordKey, error) {
 
 // recordView is the record page.
 type recordView struct {
-	Key       recordKey
-	Found     bool
-	Live      bool
-	StoreTime string
-	State     string
-	Token     int64
-	Attempt   int64
-	Holder    string
-	Created   string
-	LeaseEnds string
-	Completed string
-	Expires   string
-	HasFP     bool
-	Result    *resultView
+	Key        recordKey
+	Found      bool
+	Live       bool
+	StoreTime  string
+	State      string
+	Token      int64
+	Attempt    int64
+	Holder     string
+	Created    string
+	LeaseEnds  string
+	LeaseLive  bool
+	Completed  string
+	Expires    string
+	HasFP      bool
+	ParkReason string
+	Result     *resultView
+	History    []attemptView
+	// Resolvable: live, and parked or in progress (ResolveRecord's rule).
+	Resolvable bool
+	// Form is the resolve form's fields, filled in again when a submission
+	// was refused.
+	Form resolveForm
+}
+
+// attemptView is one earlier attempt of the record page's history.
+type attemptView struct {
+	Attempt    int64
+	Token      int64
+	Holder     string
+	Acquired   string
+	Ended      string
+	End        string
+	ParkReason string
+	Note       string
+}
+
+func showHistory(h []*idemregv1.Attempt) []attemptView {
+	out := make([]attemptView, 0, len(h))
+	for _, a := range h {
+		out = append(out, attemptView{
+			Attempt: a.GetAttempt(), Token: a.GetToken(), Holder: a.GetHolder(),
+			Acquired: when(a.GetAcquiredAt()), Ended: when(a.GetEndedAt()), End: attemptEnd(a.GetEnd()),
+			ParkReason: a.GetParkReason(), Note: a.GetNote(),
+		})
+	}
+	return out
+}
+
+func attemptEnd(e idemregv1.AttemptEnd) string {
+	switch e {
+	case idemregv1.AttemptEnd_ATTEMPT_END_TAKEN_OVER:
+		return "taken over (its lease ended)"
+	case idemregv1.AttemptEnd_ATTEMPT_END_INVALIDATED:
+		return "invalidated by an operator"
+	case idemregv1.AttemptEnd_ATTEMPT_END_RESOLVED_COMPLETED:
+		return "resolved by an operator: completed"
+	case idemregv1.AttemptEnd_ATTEMPT_END_RESOLVED_RELEASED:
+		return "resolved by an operator: released"
+	default:
+		return e.String()
+	}
 }
 
 // resultView shows a stored result without ever rendering it: its type and
@@ -426,8 +581,13 @@ func (c *Console) record(w http.ResponseWriter, r *http.Request, s *session) {
 		c.render(w, http.StatusBadRequest, "record.html", p)
 		return
 	}
-	if r.FormValue("done") == "invalidated" {
+	switch r.FormValue("done") {
+	case "invalidated":
 		p.Notice = "Invalidated: the next Claim of the key acquires it, as a takeover."
+	case "completed":
+		p.Notice = "Resolved with your result: the record is completed, and every Claim of the key replays it."
+	case "released":
+		p.Notice = "Resolved by a release: the next Claim of the key acquires it as attempt 1."
 	}
 	view, code, msg := c.inspect(r.Context(), s, k)
 	p.Data, p.Error = view, msg
@@ -456,9 +616,14 @@ func (c *Console) inspect(ctx context.Context, s *session, k recordKey) (recordV
 	view.Completed = when(rec.GetCompletedAt())
 	view.Expires = when(rec.GetExpiresAt())
 	view.HasFP = len(rec.GetFingerprint()) > 0
+	view.ParkReason = rec.GetParkReason()
+	view.LeaseLive = rec.GetState() == idemregv1.State_STATE_IN_PROGRESS && rec.GetLeaseExpiresAt().AsTime().After(res.GetStoreTime().AsTime())
 	if result := rec.GetResult(); result != nil {
 		view.Result = showResult(result)
 	}
+	view.History = showHistory(res.GetHistory())
+	view.Resolvable = view.Live && (rec.GetState() == idemregv1.State_STATE_PARKED || rec.GetState() == idemregv1.State_STATE_IN_PROGRESS)
+	view.Form = resolveForm{Action: actionRelease, Outcome: outcomeResponse, Encoding: encodingText}
 	return view, http.StatusOK, ""
 }
 
@@ -482,9 +647,21 @@ func when(ts *timestamppb.Timestamp) string {
 	return ts.AsTime().UTC().Format(time.RFC3339Nano)
 }
 
+// Messages of the refusals an operator acting on a record meets.
+const (
+	someoneActedFirst = "Someone acted first: the record's token is no longer the one you saw, so nothing was done. Here is the record as it is now: look at it again before you decide."
+	alreadyCompleted  = "Refused: the record is completed, and its result is what every Claim replays. Invalidate it to drop the result."
+)
+
 // explain turns a call's error into the page's status and message.
 func explain(err error) (int, string) {
 	st := status.Convert(err)
+	switch errorReason(st) {
+	case idemregv1.ReasonLeaseLost:
+		return http.StatusConflict, someoneActedFirst
+	case idemregv1.ReasonAlreadyCompleted:
+		return http.StatusConflict, alreadyCompleted
+	}
 	switch st.Code() {
 	case codes.PermissionDenied:
 		return http.StatusForbidden, "Permission denied: " + st.Message() + ". Your identity needs an admin grant for this consumer in --config."
@@ -499,6 +676,16 @@ func explain(err error) (int, string) {
 	default:
 		return http.StatusBadGateway, st.Code().String() + ": " + st.Message()
 	}
+}
+
+// errorReason is the idemreg ErrorInfo reason of st, or "".
+func errorReason(st *status.Status) string {
+	for _, d := range st.Details() {
+		if info, ok := d.(*errdetails.ErrorInfo); ok && info.GetDomain() == idemregv1.ErrorDomain {
+			return info.GetReason()
+		}
+	}
+	return ""
 }
 
 // confirmView is the confirmation step of an invalidation.
@@ -526,9 +713,12 @@ func (c *Console) invalidate(w http.ResponseWriter, r *http.Request, s *session)
 		return
 	}
 	reason := r.PostFormValue("reason")
-	if reason == "" {
+	if err := checkReason(reason); err != nil {
 		view, code, msg := c.inspect(r.Context(), s, k)
 		p.Data, p.Error = view, "A reason is required: say why, for the audit log."
+		if reason != "" {
+			p.Error = "Not invalidated: " + err.Error() + "."
+		}
 		if msg != "" {
 			p.Error = msg
 		}

@@ -2,7 +2,12 @@ package console_test
 
 import (
 	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/hex"
 	"encoding/json"
+	"errors"
+	"html/template"
 	"io"
 	"log/slog"
 	"net/http"
@@ -14,6 +19,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
@@ -73,7 +79,9 @@ type env struct {
 	logs    *syncBuffer
 }
 
-func setup(t *testing.T, withIdentities bool) *env {
+// setup starts the server and the console; opts change the console's
+// Config.
+func setup(t *testing.T, withIdentities bool, opts ...func(*console.Config)) *env {
 	t.Helper()
 	store, err := pebble.Open("", pebble.WithInMemory())
 	require.NoError(t, err)
@@ -97,7 +105,8 @@ func setup(t *testing.T, withIdentities bool) *env {
 		Logger: slog.New(slog.NewJSONHandler(logs, nil)),
 	})
 	conn := servertest.Dial(t, addr)
-	cfg := console.Config{Conn: conn}
+	// As serve wires it (cmd/idemreg/console.go).
+	cfg := console.Config{Conn: conn, SweepLag: console.SweepLagFrom(store)}
 	if withIdentities {
 		cfg.SignIn = func(token string) (string, bool) {
 			id, ok := set.ByToken(token)
@@ -106,6 +115,9 @@ func setup(t *testing.T, withIdentities bool) *env {
 			}
 			return id.Name, true
 		}
+	}
+	for _, o := range opts {
+		o(&cfg)
 	}
 	h, err := console.New(cfg)
 	require.NoError(t, err)
@@ -153,12 +165,26 @@ func (e *env) signIn(t *testing.T, token string) *http.Client {
 // claim claims key as holder with the oncall token and returns the answer.
 func (e *env) claim(t *testing.T, key, holder string) *idemregv1.ClaimResponse {
 	t.Helper()
-	ctx := metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+oncallToken)
-	res, err := idemregv1.NewRegistryServiceClient(e.conn).Claim(ctx, &idemregv1.ClaimRequest{
+	return e.claimIn(t, consumer, key, holder)
+}
+
+// claimIn is claim for another consumer.
+func (e *env) claimIn(t *testing.T, consumer, key, holder string) *idemregv1.ClaimResponse {
+	t.Helper()
+	res, err := e.registry().Claim(oncall(t), &idemregv1.ClaimRequest{
 		Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key, Holder: holder,
 	})
 	require.NoError(t, err)
 	return res
+}
+
+func (e *env) registry() idemregv1.RegistryServiceClient {
+	return idemregv1.NewRegistryServiceClient(e.conn)
+}
+
+// oncall is the context of a call as the oncall identity.
+func oncall(t *testing.T) context.Context {
+	return metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+oncallToken)
 }
 
 func (e *env) inspect(t *testing.T, key string) *idemregv1.Record {
@@ -351,7 +377,7 @@ func TestConsoleCSRF(t *testing.T) {
 	require.Equal(t, claimed.GetToken(), rec.GetToken(), "nothing changed")
 	require.Equal(t, "worker-2", rec.GetHolder())
 	for _, l := range e.logs.lines(t, "admin action") {
-		require.Equal(t, "inspect", l["action"], "no refused form reached InvalidateRecord")
+		require.NotEqual(t, "invalidate", l["action"], "no refused form reached InvalidateRecord")
 	}
 }
 
@@ -415,10 +441,642 @@ func TestConsoleOpenServer(t *testing.T) {
 	require.Equal(t, http.StatusOK, code, body)
 	require.Contains(t, body, `<dd id="holder">worker-4</dd>`)
 	require.NotContains(t, body, "Sign out")
+	_, home := get(t, c, e.console.URL+"/")
+	require.Contains(t, home, `<dd id="parked">none, for the consumers you administer</dd>`, "an open server lets the console count")
 	form := formFields(t, body, "invalidate-form")
 	form.Set("reason", "test")
 	form.Set("confirm", "yes")
 	form.Del("csrf")
 	code, _ = post(t, c, e.console.URL+"/invalidate", form)
 	require.Equal(t, http.StatusForbidden, code)
+}
+
+// park claims key of consumer as holder and parks it with reason, as a
+// holder whose outcome is unknown does; it returns the claim.
+func (e *env) park(t *testing.T, consumer, key, holder, reason string) *idemregv1.ClaimResponse {
+	t.Helper()
+	claimed := e.claimIn(t, consumer, key, holder)
+	_, err := e.registry().Park(oncall(t), &idemregv1.ParkRequest{
+		Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key,
+		Token: claimed.GetToken(), ClaimSecret: claimed.GetClaimSecret(), Reason: reason,
+	})
+	require.NoError(t, err)
+	return claimed
+}
+
+// retried claims key as first, releases it, and claims it again as second:
+// attempt 2, with the first attempt in the record's history.
+func (e *env) retried(t *testing.T, key, first, second string) *idemregv1.ClaimResponse {
+	t.Helper()
+	claimed := e.claim(t, key, first)
+	_, err := e.registry().Release(oncall(t), &idemregv1.ReleaseRequest{
+		Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key, Token: claimed.GetToken(), ClaimSecret: claimed.GetClaimSecret(),
+	})
+	require.NoError(t, err)
+	again := e.claim(t, key, second)
+	require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, again.GetOutcome())
+	require.Equal(t, int64(2), again.GetRecord().GetAttempt())
+	return again
+}
+
+// auditActions counts the server's audit lines by action.
+func (e *env) auditActions(t *testing.T) map[string]int {
+	t.Helper()
+	out := map[string]int{}
+	for _, l := range e.logs.lines(t, "admin action") {
+		out[l["action"].(string)]++
+	}
+	return out
+}
+
+var (
+	listedKey = regexp.MustCompile(`<td class="key"><a href="([^"]*)">([^<]*)</a></td>`)
+	nextPage  = regexp.MustCompile(`<a href="([^"]*)" id="next-page">`)
+)
+
+// listed returns the keys a records page lists, as text, with their links.
+func listed(body string) (keys, links []string) {
+	for _, m := range listedKey.FindAllStringSubmatch(body, -1) {
+		links = append(links, htmlUnescape(m[1]))
+		keys = append(keys, htmlUnescape(m[2]))
+	}
+	return keys, links
+}
+
+// TestConsoleStatusPanel: the home page shows the sweeper's lag as the
+// hook reports it, and the parked records per consumer the identity
+// administers, as CountParked counts them.
+func TestConsoleStatusPanel(t *testing.T) {
+	t.Run("counts and lag", func(t *testing.T) {
+		e := setup(t, true, func(c *console.Config) {
+			c.SweepLag = func(context.Context) (time.Duration, bool, error) { return 90 * time.Second, true, nil }
+		})
+		e.park(t, consumer, "charge:1", "w1", "timeout after send")
+		e.park(t, consumer, "charge:2", "w2", "timeout after send")
+		e.park(t, "billing.refunds", "refund:<b>1</b>", "w3", "provider down")
+		e.claim(t, "charge:3", "w4") // in progress: not counted
+		c := e.signIn(t, oncallToken)
+		code, body := get(t, c, e.console.URL+"/")
+		require.Equal(t, http.StatusOK, code, body)
+		require.Contains(t, body, `<dd id="sweep-lag">1m30s: the oldest expired record has waited this long to be deleted</dd>`)
+		require.Contains(t, body, `<dd id="parked">3 in all`)
+		require.Contains(t, body, `<td class="consumer">billing.payment-worker</td><td class="count"><a href="/records?consumer=billing.payment-worker&amp;match=exact&amp;state=STATE_PARKED">2</a></td>`)
+		require.Contains(t, body, `<td class="consumer">billing.refunds</td>`)
+		require.Less(t, strings.Index(body, "billing.payment-worker</td>"), strings.Index(body, "billing.refunds</td>"), "by name")
+	})
+	t.Run("no hook", func(t *testing.T) {
+		e := setup(t, true, func(c *console.Config) { c.SweepLag = nil })
+		c := e.signIn(t, oncallToken)
+		_, body := get(t, c, e.console.URL+"/")
+		require.Contains(t, body, `<dd id="sweep-lag">not available`)
+		require.Contains(t, body, `<dd id="parked">none, for the consumers you administer</dd>`)
+	})
+	for name, tc := range map[string]struct {
+		lag  time.Duration
+		ok   bool
+		err  error
+		want string
+	}{
+		"empty store":  {want: "none: the store holds no record"},
+		"none expired": {ok: true, want: "none: no stored record has expired yet"},
+		"days":         {lag: 50*time.Hour + 3*time.Minute, ok: true, want: "2d2h3m0s: the oldest"},
+		"store error":  {err: errors.New("pq: secret driver text"), want: "unknown: the store did not answer"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			e := setup(t, false, func(c *console.Config) {
+				c.SweepLag = func(context.Context) (time.Duration, bool, error) { return tc.lag, tc.ok, tc.err }
+			})
+			_, body := get(t, e.browser(t), e.console.URL+"/")
+			require.Contains(t, body, `<dd id="sweep-lag">`+tc.want)
+			require.NotContains(t, body, "secret driver text", "the store's error goes to the log only")
+		})
+	}
+	t.Run("from the store", func(t *testing.T) {
+		e := setup(t, true)
+		c := e.signIn(t, oncallToken)
+		_, body := get(t, c, e.console.URL+"/")
+		require.Contains(t, body, `<dd id="sweep-lag">none: the store holds no record</dd>`)
+		e.claim(t, "charge:1", "w1")
+		_, body = get(t, c, e.console.URL+"/")
+		require.Contains(t, body, `<dd id="sweep-lag">none: no stored record has expired yet</dd>`)
+	})
+	t.Run("no admin grant", func(t *testing.T) {
+		e := setup(t, true)
+		e.park(t, consumer, "charge:1", "w1", "timeout after send")
+		c := e.signIn(t, readerToken)
+		code, body := get(t, c, e.console.URL+"/")
+		require.Equal(t, http.StatusOK, code, "the rest of the panel still shows")
+		require.Contains(t, body, `<dd id="parked">not shown: Permission denied`)
+		require.NotContains(t, body, "parked-counts")
+	})
+}
+
+// TestConsoleRecords: the records page lists parked records by default,
+// escaped, each linked to its record page, pages through ListRecords'
+// page tokens, and filters by consumer, state, attempt and age.
+func TestConsoleRecords(t *testing.T) {
+	e := setup(t, true)
+	const hostileKey, hostileReason = `charge:<script>alert("key")</script>`, `<img src=x onerror=alert(1)>`
+	e.park(t, consumer, hostileKey, "<b>worker</b>", hostileReason)
+	e.park(t, consumer, "charge:b", "w-b", "timeout after send")
+	retried := e.retried(t, "charge:c", "w-c1", "w-c2")
+	_, err := e.registry().Park(oncall(t), &idemregv1.ParkRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: "charge:c",
+		Token: retried.GetToken(), ClaimSecret: retried.GetClaimSecret(), Reason: "second try lost its answer"})
+	require.NoError(t, err)
+	e.park(t, "billing.refunds", "refund:a", "w-r", "provider down")
+	e.claim(t, "charge:in-progress", "w-p")
+	c := e.signIn(t, oncallToken)
+
+	code, body := get(t, c, e.console.URL+"/records")
+	require.Equal(t, http.StatusOK, code, body)
+	keys, links := listed(body)
+	require.Equal(t, []string{"charge:<script>alert(\"key\")</script>", "charge:b", "charge:c", "refund:a"}, keys, "parked only, every consumer administered, in key order")
+	require.NotContains(t, body, "<script>alert")
+	require.NotContains(t, body, "<img")
+	require.Contains(t, body, `<td class="park-reason">&lt;img src=x onerror=alert(1)&gt;</td>`)
+	require.Contains(t, body, `<td class="holder">&lt;b&gt;worker&lt;/b&gt;</td>`)
+	require.Equal(t, 1, strings.Count(body, "<script"), "only the console's own script tag")
+	require.Contains(t, body, `<td class="attempt">2</td>`)
+	require.Contains(t, body, "1, last taken over (its lease ended)", "charge:c's earlier attempt")
+	require.Contains(t, body, `id="list-end"`)
+
+	// The link opens the record page of exactly that key.
+	u, err := url.Parse(links[0])
+	require.NoError(t, err)
+	require.Equal(t, "/record", u.Path)
+	require.Equal(t, hostileKey, u.Query().Get("key"))
+	code, body = get(t, c, e.console.URL+links[0])
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `<dd id="state">STATE_PARKED</dd>`)
+	require.Contains(t, body, `<dd id="park-reason">&lt;img src=x onerror=alert(1)&gt;</dd>`)
+
+	// One record a page: every parked record exactly once, by page tokens.
+	var paged []string
+	next := "/records?size=1"
+	for pages := 0; next != ""; pages++ {
+		require.Less(t, pages, 10, "the listing ends")
+		code, body = get(t, c, e.console.URL+next)
+		require.Equal(t, http.StatusOK, code, body)
+		k, _ := listed(body)
+		paged = append(paged, k...)
+		next = ""
+		if m := nextPage.FindStringSubmatch(body); m != nil {
+			next = htmlUnescape(m[1])
+			require.Contains(t, next, "size=1", "the next page keeps the filters")
+			require.Contains(t, next, "state=STATE_PARKED")
+		}
+		if pages > 0 {
+			require.Contains(t, body, `id="first-page"`)
+		}
+	}
+	require.Equal(t, keys, paged)
+
+	for _, tc := range []struct {
+		name  string
+		query url.Values
+		want  []string
+	}{
+		{name: "one consumer exactly", query: url.Values{"consumer": {"billing.refunds"}, "match": {"exact"}}, want: []string{"refund:a"}},
+		{name: "consumer prefix", query: url.Values{"consumer": {"billing.pay"}}, want: []string{hostileKey, "charge:b", "charge:c"}},
+		{name: "min attempt", query: url.Values{"min_attempt": {"2"}}, want: []string{"charge:c"}},
+		{name: "in progress", query: url.Values{"state": {"STATE_IN_PROGRESS"}}, want: []string{"charge:in-progress"}},
+		{name: "in progress, older than an hour", query: url.Values{"state": {"STATE_IN_PROGRESS"}, "older_than": {"1h"}}, want: nil},
+		{name: "any state", query: url.Values{"state": {"any"}, "consumer": {"billing.refunds"}}, want: []string{"refund:a"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, body := get(t, c, e.console.URL+"/records?"+tc.query.Encode())
+			require.Equal(t, http.StatusOK, code, body)
+			got, _ := listed(body)
+			require.Equal(t, tc.want, got)
+			if tc.want == nil {
+				require.Contains(t, body, `id="no-records"`)
+			}
+		})
+	}
+	for name, q := range map[string]url.Values{
+		"bad state":          {"state": {"STATE_<b>"}},
+		"negative attempt":   {"min_attempt": {"-1"}},
+		"bad duration":       {"older_than": {"soon"}},
+		"page too large":     {"size": {"501"}},
+		"exact without name": {"match": {"exact"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			code, body := get(t, c, e.console.URL+"/records?"+q.Encode())
+			require.Equal(t, http.StatusBadRequest, code, body)
+			require.Contains(t, body, "Invalid filter")
+			require.NotContains(t, body, "<b>")
+		})
+	}
+	t.Run("garbled page token", func(t *testing.T) {
+		code, body := get(t, c, e.console.URL+"/records?page=AAAA")
+		require.Equal(t, http.StatusBadRequest, code, body)
+		require.Contains(t, body, "Invalid request: ")
+	})
+	t.Run("no admin grant", func(t *testing.T) {
+		code, body := get(t, e.signIn(t, readerToken), e.console.URL+"/records")
+		require.Equal(t, http.StatusForbidden, code, body)
+		require.Contains(t, body, "Permission denied")
+		require.NotContains(t, body, "charge:b")
+	})
+}
+
+// TestConsoleRecordHistory: the record page shows the record's earlier
+// attempts, escaped.
+func TestConsoleRecordHistory(t *testing.T) {
+	e := setup(t, true)
+	e.retried(t, "charge:h", `<script>alert("first")</script>`, "second")
+	c := e.signIn(t, oncallToken)
+	code, body := get(t, c, recordURL(e.console.URL, "charge:h"))
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `<dd id="attempt">2</dd>`)
+	require.Contains(t, body, `<table id="history">`)
+	require.Contains(t, body, `<td class="holder">&lt;script&gt;alert(&#34;first&#34;)&lt;/script&gt;</td>`)
+	require.Contains(t, body, `<td class="end">taken over (its lease ended)</td>`)
+	require.Equal(t, 1, strings.Count(body, "<script"))
+
+	e.claim(t, "charge:once", "w")
+	_, body = get(t, c, recordURL(e.console.URL, "charge:once"))
+	require.Contains(t, body, `id="no-history"`)
+}
+
+// resolveForm is the record page's resolve form of key, filled in with
+// fields.
+func resolveForm(t *testing.T, e *env, c *http.Client, key string, fields url.Values) url.Values {
+	t.Helper()
+	code, body := get(t, c, recordURL(e.console.URL, key))
+	require.Equal(t, http.StatusOK, code, body)
+	form := formFields(t, body, "resolve-form")
+	for k, v := range fields {
+		form[k] = v
+	}
+	return form
+}
+
+// confirmResolve posts form without confirm=yes and returns the
+// confirmation page's form.
+func confirmResolve(t *testing.T, e *env, c *http.Client, form url.Values) (url.Values, string) {
+	t.Helper()
+	code, body := post(t, c, e.console.URL+"/resolve", form)
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "Confirm the resolution")
+	confirm := formFields(t, body, "resolve-confirm-form")
+	require.Equal(t, "yes", confirm.Get("confirm"))
+	return confirm, body
+}
+
+// TestConsoleResolveComplete: a parked record completed with a result
+// through the confirmation; the next Claim replays that result, and the
+// record page shows the ended attempt with the operator's reason.
+func TestConsoleResolveComplete(t *testing.T) {
+	e := setup(t, true)
+	parked := e.park(t, consumer, "charge:42", "worker-42", "provider timed out after send")
+	c := e.signIn(t, oncallToken)
+	const reason = "provider says charge ch_1 succeeded, OPS-42"
+	form := resolveForm(t, e, c, "charge:42", url.Values{
+		"reason": {reason}, "action": {"complete"}, "outcome": {"response"},
+		"type": {"example.v1.ChargeResponse"}, "encoding": {"text"}, "data": {"{\"charge\":\r\n\"ch_1\"}"},
+	})
+	confirm, body := confirmResolve(t, e, c, form)
+	require.Contains(t, body, `<code id="confirm-result-type">example.v1.ChargeResponse</code>, 18 bytes`, "CRLF sent as LF")
+	require.Contains(t, body, `<pre id="confirm-result-preview">`+hex.EncodeToString([]byte("{\"charge\":\n\"ch_1\"}"))+`</pre>`)
+	require.Contains(t, body, `<dd id="confirm-now">STATE_PARKED, attempt 1, holder worker-42; parked: provider timed out after send</dd>`)
+	require.Contains(t, body, "every later Claim of the key replays this result")
+	require.Equal(t, "base64", confirm.Get("encoding"), "the confirmation carries the bytes exactly")
+	require.Equal(t, idemregv1.State_STATE_PARKED, e.inspect(t, "charge:42").GetState(), "nothing changes before the confirmation")
+
+	code, body := post(t, c, e.console.URL+"/resolve", confirm)
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `id="notice">Resolved with your result`)
+	require.Contains(t, body, `<dd id="state">STATE_COMPLETED</dd>`)
+	require.Contains(t, body, `<td class="end">resolved by an operator: completed</td>`)
+	require.Contains(t, body, `<td class="note">`+reason+`</td>`)
+	require.Contains(t, body, `<td class="park-reason">provider timed out after send</td>`)
+	require.NotContains(t, body, `id="resolve-form"`, "a completed record is not resolved again")
+
+	again := e.claim(t, "charge:42", "worker-43")
+	require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, again.GetOutcome())
+	resp := again.GetRecord().GetResult().GetResponse()
+	require.Equal(t, "example.v1.ChargeResponse", resp.GetType())
+	require.Equal(t, []byte("{\"charge\":\n\"ch_1\"}"), resp.GetData())
+	require.Greater(t, again.GetRecord().GetToken(), parked.GetToken())
+
+	var resolved []map[string]any
+	for _, l := range e.logs.lines(t, "admin action") {
+		if l["action"] == "resolve" {
+			resolved = append(resolved, l)
+		}
+	}
+	require.Len(t, resolved, 1)
+	require.Equal(t, "oncall", resolved[0]["identity"])
+	require.Equal(t, reason, resolved[0]["reason"])
+	require.Equal(t, "ok", resolved[0]["result"])
+}
+
+// TestConsoleResolveOutcomes: a release acquires as attempt 1 at the next
+// Claim; a failure and a base64 response are replayed as given.
+func TestConsoleResolveOutcomes(t *testing.T) {
+	e := setup(t, true)
+	c := e.signIn(t, oncallToken)
+	t.Run("release", func(t *testing.T) {
+		e.retried(t, "charge:r", "w1", "w2") // stuck in progress at attempt 2, lease live
+		confirm, body := confirmResolve(t, e, c, resolveForm(t, e, c, "charge:r", url.Values{"reason": {"w2 is gone, OPS-9"}, "action": {"release"}}))
+		require.Contains(t, body, "the holder, whose lease is still live, is fenced out")
+		code, body := post(t, c, e.console.URL+"/resolve", confirm)
+		require.Equal(t, http.StatusOK, code, body)
+		require.Contains(t, body, `id="notice">Resolved by a release`)
+		require.Contains(t, body, `<dd id="attempt">0</dd>`)
+		again := e.claim(t, "charge:r", "w3")
+		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, again.GetOutcome())
+		require.Equal(t, int64(1), again.GetRecord().GetAttempt())
+	})
+	t.Run("failure", func(t *testing.T) {
+		e.park(t, consumer, "charge:f", "w", "unknown")
+		confirm, body := confirmResolve(t, e, c, resolveForm(t, e, c, "charge:f", url.Values{
+			"reason": {"card declined at the provider"}, "action": {"complete"}, "outcome": {"failure"},
+			"code": {"9"}, "message": {"card declined"}, "type": {"ignored"}, "data": {"ignored"},
+		}))
+		require.Contains(t, body, `<code id="confirm-result-type">FailedPrecondition</code>`)
+		require.Contains(t, body, `<pre id="confirm-result-message">card declined</pre>`)
+		require.Empty(t, confirm.Get("type"), "the confirmation carries only what the resolution uses")
+		code, body := post(t, c, e.console.URL+"/resolve", confirm)
+		require.Equal(t, http.StatusOK, code, body)
+		again := e.claim(t, "charge:f", "w2")
+		require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, again.GetOutcome())
+		require.Equal(t, int32(9), again.GetRecord().GetResult().GetFailure().GetCode())
+		require.Equal(t, "card declined", again.GetRecord().GetResult().GetFailure().GetMessage())
+	})
+	t.Run("base64", func(t *testing.T) {
+		e.park(t, consumer, "charge:b64", "w", "unknown")
+		data := []byte{0, 1, 2, 0xff, '<', '>'}
+		confirm, _ := confirmResolve(t, e, c, resolveForm(t, e, c, "charge:b64", url.Values{
+			"reason": {"by hand"}, "action": {"complete"}, "outcome": {"response"}, "type": {"bytes"},
+			"encoding": {"base64"}, "data": {base64.StdEncoding.EncodeToString(data)[:4] + "\n" + base64.StdEncoding.EncodeToString(data)[4:]},
+		}))
+		code, body := post(t, c, e.console.URL+"/resolve", confirm)
+		require.Equal(t, http.StatusOK, code, body)
+		require.Contains(t, body, `<pre id="result-preview">000102ff3c3e</pre>`)
+		require.Equal(t, data, e.claim(t, "charge:b64", "w2").GetRecord().GetResult().GetResponse().GetData())
+	})
+}
+
+// TestConsoleResolveSomeoneActedFirst: two operators confirm the same
+// resolution; the second is refused with LEASE_LOST, shown as "someone
+// acted first", and nothing of theirs is stored.
+func TestConsoleResolveSomeoneActedFirst(t *testing.T) {
+	e := setup(t, true)
+	e.park(t, consumer, "charge:race", "w", "unknown")
+	alice, bob := e.signIn(t, oncallToken), e.signIn(t, oncallToken)
+	aliceConfirm, _ := confirmResolve(t, e, alice, resolveForm(t, e, alice, "charge:race", url.Values{"reason": {"alice: release"}, "action": {"release"}}))
+	bobForm := resolveForm(t, e, bob, "charge:race", url.Values{
+		"reason": {"bob: complete"}, "action": {"complete"}, "outcome": {"response"}, "type": {"t"}, "encoding": {"text"}, "data": {"bob's"},
+	})
+	bobConfirm, _ := confirmResolve(t, e, bob, bobForm)
+
+	code, body := post(t, alice, e.console.URL+"/resolve", aliceConfirm)
+	require.Equal(t, http.StatusOK, code, body)
+	after := e.inspect(t, "charge:race")
+
+	code, body = post(t, bob, e.console.URL+"/resolve", bobConfirm)
+	require.Equal(t, http.StatusConflict, code, body)
+	require.Contains(t, body, `id="error">Someone acted first`)
+	require.Contains(t, body, `<dd id="token">`+strconv.FormatInt(after.GetToken(), 10)+`</dd>`, "the page shows the record as it is now")
+	rec := e.inspect(t, "charge:race")
+	require.Equal(t, after.GetToken(), rec.GetToken())
+	require.Equal(t, idemregv1.State_STATE_IN_PROGRESS, rec.GetState(), "alice's release stands")
+	require.Nil(t, rec.GetResult())
+
+	// A form from before alice acted is stopped at its confirmation step.
+	code, body = post(t, bob, e.console.URL+"/resolve", bobForm)
+	require.Equal(t, http.StatusConflict, code, body)
+	require.Contains(t, body, "Someone acted first")
+	require.NotContains(t, body, "Confirm the resolution")
+	require.Contains(t, body, `>bob&#39;s</textarea>`, "bob's input is kept in the form")
+
+	var results []string
+	for _, l := range e.logs.lines(t, "admin action") {
+		if l["action"] == "resolve" {
+			results = append(results, l["result"].(string))
+		}
+	}
+	require.Equal(t, []string{"ok", "LEASE_LOST"}, results)
+}
+
+// TestConsoleResolveCSRF: a resolution without the session's CSRF token,
+// with a wrong one, or from another site is refused and changes nothing.
+func TestConsoleResolveCSRF(t *testing.T) {
+	e := setup(t, true)
+	e.park(t, consumer, "charge:csrf", "w", "unknown")
+	before := e.inspect(t, "charge:csrf")
+	c := e.signIn(t, oncallToken)
+	good, _ := confirmResolve(t, e, c, resolveForm(t, e, c, "charge:csrf", url.Values{"reason": {"OPS-1"}, "action": {"release"}}))
+	_, otherBody := get(t, e.signIn(t, oncallToken), recordURL(e.console.URL, "charge:csrf"))
+	otherCSRF := formFields(t, otherBody, "resolve-form").Get("csrf")
+
+	for name, csrf := range map[string][]string{
+		"missing":           nil,
+		"empty":             {""},
+		"wrong":             {"AAAA" + good.Get("csrf")[4:]},
+		"another session's": {otherCSRF},
+	} {
+		t.Run(name, func(t *testing.T) {
+			form := url.Values{}
+			for k, v := range good {
+				form[k] = v
+			}
+			form["csrf"] = csrf
+			code, body := post(t, c, e.console.URL+"/resolve", form)
+			require.Equal(t, http.StatusForbidden, code, body)
+			require.Contains(t, body, "CSRF")
+		})
+	}
+	for name, header := range map[string][2]string{
+		"cross-site origin": {"Origin", "https://evil.example"},
+		"cross-site fetch":  {"Sec-Fetch-Site", "cross-site"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, e.console.URL+"/resolve", strings.NewReader(good.Encode()))
+			require.NoError(t, err)
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			req.Header.Set(header[0], header[1])
+			res, err := c.Do(req)
+			require.NoError(t, err)
+			_ = res.Body.Close()
+			require.Equal(t, http.StatusForbidden, res.StatusCode)
+		})
+	}
+	t.Run("no session", func(t *testing.T) {
+		code, _ := post(t, e.browser(t), e.console.URL+"/resolve", good)
+		require.Equal(t, http.StatusForbidden, code)
+	})
+	t.Run("too large", func(t *testing.T) {
+		form := url.Values{}
+		for k, v := range good {
+			form[k] = v
+		}
+		form.Set("data", strings.Repeat("A", 70<<10))
+		code, body := post(t, c, e.console.URL+"/resolve", form)
+		require.Equal(t, http.StatusRequestEntityTooLarge, code, body)
+	})
+
+	rec := e.inspect(t, "charge:csrf")
+	require.Equal(t, before.GetToken(), rec.GetToken(), "nothing changed")
+	require.Equal(t, idemregv1.State_STATE_PARKED, rec.GetState())
+	require.Zero(t, e.auditActions(t)["resolve"], "no refused form reached ResolveRecord")
+}
+
+// TestConsoleResolveEscapes: a key, a reason, a result type and a failure
+// message that are markup are shown as text on the confirmation and in the
+// history.
+func TestConsoleResolveEscapes(t *testing.T) {
+	e := setup(t, true)
+	const key = `<script>alert("k")</script>`
+	const reason, typ, message = `<img src=x onerror=alert("r")>`, `<script>alert("t")</script>`, `<iframe src=javascript:alert(1)>`
+	e.park(t, consumer, key, "w", `<svg onload=alert("p")>`)
+	c := e.signIn(t, oncallToken)
+	_, body := get(t, c, recordURL(e.console.URL, key))
+	require.Contains(t, body, `<dd id="park-reason">&lt;svg onload=alert(&#34;p&#34;)&gt;</dd>`)
+
+	_, body = confirmResolve(t, e, c, resolveForm(t, e, c, key, url.Values{
+		"reason": {reason}, "action": {"complete"}, "outcome": {"response"}, "type": {typ}, "encoding": {"text"}, "data": {"<b>data</b>"},
+	}))
+	require.Contains(t, body, `<dd id="confirm-key">&lt;script&gt;alert(&#34;k&#34;)&lt;/script&gt;</dd>`)
+	require.Contains(t, body, `<dd id="confirm-reason">&lt;img src=x onerror=alert(&#34;r&#34;)&gt;</dd>`)
+	require.Contains(t, body, `<code id="confirm-result-type">&lt;script&gt;alert(&#34;t&#34;)&lt;/script&gt;</code>`)
+	require.Contains(t, body, `<pre id="confirm-result-preview">3c623e`, "data as hex")
+	require.NotContains(t, body, "<img")
+	require.NotContains(t, body, "<b>data")
+	require.Equal(t, 1, strings.Count(body, "<script"))
+
+	e.park(t, consumer, key+"2", "w", "unknown")
+	confirm, body := confirmResolve(t, e, c, resolveForm(t, e, c, key+"2", url.Values{
+		"reason": {reason}, "action": {"complete"}, "outcome": {"failure"}, "code": {"3"}, "message": {message},
+	}))
+	require.Contains(t, body, `<pre id="confirm-result-message">&lt;iframe src=javascript:alert(1)&gt;</pre>`)
+	code, body := post(t, c, e.console.URL+"/resolve", confirm)
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `<td class="note">&lt;img src=x onerror=alert(&#34;r&#34;)&gt;</td>`)
+	require.Contains(t, body, `<pre id="result-message">&lt;iframe src=javascript:alert(1)&gt;</pre>`)
+	require.NotContains(t, body, "<iframe")
+	require.NotContains(t, body, "<img")
+	require.Equal(t, 1, strings.Count(body, "<script"))
+}
+
+// TestConsoleResolveRefusesBadForms: a form the console cannot turn into a
+// ResolveRecord is refused before any confirmation, with the record page,
+// the operator's input kept, and nothing changed.
+func TestConsoleResolveRefusesBadForms(t *testing.T) {
+	e := setup(t, true)
+	e.park(t, consumer, "charge:bad", "w", "unknown")
+	before := e.inspect(t, "charge:bad")
+	c := e.signIn(t, oncallToken)
+	complete := url.Values{"reason": {"by hand"}, "action": {"complete"}, "outcome": {"response"}, "type": {"kept-type"}, "encoding": {"text"}, "data": {"x"}}
+	with := func(k, v string) url.Values {
+		out := url.Values{}
+		for kk, vv := range complete {
+			out[kk] = vv
+		}
+		out.Set(k, v)
+		return out
+	}
+	for _, tc := range []struct {
+		name   string
+		fields url.Values
+		want   string
+	}{
+		{"no reason", with("reason", ""), "a reason is required"},
+		{"reason too long", with("reason", strings.Repeat("r", 257)), "the reason must be at most 256 bytes"},
+		{"reason not printable", with("reason", "a\x07b"), "the reason must be printable"},
+		{"no action", with("action", ""), "choose what to do"},
+		{"no outcome", with("outcome", "both"), "choose the result"},
+		{"bad base64", with("encoding", "base64"), "not valid base64"},
+		{"no encoding", with("encoding", ""), "choose how the response's data is written"},
+		{"data too large", with("data", strings.Repeat("x", 8<<10+1)), "at most 8192 bytes here"},
+		{"type not printable", with("type", "a\nb"), "the response's type must be printable"},
+		{"failure code OK", with("outcome", "failure"), "a failure needs a gRPC code other than OK"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			form := resolveForm(t, e, c, "charge:bad", tc.fields)
+			if tc.name == "failure code OK" {
+				form.Set("code", "0")
+			}
+			code, body := post(t, c, e.console.URL+"/resolve", form)
+			require.Equal(t, http.StatusBadRequest, code, body)
+			require.Contains(t, body, `id="error">Not resolved: `)
+			require.Contains(t, body, htmlEscape(tc.want))
+			require.Contains(t, body, `id="resolve-form"`)
+			require.Contains(t, body, `value="`+htmlEscape(form.Get("type"))+`"`, "the input is kept")
+			form.Set("confirm", "yes") // confirming does not skip the checks
+			code, _ = post(t, c, e.console.URL+"/resolve", form)
+			require.Equal(t, http.StatusBadRequest, code)
+		})
+	}
+	t.Run("no token", func(t *testing.T) {
+		form := resolveForm(t, e, c, "charge:bad", complete)
+		form.Del("token")
+		code, _ := post(t, c, e.console.URL+"/resolve", form)
+		require.Equal(t, http.StatusBadRequest, code)
+	})
+	t.Run("completed record", func(t *testing.T) {
+		claimed := e.claim(t, "charge:done", "w")
+		_, err := e.registry().Complete(oncall(t), &idemregv1.CompleteRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: "charge:done",
+			Token: claimed.GetToken(), ClaimSecret: claimed.GetClaimSecret(),
+			Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "t"}}}})
+		require.NoError(t, err)
+		_, body := get(t, c, recordURL(e.console.URL, "charge:done"))
+		require.NotContains(t, body, `id="resolve-form"`)
+		form := formFields(t, body, "invalidate-form") // the same hidden fields
+		for k, v := range complete {
+			form[k] = v
+		}
+		code, body := post(t, c, e.console.URL+"/resolve", form)
+		require.Equal(t, http.StatusConflict, code, body)
+		require.Contains(t, body, "only a live parked or in-progress record can be resolved")
+		form.Set("confirm", "yes")
+		code, body = post(t, c, e.console.URL+"/resolve", form)
+		require.Equal(t, http.StatusConflict, code, body)
+		require.Contains(t, body, "Refused: the record is completed")
+	})
+	rec := e.inspect(t, "charge:bad")
+	require.Equal(t, before.GetToken(), rec.GetToken())
+	require.Equal(t, idemregv1.State_STATE_PARKED, rec.GetState())
+}
+
+func htmlEscape(s string) string { return template.HTMLEscapeString(s) }
+
+// expiries is a store's oldest expiry, for SweepLagFrom.
+type expiries struct {
+	oldest, now time.Time
+	ok          bool
+	err         error
+}
+
+func (x expiries) OldestExpiry(context.Context) (time.Time, time.Time, bool, error) {
+	return x.oldest, x.now, x.ok, x.err
+}
+
+func TestSweepLagFrom(t *testing.T) {
+	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	for _, tc := range []struct {
+		name    string
+		store   expiries
+		lag     time.Duration
+		ok      bool
+		wantErr bool
+	}{
+		{name: "expired a minute ago", store: expiries{oldest: now.Add(-time.Minute), now: now, ok: true}, lag: time.Minute, ok: true},
+		{name: "not expired yet", store: expiries{oldest: now.Add(time.Hour), now: now, ok: true}, lag: 0, ok: true},
+		{name: "empty store", store: expiries{now: now}, ok: false},
+		{name: "store error", store: expiries{err: errors.New("unavailable")}, wantErr: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lag, ok, err := console.SweepLagFrom(tc.store)(t.Context())
+			if tc.wantErr {
+				require.Error(t, err)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.ok, ok)
+			require.Equal(t, tc.lag, lag)
+		})
+	}
 }

@@ -6,3 +6,17 @@ document.addEventListener("submit", function (ev) {
     ev.preventDefault();
   }
 });
+
+// A fieldset marked data-shown-by="ID" is shown only while the radio
+// button ID is checked (the resolve form's result, for "complete"). Without
+// script every field shows, and the server ignores those the choice does
+// not use.
+document.addEventListener("DOMContentLoaded", function () {
+  document.querySelectorAll("[data-shown-by]").forEach(function (el) {
+    var radio = document.getElementById(el.dataset.shownBy);
+    if (!radio || !radio.form) return;
+    var update = function () { el.hidden = !radio.checked; };
+    radio.form.addEventListener("change", update);
+    update();
+  });
+});
