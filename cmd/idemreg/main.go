@@ -6,7 +6,9 @@
 //	idemreg health    ask a server's health listener whether it is serving
 //	idemreg admin     list, inspect, resolve or invalidate records on a running server
 //	idemreg new-token make a bearer token and the hash the config file keeps
-//	idemreg bench     load-test the registry against hand-written baselines
+//
+// The load generator is a command of its own, cmd/idemreg-bench, so that
+// this binary links none of its baselines' clients.
 //
 // Every flag can also be set by an IDEMREG_* environment variable named
 // after it (--database-url is IDEMREG_DATABASE_URL); flags win.
@@ -34,8 +36,6 @@ Usage:
   idemreg new-token         print a new bearer token and its hash for --config
   idemreg admin   CMD       list, inspect, resolve or invalidate records on a running
                             server (idemreg admin help)
-  idemreg bench   [flags]   drive the registry and the sql and redis baselines with
-                            the same load and print throughput and latency
 
 Run "idemreg <command> -h" for the flags of a command.
 `
@@ -75,9 +75,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "admin":
 		return admin(ctx, args[1:], stdout, stderr)
 	case "bench":
-		return benchCmd(ctx, args[1:], stdout, stderr)
-	case floorServerCommand: // not in the usage: bench starts it
-		return floorServer(ctx, args[1:], stderr)
+		// Moved out, so that this binary links no Redis client; old
+		// scripts and docs fail with where it went.
+		return errors.New("bench is no longer an idemreg command: the load generator is its own, go run ./cmd/idemreg-bench (docs/benchmarks.md)")
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return nil

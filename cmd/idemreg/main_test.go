@@ -204,6 +204,7 @@ func TestConfigErrors(t *testing.T) {
 	}{
 		{"unknown command", []string{"frobnicate"}, nil, `unknown command "frobnicate"`},
 		{"no command", nil, nil, "no command given"},
+		{"bench moved out", []string{"bench", "--targets", "idemreg"}, nil, "go run ./cmd/idemreg-bench"},
 		{"bad database url", []string{"serve", "--database-url", "mysql://x"}, nil, "--database-url must be a postgres:// URL"},
 		{"bad limits", []string{"serve", "--min-lease", "1h", "--max-lease", "1m"}, nil, "lease bounds"},
 		{"bad env", []string{"serve"}, map[string]string{"IDEMREG_DEFAULT_LEASE": "soon"}, "IDEMREG_DEFAULT_LEASE"},

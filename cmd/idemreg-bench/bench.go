@@ -26,12 +26,12 @@ import (
 	grpchealth "google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/idemreg/idemreg/cmd/idemreg/internal/bench"
+	"github.com/idemreg/idemreg/cmd/idemreg-bench/internal/bench"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
-// benchConfig is what `idemreg bench` reads from its flags.
+// benchConfig is what idemreg-bench reads from its flags.
 type benchConfig struct {
 	Targets     []benchTarget
 	Callers     []int
@@ -54,13 +54,18 @@ type benchConfig struct {
 	Replot      string
 	// Batch is the keys per call of the -batch targets.
 	Batch int
+	// ServerBinary is the idemreg binary started for a server target
+	// without an [@binary] of its own; builtServer is the one built from
+	// this module when it is empty (a temporary file, so not in the JSON).
+	ServerBinary string
+	builtServer  string
 	// Waiters is the samples of each waiter-latency measurement (0: none);
 	// WaiterPairs, the holder/waiter pairs at a time.
 	Waiters, WaiterPairs int
 	WaiterSettle         time.Duration
 }
 
-const benchUsage = `idemreg bench drives the registry and hand-written baselines with the same
+const benchUsage = `idemreg-bench drives the registry and hand-written baselines with the same
 load, back to back, and prints throughput and latency.
 
 Targets (they take turns, run after run, so that other load falls on all alike):
@@ -87,6 +92,10 @@ Targets (they take turns, run after run, so that other load falls on all alike):
                     optionally another idemreg binary to start (an older
                     build, say, so that old and new take turns in one run)
 
+A started server is "idemreg serve" from the target's @binary, else from
+--server-binary, else from ./cmd/idemreg of this module, which the bench
+builds with go build once per invocation (run it from the repository).
+
 With --waiters N, after the runs: N waiting Claims per server target
 (idemreg, idemreg-embedded, with their [flags]), each woken by its key's
 Complete, and the time from the Complete's return to the waiter's answer;
@@ -103,6 +112,17 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	if cfg.Replot != "" {
 		return replot(cfg)
+	}
+	if needsServerBinary(cfg) {
+		dir, err := os.MkdirTemp("", "idemreg-bench-server-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		cfg.builtServer = filepath.Join(dir, "idemreg")
+		if err := buildServer(ctx, cfg.builtServer, stderr); err != nil {
+			return err
+		}
 	}
 	if cfg.Preload > 0 {
 		fmt.Fprintf(stdout, "preloading %d records into %s ...\n", cfg.Preload, postgres.Redact(cfg.DatabaseURL))
@@ -213,7 +233,7 @@ func replot(cfg benchConfig) error {
 
 func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	cfg := benchConfig{DatabaseURL: os.Getenv("IDEMREG_DATABASE_URL")}
-	fs := flag.NewFlagSet("idemreg bench", flag.ContinueOnError)
+	fs := flag.NewFlagSet("idemreg-bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, benchUsage); fs.PrintDefaults() }
 	var targets, callers, mix, serverFlags string
@@ -228,6 +248,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.IntVar(&cfg.ServerPID, "server-pid", 0, "with --addr: the server's process id, to report its peak RSS")
 	fs.StringVar(&cfg.DatabaseURL, "database-url", cfg.DatabaseURL, "PostgreSQL for the idemreg target's server and the sql baseline (migrated: idemreg migrate)")
 	fs.StringVar(&cfg.RedisAddr, "redis-addr", "127.0.0.1:6379", "Redis for the redis baseline")
+	fs.StringVar(&cfg.ServerBinary, "server-binary", "", "the idemreg binary to start for server targets without [@binary] (empty: go build ./cmd/idemreg of this module, once per invocation)")
 	fs.IntVar(&cfg.Preload, "preload", 0, "before the runs, make sure --database-url holds this many completed records (replays then claim them at random)")
 	fs.StringVar(&serverFlags, "server-flags", "", "extra flags for each started server, space-separated (e.g. --sql-batch-size=1)")
 	fs.StringVar(&cfg.ProfileDir, "profile-dir", "", "write a CPU profile of each started server's measured phase here (the server runs with --pprof-listen)")
@@ -540,8 +561,9 @@ func benchFreeAddr() (string, error) {
 
 func spawnServer(ctx context.Context, cfg benchConfig, bt benchTarget, stderr io.Writer) (*spawned, error) {
 	target := bt.Kind
-	exe := bt.ServerBinary
-	if exe == "" {
+	exe := cmp.Or(bt.ServerBinary, cfg.ServerBinary, cfg.builtServer)
+	if target == "grpc-floor" {
+		// The floor's server is this binary's hidden command.
 		var err error
 		if exe, err = os.Executable(); err != nil {
 			return nil, err
@@ -847,14 +869,14 @@ func printTable(w io.Writer, cfg benchConfig, reports []benchReport) {
 	}
 }
 
-// floorServerCommand is the hidden command that runs the grpc-floor
-// target's server.
-const floorServerCommand = "bench-floor-server"
+// floorServerCommand is the hidden first argument that runs the
+// grpc-floor target's server instead of the bench.
+const floorServerCommand = "floor-server"
 
 // floorServer serves grpc.health.v1 alone, on a grpc-go server with no
 // options, until ctx ends.
 func floorServer(ctx context.Context, args []string, stderr io.Writer) error {
-	fs := flag.NewFlagSet("idemreg "+floorServerCommand, flag.ContinueOnError)
+	fs := flag.NewFlagSet("idemreg-bench "+floorServerCommand, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	listen := fs.String("listen", "127.0.0.1:0", "address to listen on")
 	if err := fs.Parse(args); err != nil {

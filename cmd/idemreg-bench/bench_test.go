@@ -20,7 +20,7 @@ import (
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 )
 
-// TestBenchSmoke runs every target of `idemreg bench` briefly against an
+// TestBenchSmoke runs every target of idemreg-bench briefly against an
 // in-process server and checks that it reports figures, a chart and JSON.
 // It checks no figure: benchmarks measure, tests assert behaviour.
 func TestBenchSmoke(t *testing.T) {
@@ -49,7 +49,7 @@ func TestBenchSmoke(t *testing.T) {
 	dir := t.TempDir()
 	chart, js := filepath.Join(dir, "chart.svg"), filepath.Join(dir, "bench.json")
 	var out, errOut bytes.Buffer
-	err = run(t.Context(), []string{"bench",
+	err = run(t.Context(), []string{
 		"--targets", targets, "--addr", lis.Addr().String(), "--database-url", databaseURL,
 		"--callers", "1,4", "--duration", "300ms", "--warmup", "0", "--repeat", "1",
 		"--preload", "1000", "--mix", "replay=10,collide=10",
@@ -86,7 +86,7 @@ func TestBenchSmoke(t *testing.T) {
 	require.NotContains(t, string(b), "secret")
 
 	replotted := filepath.Join(dir, "replot.svg")
-	require.NoError(t, run(t.Context(), []string{"bench", "--replot", js, "--chart", replotted}, &out, &errOut))
+	require.NoError(t, run(t.Context(), []string{"--replot", js, "--chart", replotted}, &out, &errOut))
 	svg2, err := os.ReadFile(replotted)
 	require.NoError(t, err)
 	require.Equal(t, string(svg), string(svg2), "the chart drawn again from the JSON is the same")
@@ -109,7 +109,7 @@ func TestBenchFlags(t *testing.T) {
 			var out bytes.Buffer
 			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 			defer cancel()
-			require.Error(t, run(ctx, append([]string{"bench"}, tc.args...), &out, &out))
+			require.Error(t, run(ctx, tc.args, &out, &out))
 		})
 	}
 }
@@ -156,9 +156,9 @@ func TestParseBenchTarget(t *testing.T) {
 // starts its own bare server for the run, and checks that calls went
 // through it and nothing failed.
 func TestBenchFloor(t *testing.T) {
-	bin := buildBinary(t)
+	bin := benchBin(t)
 	js := filepath.Join(t.TempDir(), "floor.json")
-	out, err := exec.CommandContext(t.Context(), bin, "bench", "--targets", "grpc-floor",
+	out, err := exec.CommandContext(t.Context(), bin, "--targets", "grpc-floor",
 		"--callers", "2", "--duration", "300ms", "--warmup", "0", "--repeat", "1", "--json", js).CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	require.Contains(t, string(out), "fsync (8 KiB write + fdatasync")
@@ -184,13 +184,12 @@ func TestBenchFloor(t *testing.T) {
 }
 
 // TestBenchOtherBinary starts the server of a target from the binary its
-// label names: run in-process, the bench's own executable is the test
-// binary, which cannot serve, so the run completes only if the named
-// binary was started.
+// label names: --server-binary is /dev/null, which does not run, so the
+// run completes only if the named binary was started.
 func TestBenchOtherBinary(t *testing.T) {
-	bin := buildBinary(t)
+	bin := idemregBin(t)
 	var out bytes.Buffer
-	err := run(t.Context(), []string{"bench", "--targets", "idemreg-embedded[@" + bin + "]",
+	err := run(t.Context(), []string{"--targets", "idemreg-embedded[@" + bin + "]", "--server-binary", os.DevNull,
 		"--callers", "2", "--duration", "300ms", "--warmup", "0", "--repeat", "1"}, &out, &out)
 	require.NoError(t, err, "%s", out.String())
 	require.Contains(t, out.String(), "idemreg-embedded[@"+bin+"]")
@@ -203,10 +202,10 @@ func TestBenchOtherBinary(t *testing.T) {
 // database for the other-replica waiters. It checks the shape of the
 // report and that figures were measured, never what they are.
 func TestBenchBatchAndWaiters(t *testing.T) {
-	bin := buildBinary(t)
+	bin, server := benchBin(t), idemregBin(t)
 	databaseURL := pgtest.NewDatabase(t)
 	js := filepath.Join(t.TempDir(), "batch.json")
-	out, err := exec.CommandContext(t.Context(), bin, "bench",
+	out, err := exec.CommandContext(t.Context(), bin, "--server-binary", server,
 		"--targets", "idemreg-batch,idemreg-embedded-batch,sql-batch,idemreg,idemreg-embedded", "--database-url", databaseURL,
 		"--callers", "2", "--batch", "8", "--duration", "300ms", "--warmup", "0", "--repeat", "1",
 		"--waiters", "10", "--waiter-pairs", "2", "--json", js).CombinedOutput()
@@ -259,4 +258,23 @@ func TestBenchBatchAndWaiters(t *testing.T) {
 		require.Equal(t, w.Woken, w.Wake.N, "%s/%s", w.Target, w.Replica)
 	}
 	require.Equal(t, []string{"idemreg/same", "idemreg/other", "idemreg-embedded/same"}, cases)
+}
+
+// TestBenchBuildsServer runs a server target with neither --server-binary
+// nor [@binary]: the bench builds cmd/idemreg of this module and starts
+// that.
+func TestBenchBuildsServer(t *testing.T) {
+	var out, errOut bytes.Buffer
+	err := run(t.Context(), []string{"--targets", "idemreg-embedded",
+		"--callers", "1", "--duration", "200ms", "--warmup", "0", "--repeat", "1"}, &out, &errOut)
+	require.NoError(t, err, "stderr: %s", errOut.String())
+	require.Contains(t, errOut.String(), "building the server: go build -o ")
+	require.Contains(t, out.String(), "errors 0  unexpected 0")
+}
+
+func TestHelpExitsZero(t *testing.T) {
+	out, err := exec.CommandContext(t.Context(), benchBin(t), "-h").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	require.Contains(t, string(out), "idemreg-bench drives the registry")
+	require.Contains(t, string(out), "-server-binary")
 }

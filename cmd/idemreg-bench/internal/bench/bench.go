@@ -1,4 +1,4 @@
-// Package bench is the load generator behind `idemreg bench`: N concurrent
+// Package bench is the load generator behind `idemreg-bench`: N concurrent
 // callers run a mix of claims of new keys (each followed by a Complete),
 // duplicate claims of completed keys (replays) and claims of keys another
 // caller holds (in-progress collisions) against a Target — the registry
