@@ -21,8 +21,8 @@ lint:
 	cd examples && go tool -modfile=../proto/tools/go.mod buf lint
 	go vet ./...
 
-breaking: ## compare the API with main
-	$(BUF) breaking --against '.git#branch=main'
+breaking: ## compare the API with main (.ci/breaking says against which commit)
+	.ci/breaking
 
 bench:
 	go test -run '^$$' -bench . -benchmem ./...
