@@ -172,20 +172,55 @@ func port(t *testing.T, addr string) int {
 	return n
 }
 
-// TestDockerfileBuildsLikeMake checks that the Dockerfile builds the binary
-// with the flags of `make build`, which CI runs.
+// TestDockerfileBuildsLikeMake checks that the image's binary is the one
+// `make build` (which CI runs) produces: the Dockerfile runs that target and
+// copies its output, with no go build of its own. It also checks what the
+// image promises: base images pinned by digest, a Go no older than go.mod's
+// (the golang image sets GOTOOLCHAIN=local), the OCI labels, a numeric
+// non-root user and a HEALTHCHECK.
 func TestDockerfileBuildsLikeMake(t *testing.T) {
-	docker, err := os.ReadFile("../../Dockerfile")
+	raw, err := os.ReadFile("../../Dockerfile")
 	require.NoError(t, err)
-	mk, err := os.ReadFile("../../Makefile")
+	docker := string(raw)
+	raw, err = os.ReadFile("../../Makefile")
 	require.NoError(t, err)
-	build := regexp.MustCompile(`CGO_ENABLED=0 go build (.*?) -o \S+ \./cmd/idemreg`)
-	d, m := build.FindSubmatch(docker), build.FindSubmatch(mk)
-	require.NotNil(t, d, "the Dockerfile's go build")
-	require.NotNil(t, m, "the Makefile's go build")
-	require.Equal(t, string(m[1]), string(d[1]))
-	require.Contains(t, string(docker), "HEALTHCHECK")
-	require.Regexp(t, `(?m)^USER 65532`, string(docker), "non-root, numeric so runAsNonRoot can check it")
+	mk := string(raw)
+
+	recipe := regexp.MustCompile(`(?m)^build:.*\n\t(.*)$`).FindStringSubmatch(mk)
+	require.NotNil(t, recipe, "the Makefile's build target")
+	require.Regexp(t, `^CGO_ENABLED=0 go build `, recipe[1], "a static binary: distroless/static has no libc")
+	out := regexp.MustCompile(` -o (\S+) `).FindStringSubmatch(recipe[1])
+	require.NotNil(t, out, "make build names its output")
+
+	require.Regexp(t, `(?m)^RUN make build\b`, docker)
+	require.NotContains(t, docker, "go build", "one definition of the build: the Makefile's")
+	workdir := regexp.MustCompile(`(?m)^WORKDIR (\S+)$`).FindStringSubmatch(docker)
+	require.NotNil(t, workdir)
+	require.Regexp(t, `(?m)^COPY --from=build `+regexp.QuoteMeta(workdir[1]+"/"+out[1])+` `, docker,
+		"the image takes the binary make build wrote")
+
+	froms := regexp.MustCompile(`(?m)^FROM (\S+)`).FindAllStringSubmatch(docker, -1)
+	require.Len(t, froms, 2)
+	for _, f := range froms {
+		require.Regexp(t, `^[^@]+:[^@]+@sha256:[0-9a-f]{64}$`, f[1], "tag for the reader, digest for the build")
+	}
+	raw, err = os.ReadFile("../../go.mod")
+	require.NoError(t, err)
+	goVersion := regexp.MustCompile(`(?m)^go (\S+)$`).FindStringSubmatch(string(raw))
+	require.NotNil(t, goVersion)
+	require.True(t, strings.HasPrefix(froms[0][1], "golang:"+goVersion[1]+"@"),
+		"the builder's Go (%s) is go.mod's (%s)", froms[0][1], goVersion[1])
+
+	final := docker[strings.LastIndex(docker, "\nFROM "):]
+	for _, label := range []string{"title", "description", "source", "licenses", "version", "revision"} {
+		require.Regexp(t, `org\.opencontainers\.image\.`+label+`="[^"]+"`, final, "label %s on the final image", label)
+	}
+	for _, arg := range []string{"VERSION", "REVISION"} {
+		require.Regexp(t, `(?m)^ARG `+arg+`\b`, final)
+		require.Contains(t, final, `="${`+arg+`}"`, "%s comes from a build argument", arg)
+	}
+	require.Contains(t, docker, "HEALTHCHECK")
+	require.Regexp(t, `(?m)^USER 65532`, docker, "non-root, numeric so runAsNonRoot can check it")
 }
 
 // TestDeployExposure checks what deploy/ opens to whom: health and metrics
