@@ -1,17 +1,54 @@
-# Multi-stage build: a static binary (CGO_ENABLED=0) in a minimal, non-root
-# image. `make build` builds the same binary with the same flags, and CI runs
-# it (.ci/test), so a Go change that breaks this build fails CI.
-FROM golang:1.26 AS build
+# Multi-stage build: a static binary in a minimal, non-root image.
+#
+# The binary is built by `make build`, the same target developers and CI run
+# (.ci/test), so the compiler flags are defined once, in the Makefile.
+#
+# cgo is off (CGO_ENABLED=0, set by make build) and nothing needs it: every
+# dependency has a pure-Go build. With cgo on, the binary would link libc
+# (which distroless/static does not have) for three things only: the libc
+# DNS resolver and user lookups of net and os/user (Go's own are used
+# instead), Pebble's block cache allocated with C malloc, outside the Go
+# heap and so outside GOMEMLIMIT (it is on the Go heap instead), and
+# DataDog/zstd for Pebble's zstd compression (klauspost/compress instead).
+#
+# Base images are pinned by digest, so a re-pushed tag cannot change what is
+# built; the tag beside each digest is for the reader. To move them, take
+# the new digest from the registry (crane digest IMAGE:TAG) and keep the Go
+# version equal to the go line of go.mod: the golang image sets
+# GOTOOLCHAIN=local, so an older Go refuses to build the module.
+#
+# Build with the checkout's version and revision in the labels (make image
+# does this):
+#   docker build --build-arg VERSION=$(git describe --tags --always --dirty) \
+#     --build-arg REVISION=$(git rev-parse HEAD) -t idemreg .
+
+# golang:1.26.8, the OCI index (Debian trixie, 16 platforms) listed in
+# docker-library/repo-info, repos/golang/remote/1.26.8.md at commit
+# 274d39a50141ecda8745a0ebaa20760259111041 (images of 2026-09-01).
+FROM golang:1.26.8@sha256:9d2f36f06329b2a141b9db99ffa32765cf695ee57b813ca29e245e8670bcbfff AS build
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-RUN CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o /out/idemreg ./cmd/idemreg && mkdir -p /out/data
+RUN make build && mkdir -p /out/data
 
 # distroless/static: no shell, no package manager; CA certificates and
-# /etc/passwd with the nonroot user (65532) only.
-FROM gcr.io/distroless/static-debian12:nonroot
-COPY --from=build /out/idemreg /usr/local/bin/idemreg
+# /etc/passwd with the nonroot user (65532) only. The digest is the one
+# Renovate pinned in openmcp-project/build, Dockerfile at commit
+# 015c9a1c505ab119930aeb4296c881ff1fe70917.
+FROM gcr.io/distroless/static-debian12:nonroot@sha256:1b7b9f0f0e0a1d2155f531db587cc48ec26aaf97ab64364225f5bf18a054e66a
+ARG VERSION=dev
+ARG REVISION=unknown
+# The repository has no LICENSE file yet: NOASSERTION is SPDX for "not
+# stated". Set this to the SPDX identifier when it has one.
+ARG LICENSES=NOASSERTION
+LABEL org.opencontainers.image.title="idemreg" \
+      org.opencontainers.image.description="An idempotency-key registry as one shared gRPC service" \
+      org.opencontainers.image.source="https://github.com/idemreg/idemreg" \
+      org.opencontainers.image.licenses="${LICENSES}" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}"
+COPY --from=build /src/bin/idemreg /usr/local/bin/idemreg
 COPY --from=build --chown=65532:65532 /out/data /var/lib/idemreg
 # The embedded store's data directory; mount a volume here for one replica,
 # or pass IDEMREG_DATABASE_URL for PostgreSQL/CockroachDB.

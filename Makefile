@@ -1,13 +1,17 @@
 # The developers' entry point. `make test` is the README's test command.
 BUF := go tool -modfile=proto/tools/go.mod buf
 
-.PHONY: run test generate lint breaking bench build
+.PHONY: run test generate lint breaking bench build image
 
 run: ## run the service on the embedded store
 	go run ./cmd/idemreg serve
 
-build:
+build: ## the static binary; the Dockerfile runs this target too
 	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o bin/idemreg ./cmd/idemreg
+
+image: ## the container image, labelled with this checkout's version and revision
+	docker build --build-arg VERSION=$$(git describe --tags --always --dirty) \
+		--build-arg REVISION=$$(git rev-parse HEAD) -t idemreg .
 
 test: ## the whole suite; starts PostgreSQL if it is down
 	.ci/test
@@ -21,8 +25,8 @@ lint:
 	cd examples && go tool -modfile=../proto/tools/go.mod buf lint
 	go vet ./...
 
-breaking: ## compare the API with main
-	$(BUF) breaking --against '.git#branch=main'
+breaking: ## compare the API with main (.ci/breaking says against which commit)
+	.ci/breaking
 
 bench:
 	go test -run '^$$' -bench . -benchmem ./...

@@ -7,6 +7,7 @@ import (
 	"io"
 	"maps"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -144,23 +145,41 @@ func TestDeployServe(t *testing.T) {
 // readDeployment reads the Deployment of deploy/idemreg.yaml.
 func readDeployment(t *testing.T) deployment {
 	t.Helper()
-	raw, err := os.ReadFile("../../deploy/idemreg.yaml")
-	require.NoError(t, err)
-	var d deployment
-	dec := yaml.NewDecoder(bytes.NewReader(raw))
-	for {
-		var doc deployment
-		err := dec.Decode(&doc)
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		require.NoError(t, err)
-		if doc.Kind == "Deployment" {
-			d = doc
+	for _, d := range readDocs[deployment](t, "../../deploy/idemreg.yaml") {
+		if d.Kind == "Deployment" {
+			return d
 		}
 	}
-	require.Equal(t, "Deployment", d.Kind)
-	return d
+	t.Fatal("deploy/idemreg.yaml has no Deployment")
+	return deployment{}
+}
+
+// readDocs decodes every YAML document of the file at path into a T.
+func readDocs[T any](t *testing.T, path string) []T {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	var docs []T
+	dec := yaml.NewDecoder(bytes.NewReader(raw))
+	for {
+		var doc T
+		err := dec.Decode(&doc)
+		if errors.Is(err, io.EOF) {
+			return docs
+		}
+		require.NoError(t, err, path)
+		docs = append(docs, doc)
+	}
+}
+
+// subset reports whether every label of sel is in labels.
+func subset(sel, labels map[string]string) bool {
+	for k, v := range sel {
+		if w, ok := labels[k]; !ok || w != v {
+			return false
+		}
+	}
+	return true
 }
 
 func port(t *testing.T, addr string) int {
@@ -172,29 +191,65 @@ func port(t *testing.T, addr string) int {
 	return n
 }
 
-// TestDockerfileBuildsLikeMake checks that the Dockerfile builds the binary
-// with the flags of `make build`, which CI runs.
+// TestDockerfileBuildsLikeMake checks that the image's binary is the one
+// `make build` (which CI runs) produces: the Dockerfile runs that target and
+// copies its output, with no go build of its own. It also checks what the
+// image promises: base images pinned by digest, a Go no older than go.mod's
+// (the golang image sets GOTOOLCHAIN=local), the OCI labels, a numeric
+// non-root user and a HEALTHCHECK.
 func TestDockerfileBuildsLikeMake(t *testing.T) {
-	docker, err := os.ReadFile("../../Dockerfile")
+	raw, err := os.ReadFile("../../Dockerfile")
 	require.NoError(t, err)
-	mk, err := os.ReadFile("../../Makefile")
+	docker := string(raw)
+	raw, err = os.ReadFile("../../Makefile")
 	require.NoError(t, err)
-	build := regexp.MustCompile(`CGO_ENABLED=0 go build (.*?) -o \S+ \./cmd/idemreg`)
-	d, m := build.FindSubmatch(docker), build.FindSubmatch(mk)
-	require.NotNil(t, d, "the Dockerfile's go build")
-	require.NotNil(t, m, "the Makefile's go build")
-	require.Equal(t, string(m[1]), string(d[1]))
-	require.Contains(t, string(docker), "HEALTHCHECK")
-	require.Regexp(t, `(?m)^USER 65532`, string(docker), "non-root, numeric so runAsNonRoot can check it")
+	mk := string(raw)
+
+	recipe := regexp.MustCompile(`(?m)^build:.*\n\t(.*)$`).FindStringSubmatch(mk)
+	require.NotNil(t, recipe, "the Makefile's build target")
+	require.Regexp(t, `^CGO_ENABLED=0 go build `, recipe[1], "a static binary: distroless/static has no libc")
+	out := regexp.MustCompile(` -o (\S+) `).FindStringSubmatch(recipe[1])
+	require.NotNil(t, out, "make build names its output")
+
+	require.Regexp(t, `(?m)^RUN make build\b`, docker)
+	require.NotContains(t, docker, "go build", "one definition of the build: the Makefile's")
+	workdir := regexp.MustCompile(`(?m)^WORKDIR (\S+)$`).FindStringSubmatch(docker)
+	require.NotNil(t, workdir)
+	require.Regexp(t, `(?m)^COPY --from=build `+regexp.QuoteMeta(workdir[1]+"/"+out[1])+` `, docker,
+		"the image takes the binary make build wrote")
+
+	froms := regexp.MustCompile(`(?m)^FROM (\S+)`).FindAllStringSubmatch(docker, -1)
+	require.Len(t, froms, 2)
+	for _, f := range froms {
+		require.Regexp(t, `^[^@]+:[^@]+@sha256:[0-9a-f]{64}$`, f[1], "tag for the reader, digest for the build")
+	}
+	raw, err = os.ReadFile("../../go.mod")
+	require.NoError(t, err)
+	goVersion := regexp.MustCompile(`(?m)^go (\S+)$`).FindStringSubmatch(string(raw))
+	require.NotNil(t, goVersion)
+	require.True(t, strings.HasPrefix(froms[0][1], "golang:"+goVersion[1]+"@"),
+		"the builder's Go (%s) is go.mod's (%s)", froms[0][1], goVersion[1])
+
+	final := docker[strings.LastIndex(docker, "\nFROM "):]
+	for _, label := range []string{"title", "description", "source", "licenses", "version", "revision"} {
+		require.Regexp(t, `org\.opencontainers\.image\.`+label+`="[^"]+"`, final, "label %s on the final image", label)
+	}
+	for _, arg := range []string{"VERSION", "REVISION"} {
+		require.Regexp(t, `(?m)^ARG `+arg+`\b`, final)
+		require.Contains(t, final, `="${`+arg+`}"`, "%s comes from a build argument", arg)
+	}
+	require.Contains(t, docker, "HEALTHCHECK")
+	require.Regexp(t, `(?m)^USER 65532`, docker, "non-root, numeric so runAsNonRoot can check it")
 }
 
 // TestDeployExposure checks what deploy/ opens to whom: health and metrics
 // listen on the pod's IP alone (where the kubelet's probes and Prometheus
-// connect, not every interface), the NetworkPolicy admits the gRPC port
-// from clients and the metrics port from the monitoring namespace only
-// (never the plaintext health port, which the kubelet reaches from the
-// node), and the headers anonymous peers can pin on both listeners fit in
-// half the pod's memory limit.
+// connect, not every interface), the NetworkPolicies admit the gRPC port
+// from the client namespaces (by label) and the metrics port from the
+// monitoring namespace only (never the plaintext health port, which the
+// kubelet reaches from the node), serve's pods reach the database of the
+// example Secret and DNS and nothing else, and the headers anonymous peers
+// can pin on both listeners fit in half the pod's memory limit.
 func TestDeployExposure(t *testing.T) {
 	d := readDeployment(t)
 	c := d.Spec.Template.Spec.Containers[0]
@@ -216,9 +271,20 @@ func TestDeployExposure(t *testing.T) {
 		require.Equal(t, "$(POD_IP)", host, "%s on the pod's IP, not every interface", name)
 	}
 
-	raw, err := os.ReadFile("../../deploy/networkpolicy.yaml")
-	require.NoError(t, err)
-	var np struct {
+	type peer struct {
+		NamespaceSelector *struct {
+			MatchLabels map[string]string `yaml:"matchLabels"`
+		} `yaml:"namespaceSelector"`
+		PodSelector *struct {
+			MatchLabels map[string]string `yaml:"matchLabels"`
+		} `yaml:"podSelector"`
+		IPBlock *struct{} `yaml:"ipBlock"`
+	}
+	type policyPort struct {
+		Port     string `yaml:"port"`
+		Protocol string `yaml:"protocol"`
+	}
+	type netPolicy struct {
 		APIVersion string `yaml:"apiVersion"`
 		Kind       string `yaml:"kind"`
 		Spec       struct {
@@ -227,46 +293,88 @@ func TestDeployExposure(t *testing.T) {
 			} `yaml:"podSelector"`
 			PolicyTypes []string `yaml:"policyTypes"`
 			Ingress     []struct {
-				From []struct {
-					NamespaceSelector *struct {
-						MatchLabels map[string]string `yaml:"matchLabels"`
-					} `yaml:"namespaceSelector"`
-					PodSelector *struct{} `yaml:"podSelector"`
-					IPBlock     *struct{} `yaml:"ipBlock"`
-				} `yaml:"from"`
-				Ports []struct {
-					Port     string `yaml:"port"`
-					Protocol string `yaml:"protocol"`
-				} `yaml:"ports"`
+				From  []peer       `yaml:"from"`
+				Ports []policyPort `yaml:"ports"`
 			} `yaml:"ingress"`
+			Egress []struct {
+				To    []peer       `yaml:"to"`
+				Ports []policyPort `yaml:"ports"`
+			} `yaml:"egress"`
 		} `yaml:"spec"`
 	}
-	require.NoError(t, yaml.Unmarshal(raw, &np))
-	require.Equal(t, "networking.k8s.io/v1", np.APIVersion)
-	require.Equal(t, "NetworkPolicy", np.Kind)
-	require.Equal(t, d.Spec.Template.Metadata.Labels, np.Spec.PodSelector.MatchLabels, "the policy selects the Deployment's pods")
-	require.Contains(t, np.Spec.PolicyTypes, "Ingress")
+	// Policies add up: what reaches serve's pods, and what they reach, is
+	// the union of the rules of every policy that selects them.
+	podLabels := d.Spec.Template.Metadata.Labels
+	var policies []netPolicy
+	isolated := map[string]bool{}
+	alone := false
+	for _, np := range readDocs[netPolicy](t, "../../deploy/networkpolicy.yaml") {
+		require.Equal(t, "networking.k8s.io/v1", np.APIVersion)
+		require.Equal(t, "NetworkPolicy", np.Kind)
+		sel := np.Spec.PodSelector.MatchLabels
+		require.NotEmpty(t, sel, "a policy of idemreg selects idemreg's pods only")
+		if !subset(sel, podLabels) {
+			continue
+		}
+		alone = alone || maps.Equal(sel, podLabels)
+		for _, typ := range np.Spec.PolicyTypes {
+			isolated[typ] = true
+		}
+		policies = append(policies, np)
+	}
+	require.True(t, alone, "a policy selects the Deployment's pods alone")
+	require.True(t, isolated["Ingress"], "serve's pods take only what a policy admits")
+	require.True(t, isolated["Egress"], "serve's pods reach only what a policy admits")
 
 	containerPorts := map[string]bool{}
 	for _, p := range c.Ports {
 		containerPorts[p.Name] = true
 	}
 	admitted := map[string][]map[string]string{} // port → the namespace labels of its sources
-	for _, rule := range np.Spec.Ingress {
-		require.NotEmpty(t, rule.Ports, "a rule without ports admits every port")
-		require.NotEmpty(t, rule.From, "a rule without sources admits everyone")
-		for _, p := range rule.Ports {
-			require.True(t, containerPorts[p.Port], "port %q is a named port of the container", p.Port)
-			require.Equal(t, "TCP", p.Protocol)
-			for _, f := range rule.From {
-				require.Nil(t, f.IPBlock, "no address ranges")
-				require.NotNil(t, f.NamespaceSelector)
-				admitted[p.Port] = append(admitted[p.Port], f.NamespaceSelector.MatchLabels)
+	var egress []string                          // port/protocol
+	for _, np := range policies {
+		for _, rule := range np.Spec.Ingress {
+			require.NotEmpty(t, rule.Ports, "a rule without ports admits every port")
+			require.NotEmpty(t, rule.From, "a rule without sources admits everyone")
+			for _, p := range rule.Ports {
+				require.True(t, containerPorts[p.Port], "port %q is a named port of the container", p.Port)
+				require.Equal(t, "TCP", p.Protocol)
+				for _, f := range rule.From {
+					require.Nil(t, f.IPBlock, "no address ranges")
+					require.NotNil(t, f.NamespaceSelector)
+					require.NotEmpty(t, f.NamespaceSelector.MatchLabels, "namespaces chosen by label, not all of them")
+					admitted[p.Port] = append(admitted[p.Port], f.NamespaceSelector.MatchLabels)
+				}
+			}
+		}
+		for _, rule := range np.Spec.Egress {
+			require.NotEmpty(t, rule.Ports, "a rule without ports reaches every port")
+			require.NotEmpty(t, rule.To, "a rule without destinations reaches everything")
+			for _, p := range rule.Ports {
+				egress = append(egress, p.Port+"/"+p.Protocol)
 			}
 		}
 	}
 	require.ElementsMatch(t, []string{"grpc", "metrics"}, slices.Collect(maps.Keys(admitted)), "the health port is admitted from no pod")
 	require.Equal(t, []map[string]string{{"kubernetes.io/metadata.name": "monitoring"}}, admitted["metrics"])
+
+	// Egress: the database of the example Secret, and DNS.
+	type secret struct {
+		Metadata struct {
+			Name string `yaml:"name"`
+		} `yaml:"metadata"`
+		StringData map[string]string `yaml:"stringData"`
+	}
+	var dbPort string
+	for _, s := range readDocs[secret](t, "../../deploy/secrets.example.yaml") {
+		if s.Metadata.Name == "idemreg-database" {
+			u, err := url.Parse(s.StringData["url"])
+			require.NoError(t, err)
+			dbPort = u.Port()
+		}
+	}
+	require.NotEmpty(t, dbPort, "the example database URL names its port")
+	require.ElementsMatch(t, []string{dbPort + "/TCP", "53/UDP", "53/TCP"}, egress, "serve reaches the database and DNS, nothing else")
 
 	// A stream whose request never comes keeps its headers until its
 	// connection closes: what both listeners can pin at worst.

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/policy"
+	"github.com/idemreg/idemreg/storage/postgres"
 )
 
 // TestDeploySweepCronJob checks the CronJob in deploy/ against the binary:
@@ -68,6 +69,59 @@ func TestDeploySweepCronJob(t *testing.T) {
 	deadline := time.Duration(job.ActiveDeadlineSeconds) * time.Second
 	require.Greater(t, deadline, cfg.Sweep.MaxDuration+cfg.Sweep.BatchTimeout,
 		"Kubernetes must not kill the pod before --max-duration and a last batch")
+}
+
+// TestDeployMigrateJob checks the migrate Job in deploy/ against the binary:
+// its arguments are accepted by idemreg migrate, which is left wanting only
+// the database URL the Secret gives it, and its deadline outlasts a
+// migration lock left by a run that was killed.
+func TestDeployMigrateJob(t *testing.T) {
+	raw, err := os.ReadFile("../../deploy/migrate-job.yaml")
+	require.NoError(t, err)
+	var job struct {
+		APIVersion string `yaml:"apiVersion"`
+		Kind       string `yaml:"kind"`
+		Spec       struct {
+			ActiveDeadlineSeconds int `yaml:"activeDeadlineSeconds"`
+			Template              struct {
+				Spec struct {
+					RestartPolicy string `yaml:"restartPolicy"`
+					Containers    []struct {
+						Args []string `yaml:"args"`
+						Env  []struct {
+							Name      string `yaml:"name"`
+							ValueFrom struct {
+								SecretKeyRef *struct {
+									Name string `yaml:"name"`
+								} `yaml:"secretKeyRef"`
+							} `yaml:"valueFrom"`
+						} `yaml:"env"`
+					} `yaml:"containers"`
+				} `yaml:"spec"`
+			} `yaml:"template"`
+		} `yaml:"spec"`
+	}
+	require.NoError(t, yaml.Unmarshal(raw, &job))
+	require.Equal(t, "batch/v1", job.APIVersion)
+	require.Equal(t, "Job", job.Kind)
+	require.Equal(t, "Never", job.Spec.Template.Spec.RestartPolicy)
+	require.Len(t, job.Spec.Template.Spec.Containers, 1)
+	c := job.Spec.Template.Spec.Containers[0]
+	require.Equal(t, "migrate", c.Args[0])
+	fromSecret := map[string]bool{}
+	for _, e := range c.Env {
+		fromSecret[e.Name] = e.ValueFrom.SecretKeyRef != nil
+	}
+	require.True(t, fromSecret["IDEMREG_DATABASE_URL"], "the database URL comes from the Secret, not the command line")
+
+	// Without the Secret's URL, migrate parses its arguments and stops
+	// before connecting anywhere.
+	t.Setenv("IDEMREG_DATABASE_URL", "")
+	err = migrate(t.Context(), c.Args[1:], io.Discard, io.Discard)
+	require.ErrorContains(t, err, "migrate needs --database-url", "the Job's arguments are flags of idemreg migrate")
+
+	deadline := time.Duration(job.Spec.ActiveDeadlineSeconds) * time.Second
+	require.Greater(t, deadline, postgres.MigrationLockTTL, "a lock left by a killed run expires before the Job is given up")
 }
 
 // TestDeployPolicyConfigMap checks that the policy in the ConfigMap in
