@@ -500,6 +500,22 @@ func formKey(r *http.Request) (recordKey, error) {
 	return k, nil
 }
 
+// formTarget reads the record key and the token a record page's action
+// form carries: the token is the one the operator saw, which the
+// AdminService checks, so that an action on a record changed since is
+// refused.
+func formTarget(r *http.Request) (recordKey, int64, error) {
+	k, err := formKey(r)
+	if err != nil {
+		return k, 0, err
+	}
+	token, err := strconv.ParseInt(r.PostFormValue("token"), 10, 64)
+	if err != nil || token <= 0 {
+		return k, 0, errors.New("the form has no record token: look the record up again")
+	}
+	return k, token, nil
+}
+
 // recordView is the record page.
 type recordView struct {
 	Key        recordKey
@@ -700,15 +716,9 @@ type confirmView struct {
 // record page showed, so that a record changed since is not invalidated.
 func (c *Console) invalidate(w http.ResponseWriter, r *http.Request, s *session) {
 	p := c.page(s)
-	k, err := formKey(r)
+	k, token, err := formTarget(r)
 	if err != nil {
 		p.Error = err.Error()
-		c.render(w, http.StatusBadRequest, "error.html", p)
-		return
-	}
-	token, err := strconv.ParseInt(r.PostFormValue("token"), 10, 64)
-	if err != nil || token <= 0 {
-		p.Error = "the form has no record token: look the record up again"
 		c.render(w, http.StatusBadRequest, "error.html", p)
 		return
 	}

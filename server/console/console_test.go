@@ -333,45 +333,8 @@ func TestConsoleCSRF(t *testing.T) {
 	other := e.signIn(t, oncallToken)
 	_, otherBody := get(t, other, recordURL(e.console.URL, "charge:order-2"))
 	otherCSRF := formFields(t, otherBody, "invalidate-form").Get("csrf")
-	require.NotEqual(t, good.Get("csrf"), otherCSRF, "each session has its own CSRF token")
 
-	for name, csrf := range map[string][]string{
-		"missing":           nil,
-		"empty":             {""},
-		"wrong":             {"AAAA" + good.Get("csrf")[4:]},
-		"another session's": {otherCSRF},
-	} {
-		t.Run(name, func(t *testing.T) {
-			form := url.Values{}
-			for k, v := range good {
-				form[k] = v
-			}
-			form["csrf"] = csrf
-			code, body := post(t, c, e.console.URL+"/invalidate", form)
-			require.Equal(t, http.StatusForbidden, code, body)
-			require.Contains(t, body, "CSRF")
-		})
-	}
-	for name, header := range map[string][2]string{
-		"cross-site origin":       {"Origin", "https://evil.example"},
-		"cross-site fetch":        {"Sec-Fetch-Site", "cross-site"},
-		"same-site, other origin": {"Sec-Fetch-Site", "same-site"},
-	} {
-		t.Run(name, func(t *testing.T) {
-			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, e.console.URL+"/invalidate", strings.NewReader(good.Encode()))
-			require.NoError(t, err)
-			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
-			req.Header.Set(header[0], header[1])
-			res, err := c.Do(req)
-			require.NoError(t, err)
-			_ = res.Body.Close()
-			require.Equal(t, http.StatusForbidden, res.StatusCode)
-		})
-	}
-	t.Run("no session", func(t *testing.T) {
-		code, _ := post(t, e.browser(t), e.console.URL+"/invalidate", good)
-		require.Equal(t, http.StatusForbidden, code)
-	})
+	requireForgeriesRefused(t, e, c, "/invalidate", good, otherCSRF)
 
 	rec := e.inspect(t, "charge:order-2")
 	require.Equal(t, claimed.GetToken(), rec.GetToken(), "nothing changed")
@@ -872,42 +835,7 @@ func TestConsoleResolveCSRF(t *testing.T) {
 	_, otherBody := get(t, e.signIn(t, oncallToken), recordURL(e.console.URL, "charge:csrf"))
 	otherCSRF := formFields(t, otherBody, "resolve-form").Get("csrf")
 
-	for name, csrf := range map[string][]string{
-		"missing":           nil,
-		"empty":             {""},
-		"wrong":             {"AAAA" + good.Get("csrf")[4:]},
-		"another session's": {otherCSRF},
-	} {
-		t.Run(name, func(t *testing.T) {
-			form := url.Values{}
-			for k, v := range good {
-				form[k] = v
-			}
-			form["csrf"] = csrf
-			code, body := post(t, c, e.console.URL+"/resolve", form)
-			require.Equal(t, http.StatusForbidden, code, body)
-			require.Contains(t, body, "CSRF")
-		})
-	}
-	for name, header := range map[string][2]string{
-		"cross-site origin": {"Origin", "https://evil.example"},
-		"cross-site fetch":  {"Sec-Fetch-Site", "cross-site"},
-	} {
-		t.Run(name, func(t *testing.T) {
-			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, e.console.URL+"/resolve", strings.NewReader(good.Encode()))
-			require.NoError(t, err)
-			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
-			req.Header.Set(header[0], header[1])
-			res, err := c.Do(req)
-			require.NoError(t, err)
-			_ = res.Body.Close()
-			require.Equal(t, http.StatusForbidden, res.StatusCode)
-		})
-	}
-	t.Run("no session", func(t *testing.T) {
-		code, _ := post(t, e.browser(t), e.console.URL+"/resolve", good)
-		require.Equal(t, http.StatusForbidden, code)
-	})
+	requireForgeriesRefused(t, e, c, "/resolve", good, otherCSRF)
 	t.Run("too large", func(t *testing.T) {
 		form := url.Values{}
 		for k, v := range good {
@@ -1079,4 +1007,50 @@ func TestSweepLagFrom(t *testing.T) {
 			require.Equal(t, tc.lag, lag)
 		})
 	}
+}
+
+// requireForgeriesRefused posts good, a valid confirmed form of path, with
+// its CSRF token missing, empty, wrong or another session's (otherCSRF),
+// marked cross-site by the browser, and without a session: every one is
+// refused with 403 and nothing is done.
+func requireForgeriesRefused(t *testing.T, e *env, c *http.Client, path string, good url.Values, otherCSRF string) {
+	t.Helper()
+	require.NotEqual(t, good.Get("csrf"), otherCSRF, "each session has its own CSRF token")
+	for name, csrf := range map[string][]string{
+		"missing":           nil,
+		"empty":             {""},
+		"wrong":             {"AAAA" + good.Get("csrf")[4:]},
+		"another session's": {otherCSRF},
+	} {
+		t.Run(name, func(t *testing.T) {
+			form := url.Values{}
+			for k, v := range good {
+				form[k] = v
+			}
+			form["csrf"] = csrf
+			code, body := post(t, c, e.console.URL+path, form)
+			require.Equal(t, http.StatusForbidden, code, body)
+			require.Contains(t, body, "CSRF")
+		})
+	}
+	for name, header := range map[string][2]string{
+		"cross-site origin":       {"Origin", "https://evil.example"},
+		"cross-site fetch":        {"Sec-Fetch-Site", "cross-site"},
+		"same-site, other origin": {"Sec-Fetch-Site", "same-site"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, e.console.URL+path, strings.NewReader(good.Encode()))
+			require.NoError(t, err)
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			req.Header.Set(header[0], header[1])
+			res, err := c.Do(req)
+			require.NoError(t, err)
+			_ = res.Body.Close()
+			require.Equal(t, http.StatusForbidden, res.StatusCode)
+		})
+	}
+	t.Run("no session", func(t *testing.T) {
+		code, _ := post(t, e.browser(t), e.console.URL+path, good)
+		require.Equal(t, http.StatusForbidden, code)
+	})
 }

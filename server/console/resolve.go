@@ -204,15 +204,9 @@ type resolveConfirmView struct {
 // operators only the first acts and the second is told so.
 func (c *Console) resolve(w http.ResponseWriter, r *http.Request, s *session) {
 	p := c.page(s)
-	k, err := formKey(r)
+	k, token, err := formTarget(r)
 	if err != nil {
 		p.Error = err.Error()
-		c.render(w, http.StatusBadRequest, "error.html", p)
-		return
-	}
-	token, err := strconv.ParseInt(r.PostFormValue("token"), 10, 64)
-	if err != nil || token <= 0 {
-		p.Error = "the form has no record token: look the record up again"
 		c.render(w, http.StatusBadRequest, "error.html", p)
 		return
 	}
