@@ -1,5 +1,6 @@
 // Package faults holds the system tests that run the real `idemreg serve`
-// binary and break what is around it: the linearizability checks under
+// binary and break what is around it: a SIGKILL in the middle of writes on
+// the embedded store (with every go test), the linearizability checks under
 // SIGKILL, PostgreSQL crashes and network faults (build tag
 // linearizability), and the exactly-once run of the ledger example under
 // chaos (build tag chaos). The binary is built from the root module; the

@@ -1,6 +1,8 @@
 package faults
 
 import (
+	"bufio"
+	"encoding/json"
 	"net"
 	"os"
 	"os/exec"
@@ -8,8 +10,11 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 )
 
 // built is the binary the tests run, built once per test process: linking
@@ -73,4 +78,59 @@ type process struct {
 	cmd  *exec.Cmd
 	logs chan map[string]any
 	addr string
+}
+
+func startServe(t *testing.T, bin, dir string, env []string, args ...string) *process {
+	t.Helper()
+	addr := freeAddr(t)
+	cmd := exec.Command(bin, append([]string{"serve", "--listen", addr}, args...)...)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Dir = dir
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	p := &process{cmd: cmd, logs: make(chan map[string]any, 1000), addr: addr}
+	go func() {
+		defer close(p.logs)
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			var line map[string]any
+			if json.Unmarshal(sc.Bytes(), &line) != nil {
+				line = map[string]any{"msg": "unstructured: " + sc.Text()}
+			}
+			p.logs <- line
+		}
+	}()
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	})
+	return p
+}
+
+// waitLog waits for a log line with the given message.
+func (p *process) waitLog(t *testing.T, msg string) map[string]any {
+	t.Helper()
+	timeout := time.After(30 * time.Second)
+	for {
+		select {
+		case line, ok := <-p.logs:
+			require.True(t, ok, "idemreg exited before logging %q", msg)
+			if line["msg"] == msg {
+				return line
+			}
+		case <-timeout:
+			t.Fatalf("idemreg did not log %q", msg)
+		}
+	}
+}
+
+func dial(t *testing.T, addr string) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
 }
