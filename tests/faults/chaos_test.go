@@ -98,8 +98,8 @@ func TestChaosLedgerExactlyOnce(t *testing.T) {
 	reg := newHarness(t, []string{"IDEMREG_DATABASE_URL=" + pg.URL(pg.Addr(), "registry")})
 
 	bin := filepath.Join(t.TempDir(), "ledger")
-	build := exec.Command("go", "build", "-o", bin, "./examples/ledger")
-	build.Dir = rootDir(t)
+	build := exec.Command("go", "build", "-o", bin, "./ledger")
+	build.Dir = filepath.Join(rootDir(t), "examples") // a module of its own
 	out, err := build.CombinedOutput()
 	require.NoError(t, err, "go build examples/ledger: %s", out)
 
