@@ -28,6 +28,8 @@
 FROM golang:1.26.8@sha256:9d2f36f06329b2a141b9db99ffa32765cf695ee57b813ca29e245e8670bcbfff AS build
 WORKDIR /src
 COPY go.mod go.sum ./
+# The API's module, which go.mod replaces with ./proto.
+COPY proto/go.mod proto/go.sum proto/
 RUN go mod download
 COPY . .
 RUN make build && mkdir -p /out/data

@@ -32,6 +32,7 @@ require (
 	github.com/gogo/protobuf v1.3.2 // indirect
 	github.com/golang/snappy v0.0.5-0.20231225225746-43d5d4cd4e0e // indirect
 	github.com/grpc-ecosystem/go-grpc-middleware/v2 v2.3.4 // indirect
+	github.com/idemreg/idemreg/proto v0.0.0-00010101000000-000000000000 // indirect
 	github.com/jackc/pgpassfile v1.0.0 // indirect
 	github.com/jackc/pgservicefile v0.0.0-20240606120523-5a60cdf6a761 // indirect
 	github.com/jackc/puddle/v2 v2.2.3 // indirect
@@ -64,4 +65,7 @@ require (
 	golang.org/x/time v0.16.0 // indirect
 )
 
-replace github.com/idemreg/idemreg => ../
+replace (
+	github.com/idemreg/idemreg => ../
+	github.com/idemreg/idemreg/proto => ../proto
+)

@@ -6,6 +6,7 @@ require (
 	github.com/Shopify/toxiproxy/v2 v2.12.0
 	github.com/anishathalye/porcupine v1.3.1
 	github.com/idemreg/idemreg v0.0.0-00010101000000-000000000000
+	github.com/idemreg/idemreg/proto v0.0.0-00010101000000-000000000000
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/nats-io/nats.go v1.55.0
 	github.com/rs/zerolog v1.33.0
@@ -72,4 +73,7 @@ require (
 	gopkg.in/tomb.v1 v1.0.0-20141024135613-dd632973f1e7 // indirect
 )
 
-replace github.com/idemreg/idemreg => ../
+replace (
+	github.com/idemreg/idemreg => ../
+	github.com/idemreg/idemreg/proto => ../proto
+)
