@@ -6,6 +6,7 @@ require (
 	github.com/cockroachdb/cockroach-go/v2 v2.4.2
 	github.com/cockroachdb/pebble/v2 v2.1.7
 	github.com/grpc-ecosystem/go-grpc-middleware/v2 v2.3.4
+	github.com/idemreg/idemreg/client v0.0.0-00010101000000-000000000000
 	github.com/idemreg/idemreg/proto v0.0.0-00010101000000-000000000000
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/prometheus/client_golang v1.25.0
@@ -74,7 +75,11 @@ require (
 	google.golang.org/genproto/googleapis/api v0.0.0-20261110000943-09e21b237f2c // indirect
 )
 
-// The generated API is a module of its own (proto/go.mod), so that a service
-// importing it or the client takes none of the registry's requirements.
-// Until it is published, this checkout provides it.
-replace github.com/idemreg/idemreg/proto => ./proto
+// The generated API and the client are modules of their own (proto/go.mod,
+// client/go.mod), so that a service importing them takes none of the
+// registry's requirements. Until they are published, this checkout
+// provides them. (The registry needs the client for its tests only.)
+replace (
+	github.com/idemreg/idemreg/client => ./client
+	github.com/idemreg/idemreg/proto => ./proto
+)

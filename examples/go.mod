@@ -4,6 +4,7 @@ go 1.26.8
 
 require (
 	github.com/idemreg/idemreg v0.0.0-00010101000000-000000000000
+	github.com/idemreg/idemreg/client v0.0.0-00010101000000-000000000000
 	github.com/idemreg/idemreg/client/registrytest v0.0.0-00010101000000-000000000000
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/nats-io/nats.go v1.55.0
@@ -68,6 +69,7 @@ require (
 
 replace (
 	github.com/idemreg/idemreg => ../
+	github.com/idemreg/idemreg/client => ../client
 	github.com/idemreg/idemreg/client/registrytest => ../client/registrytest
 	github.com/idemreg/idemreg/proto => ../proto
 )

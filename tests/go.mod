@@ -6,6 +6,7 @@ require (
 	github.com/Shopify/toxiproxy/v2 v2.12.0
 	github.com/anishathalye/porcupine v1.3.1
 	github.com/idemreg/idemreg v0.0.0-00010101000000-000000000000
+	github.com/idemreg/idemreg/client v0.0.0-00010101000000-000000000000
 	github.com/idemreg/idemreg/client/registrytest v0.0.0-00010101000000-000000000000
 	github.com/idemreg/idemreg/proto v0.0.0-00010101000000-000000000000
 	github.com/jackc/pgx/v5 v5.12.0
@@ -76,6 +77,7 @@ require (
 
 replace (
 	github.com/idemreg/idemreg => ../
+	github.com/idemreg/idemreg/client => ../client
 	github.com/idemreg/idemreg/client/registrytest => ../client/registrytest
 	github.com/idemreg/idemreg/proto => ../proto
 )

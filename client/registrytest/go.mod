@@ -4,6 +4,7 @@ go 1.26.8
 
 require (
 	github.com/idemreg/idemreg v0.0.0-00010101000000-000000000000
+	github.com/idemreg/idemreg/client v0.0.0-00010101000000-000000000000
 	google.golang.org/grpc v1.85.0
 )
 
@@ -57,5 +58,6 @@ require (
 
 replace (
 	github.com/idemreg/idemreg => ../../
+	github.com/idemreg/idemreg/client => ..
 	github.com/idemreg/idemreg/proto => ../../proto
 )
