@@ -28,6 +28,10 @@
 FROM golang:1.26.8@sha256:9d2f36f06329b2a141b9db99ffa32765cf695ee57b813ca29e245e8670bcbfff AS build
 WORKDIR /src
 COPY go.mod go.sum ./
+# The API's and the client's modules, which go.mod replaces with ./proto
+# and ./client.
+COPY proto/go.mod proto/go.sum proto/
+COPY client/go.mod client/go.sum client/
 RUN go mod download
 COPY . .
 RUN make build && mkdir -p /out/data

@@ -1,5 +1,8 @@
 # The developers' entry point. `make test` is the README's test command.
 BUF := go tool -modfile=proto/tools/go.mod buf
+# Every Go module but the buf tools' (docs/design.md, Modules); .ci/test
+# vets and tests each on its own go.mod.
+GO_MODULES := $(shell git ls-files -- '*go.mod' ':!proto/tools' | xargs -n1 dirname)
 
 .PHONY: run test generate lint breaking bench build image
 
@@ -23,7 +26,8 @@ generate: ## regenerate Go code from proto/ and examples/proto/
 lint:
 	$(BUF) lint
 	cd examples && go tool -modfile=../proto/tools/go.mod buf lint
-	go vet ./...
+	for m in $(GO_MODULES); do (cd $$m && go vet ./...) || exit 1; done
+	cd tests && go vet -tags 'linearizability chaos' ./...
 
 breaking: ## compare the API with main (.ci/breaking says against which commit)
 	.ci/breaking

@@ -1,9 +1,9 @@
 package client_test
 
 import (
+	"bytes"
 	"testing"
 
-	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 
@@ -25,9 +25,13 @@ func FuzzDefaultFingerprint(f *testing.F) {
 	}
 	for _, m := range seeds {
 		s, err := structpb.NewStruct(m)
-		require.NoError(f, err)
+		if err != nil {
+			f.Fatal(err)
+		}
 		b, err := proto.Marshal(s)
-		require.NoError(f, err)
+		if err != nil {
+			f.Fatal(err)
+		}
 		f.Add("/payments.v1.PaymentService/Charge", b)
 	}
 	f.Add("", []byte{0x0a, 0x00})
@@ -40,28 +44,41 @@ func FuzzDefaultFingerprint(f *testing.F) {
 			return // gRPC would not have decoded it either
 		}
 		fp, err := client.DefaultFingerprint(method, &req)
-		require.NoError(t, err)
-		require.NotEmpty(t, fp)
-		require.LessOrEqual(t, len(fp), 64, "the registry refuses fingerprints over 64 bytes")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(fp) == 0 || len(fp) > 64 {
+			t.Fatalf("a fingerprint of %d bytes: the registry refuses an empty one and one over 64 bytes", len(fp))
+		}
 
 		again, err := client.DefaultFingerprint(method, proto.Clone(&req))
-		require.NoError(t, err)
-		require.Equal(t, fp, again, "a clone")
+		if err != nil || !bytes.Equal(again, fp) {
+			t.Fatalf("a clone: %q, %v; want %q", again, err, fp)
+		}
 
 		// A retry after a restart decodes the request afresh from an
 		// encoding whose map order may differ.
 		for range 3 {
 			b, err := proto.MarshalOptions{Deterministic: false}.Marshal(&req)
-			require.NoError(t, err)
+			if err != nil {
+				t.Fatal(err)
+			}
 			var decoded structpb.Struct
-			require.NoError(t, proto.Unmarshal(b, &decoded))
+			if err := proto.Unmarshal(b, &decoded); err != nil {
+				t.Fatal(err)
+			}
 			again, err = client.DefaultFingerprint(method, &decoded)
-			require.NoError(t, err)
-			require.Equal(t, fp, again, "the same request re-encoded")
+			if err != nil || !bytes.Equal(again, fp) {
+				t.Fatalf("the same request re-encoded: %q, %v; want %q", again, err, fp)
+			}
 		}
 
 		other, err := client.DefaultFingerprint(method+"x", &req)
-		require.NoError(t, err)
-		require.NotEqual(t, fp, other, "another method")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if bytes.Equal(other, fp) {
+			t.Fatalf("another method, the same fingerprint %q", fp)
+		}
 	})
 }

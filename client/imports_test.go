@@ -1,11 +1,16 @@
 package client_test
 
+// The client's own tests use the standard library's testing alone: its
+// module requires gRPC, protobuf, genproto and the API, and a test library
+// there would join the module graph of every service that imports it. Tests
+// that want testify or a running registry live in the tests module
+// (tests/client).
+
 import (
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
-
-	"github.com/stretchr/testify/require"
 
 	"github.com/idemreg/idemreg/client"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
@@ -26,7 +31,9 @@ func TestImports(t *testing.T) {
 		"github.com/idemreg/idemreg/proto/",
 	}
 	imports := goList(`{{join .Imports " "}}`)
-	require.NotEmpty(t, imports)
+	if len(imports) == 0 {
+		t.Fatal("go list listed no imports")
+	}
 	for _, imp := range imports {
 		if !strings.Contains(strings.SplitN(imp, "/", 2)[0], ".") {
 			continue // standard library
@@ -35,7 +42,9 @@ func TestImports(t *testing.T) {
 		for _, prefix := range allowedDirect {
 			ok = ok || strings.HasPrefix(imp, prefix)
 		}
-		require.True(t, ok, "package client imports %s; it may import only gRPC, protobuf, genproto errdetails and the generated API", imp)
+		if !ok {
+			t.Errorf("package client imports %s; it may import only gRPC, protobuf, genproto errdetails and the generated API", imp)
+		}
 	}
 
 	// Transitive dependencies: none of the registry's own packages besides
@@ -51,11 +60,14 @@ func TestImports(t *testing.T) {
 		"database/sql",
 	}
 	deps := goList(`{{join .Deps " "}}`)
-	require.Contains(t, deps, "google.golang.org/grpc", "the dependency list looks wrong")
+	if !slices.Contains(deps, "google.golang.org/grpc") {
+		t.Fatalf("the dependency list looks wrong: %v", deps)
+	}
 	for _, dep := range deps {
 		for _, f := range forbidden {
-			require.False(t, dep == f || strings.HasPrefix(dep, f+"/") || strings.HasPrefix(dep, f) && strings.HasSuffix(f, "/"),
-				"package client depends on %s", dep)
+			if dep == f || strings.HasPrefix(dep, f+"/") || strings.HasPrefix(dep, f) && strings.HasSuffix(f, "/") {
+				t.Errorf("package client depends on %s", dep)
+			}
 		}
 	}
 }
@@ -65,17 +77,22 @@ func TestImports(t *testing.T) {
 // caller chose, so it must not bring one (or gRPC) of its own.
 func TestFenceImports(t *testing.T) {
 	deps := goList(t, `{{join .Deps " "}}`, "./fence")
-	require.Contains(t, deps, "database/sql", "the dependency list looks wrong")
+	if !slices.Contains(deps, "database/sql") {
+		t.Fatalf("the dependency list looks wrong: %v", deps)
+	}
 	for _, dep := range deps {
-		require.False(t, strings.Contains(strings.SplitN(dep, "/", 2)[0], "."),
-			"package client/fence depends on %s; it may use only the standard library", dep)
+		if strings.Contains(strings.SplitN(dep, "/", 2)[0], ".") {
+			t.Errorf("package client/fence depends on %s; it may use only the standard library", dep)
+		}
 	}
 }
 
 func goList(t *testing.T, format, pkg string) []string {
 	t.Helper()
 	out, err := exec.CommandContext(t.Context(), "go", "list", "-f", format, pkg).CombinedOutput()
-	require.NoError(t, err, "go list: %s", out)
+	if err != nil {
+		t.Fatalf("go list: %v: %s", err, out)
+	}
 	return strings.Fields(string(out))
 }
 
@@ -84,6 +101,8 @@ func goList(t *testing.T, format, pkg string) []string {
 // API package), so that a caller can tell who refused.
 func TestInterceptorReasonsAreTheirOwn(t *testing.T) {
 	for _, own := range []string{client.ReasonInProgress, client.ReasonMissingKey, client.ReasonRegistryUnavailable} {
-		require.NotContains(t, idemregv1.Reasons, own)
+		if slices.Contains(idemregv1.Reasons, own) {
+			t.Errorf("the interceptors' reason %s is also a registry reason", own)
+		}
 	}
 }

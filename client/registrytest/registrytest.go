@@ -4,7 +4,9 @@
 // client.Once or the interceptors against the real thing instead of a mock.
 //
 // Unlike package client, it imports the registry's server and storage code;
-// only tests should import it.
+// only tests should import it. It is a module of its own
+// (github.com/idemreg/idemreg/client/registrytest), so that a module
+// importing package client takes none of that code's requirements.
 package registrytest
 
 import (

@@ -17,6 +17,9 @@ import (
 func TestBinaryDependencies(t *testing.T) {
 	forbidden := []struct{ module, why string }{
 		{"github.com/redis/go-redis", "the redis baseline's client: the load generator is cmd/idemreg-bench"},
+		{"github.com/anishathalye/porcupine", "the linearizability checker: tests/lincheck, in the tests module"},
+		{"github.com/Shopify/toxiproxy", "the network faults of the linearizability runs: tests/faults, in the tests module"},
+		{"github.com/nats-io/nats.go", "the NATS client of the ledger example and its chaos run: examples/ledger, tests/faults"},
 	}
 	cmd := exec.CommandContext(t.Context(), "go", "list", "-deps",
 		"-f", `{{if not .Standard}}{{.ImportPath}} {{join .Imports " "}}{{end}}`, ".")

@@ -6,10 +6,10 @@
 // duplicate messages, consumer crashes, registry crashes and database
 // crashes, ending with an exact ledger. docs/testing.md has the figures.
 //
-//	go test -tags chaos -run Chaos -v -timeout 30m ./cmd/idemreg \
+//	cd tests && go test -tags chaos -run Chaos -v -timeout 30m ./faults \
 //	    -args -chaos.messages=3000 -chaos.every=3s
 
-package main
+package faults
 
 import (
 	"bufio"
@@ -36,8 +36,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/cmd/idemreg/internal/pgcluster"
 	"github.com/idemreg/idemreg/storage/postgres"
+	"github.com/idemreg/idemreg/tests/pgcluster"
 )
 
 var (
@@ -98,7 +98,9 @@ func TestChaosLedgerExactlyOnce(t *testing.T) {
 	reg := newHarness(t, []string{"IDEMREG_DATABASE_URL=" + pg.URL(pg.Addr(), "registry")})
 
 	bin := filepath.Join(t.TempDir(), "ledger")
-	out, err := exec.Command("go", "build", "-o", bin, "github.com/idemreg/idemreg/examples/ledger").CombinedOutput()
+	build := exec.Command("go", "build", "-o", bin, "./ledger")
+	build.Dir = filepath.Join(rootDir(t), "examples") // a module of its own
+	out, err := build.CombinedOutput()
 	require.NoError(t, err, "go build examples/ledger: %s", out)
 
 	suffix := hex.EncodeToString(fmt.Appendf(nil, "%d", time.Now().UnixNano()))[:12]

@@ -3,13 +3,13 @@
 // The linearizability checks under faults: concurrent clients drive a real
 // `idemreg serve` while the test kills it, crashes its PostgreSQL and
 // degrades or cuts the network between them; the recorded history is
-// checked against the registry's model (cmd/idemreg/internal/lincheck).
+// checked against the registry's model (tests/lincheck).
 // docs/testing.md says how to run them and what they found.
 //
-//	go test -tags linearizability -run Linearizability -v ./cmd/idemreg \
+//	cd tests && go test -tags linearizability -run Linearizability -v ./faults \
 //	    -args -lin.duration=60s -lin.out=/tmp/lincheck
 
-package main
+package faults
 
 import (
 	"bufio"
@@ -36,10 +36,10 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
-	"github.com/idemreg/idemreg/cmd/idemreg/internal/lincheck"
-	"github.com/idemreg/idemreg/cmd/idemreg/internal/pgcluster"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/storage/postgres"
+	"github.com/idemreg/idemreg/tests/lincheck"
+	"github.com/idemreg/idemreg/tests/pgcluster"
 )
 
 var (

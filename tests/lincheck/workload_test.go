@@ -40,7 +40,7 @@ func runWorkload(t *testing.T, conn *grpc.ClientConn, d time.Duration) (*Workloa
 
 // TestWorkloadOnEmbeddedStore records a short history against the real
 // server on the in-memory embedded store and checks it: the cheap version
-// of the fault-injecting runs in cmd/idemreg, run by every `go test`.
+// of the fault-injecting runs in tests/faults, run by every `go test`.
 func TestWorkloadOnEmbeddedStore(t *testing.T) {
 	_, rec := runWorkload(t, servertest.Start(t, memStore(t), server.Config{}), 1500*time.Millisecond)
 	h, st := rec.History()

@@ -3,7 +3,7 @@
 // contract (docs/semantics.md, storage/rules.go) at the API level, the
 // recorder that turns concurrent gRPC calls into a porcupine history, and
 // the workload that produces such histories; the fault-injecting harness
-// that drives them lives in cmd/idemreg's linearizability tests.
+// that drives them lives in tests/faults' linearizability tests.
 //
 // The model assumes leases and retention long relative to a run: no lease
 // runs out and no record expires while a history is recorded, so a lease
