@@ -1,9 +1,10 @@
 package idemregv1
 
 // The google.rpc.ErrorInfo of every registry error: this domain, and one of
-// these reasons (the table at the top of registry.proto says the code and
-// the meaning of each). Declared here, beside the API, so that the server
-// and its clients share one list; server and client re-export them.
+// these reasons, the names of ErrorReason's values without their prefix
+// (error_reason.proto says the code and the meaning of each). Declared
+// here, beside the API, so that the server and its clients share one list;
+// server and client re-export them.
 const ErrorDomain = "idemreg"
 
 // Reasons carried in ErrorInfo.Reason.
