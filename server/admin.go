@@ -276,7 +276,7 @@ func (a *AdminService) CountParked(ctx context.Context, req *idemregv1.CountPark
 func administrable(ctx context.Context, consumer string, prefix bool) (func(string) bool, error) {
 	id, ok := IdentityFrom(ctx)
 	if !ok {
-		return nil, newStatus(codes.Internal, ReasonInternal, "internal error", nil)
+		return nil, newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 	if !prefix {
 		return nil, nil // the interceptor checked the one consumer

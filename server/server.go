@@ -22,7 +22,6 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -551,7 +550,7 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 		accessLogger{logger}.stream,
 		recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
-			return newStatus(codes.PermissionDenied, ReasonPermissionDenied, "streaming methods are not open to identities", nil)
+			return newStatus(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, "streaming methods are not open to identities", nil)
 		}, protected),
 		// What is left is public: bounded in number, since no credential
 		// stands behind it.
@@ -562,6 +561,6 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 func panicHandler(logger *slog.Logger) recovery.RecoveryHandlerFuncContext {
 	return func(ctx context.Context, p any) error {
 		logger.ErrorContext(ctx, "panic recovered", "panic", p, "stack", string(debug.Stack()))
-		return newStatus(codes.Internal, ReasonInternal, "internal error", nil)
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 }

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -72,15 +71,16 @@ const unavailableRetryAfter = time.Second
 // the most operations in flight: short, since the slots free up quickly.
 const overloadedRetryAfter = 100 * time.Millisecond
 
-// newStatus builds the status of a refusal. Its message and metadata values
-// are cut to the bounds of bounds.go here, once, so that no caller can make
-// a status larger than they are whatever it quotes.
-func newStatus(code codes.Code, reason, msg string, meta map[string]string, extra ...protoadapt.MessageV1) error {
+// newStatus builds the status of a refusal: the code is the reason's
+// (ErrorReason.Code), so that a reason never comes with another. Its message
+// and metadata values are cut to the bounds of bounds.go here, once, so that
+// no caller can make a status larger than they are whatever it quotes.
+func newStatus(reason idemregv1.ErrorReason, msg string, meta map[string]string, extra ...protoadapt.MessageV1) error {
 	for k, v := range meta {
 		meta[k] = echo(v)
 	}
-	st := status.New(code, truncate(msg, MaxStatusMessageBytes))
-	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain, Metadata: meta}}, extra...)
+	st := status.New(reason.Code(), truncate(msg, MaxStatusMessageBytes))
+	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason.Reason(), Domain: ErrorDomain, Metadata: meta}}, extra...)
 	if withDetails, err := st.WithDetails(details...); err == nil {
 		st = withDetails
 	}
@@ -88,7 +88,7 @@ func newStatus(code codes.Code, reason, msg string, meta map[string]string, extr
 }
 
 func invalidArgument(v violations) error {
-	return newStatus(codes.InvalidArgument, ReasonInvalidArgument, "invalid request: "+v[0].Field+": "+v[0].Description,
+	return newStatus(idemregv1.ErrorReason_ERROR_REASON_INVALID_ARGUMENT, "invalid request: "+v[0].Field+": "+v[0].Description,
 		nil, &errdetails.BadRequest{FieldViolations: v})
 }
 
@@ -120,42 +120,42 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + quota.consumer, Description: d})
 			what = append(what, d)
 		}
-		return newStatus(codes.ResourceExhausted, ReasonQuotaExceeded,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_QUOTA_EXCEEDED,
 			fmt.Sprintf("consumer %q is at its quota: %s; new keys are refused until its records expire, Claims of its live keys still work",
 				quota.consumer, strings.Join(what, "; ")), meta,
 			&errdetails.QuotaFailure{Violations: violations})
 	case errors.As(err, &total):
 		meta["max_lease_total"] = total.max.String()
 		meta["lease_not_after"] = total.notAfter.UTC().Format(time.RFC3339Nano)
-		return newStatus(codes.FailedPrecondition, ReasonLeaseTotalExceeded,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_LEASE_TOTAL_EXCEEDED,
 			fmt.Sprintf("one attempt may hold the key for at most %s (max_lease_total of %s), so no lease of this attempt may end after %s; the lease in force is unchanged",
 				policy.FormatDuration(total.max), total.source, meta["lease_not_after"]), meta)
 	case errors.Is(err, storage.ErrFingerprintMismatch):
-		return newStatus(codes.FailedPrecondition, ReasonFingerprintMismatch,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH,
 			"the key is live with a different fingerprint: the same key was used with different parameters", meta)
 	case errors.Is(err, storage.ErrLeaseLost):
-		return newStatus(codes.FailedPrecondition, ReasonLeaseLost,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST,
 			"the token is not the record's current token: another holder took over the key", meta)
 	case errors.Is(err, storage.ErrAlreadyCompleted):
-		return newStatus(codes.FailedPrecondition, ReasonAlreadyCompleted, "the record is already completed", meta)
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_ALREADY_COMPLETED, "the record is already completed", meta)
 	case errors.Is(err, storage.ErrParked):
-		return newStatus(codes.FailedPrecondition, ReasonParked,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_PARKED,
 			"the record is parked: it must not be done again until an operator resolves it", meta)
 	case errors.Is(err, storage.ErrNotFound):
-		return newStatus(codes.NotFound, ReasonNotFound, "no live record for the key (absent or expired)", meta)
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_NOT_FOUND, "no live record for the key (absent or expired)", meta)
 	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil:
 		// The store's share of the request's time ran out (storeContext)
 		// and the client still waits: the store did not answer in time.
 		s.logger.WarnContext(ctx, "store did not answer before the request's deadline", "method", method, "consumer", echo(k.Consumer), "error", err)
-		return newStatus(codes.Unavailable, ReasonStoreUnavailable, "the store did not answer in time; retry later", meta,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE, "the store did not answer in time; retry later", meta,
 			&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
 	case errors.Is(err, context.DeadlineExceeded):
-		return newStatus(codes.DeadlineExceeded, ReasonDeadlineExceeded, "the deadline ran out before the store answered", meta)
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED, "the deadline ran out before the store answered", meta)
 	case errors.Is(err, context.Canceled):
-		return newStatus(codes.Canceled, ReasonCanceled, "the request was cancelled", meta)
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_CANCELED, "the request was cancelled", meta)
 	case errors.As(err, &share):
 		meta["identity"] = share.identity
-		return newStatus(codes.Unavailable, ReasonOverloaded,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_OVERLOADED,
 			fmt.Sprintf("identity %q already has %d store operations in flight, its share of the server's; retry later", share.identity, share.share), meta,
 			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
 				Subject:     "identity:" + share.identity,
@@ -163,14 +163,14 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 			}}},
 			retryInfo(overloadedRetryAfter))
 	case errors.Is(err, errOverloaded):
-		return newStatus(codes.Unavailable, ReasonOverloaded, "the server has too many store operations in flight; retry later", meta,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_OVERLOADED, "the server has too many store operations in flight; retry later", meta,
 			retryInfo(overloadedRetryAfter))
 	case errors.Is(err, storage.ErrUnavailable):
 		s.logger.WarnContext(ctx, "store unavailable", "method", method, "consumer", echo(k.Consumer), "error", err)
-		return newStatus(codes.Unavailable, ReasonStoreUnavailable, "the store is unavailable; retry later", meta,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE, "the store is unavailable; retry later", meta,
 			&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
 	default:
 		s.logger.ErrorContext(ctx, "internal error", "method", method, "consumer", echo(k.Consumer), "error", err)
-		return newStatus(codes.Internal, ReasonInternal, "internal error", meta)
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", meta)
 	}
 }
