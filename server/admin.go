@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 	"log/slog"
 	"time"
 
@@ -314,20 +313,12 @@ var readOnlyActions = map[string]bool{"inspect": true, "list": true, "count_park
 
 // audit logs one admin action as an audit event (who: the identity; what:
 // the action and its target; when: the line's time; why: the reason) and
-// counts it by action and result.
+// counts it by action and result: ok, or the reason the caller is answered
+// with (answerReason).
 func (a *AdminService) audit(ctx context.Context, action string, target []slog.Attr, reason string, err error, extra ...slog.Attr) {
 	result := "ok"
-	switch {
-	case errors.Is(err, storage.ErrNotFound):
-		result = ReasonNotFound
-	case errors.Is(err, storage.ErrLeaseLost):
-		result = ReasonLeaseLost
-	case errors.Is(err, storage.ErrAlreadyCompleted):
-		result = ReasonAlreadyCompleted
-	case errors.Is(err, errOverloaded):
-		result = ReasonOverloaded
-	case err != nil:
-		result = "error"
+	if err != nil {
+		result = answerReason(ctx, err).Reason()
 	}
 	identity := ""
 	if id, ok := IdentityFrom(ctx); ok {

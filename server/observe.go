@@ -166,15 +166,16 @@ func (o *observedStore) do(ctx context.Context, op *opMeasures, call func() erro
 		o.shares.give(id.Name)
 	}
 	o.outcomes.record(err)
-	if err != nil && !isAnswer(err) {
-		outcome := errorType(err)
+	reason := classify(err)
+	if err != nil && !isAnswer(reason) {
+		outcome := storeErrorType(reason)
 		opAttr := attribute.String("op", op.name)
 		o.m.storeErrors.Add(ctx, 1, attrs(opAttr, attribute.String("error.type", outcome)))
 		o.m.storeDuration.Record(ctx, elapsed, attrs(opAttr, attribute.String("outcome", outcome)))
 	} else {
 		o.m.storeDuration.Record(ctx, elapsed, op.ok)
 	}
-	if errors.Is(err, storage.ErrLeaseLost) {
+	if reason == reasonLeaseLost {
 		o.m.leaseLost.Add(ctx, 1, op.method)
 	}
 	return err
@@ -192,7 +193,7 @@ func (o *observedStore) Claim(ctx context.Context, p storage.ClaimParams) (res s
 func (o *observedStore) countClaim(ctx context.Context, res storage.ClaimResult, err error) {
 	var outcome string
 	switch {
-	case errors.Is(err, storage.ErrFingerprintMismatch):
+	case classify(err) == reasonFingerprintMismatch:
 		outcome = ClaimMismatch
 	case err != nil:
 		return
@@ -220,7 +221,7 @@ func (o *observedStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams
 		ran = true
 		out = storage.ClaimBatch(ctx, o.Store, ps)
 		for _, a := range out {
-			if a.Err != nil && !isAnswer(a.Err) {
+			if a.Err != nil && !isAnswer(classify(a.Err)) {
 				return a.Err // the store failed: measured, and counted for readiness
 			}
 		}
@@ -247,7 +248,7 @@ func (o *observedStore) CompleteBatch(ctx context.Context, ps []storage.Complete
 		ran = true
 		out = storage.CompleteBatch(ctx, o.Store, ps)
 		for _, a := range out {
-			if a.Err != nil && !isAnswer(a.Err) {
+			if a.Err != nil && !isAnswer(classify(a.Err)) {
 				return a.Err // the store failed: measured, and counted for readiness
 			}
 		}
@@ -265,7 +266,7 @@ func (o *observedStore) CompleteBatch(ctx context.Context, ps []storage.Complete
 		switch {
 		case a.Err == nil:
 			o.m.completes.Add(ctx, 1)
-		case errors.Is(a.Err, storage.ErrLeaseLost):
+		case classify(a.Err) == reasonLeaseLost:
 			o.m.leaseLost.Add(ctx, 1, opComplete.method)
 		}
 	}
