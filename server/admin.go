@@ -34,9 +34,16 @@ const (
 // it did (audit), never with a record's fingerprint, token or result.
 type AdminService struct {
 	idemregv1.UnimplementedAdminServiceServer
-	svc   *Service // for toStatus, the limits, the waiters and the logger
-	store *observedStore
+	svc *Service // for toStatus, the limits, the waiters and the logger
+	// store is the service's store chain as a storage.Admin, nil when the
+	// store cannot administer records.
+	store storage.Admin
 	m     *metrics
+}
+
+// newAdminService returns the AdminService beside svc, on its store chain.
+func newAdminService(svc *Service) *AdminService {
+	return &AdminService{svc: svc, store: svc.store.admin(), m: svc.metrics}
 }
 
 // errNoAdmin answers every call when the store cannot administer records.
@@ -49,7 +56,7 @@ func (a *AdminService) InspectRecord(ctx context.Context, req *idemregv1.Inspect
 	if err := v.err(); err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	got, err := a.store.Inspect(ctx, k)
@@ -76,7 +83,7 @@ func (a *AdminService) InvalidateRecord(ctx context.Context, req *idemregv1.Inva
 	if err := v.err(); err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	reason := req.GetReason()
@@ -106,7 +113,7 @@ func (a *AdminService) ResolveRecord(ctx context.Context, req *idemregv1.Resolve
 	if err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	got, err := a.store.Resolve(ctx, p)
@@ -191,7 +198,7 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 	if err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	may, err := administrable(ctx, p.Consumer, p.Prefix)
@@ -244,7 +251,7 @@ func (a *AdminService) CountParked(ctx context.Context, req *idemregv1.CountPark
 	if err := v.err(); err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	may, err := administrable(ctx, prefix, true)

@@ -227,7 +227,10 @@ func (c *Config) setDefaults() {
 // AdminService, health (SERVING only while the store answers) and
 // reflection.
 type Server struct {
-	cfg     Config
+	cfg Config
+	// store is the backend, for health and the parked gauge, which are
+	// not a request's calls; the services call it through their store
+	// chain (storechain.go).
 	store   storage.Store
 	svc     *Service
 	grpc    *grpc.Server
@@ -279,16 +282,13 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		return nil, err
 	}
 	outcomes := &callOutcomes{}
-	observed, err := newObservedStore(store, cfg.MaxInFlight, cfg.MaxInFlightPerIdentity, m, outcomes)
+	chain, err := newStoreChain(store, chainConfig{maxInFlight: cfg.MaxInFlight, perIdentity: cfg.MaxInFlightPerIdentity, metrics: m, outcomes: outcomes})
 	if err != nil {
 		return nil, err
 	}
-	svc, err := newService(observed, store, cfg.Limits, cfg.Logger, m, waiting{maxWaiters: cfg.MaxWaiters, recheck: cfg.WaitRecheck})
+	svc, err := newService(chain, cfg.Limits, cfg.Policy, cfg.Logger, m, waiting{maxWaiters: cfg.MaxWaiters, recheck: cfg.WaitRecheck})
 	if err != nil {
 		return nil, err
-	}
-	if cfg.Policy != nil {
-		svc.policies = cfg.Policy
 	}
 	s := &Server{
 		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), policies: svc.policies, done: make(chan struct{}),
@@ -338,7 +338,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	g := grpc.NewServer(opts...)
 	r := decodingRegistrar{g}
 	idemregv1.RegisterRegistryServiceServer(r, svc)
-	idemregv1.RegisterAdminServiceServer(r, &AdminService{svc: svc, store: observed, m: m})
+	idemregv1.RegisterAdminServiceServer(r, newAdminService(svc))
 	h := health.NewServer()
 	for _, name := range healthServices {
 		h.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)
@@ -522,9 +522,11 @@ func (s *Server) checkHealth(ctx context.Context) {
 //     RESOURCE_EXHAUSTED with QuotaFailure and RetryInfo; each item of a
 //     batch on its own (batch.go).
 //
-// Below the handler, the store is wrapped (observe.go) to bound the
-// operations in flight (UNAVAILABLE, OVERLOADED, beyond MaxInFlight, or
-// beyond MaxInFlightPerIdentity for one identity) and to measure them.
+// Below the handlers of both services, the store is wrapped in one chain
+// (storechain.go): a record operation gets the request's deadline less a
+// margin (storedeadline.go), is bounded in flight (UNAVAILABLE, OVERLOADED,
+// beyond MaxInFlight, or beyond MaxInFlightPerIdentity for one identity) and
+// measured (observe.go).
 func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
