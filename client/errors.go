@@ -19,8 +19,9 @@ import (
 // the registry's and the interceptors'.
 const ErrorDomain = idemregv1.ErrorDomain
 
-// Reasons carried in ErrorInfo.Reason. The registry's are documented in
-// docs/semantics.md and the proto; the interceptors add their own.
+// Reasons carried in ErrorInfo.Reason. The registry's are the strings of
+// the API's ErrorReason (idemregv1, generated from it; error_reason.proto
+// documents each); the interceptors add their own, which are not.
 const (
 	ReasonInvalidArgument     = idemregv1.ReasonInvalidArgument
 	ReasonFingerprintMismatch = idemregv1.ReasonFingerprintMismatch
