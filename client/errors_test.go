@@ -59,3 +59,53 @@ func TestEveryRegistryReasonIsTyped(t *testing.T) {
 		})
 	}
 }
+
+// TestErrorDomains: the registry sends ErrorDomain, a service name
+// (AIP-193); this client still types the errors of a registry that sends
+// the domain of before, "idemreg", for a release. Another service's
+// domain is not the registry's, whatever its reason says.
+func TestErrorDomains(t *testing.T) {
+	require.Equal(t, "idemreg.dev", client.ErrorDomain)
+	for _, tc := range []struct {
+		name, domain string
+		typed        bool
+	}{
+		{"idemreg.dev", "idemreg.dev", true},
+		// Remove with legacyErrorDomain, in the release after the one
+		// that first sends idemreg.dev.
+		{"idemreg, before idemreg.dev", "idemreg", true},
+		{"another service's", "payments.example", false},
+		{"none", "", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := client.FromStatus(registryStatus(t, idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST, tc.domain))
+			var e *client.Error
+			require.ErrorAs(t, err, &e)
+			if tc.typed {
+				require.ErrorIs(t, err, client.ErrLeaseLost)
+				require.Equal(t, client.ReasonLeaseLost, e.Reason)
+				return
+			}
+			require.NotErrorIs(t, err, client.ErrLeaseLost)
+			require.Empty(t, e.Reason)
+		})
+	}
+}
+
+// TestInterceptorsSendTheDomain: the statuses the interceptors answer with
+// carry ErrorDomain, not the domain of before.
+func TestInterceptorsSendTheDomain(t *testing.T) {
+	for _, st := range []*status.Status{
+		(&client.InProgressError{}).GRPCStatus(),
+		(&client.ParkedError{}).GRPCStatus(),
+	} {
+		var info *errdetails.ErrorInfo
+		for _, d := range st.Details() {
+			if i, ok := d.(*errdetails.ErrorInfo); ok {
+				info = i
+			}
+		}
+		require.NotNil(t, info)
+		require.Equal(t, "idemreg.dev", info.GetDomain())
+	}
+}

@@ -68,6 +68,7 @@ func TestClassify(t *testing.T) {
 			info, ok := st.Details()[0].(*errdetails.ErrorInfo)
 			require.True(t, ok)
 			require.Equal(t, reason.Reason(), info.GetReason())
+			require.Equal(t, "idemreg.dev", info.GetDomain(), "a service name (AIP-193)")
 		})
 	}
 }

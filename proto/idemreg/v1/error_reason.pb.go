@@ -25,9 +25,10 @@ const (
 )
 
 // ErrorReason is why a call failed. Every error of the registry is a gRPC
-// status with a google.rpc.ErrorInfo whose domain is "idemreg" and whose
-// reason is the name of one of these values without its ERROR_REASON_ prefix: ERROR_REASON_LEASE_LOST is sent
-// as "LEASE_LOST" (AIP-193: UPPER_SNAKE_CASE, at most 63 characters). The
+// status with a google.rpc.ErrorInfo whose domain is "idemreg.dev" (before
+// it, "idemreg") and whose reason is the name of one of these values
+// without its ERROR_REASON_ prefix: ERROR_REASON_LEASE_LOST is sent as
+// "LEASE_LOST" (AIP-193: UPPER_SNAKE_CASE, at most 63 characters). The
 // first line of each value's comment gives that string and the status code
 // that carries it; a reason always comes with the same code. Details the
 // status adds (google.rpc.BadRequest, RetryInfo, QuotaFailure, ErrorInfo

@@ -11,7 +11,10 @@ import (
 // the code and the meaning of each), and of the Go client's interceptors.
 // Declared here, beside the API, so that the server and its clients share
 // them; server and client re-export them.
-const ErrorDomain = "idemreg"
+//
+// It is a service name, globally unique as AIP-193 asks; registries before
+// it sent "idemreg", which the Go client still accepts for a release.
+const ErrorDomain = "idemreg.dev"
 
 // reasonPrefix is what the names of ErrorReason's values have and the
 // reasons sent in ErrorInfo.reason have not.

@@ -12,7 +12,7 @@
 // or whether the work is already done (with the stored result to replay).
 //
 // Errors are gRPC statuses carrying a google.rpc.ErrorInfo with domain
-// "idemreg" and a reason of ErrorReason (error_reason.proto, which says the
+// "idemreg.dev" and a reason of ErrorReason (error_reason.proto, which says the
 // code and meaning of each), plus google.rpc.BadRequest field violations for
 // invalid fields and google.rpc.RetryInfo when retrying helps.
 
