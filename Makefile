@@ -19,8 +19,9 @@ image: ## the container image, labelled with this checkout's version and revisio
 test: ## the whole suite; starts PostgreSQL if it is down
 	.ci/test
 
-generate: ## regenerate Go code from proto/ and examples/proto/
+generate: ## regenerate Go code from proto/ and examples/proto/, and the reason constants from ErrorReason
 	$(BUF) generate --template proto/buf.gen.yaml
+	cd proto/idemreg/v1 && go test -count=1 -run '^TestReasonConstants$$' . -args -update
 	cd examples && go tool -modfile=../proto/tools/go.mod buf generate
 
 lint:

@@ -19,8 +19,16 @@ import (
 // the registry's and the interceptors'.
 const ErrorDomain = idemregv1.ErrorDomain
 
-// Reasons carried in ErrorInfo.Reason. The registry's are documented in
-// docs/semantics.md and the proto; the interceptors add their own.
+// legacyErrorDomain is the domain registries and interceptors sent before
+// ErrorDomain became a service name (AIP-193), accepted for one release so
+// that this client types the errors of a registry not yet upgraded. Remove
+// it, and TestErrorDomains' case for it, in the release after the one that
+// first sends ErrorDomain.
+const legacyErrorDomain = "idemreg"
+
+// Reasons carried in ErrorInfo.Reason. The registry's are the strings of
+// the API's ErrorReason (idemregv1, generated from it; error_reason.proto
+// documents each); the interceptors add their own, which are not.
 const (
 	ReasonInvalidArgument     = idemregv1.ReasonInvalidArgument
 	ReasonFingerprintMismatch = idemregv1.ReasonFingerprintMismatch
@@ -314,7 +322,7 @@ func FromStatus(st *status.Status) error {
 	for _, d := range st.Details() {
 		switch d := d.(type) {
 		case *errdetails.ErrorInfo:
-			if d.GetDomain() == ErrorDomain {
+			if domain := d.GetDomain(); domain == ErrorDomain || domain == legacyErrorDomain {
 				e.Reason, e.Metadata = d.GetReason(), d.GetMetadata()
 			}
 		case *errdetails.RetryInfo:

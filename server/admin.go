@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 	"log/slog"
 	"time"
 
@@ -35,9 +34,16 @@ const (
 // it did (audit), never with a record's fingerprint, token or result.
 type AdminService struct {
 	idemregv1.UnimplementedAdminServiceServer
-	svc   *Service // for toStatus, the limits, the waiters and the logger
-	store *observedStore
+	svc *Service // for toStatus, the limits, the waiters and the logger
+	// store is the service's store chain as a storage.Admin, nil when the
+	// store cannot administer records.
+	store storage.Admin
 	m     *metrics
+}
+
+// newAdminService returns the AdminService beside svc, on its store chain.
+func newAdminService(svc *Service) *AdminService {
+	return &AdminService{svc: svc, store: svc.store.admin(), m: svc.metrics}
 }
 
 // errNoAdmin answers every call when the store cannot administer records.
@@ -50,7 +56,7 @@ func (a *AdminService) InspectRecord(ctx context.Context, req *idemregv1.Inspect
 	if err := v.err(); err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	got, err := a.store.Inspect(ctx, k)
@@ -77,7 +83,7 @@ func (a *AdminService) InvalidateRecord(ctx context.Context, req *idemregv1.Inva
 	if err := v.err(); err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	reason := req.GetReason()
@@ -107,7 +113,7 @@ func (a *AdminService) ResolveRecord(ctx context.Context, req *idemregv1.Resolve
 	if err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	got, err := a.store.Resolve(ctx, p)
@@ -192,7 +198,7 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 	if err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	may, err := administrable(ctx, p.Consumer, p.Prefix)
@@ -245,7 +251,7 @@ func (a *AdminService) CountParked(ctx context.Context, req *idemregv1.CountPark
 	if err := v.err(); err != nil {
 		return nil, err
 	}
-	if a.store.admin == nil {
+	if a.store == nil {
 		return nil, errNoAdmin
 	}
 	may, err := administrable(ctx, prefix, true)
@@ -276,7 +282,7 @@ func (a *AdminService) CountParked(ctx context.Context, req *idemregv1.CountPark
 func administrable(ctx context.Context, consumer string, prefix bool) (func(string) bool, error) {
 	id, ok := IdentityFrom(ctx)
 	if !ok {
-		return nil, newStatus(codes.Internal, ReasonInternal, "internal error", nil)
+		return nil, newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 	if !prefix {
 		return nil, nil // the interceptor checked the one consumer
@@ -314,20 +320,12 @@ var readOnlyActions = map[string]bool{"inspect": true, "list": true, "count_park
 
 // audit logs one admin action as an audit event (who: the identity; what:
 // the action and its target; when: the line's time; why: the reason) and
-// counts it by action and result.
+// counts it by action and result: ok, or the reason the caller is answered
+// with (answerReason).
 func (a *AdminService) audit(ctx context.Context, action string, target []slog.Attr, reason string, err error, extra ...slog.Attr) {
 	result := "ok"
-	switch {
-	case errors.Is(err, storage.ErrNotFound):
-		result = ReasonNotFound
-	case errors.Is(err, storage.ErrLeaseLost):
-		result = ReasonLeaseLost
-	case errors.Is(err, storage.ErrAlreadyCompleted):
-		result = ReasonAlreadyCompleted
-	case errors.Is(err, errOverloaded):
-		result = ReasonOverloaded
-	case err != nil:
-		result = "error"
+	if err != nil {
+		result = answerReason(ctx, err).Reason()
 	}
 	identity := ""
 	if id, ok := IdentityFrom(ctx); ok {

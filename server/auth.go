@@ -10,7 +10,6 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
@@ -107,7 +106,7 @@ func identify(ctx context.Context, set *access.Set) (*access.Identity, error) {
 }
 
 func unauthenticated(msg string) error {
-	return newStatus(codes.Unauthenticated, ReasonUnauthenticated, msg, nil)
+	return newStatus(idemregv1.ErrorReason_ERROR_REASON_UNAUTHENTICATED, msg, nil)
 }
 
 // authorize checks, before the handler reads anything, that the caller may
@@ -118,7 +117,7 @@ func unauthenticated(msg string) error {
 func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
 	id, ok := IdentityFrom(ctx)
 	if !ok {
-		return nil, newStatus(codes.Internal, ReasonInternal, "internal error", nil)
+		return nil, newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 	service, _, _ := strings.Cut(strings.TrimPrefix(info.FullMethod, "/"), "/")
 	if consumers, ok := batchConsumers(req); ok && service == idemregv1.RegistryService_ServiceDesc.ServiceName {
@@ -179,7 +178,7 @@ func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg 
 	if msg == "" {
 		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(echo(consumer))
 	}
-	return newStatus(codes.PermissionDenied, ReasonPermissionDenied, msg,
+	return newStatus(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, msg,
 		map[string]string{"identity": id.Name, "consumer": consumer})
 }
 
@@ -244,7 +243,7 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 }
 
 func rateLimited(msg, subject string, l access.Limit, wait time.Duration, meta map[string]string) error {
-	return newStatus(codes.ResourceExhausted, ReasonRateLimited, msg, meta,
+	return newStatus(idemregv1.ErrorReason_ERROR_REASON_RATE_LIMITED, msg, meta,
 		&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{Subject: subject, Description: l.String()}}},
 		retryInfo(wait))
 }

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -95,7 +94,7 @@ func statusOf(err error) *status.Status {
 	if st, ok := status.FromError(err); ok {
 		return st
 	}
-	return status.Convert(newStatus(codes.Internal, ReasonInternal, "internal error", nil))
+	return status.Convert(newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil))
 }
 
 // BatchClaim implements RegistryServiceServer.

@@ -12,8 +12,8 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 )
 
@@ -235,7 +235,7 @@ func (p *publicStreams) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamS
 	case p.slots <- struct{}{}:
 	default:
 		p.refused(ss.Context())
-		return newStatus(codes.ResourceExhausted, ReasonTooManyStreams, "too many streams without credentials are open; retry later", nil,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_STREAMS, "too many streams without credentials are open; retry later", nil,
 			retryInfo(unavailableRetryAfter))
 	}
 	defer func() { <-p.slots }()
@@ -262,7 +262,7 @@ func (c *identityCalls) intercept(ctx context.Context, req any, _ *grpc.UnarySer
 	defer n.Add(-1)
 	if n.Add(1) > c.max {
 		c.m.boundRefused.Add(ctx, 1, attrs(attribute.String("bound", "identity_calls"), attribute.String("identity", id.Name)))
-		return nil, newStatus(codes.ResourceExhausted, ReasonTooManyCalls,
+		return nil, newStatus(idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_CALLS,
 			"identity "+quote(id.Name)+" has too many calls in progress; retry later",
 			map[string]string{"identity": id.Name},
 			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{

@@ -4,12 +4,13 @@ import (
 	"context"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
 	protocodec "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/protoadapt"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
 // Malformed requests. gRPC decodes a request before any interceptor runs,
@@ -69,14 +70,14 @@ func (r *rawRequest) decode(m any) error {
 	case protoadapt.MessageV1:
 		msg = protoadapt.MessageV2Of(m)
 	default:
-		return newStatus(codes.Internal, ReasonInternal, "internal error", nil)
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 	buf := r.data.MaterializeToBuffer(mem.DefaultBufferPool())
 	defer buf.Free()
 	if err := proto.Unmarshal(buf.ReadOnlyData(), msg); err != nil {
 		proto.Reset(msg)
 		name := string(msg.ProtoReflect().Descriptor().FullName())
-		return newStatus(codes.InvalidArgument, ReasonMalformedRequest,
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_MALFORMED_REQUEST,
 			"the request is not a valid encoding of "+name+": "+err.Error(),
 			map[string]string{"message": name})
 	}

@@ -52,15 +52,15 @@ func NewAdminService(store storage.Store, limits Limits) (*AdminService, error) 
 	if err != nil {
 		return nil, err
 	}
-	observed, err := newObservedStore(store, DefaultMaxInFlight, DefaultMaxInFlight, m, &callOutcomes{})
+	chain, err := newStoreChain(store, chainConfig{maxInFlight: DefaultMaxInFlight, perIdentity: DefaultMaxInFlight, metrics: m, outcomes: &callOutcomes{}})
 	if err != nil {
 		return nil, err
 	}
-	svc, err := newService(observed, store, limits, nil, m, waiting{})
+	svc, err := newService(chain, limits, nil, nil, m, waiting{})
 	if err != nil {
 		return nil, err
 	}
-	return &AdminService{svc: svc, store: observed, m: m}, nil
+	return newAdminService(svc), nil
 }
 
 // AsAnonymous is ctx as the interceptors leave it for a caller of an open

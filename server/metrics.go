@@ -1,14 +1,13 @@
 package server
 
 import (
-	"context"
 	"errors"
 	"fmt"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
-	"github.com/idemreg/idemreg/storage"
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
 // MeterName is the instrumentation scope of the registry's instruments.
@@ -131,24 +130,19 @@ func attrs(kv ...attribute.KeyValue) metric.MeasurementOption {
 	return metric.WithAttributeSet(attribute.NewSet(kv...))
 }
 
-// errorType classifies a store error for the error.type attribute.
-func errorType(err error) string {
-	switch {
-	case errors.Is(err, context.DeadlineExceeded):
+// storeErrorType is the error.type of a store call that failed with
+// reason (classify): the value of idemreg.store.errors' error.type and of
+// idemreg.store.duration's outcome. Only failures have one: the registry's
+// answers (isAnswer) are not failures of the store.
+func storeErrorType(reason idemregv1.ErrorReason) string {
+	switch reason {
+	case reasonDeadlineExceeded:
 		return "deadline"
-	case errors.Is(err, context.Canceled):
+	case reasonCanceled:
 		return "canceled"
-	case errors.Is(err, storage.ErrUnavailable):
+	case reasonStoreUnavailable:
 		return "unavailable"
 	default:
 		return "internal"
 	}
-}
-
-// isAnswer reports whether err is one of the registry's answers rather
-// than a failure of the store.
-func isAnswer(err error) bool {
-	return errors.Is(err, storage.ErrNotFound) || errors.Is(err, storage.ErrLeaseLost) ||
-		errors.Is(err, storage.ErrAlreadyCompleted) || errors.Is(err, storage.ErrFingerprintMismatch) ||
-		errors.Is(err, storage.ErrParked)
 }

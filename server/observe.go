@@ -61,16 +61,16 @@ func (s *identityShares) give(name string) {
 	v.(*atomic.Int64).Add(-1)
 }
 
-// observedStore wraps the store the service calls: it bounds the
+// observedStore is the chain's decorator (storechain.go) that bounds the
 // operations in flight, so that overload is answered at once instead of
 // queueing behind the store's connection pool until deadlines run out, and
-// it measures every call and counts its outcome for readiness. Ping
-// bypasses all three: health must see the store as it is, not as the
+// measures every record operation and counts its outcome for readiness.
+// What is no record operation (Ping, the claim key, usage counts, the
+// sweeper) passes through: health must see the store as it is, not as the
 // queue is.
 type observedStore struct {
-	storage.Store
-	admin storage.Admin // nil when the store has no admin capability
-	sem   chan struct{}
+	next proxyStore
+	sem  chan struct{}
 	// shares is nil when an identity may take every slot.
 	shares *identityShares
 	m      *metrics
@@ -78,14 +78,15 @@ type observedStore struct {
 	outcomes *callOutcomes
 }
 
+var _ proxyStore = (*observedStore)(nil)
+
 // newObservedStore bounds the operations in flight to maxInFlight, and
 // those of each authenticated identity to perIdentity when it is less.
-func newObservedStore(s storage.Store, maxInFlight, perIdentity int, m *metrics, outcomes *callOutcomes) (*observedStore, error) {
-	o := &observedStore{Store: s, sem: make(chan struct{}, maxInFlight), m: m, outcomes: outcomes}
+func newObservedStore(next proxyStore, maxInFlight, perIdentity int, m *metrics, outcomes *callOutcomes) (*observedStore, error) {
+	o := &observedStore{next: next, sem: make(chan struct{}, maxInFlight), m: m, outcomes: outcomes}
 	if perIdentity < maxInFlight {
 		o.shares = &identityShares{share: perIdentity}
 	}
-	o.admin, _ = s.(storage.Admin)
 	// The in-flight gauge is read off the bound when metrics are
 	// collected, which costs the calls nothing.
 	_, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
@@ -97,6 +98,8 @@ func newObservedStore(s storage.Store, maxInFlight, perIdentity int, m *metrics,
 	}
 	return o, nil
 }
+
+func (o *observedStore) Unwrap() storage.Store { return o.next }
 
 // opMeasures are one operation's attribute sets, built once: building a
 // set per call (sorting, hashing) cost more than recording it.
@@ -166,15 +169,16 @@ func (o *observedStore) do(ctx context.Context, op *opMeasures, call func() erro
 		o.shares.give(id.Name)
 	}
 	o.outcomes.record(err)
-	if err != nil && !isAnswer(err) {
-		outcome := errorType(err)
+	reason := classify(err)
+	if err != nil && !isAnswer(reason) {
+		outcome := storeErrorType(reason)
 		opAttr := attribute.String("op", op.name)
 		o.m.storeErrors.Add(ctx, 1, attrs(opAttr, attribute.String("error.type", outcome)))
 		o.m.storeDuration.Record(ctx, elapsed, attrs(opAttr, attribute.String("outcome", outcome)))
 	} else {
 		o.m.storeDuration.Record(ctx, elapsed, op.ok)
 	}
-	if errors.Is(err, storage.ErrLeaseLost) {
+	if reason == reasonLeaseLost {
 		o.m.leaseLost.Add(ctx, 1, op.method)
 	}
 	return err
@@ -182,7 +186,7 @@ func (o *observedStore) do(ctx context.Context, op *opMeasures, call func() erro
 
 func (o *observedStore) Claim(ctx context.Context, p storage.ClaimParams) (res storage.ClaimResult, err error) {
 	err = o.do(ctx, opClaim, func() error {
-		res, err = o.Store.Claim(ctx, p)
+		res, err = o.next.Claim(ctx, p)
 		return err
 	})
 	o.countClaim(ctx, res, err)
@@ -192,7 +196,7 @@ func (o *observedStore) Claim(ctx context.Context, p storage.ClaimParams) (res s
 func (o *observedStore) countClaim(ctx context.Context, res storage.ClaimResult, err error) {
 	var outcome string
 	switch {
-	case errors.Is(err, storage.ErrFingerprintMismatch):
+	case classify(err) == reasonFingerprintMismatch:
 		outcome = ClaimMismatch
 	case err != nil:
 		return
@@ -218,9 +222,9 @@ func (o *observedStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams
 	ran := false
 	err := o.do(ctx, opClaimBatch, func() error {
 		ran = true
-		out = storage.ClaimBatch(ctx, o.Store, ps)
+		out = o.next.ClaimBatch(ctx, ps)
 		for _, a := range out {
-			if a.Err != nil && !isAnswer(a.Err) {
+			if a.Err != nil && !isAnswer(classify(a.Err)) {
 				return a.Err // the store failed: measured, and counted for readiness
 			}
 		}
@@ -245,9 +249,9 @@ func (o *observedStore) CompleteBatch(ctx context.Context, ps []storage.Complete
 	ran := false
 	err := o.do(ctx, opCompleteBatch, func() error {
 		ran = true
-		out = storage.CompleteBatch(ctx, o.Store, ps)
+		out = o.next.CompleteBatch(ctx, ps)
 		for _, a := range out {
-			if a.Err != nil && !isAnswer(a.Err) {
+			if a.Err != nil && !isAnswer(classify(a.Err)) {
 				return a.Err // the store failed: measured, and counted for readiness
 			}
 		}
@@ -265,7 +269,7 @@ func (o *observedStore) CompleteBatch(ctx context.Context, ps []storage.Complete
 		switch {
 		case a.Err == nil:
 			o.m.completes.Add(ctx, 1)
-		case errors.Is(a.Err, storage.ErrLeaseLost):
+		case classify(a.Err) == reasonLeaseLost:
 			o.m.leaseLost.Add(ctx, 1, opComplete.method)
 		}
 	}
@@ -274,7 +278,7 @@ func (o *observedStore) CompleteBatch(ctx context.Context, ps []storage.Complete
 
 func (o *observedStore) Complete(ctx context.Context, p storage.CompleteParams) (rec storage.Record, err error) {
 	err = o.do(ctx, opComplete, func() error {
-		rec, err = o.Store.Complete(ctx, p)
+		rec, err = o.next.Complete(ctx, p)
 		return err
 	})
 	if err == nil {
@@ -285,7 +289,7 @@ func (o *observedStore) Complete(ctx context.Context, p storage.CompleteParams) 
 
 func (o *observedStore) Release(ctx context.Context, p storage.ReleaseParams) (rec storage.Record, err error) {
 	err = o.do(ctx, opRelease, func() error {
-		rec, err = o.Store.Release(ctx, p)
+		rec, err = o.next.Release(ctx, p)
 		return err
 	})
 	if err == nil {
@@ -296,7 +300,7 @@ func (o *observedStore) Release(ctx context.Context, p storage.ReleaseParams) (r
 
 func (o *observedStore) Extend(ctx context.Context, p storage.ExtendParams) (rec storage.Record, err error) {
 	err = o.do(ctx, opExtend, func() error {
-		rec, err = o.Store.Extend(ctx, p)
+		rec, err = o.next.Extend(ctx, p)
 		return err
 	})
 	if err == nil {
@@ -307,7 +311,7 @@ func (o *observedStore) Extend(ctx context.Context, p storage.ExtendParams) (rec
 
 func (o *observedStore) Park(ctx context.Context, p storage.ParkParams) (rec storage.Record, err error) {
 	err = o.do(ctx, opPark, func() error {
-		rec, err = o.Store.Park(ctx, p)
+		rec, err = o.next.Park(ctx, p)
 		return err
 	})
 	if err == nil {
@@ -318,7 +322,7 @@ func (o *observedStore) Park(ctx context.Context, p storage.ParkParams) (rec sto
 
 func (o *observedStore) Lookup(ctx context.Context, k storage.Key) (rec storage.Record, err error) {
 	err = o.do(ctx, opLookup, func() error {
-		rec, err = o.Store.Lookup(ctx, k)
+		rec, err = o.next.Lookup(ctx, k)
 		return err
 	})
 	return rec, err
@@ -326,7 +330,7 @@ func (o *observedStore) Lookup(ctx context.Context, k storage.Key) (rec storage.
 
 func (o *observedStore) Inspect(ctx context.Context, k storage.Key) (res storage.InspectResult, err error) {
 	err = o.do(ctx, opInspect, func() error {
-		res, err = o.admin.Inspect(ctx, k)
+		res, err = o.next.Inspect(ctx, k)
 		return err
 	})
 	return res, err
@@ -334,7 +338,7 @@ func (o *observedStore) Inspect(ctx context.Context, k storage.Key) (res storage
 
 func (o *observedStore) Invalidate(ctx context.Context, p storage.InvalidateParams) (rec storage.Record, err error) {
 	err = o.do(ctx, opInvalidate, func() error {
-		rec, err = o.admin.Invalidate(ctx, p)
+		rec, err = o.next.Invalidate(ctx, p)
 		return err
 	})
 	return rec, err
@@ -342,7 +346,7 @@ func (o *observedStore) Invalidate(ctx context.Context, p storage.InvalidatePara
 
 func (o *observedStore) Resolve(ctx context.Context, p storage.ResolveParams) (rec storage.Record, err error) {
 	err = o.do(ctx, opResolve, func() error {
-		rec, err = o.admin.Resolve(ctx, p)
+		rec, err = o.next.Resolve(ctx, p)
 		return err
 	})
 	return rec, err
@@ -350,7 +354,7 @@ func (o *observedStore) Resolve(ctx context.Context, p storage.ResolveParams) (r
 
 func (o *observedStore) List(ctx context.Context, p storage.ListParams) (res storage.ListResult, err error) {
 	err = o.do(ctx, opList, func() error {
-		res, err = o.admin.List(ctx, p)
+		res, err = o.next.List(ctx, p)
 		return err
 	})
 	return res, err
@@ -358,8 +362,28 @@ func (o *observedStore) List(ctx context.Context, p storage.ListParams) (res sto
 
 func (o *observedStore) CountParked(ctx context.Context, prefix string) (counts map[string]int64, err error) {
 	err = o.do(ctx, opCountParked, func() error {
-		counts, err = o.admin.CountParked(ctx, prefix)
+		counts, err = o.next.CountParked(ctx, prefix)
 		return err
 	})
 	return counts, err
+}
+
+// Passed through.
+
+func (o *observedStore) Ping(ctx context.Context) error { return o.next.Ping(ctx) }
+func (o *observedStore) Close() error                   { return o.next.Close() }
+func (o *observedStore) ClaimKey(ctx context.Context) ([]byte, error) {
+	return o.next.ClaimKey(ctx)
+}
+
+func (o *observedStore) ConsumerUsage(ctx context.Context, consumers []string) (map[string]storage.Usage, error) {
+	return o.next.ConsumerUsage(ctx, consumers)
+}
+
+func (o *observedStore) SweepExpired(ctx context.Context, limit int) (storage.SweepResult, error) {
+	return o.next.SweepExpired(ctx, limit)
+}
+
+func (o *observedStore) OldestExpiry(ctx context.Context) (oldest, now time.Time, ok bool, err error) {
+	return o.next.OldestExpiry(ctx)
 }

@@ -96,10 +96,9 @@ type usage struct {
 func (u *usage) records() int64 { return u.baseRecords.Load() + u.addedRecords.Load() }
 func (u *usage) bytes() int64   { return u.baseBytes.Load() + u.addedBytes.Load() }
 
-func newQuotas(backend storage.Store, policies func() *policy.Set, logger *slog.Logger) *quotas {
-	q := &quotas{policies: policies, logger: logger, wake: make(chan struct{}, 1)}
-	q.counter, _ = backend.(storage.UsageCounter)
-	return q
+// newQuotas follows usage with counter, nil when the store cannot count.
+func newQuotas(counter storage.UsageCounter, policies func() *policy.Set, logger *slog.Logger) *quotas {
+	return &quotas{counter: counter, policies: policies, logger: logger, wake: make(chan struct{}, 1)}
 }
 
 // quotaExceeded: a Claim of a new key for a consumer at or over a quota.

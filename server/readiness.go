@@ -1,7 +1,6 @@
 package server
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"sync/atomic"
@@ -91,21 +90,20 @@ func (r Readiness) Validate() error {
 type callOutcomes struct{ ok, failed atomic.Int64 }
 
 // record counts one store call's outcome, if it says anything about the
-// store.
+// store (classify): STORE_UNAVAILABLE is the store failing; the caller's
+// context ending (DEADLINE_EXCEEDED, CANCELED) and the server refusing the
+// call (OVERLOADED) say nothing about it.
 func (c *callOutcomes) record(err error) {
-	switch {
-	case err == nil || isAnswer(err):
+	if err == nil {
 		c.ok.Add(1)
-	case storeFailed(err):
+		return
+	}
+	switch reason := classify(err); {
+	case isAnswer(reason):
+		c.ok.Add(1)
+	case reason == reasonStoreUnavailable:
 		c.failed.Add(1)
 	}
-}
-
-// storeFailed reports whether err is the store failing, rather than the
-// caller's context ending or the server refusing the call.
-func storeFailed(err error) bool {
-	return errors.Is(err, storage.ErrUnavailable) &&
-		!errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
 }
 
 type outcomeCount struct{ ok, failed int64 }

@@ -38,12 +38,12 @@ type claimSecrets struct {
 	mu     sync.Mutex             // serialises the first reads
 }
 
-// newClaimSecrets reads the key from store when it keeps one. A store that
-// keeps none gets a random key for this process only: secrets then survive
-// neither a restart nor a move to another replica, so such a store suits a
-// single process (tests).
-func newClaimSecrets(store storage.Store) (c *claimSecrets, perProcess bool) {
-	if keys, ok := store.(storage.ClaimKeys); ok {
+// newClaimSecrets reads the key from keys, the store's; nil when the store
+// keeps none, which gets a random key for this process only: secrets then
+// survive neither a restart nor a move to another replica, so such a store
+// suits a single process (tests).
+func newClaimSecrets(keys storage.ClaimKeys) (c *claimSecrets, perProcess bool) {
+	if keys != nil {
 		return &claimSecrets{source: keys}, false
 	}
 	key := make([]byte, storage.ClaimKeySize)

@@ -22,7 +22,6 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -228,7 +227,10 @@ func (c *Config) setDefaults() {
 // AdminService, health (SERVING only while the store answers) and
 // reflection.
 type Server struct {
-	cfg     Config
+	cfg Config
+	// store is the backend, for health and the parked gauge, which are
+	// not a request's calls; the services call it through their store
+	// chain (storechain.go).
 	store   storage.Store
 	svc     *Service
 	grpc    *grpc.Server
@@ -280,16 +282,13 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		return nil, err
 	}
 	outcomes := &callOutcomes{}
-	observed, err := newObservedStore(store, cfg.MaxInFlight, cfg.MaxInFlightPerIdentity, m, outcomes)
+	chain, err := newStoreChain(store, chainConfig{maxInFlight: cfg.MaxInFlight, perIdentity: cfg.MaxInFlightPerIdentity, metrics: m, outcomes: outcomes})
 	if err != nil {
 		return nil, err
 	}
-	svc, err := newService(observed, store, cfg.Limits, cfg.Logger, m, waiting{maxWaiters: cfg.MaxWaiters, recheck: cfg.WaitRecheck})
+	svc, err := newService(chain, cfg.Limits, cfg.Policy, cfg.Logger, m, waiting{maxWaiters: cfg.MaxWaiters, recheck: cfg.WaitRecheck})
 	if err != nil {
 		return nil, err
-	}
-	if cfg.Policy != nil {
-		svc.policies = cfg.Policy
 	}
 	s := &Server{
 		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), policies: svc.policies, done: make(chan struct{}),
@@ -339,7 +338,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	g := grpc.NewServer(opts...)
 	r := decodingRegistrar{g}
 	idemregv1.RegisterRegistryServiceServer(r, svc)
-	idemregv1.RegisterAdminServiceServer(r, &AdminService{svc: svc, store: observed, m: m})
+	idemregv1.RegisterAdminServiceServer(r, newAdminService(svc))
 	h := health.NewServer()
 	for _, name := range healthServices {
 		h.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)
@@ -523,9 +522,11 @@ func (s *Server) checkHealth(ctx context.Context) {
 //     RESOURCE_EXHAUSTED with QuotaFailure and RetryInfo; each item of a
 //     batch on its own (batch.go).
 //
-// Below the handler, the store is wrapped (observe.go) to bound the
-// operations in flight (UNAVAILABLE, OVERLOADED, beyond MaxInFlight, or
-// beyond MaxInFlightPerIdentity for one identity) and to measure them.
+// Below the handlers of both services, the store is wrapped in one chain
+// (storechain.go): a record operation gets the request's deadline less a
+// margin (storedeadline.go), is bounded in flight (UNAVAILABLE, OVERLOADED,
+// beyond MaxInFlight, or beyond MaxInFlightPerIdentity for one identity) and
+// measured (observe.go).
 func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
@@ -551,7 +552,7 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 		accessLogger{logger}.stream,
 		recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
-			return newStatus(codes.PermissionDenied, ReasonPermissionDenied, "streaming methods are not open to identities", nil)
+			return newStatus(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, "streaming methods are not open to identities", nil)
 		}, protected),
 		// What is left is public: bounded in number, since no credential
 		// stands behind it.
@@ -562,6 +563,6 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 func panicHandler(logger *slog.Logger) recovery.RecoveryHandlerFuncContext {
 	return func(ctx context.Context, p any) error {
 		logger.ErrorContext(ctx, "panic recovered", "panic", p, "stack", string(debug.Stack()))
-		return newStatus(codes.Internal, ReasonInternal, "internal error", nil)
+		return newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 }

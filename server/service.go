@@ -20,10 +20,11 @@ import (
 // Service implements idemregv1.RegistryServiceServer on a storage.Store.
 type Service struct {
 	idemregv1.UnimplementedRegistryServiceServer
-	store  storage.Store
+	// store is the chain of decorators around the backend (storechain.go),
+	// which the AdminService shares.
+	store  storeChain
 	limits Limits
-	// policies give each consumer its lease and retention bounds; by
-	// default every consumer gets those of limits.
+	// policies give each consumer its lease and retention bounds.
 	policies *policy.Source
 	secrets  *claimSecrets
 	waiters  *waitHub
@@ -34,14 +35,20 @@ type Service struct {
 	logger  *slog.Logger
 }
 
-// NewService returns the registry service. It fails when limits contradict
-// each other.
+// NewService returns the registry service on store, wrapped in the chain
+// New builds (storechain.go) with the default bounds and no metrics; every
+// consumer gets the lease and retention bounds of limits. It fails when
+// limits contradict each other.
 func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Service, error) {
 	m, err := newMetrics(noop.NewMeterProvider())
 	if err != nil {
 		return nil, err
 	}
-	return newService(store, store, limits, logger, m, waiting{})
+	chain, err := newStoreChain(store, chainConfig{maxInFlight: DefaultMaxInFlight, perIdentity: DefaultMaxInFlight, metrics: m, outcomes: &callOutcomes{}})
+	if err != nil {
+		return nil, err
+	}
+	return newService(chain, limits, nil, logger, m, waiting{})
 }
 
 // waiting configures waiting Claims; zero fields take the defaults.
@@ -50,28 +57,30 @@ type waiting struct {
 	recheck    time.Duration
 }
 
-// newService builds the service on store; backend is the store as its
-// package made it, before decorators hid its optional capabilities.
-func newService(store, backend storage.Store, limits Limits, logger *slog.Logger, m *metrics, w waiting) (*Service, error) {
+// newService builds the service on the store chain. policies, when set,
+// give each consumer its bounds in place of those of limits.
+func newService(store storeChain, limits Limits, policies *policy.Source, logger *slog.Logger, m *metrics, w waiting) (*Service, error) {
 	if err := limits.Validate(); err != nil {
 		return nil, err
 	}
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	set, err := policy.NewSet(limits.Policy())
-	if err != nil {
-		return nil, err
+	if policies == nil {
+		set, err := policy.NewSet(limits.Policy())
+		if err != nil {
+			return nil, err
+		}
+		policies = policy.Static(set)
 	}
-	secrets, perProcess := newClaimSecrets(backend)
+	secrets, perProcess := newClaimSecrets(store.claimKeys())
 	if perProcess {
-		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", backend))
+		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", store.backend))
 	}
-	s := &Service{store: marginStore{store}, limits: limits, policies: policy.Static(set), secrets: secrets,
+	s := &Service{store: store, limits: limits, policies: policies, secrets: secrets,
 		waiters: newWaitHub(cmp.Or(w.maxWaiters, DefaultMaxWaiters)), recheck: cmp.Or(w.recheck, DefaultWaitRecheck),
 		metrics: m, logger: logger}
-	// The backend counts usage: a count is not a request's store call.
-	s.quotas = newQuotas(backend, func() *policy.Set { return s.policies.Current() }, logger)
+	s.quotas = newQuotas(store.usageCounter(), func() *policy.Set { return s.policies.Current() }, logger)
 	return s, nil
 }
 

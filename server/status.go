@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -72,15 +71,16 @@ const unavailableRetryAfter = time.Second
 // the most operations in flight: short, since the slots free up quickly.
 const overloadedRetryAfter = 100 * time.Millisecond
 
-// newStatus builds the status of a refusal. Its message and metadata values
-// are cut to the bounds of bounds.go here, once, so that no caller can make
-// a status larger than they are whatever it quotes.
-func newStatus(code codes.Code, reason, msg string, meta map[string]string, extra ...protoadapt.MessageV1) error {
+// newStatus builds the status of a refusal: the code is the reason's
+// (ErrorReason.Code), so that a reason never comes with another. Its message
+// and metadata values are cut to the bounds of bounds.go here, once, so that
+// no caller can make a status larger than they are whatever it quotes.
+func newStatus(reason idemregv1.ErrorReason, msg string, meta map[string]string, extra ...protoadapt.MessageV1) error {
 	for k, v := range meta {
 		meta[k] = echo(v)
 	}
-	st := status.New(code, truncate(msg, MaxStatusMessageBytes))
-	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain, Metadata: meta}}, extra...)
+	st := status.New(reason.Code(), truncate(msg, MaxStatusMessageBytes))
+	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason.Reason(), Domain: ErrorDomain, Metadata: meta}}, extra...)
 	if withDetails, err := st.WithDetails(details...); err == nil {
 		st = withDetails
 	}
@@ -88,7 +88,7 @@ func newStatus(code codes.Code, reason, msg string, meta map[string]string, extr
 }
 
 func invalidArgument(v violations) error {
-	return newStatus(codes.InvalidArgument, ReasonInvalidArgument, "invalid request: "+v[0].Field+": "+v[0].Description,
+	return newStatus(idemregv1.ErrorReason_ERROR_REASON_INVALID_ARGUMENT, "invalid request: "+v[0].Field+": "+v[0].Description,
 		nil, &errdetails.BadRequest{FieldViolations: v})
 }
 
@@ -96,16 +96,96 @@ func keyMeta(k storage.Key) map[string]string {
 	return map[string]string{"consumer": k.Consumer, "kind": kindName(k.Kind), "key": k.Key}
 }
 
-// toStatus translates an error from the store into the status the client
-// sees. It is the only place where storage errors meet gRPC codes. Causes of
-// internal and unavailable errors are logged, never sent.
-func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, err error) error {
-	meta := keyMeta(k)
-	var share *shareExceeded
-	var total *leaseTotalExceeded
+// The reasons the service meets its errors with, by their enum names.
+const (
+	reasonFingerprintMismatch = idemregv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH
+	reasonLeaseLost           = idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST
+	reasonAlreadyCompleted    = idemregv1.ErrorReason_ERROR_REASON_ALREADY_COMPLETED
+	reasonParked              = idemregv1.ErrorReason_ERROR_REASON_PARKED
+	reasonLeaseTotalExceeded  = idemregv1.ErrorReason_ERROR_REASON_LEASE_TOTAL_EXCEEDED
+	reasonQuotaExceeded       = idemregv1.ErrorReason_ERROR_REASON_QUOTA_EXCEEDED
+	reasonNotFound            = idemregv1.ErrorReason_ERROR_REASON_NOT_FOUND
+	reasonStoreUnavailable    = idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE
+	reasonDeadlineExceeded    = idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED
+	reasonCanceled            = idemregv1.ErrorReason_ERROR_REASON_CANCELED
+	reasonOverloaded          = idemregv1.ErrorReason_ERROR_REASON_OVERLOADED
+	reasonInternal            = idemregv1.ErrorReason_ERROR_REASON_INTERNAL
+)
+
+// classify is the one classification of the errors the service meets
+// (the store's sentinels, the context's errors, the server's own
+// refusals): the reason each is answered with, ERROR_REASON_UNSPECIFIED for
+// nil. The status (toStatus), the store's metrics (storeErrorType, the
+// claim outcomes), readiness (callOutcomes.record) and the admin audit all
+// go by it, so that they cannot disagree about what an error is.
+func classify(err error) idemregv1.ErrorReason {
 	var quota *quotaExceeded
 	switch {
+	case err == nil:
+		return idemregv1.ErrorReason_ERROR_REASON_UNSPECIFIED
 	case errors.As(err, &quota):
+		return reasonQuotaExceeded
+	case errors.Is(err, storage.ErrLeaseTotalExceeded):
+		return reasonLeaseTotalExceeded
+	case errors.Is(err, storage.ErrFingerprintMismatch):
+		return reasonFingerprintMismatch
+	case errors.Is(err, storage.ErrLeaseLost):
+		return reasonLeaseLost
+	case errors.Is(err, storage.ErrAlreadyCompleted):
+		return reasonAlreadyCompleted
+	case errors.Is(err, storage.ErrParked):
+		return reasonParked
+	case errors.Is(err, storage.ErrNotFound):
+		return reasonNotFound
+	case errors.Is(err, context.DeadlineExceeded):
+		return reasonDeadlineExceeded
+	case errors.Is(err, context.Canceled):
+		return reasonCanceled
+	case errors.Is(err, errOverloaded): // shareExceeded too
+		return reasonOverloaded
+	case errors.Is(err, storage.ErrUnavailable):
+		return reasonStoreUnavailable
+	default:
+		return reasonInternal
+	}
+}
+
+// isAnswer reports whether reason is one of the registry's answers (the
+// store, or the quota before it, decided the call) rather than a failure.
+func isAnswer(reason idemregv1.ErrorReason) bool {
+	switch reason {
+	case reasonFingerprintMismatch, reasonLeaseLost, reasonAlreadyCompleted, reasonParked,
+		reasonLeaseTotalExceeded, reasonQuotaExceeded, reasonNotFound:
+		return true
+	}
+	return false
+}
+
+// answerReason is the reason the caller of a request (ctx) is answered
+// with for err: classify's, but for a deadline that ran out while the
+// request still runs. That is the store's share of the request's time
+// (storeContext) running out, so the caller, who still waits, is told
+// the store did not answer: STORE_UNAVAILABLE, with a RetryInfo, rather
+// than a DEADLINE_EXCEEDED it did not cause. toStatus and the admin audit
+// go by it.
+func answerReason(ctx context.Context, err error) idemregv1.ErrorReason {
+	r := classify(err)
+	if r == reasonDeadlineExceeded && ctx.Err() == nil {
+		return reasonStoreUnavailable
+	}
+	return r
+}
+
+// toStatus translates an error from the store into the status the client
+// sees, by its reason (answerReason). It is the only place where storage
+// errors meet gRPC codes. Causes of internal and unavailable errors are
+// logged, never sent.
+func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, err error) error {
+	meta := keyMeta(k)
+	switch reason := answerReason(ctx, err); reason {
+	case reasonQuotaExceeded:
+		var quota *quotaExceeded
+		errors.As(err, &quota)
 		var violations []*errdetails.QuotaFailure_Violation
 		var what []string
 		if quota.maxRecords > 0 {
@@ -120,57 +200,64 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + quota.consumer, Description: d})
 			what = append(what, d)
 		}
-		return newStatus(codes.ResourceExhausted, ReasonQuotaExceeded,
+		return newStatus(reason,
 			fmt.Sprintf("consumer %q is at its quota: %s; new keys are refused until its records expire, Claims of its live keys still work",
 				quota.consumer, strings.Join(what, "; ")), meta,
 			&errdetails.QuotaFailure{Violations: violations})
-	case errors.As(err, &total):
+	case reasonLeaseTotalExceeded:
+		var total *leaseTotalExceeded
+		if !errors.As(err, &total) {
+			// The service gives every Extend's the bound; this one came
+			// from elsewhere without it.
+			return newStatus(reason, "one attempt may not hold the key any longer (max_lease_total); the lease in force is unchanged", meta)
+		}
 		meta["max_lease_total"] = total.max.String()
 		meta["lease_not_after"] = total.notAfter.UTC().Format(time.RFC3339Nano)
-		return newStatus(codes.FailedPrecondition, ReasonLeaseTotalExceeded,
+		return newStatus(reason,
 			fmt.Sprintf("one attempt may hold the key for at most %s (max_lease_total of %s), so no lease of this attempt may end after %s; the lease in force is unchanged",
 				policy.FormatDuration(total.max), total.source, meta["lease_not_after"]), meta)
-	case errors.Is(err, storage.ErrFingerprintMismatch):
-		return newStatus(codes.FailedPrecondition, ReasonFingerprintMismatch,
+	case reasonFingerprintMismatch:
+		return newStatus(reason,
 			"the key is live with a different fingerprint: the same key was used with different parameters", meta)
-	case errors.Is(err, storage.ErrLeaseLost):
-		return newStatus(codes.FailedPrecondition, ReasonLeaseLost,
+	case reasonLeaseLost:
+		return newStatus(reason,
 			"the token is not the record's current token: another holder took over the key", meta)
-	case errors.Is(err, storage.ErrAlreadyCompleted):
-		return newStatus(codes.FailedPrecondition, ReasonAlreadyCompleted, "the record is already completed", meta)
-	case errors.Is(err, storage.ErrParked):
-		return newStatus(codes.FailedPrecondition, ReasonParked,
+	case reasonAlreadyCompleted:
+		return newStatus(reason, "the record is already completed", meta)
+	case reasonParked:
+		return newStatus(reason,
 			"the record is parked: it must not be done again until an operator resolves it", meta)
-	case errors.Is(err, storage.ErrNotFound):
-		return newStatus(codes.NotFound, ReasonNotFound, "no live record for the key (absent or expired)", meta)
-	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil:
-		// The store's share of the request's time ran out (storeContext)
-		// and the client still waits: the store did not answer in time.
-		s.logger.WarnContext(ctx, "store did not answer before the request's deadline", "method", method, "consumer", echo(k.Consumer), "error", err)
-		return newStatus(codes.Unavailable, ReasonStoreUnavailable, "the store did not answer in time; retry later", meta,
-			&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
-	case errors.Is(err, context.DeadlineExceeded):
-		return newStatus(codes.DeadlineExceeded, ReasonDeadlineExceeded, "the deadline ran out before the store answered", meta)
-	case errors.Is(err, context.Canceled):
-		return newStatus(codes.Canceled, ReasonCanceled, "the request was cancelled", meta)
-	case errors.As(err, &share):
-		meta["identity"] = share.identity
-		return newStatus(codes.Unavailable, ReasonOverloaded,
-			fmt.Sprintf("identity %q already has %d store operations in flight, its share of the server's; retry later", share.identity, share.share), meta,
-			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
-				Subject:     "identity:" + share.identity,
-				Description: fmt.Sprintf("at most %d store operations in flight per identity", share.share),
-			}}},
-			retryInfo(overloadedRetryAfter))
-	case errors.Is(err, errOverloaded):
-		return newStatus(codes.Unavailable, ReasonOverloaded, "the server has too many store operations in flight; retry later", meta,
-			retryInfo(overloadedRetryAfter))
-	case errors.Is(err, storage.ErrUnavailable):
+	case reasonNotFound:
+		return newStatus(reason, "no live record for the key (absent or expired)", meta)
+	case reasonStoreUnavailable:
+		if errors.Is(err, context.DeadlineExceeded) {
+			s.logger.WarnContext(ctx, "store did not answer before the request's deadline", "method", method, "consumer", echo(k.Consumer), "error", err)
+			return newStatus(reason, "the store did not answer in time; retry later", meta,
+				&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
+		}
 		s.logger.WarnContext(ctx, "store unavailable", "method", method, "consumer", echo(k.Consumer), "error", err)
-		return newStatus(codes.Unavailable, ReasonStoreUnavailable, "the store is unavailable; retry later", meta,
+		return newStatus(reason, "the store is unavailable; retry later", meta,
 			&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
+	case reasonDeadlineExceeded:
+		return newStatus(reason, "the deadline ran out before the store answered", meta)
+	case reasonCanceled:
+		return newStatus(reason, "the request was cancelled", meta)
+	case reasonOverloaded:
+		var share *shareExceeded
+		if errors.As(err, &share) {
+			meta["identity"] = share.identity
+			return newStatus(reason,
+				fmt.Sprintf("identity %q already has %d store operations in flight, its share of the server's; retry later", share.identity, share.share), meta,
+				&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
+					Subject:     "identity:" + share.identity,
+					Description: fmt.Sprintf("at most %d store operations in flight per identity", share.share),
+				}}},
+				retryInfo(overloadedRetryAfter))
+		}
+		return newStatus(reason, "the server has too many store operations in flight; retry later", meta,
+			retryInfo(overloadedRetryAfter))
 	default:
 		s.logger.ErrorContext(ctx, "internal error", "method", method, "consumer", echo(k.Consumer), "error", err)
-		return newStatus(codes.Internal, ReasonInternal, "internal error", meta)
+		return newStatus(reasonInternal, "internal error", meta)
 	}
 }

@@ -30,53 +30,109 @@ func storeContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithDeadline(ctx, d.Add(-margin))
 }
 
-// marginStore runs every store call of the service under storeContext.
-type marginStore struct{ storage.Store }
+// marginStore is the chain's outermost decorator (storechain.go): it runs
+// every record operation under storeContext, the admin operations as
+// those of the registry. The rest passes through.
+type marginStore struct{ next proxyStore }
+
+var _ proxyStore = marginStore{}
+
+func (s marginStore) Unwrap() storage.Store { return s.next }
 
 func (s marginStore) Claim(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
 	ctx, cancel := storeContext(ctx)
 	defer cancel()
-	return s.Store.Claim(ctx, p)
+	return s.next.Claim(ctx, p)
 }
 
 func (s marginStore) Complete(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
 	ctx, cancel := storeContext(ctx)
 	defer cancel()
-	return s.Store.Complete(ctx, p)
+	return s.next.Complete(ctx, p)
 }
 
 func (s marginStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
 	ctx, cancel := storeContext(ctx)
 	defer cancel()
-	return storage.ClaimBatch(ctx, s.Store, ps)
+	return s.next.ClaimBatch(ctx, ps)
 }
 
 func (s marginStore) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
 	ctx, cancel := storeContext(ctx)
 	defer cancel()
-	return storage.CompleteBatch(ctx, s.Store, ps)
+	return s.next.CompleteBatch(ctx, ps)
 }
 
 func (s marginStore) Release(ctx context.Context, p storage.ReleaseParams) (storage.Record, error) {
 	ctx, cancel := storeContext(ctx)
 	defer cancel()
-	return s.Store.Release(ctx, p)
+	return s.next.Release(ctx, p)
 }
 
 func (s marginStore) Extend(ctx context.Context, p storage.ExtendParams) (storage.Record, error) {
 	ctx, cancel := storeContext(ctx)
 	defer cancel()
-	return s.Store.Extend(ctx, p)
+	return s.next.Extend(ctx, p)
 }
 
 func (s marginStore) Lookup(ctx context.Context, k storage.Key) (storage.Record, error) {
 	ctx, cancel := storeContext(ctx)
 	defer cancel()
-	return s.Store.Lookup(ctx, k)
+	return s.next.Lookup(ctx, k)
 }
 
 func (s marginStore) Park(ctx context.Context, p storage.ParkParams) (storage.Record, error) {
 	ctx, cancel := storeContext(ctx)
 	defer cancel()
-	return s.Store.Park(ctx, p)
+	return s.next.Park(ctx, p)
+}
+
+func (s marginStore) Inspect(ctx context.Context, k storage.Key) (storage.InspectResult, error) {
+	ctx, cancel := storeContext(ctx)
+	defer cancel()
+	return s.next.Inspect(ctx, k)
+}
+
+func (s marginStore) Invalidate(ctx context.Context, p storage.InvalidateParams) (storage.Record, error) {
+	ctx, cancel := storeContext(ctx)
+	defer cancel()
+	return s.next.Invalidate(ctx, p)
+}
+
+func (s marginStore) Resolve(ctx context.Context, p storage.ResolveParams) (storage.Record, error) {
+	ctx, cancel := storeContext(ctx)
+	defer cancel()
+	return s.next.Resolve(ctx, p)
+}
+
+func (s marginStore) List(ctx context.Context, p storage.ListParams) (storage.ListResult, error) {
+	ctx, cancel := storeContext(ctx)
+	defer cancel()
+	return s.next.List(ctx, p)
+}
+
+func (s marginStore) CountParked(ctx context.Context, prefix string) (map[string]int64, error) {
+	ctx, cancel := storeContext(ctx)
+	defer cancel()
+	return s.next.CountParked(ctx, prefix)
+}
+
+// Passed through.
+
+func (s marginStore) Ping(ctx context.Context) error { return s.next.Ping(ctx) }
+func (s marginStore) Close() error                   { return s.next.Close() }
+func (s marginStore) ClaimKey(ctx context.Context) ([]byte, error) {
+	return s.next.ClaimKey(ctx)
+}
+
+func (s marginStore) ConsumerUsage(ctx context.Context, consumers []string) (map[string]storage.Usage, error) {
+	return s.next.ConsumerUsage(ctx, consumers)
+}
+
+func (s marginStore) SweepExpired(ctx context.Context, limit int) (storage.SweepResult, error) {
+	return s.next.SweepExpired(ctx, limit)
+}
+
+func (s marginStore) OldestExpiry(ctx context.Context) (oldest, now time.Time, ok bool, err error) {
+	return s.next.OldestExpiry(ctx)
 }

@@ -7,8 +7,7 @@
 // The operators' API of the registry, beside RegistryService. Identities
 // reach it only for the consumers the config file grants them under
 // "admin", and every call is logged with the caller's identity. Errors
-// follow the table in registry.proto, plus UNAUTHENTICATED and
-// PERMISSION_DENIED.
+// are those of registry.proto, with the reasons of ErrorReason.
 
 package idemregv1
 

@@ -12,32 +12,9 @@
 // or whether the work is already done (with the stored result to replay).
 //
 // Errors are gRPC statuses carrying a google.rpc.ErrorInfo with domain
-// "idemreg" and one of the reasons below, plus google.rpc.BadRequest field
-// violations for invalid fields and google.rpc.RetryInfo when retrying helps:
-//
-//   reason                 code                  when
-//   INVALID_ARGUMENT       INVALID_ARGUMENT      a field is missing, malformed or out of bounds (BadRequest lists them)
-//   MALFORMED_REQUEST      INVALID_ARGUMENT      the request is not a valid protobuf encoding of its message
-//   FINGERPRINT_MISMATCH   FAILED_PRECONDITION   the key is live with another fingerprint: same key, different parameters
-//   LEASE_LOST             FAILED_PRECONDITION   the token is not the record's current token (someone took over), or claim_secret is not the one its Claim returned
-//   ALREADY_COMPLETED      FAILED_PRECONDITION   Release, Extend or Park of a record already completed
-//   PARKED                 FAILED_PRECONDITION   Complete, Release or Extend of a parked record (an operator must resolve it)
-//   LEASE_TOTAL_EXCEEDED   FAILED_PRECONDITION   Extend would hold the key past the consumer's max_lease_total since the attempt
-//                                                began (ErrorInfo metadata lease_not_after, max_lease_total); the lease is unchanged
-//   NOT_FOUND              NOT_FOUND             no live record (absent or expired)
-//   STORE_UNAVAILABLE      UNAVAILABLE           the store is down or kept conflicting; retry after RetryInfo
-//   DEADLINE_EXCEEDED      DEADLINE_EXCEEDED     the request's deadline ran out before the store answered
-//   CANCELED               CANCELLED             the caller cancelled the request before the store answered
-//   INTERNAL               INTERNAL              a bug (a stored result that does not decode, a panic); logged with its cause
-//   UNAUTHENTICATED        UNAUTHENTICATED       no credentials, or ones no identity of the server's config lists
-//   PERMISSION_DENIED      PERMISSION_DENIED     the caller may not use the request's consumer (checked before any read)
-//   RATE_LIMITED           RESOURCE_EXHAUSTED    the consumer or the caller's identity is over its rate limit; QuotaFailure and RetryInfo
-//   OVERLOADED             UNAVAILABLE           the server, or the caller's identity (QuotaFailure), has too many store calls in
-//                                                flight; retry after RetryInfo
-//   TOO_MANY_CALLS         RESOURCE_EXHAUSTED    the caller's identity has too many calls in progress; QuotaFailure and RetryInfo
-//   QUOTA_EXCEEDED         RESOURCE_EXHAUSTED    Claim of a new key for a consumer at its max_records or max_bytes (QuotaFailure,
-//                                                subject consumer:<name>); Claims of its live keys still work
-//   TOO_MANY_STREAMS       RESOURCE_EXHAUSTED    too many health Watch or reflection streams are open (they need no credentials)
+// "idemreg.dev" and a reason of ErrorReason (error_reason.proto, which says the
+// code and meaning of each), plus google.rpc.BadRequest field violations for
+// invalid fields and google.rpc.RetryInfo when retrying helps.
 
 package idemregv1
 

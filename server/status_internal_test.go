@@ -1,0 +1,85 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/status"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// TestClassify: each error the service meets has one reason, and the
+// status, the store's metrics, readiness and the admin audit all say it.
+// The errors are those the stores and the server return, wrapped as they
+// wrap them.
+func TestClassify(t *testing.T) {
+	ended, cancel := context.WithCancel(t.Context())
+	cancel()
+	for _, tc := range []struct {
+		name      string
+		err       error
+		reason    idemregv1.ErrorReason
+		errorType string // idemreg.store.errors; "" for an answer
+		readiness string // "ok", "failed" or "" (not counted)
+	}{
+		{"fingerprint mismatch", storage.ErrFingerprintMismatch, reasonFingerprintMismatch, "", "ok"},
+		{"lease lost", fmt.Errorf("postgres complete: %w", storage.ErrLeaseLost), reasonLeaseLost, "", "ok"},
+		{"already completed", storage.ErrAlreadyCompleted, reasonAlreadyCompleted, "", "ok"},
+		{"parked", storage.ErrParked, reasonParked, "", "ok"},
+		{"lease total exceeded", storage.ErrLeaseTotalExceeded, reasonLeaseTotalExceeded, "", "ok"},
+		{"lease total exceeded, with its bound", &leaseTotalExceeded{}, reasonLeaseTotalExceeded, "", "ok"},
+		{"quota exceeded", &quotaExceeded{consumer: "c", maxRecords: 1, records: 1}, reasonQuotaExceeded, "", "ok"},
+		{"not found", fmt.Errorf("pebble lookup: %w", storage.ErrNotFound), reasonNotFound, "", "ok"},
+		{"store unavailable", fmt.Errorf("%w: postgres claim: %w", storage.ErrUnavailable, errors.New("SQLSTATE 53100")), reasonStoreUnavailable, "unavailable", "failed"},
+		{"deadline", fmt.Errorf("postgres claim: %w", context.DeadlineExceeded), reasonDeadlineExceeded, "deadline", ""},
+		{"deadline mid-statement", fmt.Errorf("%w: %w", storage.ErrUnavailable, context.DeadlineExceeded), reasonDeadlineExceeded, "deadline", ""},
+		{"cancelled", fmt.Errorf("%w: %w", context.Canceled, storage.ErrUnavailable), reasonCanceled, "canceled", ""},
+		{"overloaded", errOverloaded, reasonOverloaded, "internal", ""},
+		{"an identity's share", &shareExceeded{identity: "billing", share: 2}, reasonOverloaded, "internal", ""},
+		{"anything else", errors.New("decoding stored result"), reasonInternal, "internal", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reason := classify(tc.err)
+			require.Equal(t, tc.reason, reason)
+
+			errorType := ""
+			if !isAnswer(reason) {
+				errorType = storeErrorType(reason)
+			}
+			require.Equal(t, tc.errorType, errorType, "the store's error.type")
+
+			var c callOutcomes
+			c.record(tc.err)
+			readiness := map[[2]int64]string{{1, 0}: "ok", {0, 1}: "failed", {0, 0}: ""}[[2]int64{c.ok.Load(), c.failed.Load()}]
+			require.Equal(t, tc.readiness, readiness, "readiness")
+
+			// The request has ended: its answer is the error's reason.
+			require.Equal(t, reason, answerReason(ended, tc.err))
+			svc := &Service{logger: slog.New(slog.DiscardHandler)}
+			st := status.Convert(svc.toStatus(ended, "Claim", storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: "k"}, tc.err))
+			require.Equal(t, reason.Code(), st.Code())
+			info, ok := st.Details()[0].(*errdetails.ErrorInfo)
+			require.True(t, ok)
+			require.Equal(t, reason.Reason(), info.GetReason())
+			require.Equal(t, "idemreg.dev", info.GetDomain(), "a service name (AIP-193)")
+		})
+	}
+}
+
+// TestAnswerReasonOfARunningRequest: a deadline that ran out while the
+// request still runs was the store's share of its time: the caller is
+// told STORE_UNAVAILABLE; every other reason is classify's.
+func TestAnswerReasonOfARunningRequest(t *testing.T) {
+	running := t.Context()
+	require.Equal(t, reasonStoreUnavailable, answerReason(running, fmt.Errorf("postgres claim: %w", context.DeadlineExceeded)))
+	require.Equal(t, reasonCanceled, answerReason(running, context.Canceled))
+	require.Equal(t, reasonLeaseLost, answerReason(running, storage.ErrLeaseLost))
+	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_UNSPECIFIED, answerReason(running, nil))
+}

@@ -1,0 +1,220 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/idemreg/idemreg/storage"
+)
+
+// capableStore has every optional capability; each call records the
+// deadline it got.
+type capableStore struct{ deadlines map[string]time.Time }
+
+func (s *capableStore) saw(ctx context.Context, op string) {
+	d, _ := ctx.Deadline()
+	s.deadlines[op] = d
+}
+
+func (s *capableStore) Claim(ctx context.Context, _ storage.ClaimParams) (storage.ClaimResult, error) {
+	s.saw(ctx, "Claim")
+	return storage.ClaimResult{}, nil
+}
+
+func (s *capableStore) Complete(ctx context.Context, _ storage.CompleteParams) (storage.Record, error) {
+	s.saw(ctx, "Complete")
+	return storage.Record{}, nil
+}
+
+func (s *capableStore) Release(ctx context.Context, _ storage.ReleaseParams) (storage.Record, error) {
+	s.saw(ctx, "Release")
+	return storage.Record{}, nil
+}
+
+func (s *capableStore) Extend(ctx context.Context, _ storage.ExtendParams) (storage.Record, error) {
+	s.saw(ctx, "Extend")
+	return storage.Record{}, nil
+}
+
+func (s *capableStore) Park(ctx context.Context, _ storage.ParkParams) (storage.Record, error) {
+	s.saw(ctx, "Park")
+	return storage.Record{}, nil
+}
+
+func (s *capableStore) Lookup(ctx context.Context, _ storage.Key) (storage.Record, error) {
+	s.saw(ctx, "Lookup")
+	return storage.Record{}, nil
+}
+
+func (s *capableStore) Ping(ctx context.Context) error {
+	s.saw(ctx, "Ping")
+	return nil
+}
+
+func (s *capableStore) Close() error { return nil }
+
+func (s *capableStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
+	s.saw(ctx, "ClaimBatch")
+	return make([]storage.ClaimAnswer, len(ps))
+}
+
+func (s *capableStore) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
+	s.saw(ctx, "CompleteBatch")
+	return make([]storage.CompleteAnswer, len(ps))
+}
+
+func (s *capableStore) Inspect(ctx context.Context, _ storage.Key) (storage.InspectResult, error) {
+	s.saw(ctx, "Inspect")
+	return storage.InspectResult{}, nil
+}
+
+func (s *capableStore) Invalidate(ctx context.Context, _ storage.InvalidateParams) (storage.Record, error) {
+	s.saw(ctx, "Invalidate")
+	return storage.Record{}, nil
+}
+
+func (s *capableStore) Resolve(ctx context.Context, _ storage.ResolveParams) (storage.Record, error) {
+	s.saw(ctx, "Resolve")
+	return storage.Record{}, nil
+}
+
+func (s *capableStore) List(ctx context.Context, _ storage.ListParams) (storage.ListResult, error) {
+	s.saw(ctx, "List")
+	return storage.ListResult{}, nil
+}
+
+func (s *capableStore) CountParked(ctx context.Context, _ string) (map[string]int64, error) {
+	s.saw(ctx, "CountParked")
+	return nil, nil
+}
+
+func (s *capableStore) SweepExpired(ctx context.Context, _ int) (storage.SweepResult, error) {
+	s.saw(ctx, "SweepExpired")
+	return storage.SweepResult{}, nil
+}
+
+func (s *capableStore) OldestExpiry(ctx context.Context) (oldest, now time.Time, ok bool, err error) {
+	s.saw(ctx, "OldestExpiry")
+	return time.Time{}, time.Time{}, false, nil
+}
+
+func (s *capableStore) ClaimKey(ctx context.Context) ([]byte, error) {
+	s.saw(ctx, "ClaimKey")
+	return make([]byte, storage.ClaimKeySize), nil
+}
+
+func (s *capableStore) ConsumerUsage(ctx context.Context, _ []string) (map[string]storage.Usage, error) {
+	s.saw(ctx, "ConsumerUsage")
+	return nil, nil
+}
+
+func testChain(t *testing.T, backend storage.Store) (storeChain, *callOutcomes) {
+	t.Helper()
+	m, err := newMetrics(noop.NewMeterProvider())
+	require.NoError(t, err)
+	outcomes := &callOutcomes{}
+	chain, err := newStoreChain(backend, chainConfig{maxInFlight: 4, perIdentity: 4, metrics: m, outcomes: outcomes})
+	require.NoError(t, err)
+	return chain, outcomes
+}
+
+// TestStoreChainOrder: the deadline margin outermost, then the in-flight
+// bounds and measures, then the backend.
+func TestStoreChainOrder(t *testing.T) {
+	backend := &capableStore{deadlines: map[string]time.Time{}}
+	chain, _ := testChain(t, backend)
+	var got []string
+	var s storage.Store = chain.proxyStore
+	for {
+		p, ok := s.(proxyStore)
+		if !ok {
+			break
+		}
+		switch p.(type) {
+		case marginStore:
+			got = append(got, "margin")
+		case *observedStore:
+			got = append(got, "observed")
+		case backendStore:
+			got = append(got, "backend")
+		default:
+			t.Fatalf("unknown decorator %T", p)
+		}
+		s = p.Unwrap()
+	}
+	require.Equal(t, []string{"margin", "observed", "backend"}, got)
+	require.Same(t, backend, s, "the chain ends at the backend")
+}
+
+// TestStoreChainDecorates: every record operation, the admin's as the
+// registry's, goes through every decorator (it gets a deadline before
+// the request's and readiness counts it); the rest reaches the backend
+// untouched. The optional capabilities pass through to the backend.
+func TestStoreChainDecorates(t *testing.T) {
+	backend := &capableStore{deadlines: map[string]time.Time{}}
+	chain, outcomes := testChain(t, backend)
+	require.NotNil(t, chain.admin())
+	require.NotNil(t, chain.claimKeys())
+	require.NotNil(t, chain.usageCounter())
+
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	requestDeadline, _ := ctx.Deadline()
+	k := storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: "k"}
+	for _, tc := range []struct {
+		op        string
+		call      func() error
+		decorated bool
+	}{
+		{"Claim", func() error { _, err := chain.Claim(ctx, storage.ClaimParams{Key: k}); return err }, true},
+		{"Complete", func() error { _, err := chain.Complete(ctx, storage.CompleteParams{Key: k}); return err }, true},
+		{"Release", func() error { _, err := chain.Release(ctx, storage.ReleaseParams{Key: k}); return err }, true},
+		{"Extend", func() error { _, err := chain.Extend(ctx, storage.ExtendParams{Key: k}); return err }, true},
+		{"Park", func() error { _, err := chain.Park(ctx, storage.ParkParams{Key: k}); return err }, true},
+		{"Lookup", func() error { _, err := chain.Lookup(ctx, k); return err }, true},
+		{"ClaimBatch", func() error { storage.ClaimBatch(ctx, chain, []storage.ClaimParams{{Key: k}}); return nil }, true},
+		{"CompleteBatch", func() error { storage.CompleteBatch(ctx, chain, []storage.CompleteParams{{Key: k}}); return nil }, true},
+		{"Inspect", func() error { _, err := chain.admin().Inspect(ctx, k); return err }, true},
+		{"Invalidate", func() error { _, err := chain.admin().Invalidate(ctx, storage.InvalidateParams{Key: k}); return err }, true},
+		{"Resolve", func() error { _, err := chain.admin().Resolve(ctx, storage.ResolveParams{Key: k}); return err }, true},
+		{"List", func() error { _, err := chain.admin().List(ctx, storage.ListParams{Consumer: "c"}); return err }, true},
+		{"CountParked", func() error { _, err := chain.admin().CountParked(ctx, ""); return err }, true},
+		{"Ping", func() error { return chain.Ping(ctx) }, false},
+		{"ClaimKey", func() error { _, err := chain.claimKeys().ClaimKey(ctx); return err }, false},
+		{"ConsumerUsage", func() error { _, err := chain.usageCounter().ConsumerUsage(ctx, []string{"c"}); return err }, false},
+		{"SweepExpired", func() error { _, err := chain.SweepExpired(ctx, 1); return err }, false},
+		{"OldestExpiry", func() error { _, _, _, err := chain.OldestExpiry(ctx); return err }, false},
+	} {
+		t.Run(tc.op, func(t *testing.T) {
+			before := outcomes.ok.Load()
+			require.NoError(t, tc.call())
+			got, ok := backend.deadlines[tc.op]
+			require.True(t, ok, "the call reached the backend")
+			if tc.decorated {
+				require.True(t, got.Before(requestDeadline), "the store call's deadline is the request's less a margin")
+				require.Equal(t, before+1, outcomes.ok.Load(), "readiness counted the call")
+			} else {
+				require.Equal(t, requestDeadline, got, "passed through with the request's deadline")
+				require.Equal(t, before, outcomes.ok.Load(), "readiness did not count the call")
+			}
+		})
+	}
+}
+
+// TestStoreChainCapabilities: the chain has a capability when the backend
+// has it, whatever its decorators implement.
+func TestStoreChainCapabilities(t *testing.T) {
+	bare := struct{ storage.Store }{&capableStore{deadlines: map[string]time.Time{}}}
+	chain, _ := testChain(t, bare)
+	require.Nil(t, chain.admin())
+	require.Nil(t, chain.claimKeys())
+	require.Nil(t, chain.usageCounter())
+	_, err := chain.Inspect(t.Context(), storage.Key{})
+	require.True(t, errors.Is(err, errors.ErrUnsupported), "a capability the backend lacks answers an error, not a panic: %v", err)
+	require.Equal(t, reasonInternal, classify(err))
+}
