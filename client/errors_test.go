@@ -4,7 +4,6 @@ import (
 	"errors"
 	"testing"
 
-	"github.com/stretchr/testify/require"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/status"
 
@@ -16,7 +15,9 @@ import (
 func registryStatus(t *testing.T, reason idemregv1.ErrorReason, domain string) *status.Status {
 	t.Helper()
 	st, err := status.New(reason.Code(), "refused").WithDetails(&errdetails.ErrorInfo{Reason: reason.Reason(), Domain: domain})
-	require.NoError(t, err)
+	if err != nil {
+		t.Fatal(err)
+	}
 	return st
 }
 
@@ -51,11 +52,19 @@ func TestEveryRegistryReasonIsTyped(t *testing.T) {
 			if r == idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_STREAMS {
 				want = 0
 			}
-			require.Len(t, matched, want, "%s matches %v", r.Reason(), matched)
-			require.Equal(t, r.Code(), status.Code(err))
+			if len(matched) != want {
+				t.Fatalf("%s matches %v, want %d sentinel(s)", r.Reason(), matched, want)
+			}
+			if got := status.Code(err); got != r.Code() {
+				t.Fatalf("code %v, want %v", got, r.Code())
+			}
 			var e *client.Error
-			require.ErrorAs(t, err, &e)
-			require.Equal(t, r.Reason(), e.Reason)
+			if !errors.As(err, &e) {
+				t.Fatalf("%v is not a *client.Error", err)
+			}
+			if e.Reason != r.Reason() {
+				t.Fatalf("reason %q, want %q", e.Reason, r.Reason())
+			}
 		})
 	}
 }
@@ -65,7 +74,9 @@ func TestEveryRegistryReasonIsTyped(t *testing.T) {
 // the domain of before, "idemreg", for a release. Another service's
 // domain is not the registry's, whatever its reason says.
 func TestErrorDomains(t *testing.T) {
-	require.Equal(t, "idemreg.dev", client.ErrorDomain)
+	if client.ErrorDomain != "idemreg.dev" {
+		t.Fatalf("ErrorDomain %q, want idemreg.dev", client.ErrorDomain)
+	}
 	for _, tc := range []struct {
 		name, domain string
 		typed        bool
@@ -80,14 +91,18 @@ func TestErrorDomains(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			err := client.FromStatus(registryStatus(t, idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST, tc.domain))
 			var e *client.Error
-			require.ErrorAs(t, err, &e)
+			if !errors.As(err, &e) {
+				t.Fatalf("%v is not a *client.Error", err)
+			}
 			if tc.typed {
-				require.ErrorIs(t, err, client.ErrLeaseLost)
-				require.Equal(t, client.ReasonLeaseLost, e.Reason)
+				if !errors.Is(err, client.ErrLeaseLost) || e.Reason != client.ReasonLeaseLost {
+					t.Fatalf("%v (reason %q): want ErrLeaseLost", err, e.Reason)
+				}
 				return
 			}
-			require.NotErrorIs(t, err, client.ErrLeaseLost)
-			require.Empty(t, e.Reason)
+			if errors.Is(err, client.ErrLeaseLost) || e.Reason != "" {
+				t.Fatalf("%v (reason %q): another domain's error must not be typed", err, e.Reason)
+			}
 		})
 	}
 }
@@ -105,7 +120,8 @@ func TestInterceptorsSendTheDomain(t *testing.T) {
 				info = i
 			}
 		}
-		require.NotNil(t, info)
-		require.Equal(t, "idemreg.dev", info.GetDomain())
+		if info.GetDomain() != "idemreg.dev" {
+			t.Fatalf("ErrorInfo %v: want domain idemreg.dev", info)
+		}
 	}
 }
