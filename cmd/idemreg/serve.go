@@ -185,13 +185,9 @@ func rowLevelTTL(ctx context.Context, store storage.Store) (bool, error) {
 func openStore(ctx context.Context, cfg *config, logger *slog.Logger) (storage.Store, error) {
 	if cfg.DatabaseURL != "" {
 		logger.Info("opening SQL store", "database_url", postgres.Redact(cfg.DatabaseURL))
-		conflicts, err := newConflictTracer(otel.GetMeterProvider())
-		if err != nil {
-			return nil, err
-		}
 		s, err := postgres.Open(ctx, cfg.DatabaseURL, postgres.WithLogger(logger),
 			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, cfg.SQLBatchSlots),
-			postgres.WithTracer(conflicts))
+			postgres.WithMeterProvider(otel.GetMeterProvider()))
 		if err != nil {
 			return nil, fmt.Errorf("opening %s: %w", postgres.Redact(cfg.DatabaseURL), err)
 		}
