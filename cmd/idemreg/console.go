@@ -27,7 +27,7 @@ func startConsole(ctx context.Context, cfg *config, src *access.Source, grpcAddr
 	if addr == "" {
 		return func() {}, nil
 	}
-	if cfg.Surface.TLSCert != "" {
+	if cfg.TLS.CertFile != "" {
 		// The loopback connection would need a client certificate under
 		// mTLS, and the console would have to forward the operator's.
 		return nil, errors.New("--console-listen does not work with --tls-cert yet: the console reaches the AdminService over a plaintext loopback connection")

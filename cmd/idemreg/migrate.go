@@ -15,7 +15,7 @@ func migrate(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	cfg := defaultConfig()
 	fs := flag.NewFlagSet("idemreg migrate", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	cfg.bind(fs, false)
+	fs.StringVar(&cfg.DatabaseURL, "database-url", cfg.DatabaseURL, "PostgreSQL or CockroachDB URL (postgres://...); empty uses the embedded store in --data-dir")
 	ttl := fs.Bool("cockroach-ttl", os.Getenv("IDEMREG_COCKROACH_TTL") == "true",
 		"CockroachDB only: let the cluster's row-level TTL delete expired records and drop the expires_at index; nothing may sweep the database after it (env IDEMREG_COCKROACH_TTL=true)")
 	if err := parse(fs, args); err != nil {

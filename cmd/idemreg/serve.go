@@ -25,7 +25,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	cfg := defaultConfig()
 	fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	cfg.bind(fs, true)
+	cfg.bindServe(fs)
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -57,16 +57,19 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	}
 	defer store.Close()
 
-	srvCfg, err := surface.serverConfig(&cfg, logger)
-	if err != nil {
-		return err
+	srvCfg := cfg.Server
+	srvCfg.Logger, srvCfg.Access, srvCfg.File = logger, surface.access, file
+	srvCfg.MeterProvider, srvCfg.TracerProvider = surface.telemetry.meters, otel.GetTracerProvider()
+	if cfg.TLS.CertFile != "" {
+		if srvCfg.TLS, err = server.TLSConfig(cfg.TLS, logger); err != nil {
+			return err
+		}
 	}
-	srvCfg.File = file
 	srv, err := server.New(store, srvCfg)
 	if err != nil {
 		return err
 	}
-	if err := serveHealth(srv, cfg.Surface.HealthListen, logger); err != nil {
+	if err := serveHealth(srv, cfg.HealthListen, logger); err != nil {
 		return err
 	}
 	stopSweeper, err := startSweeper(ctx, &cfg, store, logger)
@@ -97,7 +100,7 @@ func loadConfig(cfg *config, logger *slog.Logger) (*configfile.Source, error) {
 	if cfg.PolicyFile == "" {
 		return nil, nil
 	}
-	src, err := configfile.Open(cfg.PolicyFile, cfg.Limits.Policy())
+	src, err := configfile.Open(cfg.PolicyFile, cfg.Server.Limits.Policy())
 	if err != nil {
 		return nil, err
 	}
@@ -145,21 +148,21 @@ func reloadConfig(src *configfile.Source, logger *slog.Logger) {
 // until the returned function is called, which waits for it to stop.
 func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger *slog.Logger) (stop func(), err error) {
 	sw, ok := store.(storage.Sweeper)
-	if cfg.SweepInterval == 0 || !ok {
-		logger.Info("sweeper off", "sweep_interval", cfg.SweepInterval, "store_can_sweep", ok)
+	if cfg.Sweep.Interval == 0 || !ok {
+		logger.Info("sweeper off", "sweep_interval", cfg.Sweep.Interval, "store_can_sweep", ok)
 		return func() {}, nil
 	}
 	if ttl, err := rowLevelTTL(ctx, store); err != nil {
 		return nil, fmt.Errorf("sweeper: %w", err)
 	} else if ttl {
-		logger.Info("sweeper off: CockroachDB's row-level TTL deletes expired records (idemreg migrate --cockroach-ttl)", "sweep_interval", cfg.SweepInterval)
+		logger.Info("sweeper off: CockroachDB's row-level TTL deletes expired records (idemreg migrate --cockroach-ttl)", "sweep_interval", cfg.Sweep.Interval)
 		return func() {}, nil
 	}
 	sweeper, err := retention.New(sw, cfg.sweeper(logger.With("component", "sweeper")))
 	if err != nil {
 		return nil, err
 	}
-	logger.Info("sweeper on", "sweep_interval", cfg.SweepInterval, "batch_size", cfg.Sweep.BatchSize)
+	logger.Info("sweeper on", "sweep_interval", cfg.Sweep.Interval, "batch_size", cfg.Sweep.BatchSize)
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); sweeper.Run(ctx) }()
