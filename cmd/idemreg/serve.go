@@ -11,7 +11,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
@@ -51,7 +51,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	}
 	defer surface.close()
 
-	store, err := openStore(ctx, &cfg, logger)
+	store, err := openStore(ctx, &cfg, logger, surface.telemetry.Meters)
 	if err != nil {
 		return err
 	}
@@ -59,7 +59,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 
 	srvCfg := cfg.Server
 	srvCfg.Logger, srvCfg.Access, srvCfg.File = logger, surface.access, file
-	srvCfg.MeterProvider, srvCfg.TracerProvider = surface.telemetry.meters, otel.GetTracerProvider()
+	srvCfg.MeterProvider, srvCfg.TracerProvider = surface.telemetry.Meters, surface.telemetry.Tracers
 	if cfg.TLS.CertFile != "" {
 		if srvCfg.TLS, err = server.TLSConfig(cfg.TLS, logger); err != nil {
 			return err
@@ -184,13 +184,14 @@ func rowLevelTTL(ctx context.Context, store storage.Store) (bool, error) {
 }
 
 // openStore opens the SQL store when a database URL is given, the embedded
-// store in the data directory otherwise.
-func openStore(ctx context.Context, cfg *config, logger *slog.Logger) (storage.Store, error) {
+// store in the data directory otherwise; the SQL store's instruments are
+// made by meters (nil: the global provider).
+func openStore(ctx context.Context, cfg *config, logger *slog.Logger, meters metric.MeterProvider) (storage.Store, error) {
 	if cfg.DatabaseURL != "" {
 		logger.Info("opening SQL store", "database_url", postgres.Redact(cfg.DatabaseURL))
 		s, err := postgres.Open(ctx, cfg.DatabaseURL, postgres.WithLogger(logger),
 			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, cfg.SQLBatchSlots),
-			postgres.WithMeterProvider(otel.GetMeterProvider()))
+			postgres.WithMeterProvider(meters))
 		if err != nil {
 			return nil, fmt.Errorf("opening %s: %w", postgres.Redact(cfg.DatabaseURL), err)
 		}

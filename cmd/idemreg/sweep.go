@@ -58,7 +58,7 @@ func sweep(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return &exitError{code: exitSweepFailed, err: fmt.Errorf(format, args...)}
 	}
 
-	store, err := openStore(ctx, &cfg, logger)
+	store, err := openStore(ctx, &cfg, logger, nil)
 	if errors.Is(err, pebble.ErrLocked) {
 		return failed("%w: a running idemreg serve holds it, and sweeps it itself with --sweep-interval", err)
 	}
