@@ -2,19 +2,24 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
@@ -45,21 +50,35 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	}
 	stopReload := reloadOnSIGHUP(file, logger)
 	defer stopReload()
-	surface, err := startSurface(ctx, &cfg, file, logger)
+	callers, err := checkAccess(&cfg, file, logger)
 	if err != nil {
 		return err
 	}
-	defer surface.close()
+	tel, err := telemetry.Start(ctx, "idemreg", logger)
+	if err != nil {
+		return err
+	}
+	defer tel.Shutdown()
+	if cfg.MetricsListen != "" {
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", tel.Metrics())
+		stop, addr, err := serveHTTP("metrics", cfg.MetricsListen, mux, logger)
+		if err != nil {
+			return err
+		}
+		defer stop()
+		logger.Info("serving metrics", "listen", addr.String())
+	}
 
-	store, err := openStore(ctx, &cfg, logger, surface.telemetry.Meters)
+	store, err := openStore(ctx, &cfg, logger, tel.Meters)
 	if err != nil {
 		return err
 	}
 	defer store.Close()
 
 	srvCfg := cfg.Server
-	srvCfg.Logger, srvCfg.Access, srvCfg.File = logger, surface.access, file
-	srvCfg.MeterProvider, srvCfg.TracerProvider = surface.telemetry.Meters, surface.telemetry.Tracers
+	srvCfg.Logger, srvCfg.Access, srvCfg.File = logger, callers, file
+	srvCfg.MeterProvider, srvCfg.TracerProvider = tel.Meters, tel.Tracers
 	if cfg.TLS.CertFile != "" {
 		if srvCfg.TLS, err = server.TLSConfig(cfg.TLS, logger); err != nil {
 			return err
@@ -81,7 +100,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.Listen, err)
 	}
-	stopConsole, err := startConsole(ctx, &cfg, surface.access, lis.Addr(), store, logger)
+	stopConsole, err := startConsole(ctx, &cfg, callers, lis.Addr(), store, logger)
 	if err != nil {
 		_ = lis.Close()
 		return err
@@ -92,6 +111,69 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	logger.Info("stopped")
+	return nil
+}
+
+// checkAccess returns who may call (the identities and rate limits of
+// --config; everyone when there is none) after checking that serve is not
+// opened wider than asked for.
+func checkAccess(cfg *config, file *configfile.Source, logger *slog.Logger) (*access.Source, error) {
+	src := access.Static(access.Open())
+	if file != nil {
+		src = file.Access()
+	}
+	set := src.Current()
+	switch {
+	case set.Enforced():
+		logger.Info("authentication on", "identities", set.Identities(), "mtls", cfg.TLS.ClientCAFile != "")
+	case isLoopback(cfg.Listen):
+		logger.Info("authentication off: no identities in --config; loopback only")
+	case cfg.AllowUnauthenticated:
+		logger.Warn("authentication off: every caller may use every consumer (--allow-unauthenticated)")
+	default:
+		return nil, fmt.Errorf("--listen %s is not a loopback address and --config names no identities, so every caller could use every consumer: add identities, or pass --allow-unauthenticated explicitly", cfg.Listen)
+	}
+	if set.HasTokens() && cfg.TLS.CertFile == "" && !isLoopback(cfg.Listen) {
+		logger.Warn("bearer tokens travel in plaintext: serve TLS unless a mesh encrypts the traffic")
+	}
+	return src, nil
+}
+
+// serveHTTP serves h on addr until the returned function is called; name
+// says which listener in errors and logs.
+func serveHTTP(name, addr string, h http.Handler, logger *slog.Logger) (stop func(), bound net.Addr, err error) {
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s: listening on %s: %w", name, addr, err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second, MaxHeaderBytes: 64 << 10}
+	go func() {
+		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			logger.Error("listener failed", "listener", name, "error", err)
+		}
+	}()
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+	}, lis.Addr(), nil
+}
+
+// serveHealth serves the health service alone on --health-listen.
+func serveHealth(srv *server.Server, addr string, logger *slog.Logger) error {
+	if addr == "" {
+		return nil
+	}
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("health: listening on %s: %w", addr, err)
+	}
+	logger.Info("serving health", "listen", lis.Addr().String())
+	go func() {
+		if err := srv.ServeHealth(lis); err != nil {
+			logger.Error("listener failed", "listener", "health", "error", err)
+		}
+	}()
 	return nil
 }
 
