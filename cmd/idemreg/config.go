@@ -14,6 +14,7 @@ import (
 	"time"
 	"unicode"
 
+	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/storage/postgres"
@@ -393,12 +394,11 @@ func (c *config) sweeper(logger *slog.Logger) retention.Config {
 	return rc
 }
 
+// logger is the command's logger, which every package it wires is given:
+// durations as "1m0s", and the trace and span of a traced call's lines
+// (telemetry.NewLogger).
 func (c *config) logger(w io.Writer) *slog.Logger {
-	opts := &slog.HandlerOptions{Level: c.LogLevel}
-	if c.LogFormat == "text" {
-		return slog.New(slog.NewTextHandler(w, opts))
-	}
-	return slog.New(slog.NewJSONHandler(w, opts))
+	return telemetry.NewLogger(w, c.LogFormat, c.LogLevel)
 }
 
 // isLoopback reports whether a listen address is reachable from this host
