@@ -73,7 +73,7 @@ func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
 	snap := s.snapshot()
 	id, err := identify(ctx, snap.access)
 	if err != nil {
-		s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", "unauthenticated")))
+		s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", codeName(codes.Unauthenticated))))
 		return nil, err
 	}
 	noteIdentity(ctx, id.Name)
@@ -175,7 +175,7 @@ func adminPrefix(req any) (string, bool) {
 }
 
 func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg string) error {
-	s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", "permission_denied")))
+	s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", codeName(codes.PermissionDenied))))
 	if msg == "" {
 		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(echo(consumer))
 	}
