@@ -7,8 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"net/url"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -234,28 +232,6 @@ func (u uint32Value) String() string {
 	return strconv.FormatUint(uint64(*u.p), 10)
 }
 
-// parse reads environment variables first, then flags, so flags win.
-func parse(fs *flag.FlagSet, args []string) error {
-	var envErr error
-	fs.VisitAll(func(f *flag.Flag) {
-		if v, ok := os.LookupEnv(envName(f.Name)); ok {
-			if err := f.Value.Set(v); err != nil {
-				envErr = errors.Join(envErr, fmt.Errorf("%s: %w", envName(f.Name), err))
-			}
-		}
-	})
-	if envErr != nil {
-		return envErr
-	}
-	return fs.Parse(args)
-}
-
-// envName is the environment variable of a flag: --database-url is
-// IDEMREG_DATABASE_URL.
-func envName(flag string) string {
-	return "IDEMREG_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))
-}
-
 // Validate reports settings that cannot work together: the binary's own,
 // then each library's Validate, its errors naming the flags.
 func (c *config) Validate() error {
@@ -267,9 +243,7 @@ func (c *config) Validate() error {
 		errs = append(errs, errors.New("either --database-url or --data-dir is required"))
 	}
 	if c.DatabaseURL != "" {
-		if u, err := url.Parse(c.DatabaseURL); err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-			errs = append(errs, fmt.Errorf("--database-url must be a postgres:// URL, got %q", postgres.Redact(c.DatabaseURL)))
-		}
+		errs = append(errs, validDatabaseURL(c.DatabaseURL))
 	}
 	if c.LogFormat != "json" && c.LogFormat != "text" {
 		errs = append(errs, fmt.Errorf("--log-format must be json or text, got %q", c.LogFormat))

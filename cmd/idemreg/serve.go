@@ -26,14 +26,14 @@ import (
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
-func serve(ctx context.Context, args []string, stderr io.Writer) error {
+// serveCommand binds the flags of serve, the gRPC service.
+func serveCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
 	cfg := defaultConfig()
-	fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	cfg.bindServe(fs)
-	if err := parse(fs, args); err != nil {
-		return err
-	}
+	return func(ctx context.Context, _, stderr io.Writer) error { return serve(ctx, &cfg, stderr) }
+}
+
+func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
@@ -44,13 +44,13 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	defer stopPprof()
-	file, err := loadConfig(&cfg, logger)
+	file, err := loadConfig(cfg, logger)
 	if err != nil {
 		return err
 	}
 	stopReload := reloadOnSIGHUP(file, logger)
 	defer stopReload()
-	callers, err := checkAccess(&cfg, file, logger)
+	callers, err := checkAccess(cfg, file, logger)
 	if err != nil {
 		return err
 	}
@@ -70,7 +70,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 		logger.Info("serving metrics", "listen", addr.String())
 	}
 
-	store, err := openStore(ctx, &cfg, logger, tel.Meters)
+	store, err := openStore(ctx, cfg, logger, tel.Meters)
 	if err != nil {
 		return err
 	}
@@ -91,7 +91,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err := serveHealth(srv, cfg.HealthListen, logger); err != nil {
 		return err
 	}
-	stopSweeper, err := startSweeper(ctx, &cfg, store, logger)
+	stopSweeper, err := startSweeper(ctx, cfg, store, logger)
 	if err != nil {
 		return err
 	}
@@ -100,7 +100,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.Listen, err)
 	}
-	stopConsole, err := startConsole(ctx, &cfg, callers, lis.Addr(), store, logger)
+	stopConsole, err := startConsole(ctx, cfg, callers, lis.Addr(), store, logger)
 	if err != nil {
 		_ = lis.Close()
 		return err
