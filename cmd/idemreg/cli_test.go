@@ -6,6 +6,9 @@ import (
 	"flag"
 	"io"
 	"os/exec"
+	"regexp"
+	"runtime"
+	"runtime/debug"
 	"strings"
 	"testing"
 
@@ -57,6 +60,7 @@ func TestCommandFlags(t *testing.T) {
 	require.Equal(t, []string{"batch-size", "batch-timeout", "data-dir", "database-url", "log-format", "log-level", "max-duration", "pause"}, names(cmds["sweep"]))
 	require.Equal(t, []string{"addr", "service", "timeout"}, names(cmds["health"]))
 	require.Empty(t, names(cmds["new-token"]))
+	require.Empty(t, names(cmds["version"]))
 	require.Contains(t, names(cmds["serve"]), "max-in-flight")
 	require.NotContains(t, names(cmds["serve"]), "batch-size", "sweep's, which serve spells --sweep-batch-size")
 
@@ -99,4 +103,23 @@ func TestHelpHidesSecrets(t *testing.T) {
 		require.ErrorIs(t, run(t.Context(), args, io.Discard, &stderr), flag.ErrHelp)
 		require.NotContains(t, stderr.String(), "S3cret", strings.Join(args, " "))
 	}
+}
+
+func TestVersion(t *testing.T) {
+	var out bytes.Buffer
+	require.NoError(t, run(t.Context(), []string{"version"}, &out, io.Discard))
+	require.Regexp(t, `^idemreg \S+\nrevision: \S+\ntime:     \S+\ngo:       `+regexp.QuoteMeta(runtime.Version())+"\n$", out.String())
+	var alias bytes.Buffer
+	require.NoError(t, run(t.Context(), []string{"--version"}, &alias, io.Discard))
+	require.Equal(t, out.String(), alias.String())
+
+	stamped := &debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Version: "v0.0.0-20261202085110-8f54bb24c0bb"},
+		Settings: []debug.BuildSetting{{Key: "vcs.revision", Value: "8f54bb24c0bb819ab5b049de82bfeba8460123a2"},
+			{Key: "vcs.time", Value: "2026-12-02T08:51:10Z"}, {Key: "vcs.modified", Value: "true"}, {Key: "CGO_ENABLED", Value: "0"}}}
+	require.Equal(t, `idemreg v0.0.0-20261202085110-8f54bb24c0bb
+revision: 8f54bb24c0bb819ab5b049de82bfeba8460123a2+modified
+time:     2026-12-02T08:51:10Z
+go:       go1.26.8
+`, versionText(stamped))
+	require.Contains(t, versionText(&debug.BuildInfo{Main: debug.Module{Version: "(devel)"}}), "revision: unknown\n")
 }

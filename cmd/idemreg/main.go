@@ -6,6 +6,7 @@
 //	idemreg health    ask a server's health listener whether it is serving
 //	idemreg admin     list, inspect, resolve or invalidate records on a running server
 //	idemreg new-token make a bearer token and the hash the config file keeps
+//	idemreg version   print the module version, VCS revision and Go version
 //
 // The load generator is a command of its own, cmd/idemreg-bench, so that
 // this binary links none of its baselines' clients.
@@ -38,6 +39,7 @@ Usage:
   idemreg new-token         print a new bearer token and its hash for --config
   idemreg admin   CMD       list, inspect, resolve or invalidate records on a running
                             server (idemreg admin help)
+  idemreg version           print the module version, VCS revision and Go version
 
 Run "idemreg <command> -h" for the flags of a command. Every flag can be
 set by the IDEMREG_* environment variable its help names; a flag wins.
@@ -53,6 +55,7 @@ var commands = map[string]command{
 	"sweep":     sweepCommand,
 	"health":    healthCommand,
 	"new-token": newTokenCommand,
+	"version":   versionCommand,
 }
 
 func main() {
@@ -86,6 +89,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return nil
+	case "--version":
+		args[0] = "version"
 	}
 	cmd, ok := commands[args[0]]
 	if !ok {

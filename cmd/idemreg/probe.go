@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"runtime/debug"
 	"time"
 
 	"google.golang.org/grpc"
@@ -59,4 +60,33 @@ func newTokenCommand(*flag.FlagSet) func(context.Context, io.Writer, io.Writer) 
 		fmt.Fprintln(stderr, "Give the token to the client (authorization: bearer <token>); put the hash under token_hashes in --config.")
 		return nil
 	}
+}
+
+// versionCommand prints what the binary was built from, as the Go
+// toolchain stamped it: the module's version, the VCS revision and its
+// time (with "+modified" when the tree had changes), and the Go version.
+func versionCommand(*flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
+	return func(_ context.Context, stdout, _ io.Writer) error {
+		info, ok := debug.ReadBuildInfo()
+		if !ok {
+			return errors.New("version: the binary carries no build information")
+		}
+		fmt.Fprint(stdout, versionText(info))
+		return nil
+	}
+}
+
+// versionText is what version prints of info. A build outside a VCS
+// checkout, or with -buildvcs=false, has no revision: "unknown".
+func versionText(info *debug.BuildInfo) string {
+	vcs := map[string]string{"vcs.revision": "unknown", "vcs.time": "unknown"}
+	for _, s := range info.Settings {
+		vcs[s.Key] = s.Value
+	}
+	revision := vcs["vcs.revision"]
+	if vcs["vcs.modified"] == "true" {
+		revision += "+modified"
+	}
+	return fmt.Sprintf("idemreg %s\nrevision: %s\ntime:     %s\ngo:       %s\n",
+		info.Main.Version, revision, vcs["vcs.time"], info.GoVersion)
 }
