@@ -6,6 +6,7 @@ import (
 	"strings"
 	"time"
 
+	rpccode "google.golang.org/genproto/googleapis/rpc/code"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
@@ -40,6 +41,12 @@ func noteIdentity(ctx context.Context, name string) {
 		cl.identity = name
 	}
 }
+
+// codeName spells a code as google.rpc.Code does ("NOT_FOUND",
+// "CANCELLED"): as the docs, the status details and otelgrpc's metrics
+// (rpc.response.status_code) spell it, so that a log line and a metric of
+// the same calls can be matched on it. grpc-go's String is "NotFound".
+func codeName(c codes.Code) string { return rpccode.Code(c).String() }
 
 // codeLevel is the level of a finished call's line.
 func codeLevel(c codes.Code) slog.Level {
@@ -87,7 +94,7 @@ func (a accessLogger) finished(ctx context.Context, fullMethod, consumer string,
 	attrs = append(attrs,
 		slog.String("grpc.service", service),
 		slog.String("grpc.method", method),
-		slog.String("grpc.code", code.String()),
+		slog.String("grpc.code", codeName(code)),
 		slog.Float64("grpc.time_ms", float64(time.Since(start).Microseconds())/1000))
 	if consumer != "" {
 		// Not validated yet when the call was refused before the handler.

@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
@@ -72,7 +73,7 @@ func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
 	snap := s.snapshot()
 	id, err := identify(ctx, snap.access)
 	if err != nil {
-		s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", "unauthenticated")))
+		s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", codeName(codes.Unauthenticated))))
 		return nil, err
 	}
 	noteIdentity(ctx, id.Name)
@@ -174,7 +175,7 @@ func adminPrefix(req any) (string, bool) {
 }
 
 func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg string) error {
-	s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", "permission_denied")))
+	s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", codeName(codes.PermissionDenied))))
 	if msg == "" {
 		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(echo(consumer))
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	rpccode "google.golang.org/genproto/googleapis/rpc/code"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -107,7 +108,7 @@ identities:
 			require.Len(t, calls, before+1, "one access log line")
 			line := calls[len(calls)-1]
 			require.Equal(t, tc.method, line["grpc.method"])
-			require.Equal(t, tc.code.String(), line["grpc.code"])
+			require.Equal(t, rpccode.Code(tc.code).String(), line["grpc.code"])
 			require.Equal(t, "INFO", line["level"], "the caller's own mistake")
 			if tc.identity != "" {
 				require.Equal(t, tc.identity, line["identity"], "refused after authentication")

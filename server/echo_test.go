@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	rpccode "google.golang.org/genproto/googleapis/rpc/code"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -89,7 +90,7 @@ rate_limits:
 			calls := logs.lines(t, "finished call")
 			require.Len(t, calls, before+1, "one line for the call")
 			line := calls[len(calls)-1]
-			require.Equal(t, tc.code.String(), line["grpc.code"])
+			require.Equal(t, rpccode.Code(tc.code).String(), line["grpc.code"])
 			require.Equal(t, tc.consumer[:server.MaxEchoedFieldBytes]+"…(+1048320 bytes)", line["consumer"])
 			require.Equal(t, status.Convert(err).Message(), line["grpc.error"], "the status message as sent")
 		})

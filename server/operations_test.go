@@ -76,7 +76,7 @@ func TestLogsAtWarn(t *testing.T) {
 	requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
 	calls := buf.lines(t, "finished call")
 	require.Len(t, calls, 1)
-	require.Equal(t, "FailedPrecondition", calls[0]["grpc.code"])
+	require.Equal(t, "FAILED_PRECONDITION", calls[0]["grpc.code"])
 }
 
 func jsonLogger(buf *syncBuffer) *slog.Logger {
@@ -229,7 +229,7 @@ func TestLogs(t *testing.T) {
 		require.NotEmpty(t, l["grpc.code"])
 		require.Contains(t, l, "grpc.time_ms")
 	}
-	require.Equal(t, "FailedPrecondition", calls[1]["grpc.code"])
+	require.Equal(t, "FAILED_PRECONDITION", calls[1]["grpc.code"])
 	require.Equal(t, "WARN", calls[1]["level"])
 	require.Contains(t, calls[1]["grpc.error"], "different fingerprint")
 	require.Equal(t, "INFO", calls[0]["level"])

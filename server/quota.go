@@ -121,11 +121,11 @@ func (q *quotas) admit(ctx context.Context, store storage.Store, pol policy.Poli
 	}
 	if q.counter == nil {
 		if !q.warnedNoCounter.Swap(true) {
-			q.logger.Warn("quotas not enforced: the store cannot count usage", "consumer", echo(k.Consumer))
+			q.logger.WarnContext(ctx, "quotas not enforced: the store cannot count usage", "consumer", echo(k.Consumer))
 		}
 		return nil, nil
 	}
-	u := q.follow(k.Consumer)
+	u := q.follow(ctx, k.Consumer)
 	if u == nil {
 		return nil, nil
 	}
@@ -153,13 +153,13 @@ func (q *quotas) admit(ctx context.Context, store storage.Store, pol policy.Poli
 
 // follow returns the usage of consumer, following it from now on; nil
 // when the replica follows MaxQuotaConsumers already.
-func (q *quotas) follow(consumer string) *usage {
+func (q *quotas) follow(ctx context.Context, consumer string) *usage {
 	if v, ok := q.consumers.Load(consumer); ok {
 		return v.(*usage)
 	}
 	if q.n.Load() >= MaxQuotaConsumers {
 		if !q.warnedTooMany.Swap(true) {
-			q.logger.Warn("quotas not enforced for more consumers: this replica follows the most it may", "max", MaxQuotaConsumers, "consumer", echo(consumer))
+			q.logger.WarnContext(ctx, "quotas not enforced for more consumers: this replica follows the most it may", "max", MaxQuotaConsumers, "consumer", echo(consumer))
 		}
 		return nil
 	}

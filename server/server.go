@@ -270,7 +270,7 @@ const LivenessService = "liveness"
 
 // New builds a Server on store.
 func New(store storage.Store, cfg Config) (*Server, error) {
-	if err := errors.Join(cfg.Bounds.Validate(), cfg.Readiness.Validate()); err != nil {
+	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("server: %w", err)
 	}
 	if cfg.File != nil {

@@ -45,7 +45,7 @@ const adminUsage = `idemreg admin: an operator's calls to a running registry (Ad
                            end the record's lease or result: the next Claim takes over
 
 Run "idemreg admin <command> -h" for the flags of a command.
-Connection flags (every command): --addr, --token (or IDEMREG_TOKEN), --tls-ca,
+Connection flags (every command): --addr, --token (better IDEMREG_TOKEN), --tls-ca,
 --tls-cert and --tls-key (a client certificate), --server-name, --timeout.
 Without --tls-ca the connection is plaintext, which only a loopback --addr accepts.
 `
@@ -83,41 +83,39 @@ func admin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		fmt.Fprint(stderr, adminUsage)
 		return fmt.Errorf("unknown admin command %q", name)
 	}
-	fs := flag.NewFlagSet("idemreg admin "+name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: idemreg admin %s %s\n\nflags:\n", name, cmd.synopsis)
-		fs.PrintDefaults()
+	return runCommand(ctx, "admin "+name, cmd.synopsis, cmd.command(name), args[1:], stdout, stderr)
+}
+
+// command is the admin command name: the connection flags beside its own,
+// and its call, made and printed as JSON once they are parsed.
+func (a adminCommand) command(name string) command {
+	return func(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
+		var c adminConn
+		c.bind(fs)
+		prepare := a.bind(fs)
+		return func(ctx context.Context, stdout, _ io.Writer) error {
+			call, err := prepare()
+			if err != nil {
+				return fmt.Errorf("admin %s: %w", name, err)
+			}
+			conn, ctx, cancel, err := c.dial(ctx)
+			if err != nil {
+				return err
+			}
+			defer cancel()
+			defer conn.Close()
+			out, err := call(ctx, idemregv1.NewAdminServiceClient(conn))
+			if err != nil {
+				return &exitError{code: 1, err: fmt.Errorf("admin %s: %w", name, err)}
+			}
+			b, err := protojson.MarshalOptions{Multiline: true, Indent: "  "}.Marshal(out)
+			if err != nil {
+				return err
+			}
+			_, err = fmt.Fprintln(stdout, string(b))
+			return err
+		}
 	}
-	c := adminConn{}
-	c.bind(fs)
-	prepare := cmd.bind(fs)
-	if err := parse(fs, args[1:]); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("admin %s: unexpected arguments %q", name, fs.Args())
-	}
-	call, err := prepare()
-	if err != nil {
-		return fmt.Errorf("admin %s: %w", name, err)
-	}
-	conn, ctx, cancel, err := c.dial(ctx)
-	if err != nil {
-		return err
-	}
-	defer cancel()
-	defer conn.Close()
-	out, err := call(ctx, idemregv1.NewAdminServiceClient(conn))
-	if err != nil {
-		return &exitError{code: 1, err: fmt.Errorf("admin %s: %w", name, err)}
-	}
-	b, err := protojson.MarshalOptions{Multiline: true, Indent: "  "}.Marshal(out)
-	if err != nil {
-		return err
-	}
-	_, err = fmt.Fprintln(stdout, string(b))
-	return err
 }
 
 // keyFlags name one record.
@@ -316,7 +314,8 @@ type adminConn struct {
 
 func (c *adminConn) bind(fs *flag.FlagSet) {
 	fs.StringVar(&c.addr, "addr", "127.0.0.1:7350", "the server's gRPC address")
-	fs.StringVar(&c.token, "token", os.Getenv("IDEMREG_TOKEN"), "bearer token of an identity with an admin grant (IDEMREG_TOKEN)")
+	// No default from the environment here: -h prints defaults.
+	fs.StringVar(&c.token, "token", "", "bearer token of an identity with an admin grant")
 	fs.StringVar(&c.ca, "tls-ca", "", "PEM file of the CA that signed the server's certificate; TLS when set")
 	fs.StringVar(&c.cert, "tls-cert", "", "PEM client certificate, for an identity of its subject (with --tls-key)")
 	fs.StringVar(&c.key, "tls-key", "", "PEM key of --tls-cert")

@@ -349,12 +349,10 @@ func TestParkedCountFlag(t *testing.T) {
 			}
 			cfg := defaultConfig()
 			fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-			cfg.bind(fs, true)
+			cfg.bindServe(fs)
 			require.NoError(t, parse(fs, tc.args))
 			require.NoError(t, cfg.Validate())
-			sc, err := (&surface{access: access.Static(access.Open()), telemetry: &telemetry{}}).serverConfig(&cfg, nil)
-			require.NoError(t, err)
-			require.Equal(t, tc.want, sc.ParkedCountInterval)
+			require.Equal(t, tc.want, cfg.Server.ParkedCountInterval)
 		})
 	}
 }

@@ -6,37 +6,40 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/url"
-	"os"
+	"net"
+	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
+	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
 // config is everything serve, migrate and sweep read from flags and
-// environment.
+// environment. The libraries' settings are bound straight into their
+// configs (Server, Sweep), whose Validate holds their bounds; the rest is
+// the binary's own: listeners, files, the store and the logs.
 type config struct {
 	Listen      string
 	DatabaseURL string
 	DataDir     string
 	LogLevel    slog.Level
 	LogFormat   string
-	Limits      server.Limits
-	// PolicyFile is the retention policy file (--config); empty means the
-	// limits' defaults and bounds for every consumer.
+	// PolicyFile is the config file (--config); empty means the limits'
+	// defaults and bounds for every consumer, and no identities.
 	PolicyFile string
-	// Surface is serve's transport security, identities, overload limits,
-	// telemetry and extra listeners (surface.go).
-	Surface surfaceConfig
-	// SweepInterval is the time between serve's sweeps; zero turns them off.
-	SweepInterval time.Duration
-	// Sweep configures the sweeper of serve and of sweep.
-	Sweep retention.Config
-	// SQLBatchSize and SQLBatchWindow bound the coalescing of concurrent
-	// Claims and Completes on the SQL store (postgres.WithBatching).
+	// TLS are serve's certificate, key and client CAs; Plaintext allows
+	// serving without TLS on an address that is not loopback, and
+	// AllowUnauthenticated without identities.
+	TLS                             server.TLSFiles
+	Plaintext, AllowUnauthenticated bool
+	MetricsListen, HealthListen     string
+	// SQLBatchSize, SQLBatchWindow and SQLBatchSlots bound the coalescing
+	// of concurrent Claims and Completes on the SQL store
+	// (postgres.WithBatching).
 	SQLBatchSize   int
 	SQLBatchWindow time.Duration
 	SQLBatchSlots  int
@@ -48,24 +51,50 @@ type config struct {
 	// loopback only unless ConsoleAllowRemote says otherwise.
 	ConsoleListen      string
 	ConsoleAllowRemote bool
+
+	// Server is the server's configuration but for what serve builds
+	// itself (logger, access, TLS, telemetry).
+	Server server.Config
+	// Sweep configures the sweeper of serve and of sweep. Sweep.Interval
+	// is serve's time between sweeps, zero turning them off.
+	Sweep retention.Config
 }
 
+// defaultConfig holds the libraries' defaults, so that -h shows them and a
+// zero from the command line can be told from no flag.
 func defaultConfig() config {
 	return config{
 		Listen:    "127.0.0.1:7350",
 		DataDir:   "./idemreg-data",
 		LogLevel:  slog.LevelInfo,
 		LogFormat: "json",
-		Limits:    server.DefaultLimits(),
-		Surface:   defaultSurface(),
 
 		SQLBatchSize:   postgres.DefaultBatchSize,
 		SQLBatchWindow: postgres.DefaultBatchWindow,
 		SQLBatchSlots:  postgres.DefaultBatchInFlight,
+		Server: server.Config{
+			Limits:              server.DefaultLimits(),
+			RequestTimeout:      server.DefaultRequestTimeout,
+			MaxRequestTimeout:   server.DefaultMaxRequestTimeout,
+			MaxInFlight:         server.DefaultMaxInFlight,
+			MaxWaiters:          server.DefaultMaxWaiters,
+			WaitRecheck:         server.DefaultWaitRecheck,
+			QuotaRefresh:        server.DefaultQuotaRefresh,
+			ParkedCountInterval: server.DefaultParkedCountInterval,
+			StreamWorkers:       server.DefaultStreamWorkers,
+			Keepalive:           server.DefaultKeepalive(),
+			Bounds:              server.DefaultBounds(),
+			ShutdownTimeout:     10 * time.Second,
+			Readiness: server.Readiness{
+				Window:          server.DefaultReadinessWindow,
+				MinCalls:        server.DefaultReadinessMinCalls,
+				MaxFailureRatio: server.DefaultReadinessMaxFailureRatio,
+			},
+		},
 		// serve sweeps by default: the embedded store has no other sweeper
 		// (sweep cannot open it while serve holds it).
-		SweepInterval: retention.DefaultInterval,
 		Sweep: retention.Config{
+			Interval:     retention.DefaultInterval,
 			BatchSize:    retention.DefaultBatchSize,
 			BatchTimeout: retention.DefaultBatchTimeout,
 			Pause:        retention.DefaultPause,
@@ -73,21 +102,27 @@ func defaultConfig() config {
 	}
 }
 
-const databaseURLUsage = "PostgreSQL or CockroachDB URL (postgres://...); empty uses the embedded store in --data-dir"
+// bindCommon registers the flags serve and sweep share: the store and the
+// logs.
+func (c *config) bindCommon(fs *flag.FlagSet) {
+	fs.StringVar(&c.DatabaseURL, "database-url", c.DatabaseURL, "PostgreSQL or CockroachDB URL (postgres://...); empty uses the embedded store in --data-dir")
+	fs.StringVar(&c.DataDir, "data-dir", c.DataDir, "directory of the embedded store, used when --database-url is empty")
+	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log level: debug, info, warn, error")
+	fs.StringVar(&c.LogFormat, "log-format", c.LogFormat, "log format: json or text")
+}
 
-// bind registers the flags of cfg on fs.
-func (c *config) bind(fs *flag.FlagSet, serve bool) {
-	fs.StringVar(&c.DatabaseURL, "database-url", c.DatabaseURL, databaseURLUsage)
-	if !serve {
-		return
-	}
+// bindServe registers the flags of serve.
+func (c *config) bindServe(fs *flag.FlagSet) {
+	c.bindCommon(fs)
 	fs.StringVar(&c.Listen, "listen", c.Listen, "gRPC listen address")
-	c.bindLocal(fs)
 	fs.StringVar(&c.PolicyFile, "config", c.PolicyFile, "config file (YAML or JSON): retention policy (defaults and per-consumer lease and retention bounds, over the flags below), identities and rate limits; reloaded on SIGHUP")
-	c.Surface.bind(fs)
-	fs.DurationVar(&c.SweepInterval, "sweep-interval", c.SweepInterval, "time between sweeps of expired records; 0 turns the in-process sweeper off")
-	fs.IntVar(&c.Sweep.BatchSize, "sweep-batch-size", c.Sweep.BatchSize, "most records one sweep batch deletes")
-	fs.DurationVar(&c.Sweep.BatchTimeout, "sweep-batch-timeout", c.Sweep.BatchTimeout, "timeout of one sweep batch (the batch halves after one)")
+	fs.StringVar(&c.TLS.CertFile, "tls-cert", c.TLS.CertFile, "PEM certificate chain of the server; with --tls-key, serve TLS (files are re-read when they change)")
+	fs.StringVar(&c.TLS.KeyFile, "tls-key", c.TLS.KeyFile, "PEM private key of --tls-cert")
+	fs.StringVar(&c.TLS.ClientCAFile, "tls-client-ca", c.TLS.ClientCAFile, "PEM CAs of client certificates: every client must present one they sign (mTLS); identities match its URI SAN, DNS SAN or subject")
+	fs.BoolVar(&c.Plaintext, "plaintext", c.Plaintext, "serve without TLS on an address that is not loopback (behind a mesh that encrypts)")
+	fs.BoolVar(&c.AllowUnauthenticated, "allow-unauthenticated", c.AllowUnauthenticated, "serve an address that is not loopback without identities in --config: every caller may use every consumer")
+	fs.StringVar(&c.MetricsListen, "metrics-listen", c.MetricsListen, "serve Prometheus metrics on http://ADDR/metrics (off when empty)")
+	fs.StringVar(&c.HealthListen, "health-listen", c.HealthListen, "serve grpc.health.v1 alone, in plaintext, on this address, for Kubernetes gRPC probes (off when empty)")
 	fs.IntVar(&c.SQLBatchSize, "sql-batch-size", c.SQLBatchSize, "SQL store: most concurrent Claims (or Completes) sent as one statement; 1 sends each alone")
 	fs.DurationVar(&c.SQLBatchWindow, "sql-batch-window", c.SQLBatchWindow, "SQL store: longest a queued Claim or Complete waits for a statement slot before its batch is sent anyway")
 	fs.IntVar(&c.SQLBatchSlots, "sql-batch-slots", c.SQLBatchSlots, "SQL store: statements of each kind (Claim, Complete) that run at once before calls queue into batches")
@@ -95,7 +130,14 @@ func (c *config) bind(fs *flag.FlagSet, serve bool) {
 	fs.BoolVar(&c.PprofAllowRemote, "pprof-allow-remote", c.PprofAllowRemote, "allow --pprof-listen on an address that is not loopback: anyone who reaches it can profile the process")
 	fs.StringVar(&c.ConsoleListen, "console-listen", c.ConsoleListen, "serve the operator console (look up and invalidate records, as the signed-in identity) on http://ADDR, a loopback address (off when empty)")
 	fs.BoolVar(&c.ConsoleAllowRemote, "console-allow-remote", c.ConsoleAllowRemote, "allow --console-listen on an address that is not loopback: the console speaks plaintext HTTP, so sign-in tokens and records cross the network unencrypted")
-	l := &c.Limits
+	fs.DurationVar(&c.Sweep.Interval, "sweep-interval", c.Sweep.Interval, "time between sweeps of expired records; 0 turns the in-process sweeper off")
+	fs.IntVar(&c.Sweep.BatchSize, "sweep-batch-size", c.Sweep.BatchSize, "most records one sweep batch deletes")
+	fs.DurationVar(&c.Sweep.BatchTimeout, "sweep-batch-timeout", c.Sweep.BatchTimeout, "timeout of one sweep batch (the batch halves after one)")
+
+	// The server's flags are named after the fields they set
+	// (MaxInFlight is --max-in-flight), so its errors name them (named).
+	s := &c.Server
+	l := &s.Limits
 	fs.DurationVar(&l.DefaultLease, "default-lease", l.DefaultLease, "lease of a Claim or Extend that gives none")
 	fs.DurationVar(&l.MinLease, "min-lease", l.MinLease, "smallest lease a request may ask for")
 	fs.DurationVar(&l.MaxLease, "max-lease", l.MaxLease, "largest lease a request may ask for")
@@ -105,43 +147,93 @@ func (c *config) bind(fs *flag.FlagSet, serve bool) {
 	fs.DurationVar(&l.MaxRetention, "max-retention", l.MaxRetention, "largest retention a request may ask for")
 	fs.DurationVar(&l.MaxLeaseTotal, "max-lease-total", l.MaxLeaseTotal, "longest one attempt may hold a key, its Claim's lease and every Extend together (at least --max-lease; 0: no bound)")
 	fs.IntVar(&l.MaxResultBytes, "max-result-bytes", l.MaxResultBytes, "largest encoded result Complete accepts")
+	fs.DurationVar(&s.RequestTimeout, "request-timeout", s.RequestTimeout, "budget of a request that carries no deadline")
+	fs.DurationVar(&s.MaxRequestTimeout, "max-request-timeout", s.MaxRequestTimeout, "longest deadline a request may carry; longer ones are cut to it")
+	fs.IntVar(&s.MaxInFlight, "max-in-flight", s.MaxInFlight, "most store operations at once; beyond it calls fail at once with UNAVAILABLE (OVERLOADED)")
+	fs.IntVar(&s.MaxInFlightPerIdentity, "max-in-flight-per-identity", s.MaxInFlightPerIdentity, "most store operations at once of one identity of --config, so one tenant cannot take every slot (0: half of --max-in-flight; --max-in-flight turns it off)")
+	fs.IntVar(&s.MaxWaiters, "max-waiters", s.MaxWaiters, "most Claims waiting at once for a key in progress (ClaimRequest.wait); beyond it a Claim answers at once")
+	fs.DurationVar(&s.WaitRecheck, "wait-recheck", s.WaitRecheck, "how often a waiting Claim looks for changes made through other replicas: how late it may wake for them")
+	fs.DurationVar(&s.QuotaRefresh, "quota-refresh", s.QuotaRefresh, "how often the live records and bytes of the consumers with a quota (max_records, max_bytes in --config) are counted in the store: how late a replica learns of other replicas' new keys")
+	offAtZeroVar(fs, &s.ParkedCountInterval, time.ParseDuration, "parked-count-interval", "how often the parked records of every consumer are counted in the store (from its index of parked records) for the idemreg_parked_records gauge; 0 turns the gauge off")
+	offAtZeroVar(fs, &s.StreamWorkers, strconv.Atoi, "stream-workers", "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
+	fs.DurationVar(&s.Keepalive.MaxConnectionAge, "max-connection-age", s.Keepalive.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
+	fs.DurationVar(&s.Keepalive.MaxConnectionIdle, "max-connection-idle", s.Keepalive.MaxConnectionIdle, "close client connections that have had no call for this long")
+	b := &s.Bounds
+	fs.Var(uint32Value{&b.MaxHeaderListSize}, "max-header-list-size", "largest header list of one call, in bytes (names, values and 32 bytes per field); a call over it is refused before any handler")
+	fs.Var(uint32Value{&b.MaxConcurrentStreams}, "max-concurrent-streams", "most calls open at once on one connection; clients queue beyond it")
+	fs.IntVar(&b.MaxConnections, "max-connections", b.MaxConnections, "most connections each listener (gRPC, health) holds open; beyond it new ones wait to be accepted")
+	fs.IntVar(&b.MaxPublicStreams, "max-public-streams", b.MaxPublicStreams, "most health Watch and reflection streams (which need no credentials) open at once; beyond it they fail with RESOURCE_EXHAUSTED")
+	fs.IntVar(&b.MaxCallsPerIdentity, "max-calls-per-identity", b.MaxCallsPerIdentity, "most calls one identity of --config has in progress at once; beyond it they fail with RESOURCE_EXHAUSTED (TOO_MANY_CALLS)")
+	fs.DurationVar(&b.ConnectionTimeout, "connection-timeout", b.ConnectionTimeout, "longest a new connection may take over its TLS and HTTP/2 handshakes")
+	r := &s.Readiness
+	fs.IntVar(&r.Window, "readiness-window", r.Window, "health intervals (2 s each) over which the store calls' failure rate decides readiness")
+	fs.IntVar(&r.MinCalls, "readiness-min-calls", r.MinCalls, "fewest store calls in the readiness window for their failure rate to count")
+	fs.Float64Var(&r.MaxFailureRatio, "readiness-max-failure-ratio", r.MaxFailureRatio, "share of failed store calls in the readiness window, in (0, 1], at which serve reports NOT_SERVING")
+	fs.DurationVar(&s.DrainDelay, "drain-delay", s.DrainDelay, "on SIGTERM, keep serving this long after health turns NOT_SERVING, for load balancers to notice")
+	fs.DurationVar(&s.ShutdownTimeout, "shutdown-timeout", s.ShutdownTimeout, "on SIGTERM, longest wait for calls in flight before connections are cut")
+	fs.BoolVar(&s.DisableReflection, "disable-reflection", s.DisableReflection, "turn gRPC server reflection off")
 }
 
-// bindLocal registers the flags of the embedded store and the logs.
-func (c *config) bindLocal(fs *flag.FlagSet) {
-	fs.StringVar(&c.DataDir, "data-dir", c.DataDir, "directory of the embedded store, used when --database-url is empty")
-	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log level: debug, info, warn, error")
-	fs.StringVar(&c.LogFormat, "log-format", c.LogFormat, "log format: json or text")
-}
-
-// bindSweep registers the flags of the sweep command on fs.
+// bindSweep registers the flags of sweep.
 func (c *config) bindSweep(fs *flag.FlagSet) {
-	fs.StringVar(&c.DatabaseURL, "database-url", c.DatabaseURL, databaseURLUsage)
-	c.bindLocal(fs)
+	c.bindCommon(fs)
 	fs.IntVar(&c.Sweep.BatchSize, "batch-size", c.Sweep.BatchSize, "most records one batch deletes")
 	fs.DurationVar(&c.Sweep.BatchTimeout, "batch-timeout", c.Sweep.BatchTimeout, "timeout of one batch; after a timeout the batch size halves")
-	fs.DurationVar(&c.Sweep.Pause, "pause", c.Sweep.Pause, "mean pause between batches, jittered by ±50%, to leave the store to live traffic")
+	offAtZeroVar(fs, &c.Sweep.Pause, time.ParseDuration, "pause", "mean pause between batches, jittered by ±50%, to leave the store to live traffic; 0: none")
 	fs.DurationVar(&c.Sweep.MaxDuration, "max-duration", c.Sweep.MaxDuration, "stop starting batches after this long (exit status 3 if expired records may be left); 0 means no limit")
 }
 
-// parse reads environment variables first, then flags, so flags win.
-func parse(fs *flag.FlagSet, args []string) error {
-	var envErr error
-	fs.VisitAll(func(f *flag.Flag) {
-		name := "IDEMREG_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if v, ok := os.LookupEnv(name); ok {
-			if err := f.Value.Set(v); err != nil {
-				envErr = errors.Join(envErr, fmt.Errorf("%s: %w", name, err))
-			}
-		}
-	})
-	if envErr != nil {
-		return envErr
-	}
-	return fs.Parse(args)
+// offAtZeroVar binds a flag whose 0 turns something off to a library
+// field where zero takes the default and a negative value turns it off.
+func offAtZeroVar[T int | time.Duration](fs *flag.FlagSet, p *T, parse func(string) (T, error), name, usage string) {
+	fs.Var(offAtZero[T]{p, parse, name}, name, usage)
 }
 
-// Validate reports settings that cannot work together.
+type offAtZero[T int | time.Duration] struct {
+	p     *T
+	parse func(string) (T, error)
+	name  string
+}
+
+func (o offAtZero[T]) Set(s string) error {
+	v, err := o.parse(s)
+	switch {
+	case err != nil:
+		return err
+	case v < 0:
+		return fmt.Errorf("--%s must not be negative (0 turns it off)", o.name)
+	case v == 0:
+		v = -1
+	}
+	*o.p = v
+	return nil
+}
+
+func (o offAtZero[T]) String() string {
+	if o.p == nil || *o.p < 0 {
+		return "0"
+	}
+	return fmt.Sprint(*o.p)
+}
+
+// uint32Value is a flag of a uint32 field (grpc's bounds).
+type uint32Value struct{ p *uint32 }
+
+func (u uint32Value) Set(s string) error {
+	n, err := strconv.ParseUint(s, 10, 32)
+	*u.p = uint32(n)
+	return err
+}
+
+func (u uint32Value) String() string {
+	if u.p == nil {
+		return "0"
+	}
+	return strconv.FormatUint(uint64(*u.p), 10)
+}
+
+// Validate reports settings that cannot work together: the binary's own,
+// then each library's Validate, its errors naming the flags.
 func (c *config) Validate() error {
 	var errs []error
 	if c.Listen == "" {
@@ -151,9 +243,10 @@ func (c *config) Validate() error {
 		errs = append(errs, errors.New("either --database-url or --data-dir is required"))
 	}
 	if c.DatabaseURL != "" {
-		if u, err := url.Parse(c.DatabaseURL); err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-			errs = append(errs, fmt.Errorf("--database-url must be a postgres:// URL, got %q", postgres.Redact(c.DatabaseURL)))
-		}
+		errs = append(errs, validDatabaseURL(c.DatabaseURL))
+	}
+	if c.LogFormat != "json" && c.LogFormat != "text" {
+		errs = append(errs, fmt.Errorf("--log-format must be json or text, got %q", c.LogFormat))
 	}
 	if c.PprofListen != "" && !isLoopback(c.PprofListen) && !c.PprofAllowRemote {
 		// Profiles, goroutine stacks and the heap show internals to
@@ -165,46 +258,133 @@ func (c *config) Validate() error {
 		// every record it shows, would cross the network in the clear.
 		errs = append(errs, fmt.Errorf("--console-listen %s is not a loopback address: the console serves plaintext HTTP; bind it to loopback (reach it through a tunnel or a TLS proxy) or pass --console-allow-remote explicitly", c.ConsoleListen))
 	}
-	if c.LogFormat != "json" && c.LogFormat != "text" {
-		errs = append(errs, fmt.Errorf("--log-format must be json or text, got %q", c.LogFormat))
+	t := c.TLS
+	if (t.CertFile == "") != (t.KeyFile == "") {
+		errs = append(errs, errors.New("--tls-cert and --tls-key go together"))
 	}
-	if err := c.Limits.Validate(); err != nil {
-		errs = append(errs, err)
+	if t.ClientCAFile != "" && t.CertFile == "" {
+		errs = append(errs, errors.New("--tls-client-ca needs --tls-cert and --tls-key"))
 	}
-	errs = append(errs, c.Surface.validate(c.Listen)...)
-	if c.SweepInterval < 0 {
-		errs = append(errs, fmt.Errorf("--sweep-interval must not be negative (0 turns sweeping off), got %v", c.SweepInterval))
+	if c.Plaintext && t.CertFile != "" {
+		errs = append(errs, errors.New("--plaintext contradicts --tls-cert"))
+	}
+	if t.CertFile == "" && !c.Plaintext && c.Listen != "" && !isLoopback(c.Listen) {
+		errs = append(errs, fmt.Errorf("--listen %s is not a loopback address: serve TLS (--tls-cert, --tls-key) or pass --plaintext explicitly", c.Listen))
+	}
+	errs = append(errs, c.commandLineBounds()...)
+	if err := c.Server.Validate(); err != nil {
+		errs = append(errs, named(err))
+	}
+	sw := c.Sweep
+	if sw.Interval < 0 {
+		errs = append(errs, fmt.Errorf("--sweep-interval must not be negative (0 turns sweeping off), got %v", sw.Interval))
+		sw.Interval = 0 // said once, in the flag's words
 	}
 	switch {
-	case c.Sweep.BatchSize < 1:
-		errs = append(errs, fmt.Errorf("the sweep batch size must be positive, got %d", c.Sweep.BatchSize))
-	case c.Sweep.BatchTimeout <= 0:
-		errs = append(errs, fmt.Errorf("the sweep batch timeout must be positive, got %v", c.Sweep.BatchTimeout))
-	case c.Sweep.Pause < 0:
-		errs = append(errs, fmt.Errorf("the pause between sweep batches must not be negative, got %v", c.Sweep.Pause))
+	case sw.BatchSize < 1:
+		errs = append(errs, fmt.Errorf("the sweep batch size must be positive, got %d", sw.BatchSize))
+	case sw.BatchTimeout <= 0:
+		errs = append(errs, fmt.Errorf("the sweep batch timeout must be positive, got %v", sw.BatchTimeout))
 	}
-	if err := c.sweeper(nil).Validate(); err != nil {
+	if err := sw.Validate(); err != nil {
 		errs = append(errs, fmt.Errorf("sweep: %w", err))
 	}
 	return errors.Join(errs...)
 }
 
-// sweeper returns the sweeper's configuration: a zero pause on the command
-// line means none, where retention.Config takes zero for its default.
+// commandLineBounds are the server's settings the command line refuses
+// although the library would take them: a flag shows its default, so a
+// zero given is not "the default", and is more likely meant as "no bound",
+// which there is not; and the costs of counting too often.
+func (c *config) commandLineBounds() []error {
+	var errs []error
+	s := c.Server
+	if s.RequestTimeout == 0 || s.MaxRequestTimeout == 0 {
+		errs = append(errs, errors.New("--request-timeout and --max-request-timeout must be positive"))
+	}
+	if s.MaxInFlight < 1 {
+		errs = append(errs, fmt.Errorf("--max-in-flight must be positive, got %d", s.MaxInFlight))
+	}
+	if s.MaxInFlightPerIdentity > s.MaxInFlight {
+		errs = append(errs, fmt.Errorf("--max-in-flight-per-identity must be between 0 (half of --max-in-flight) and --max-in-flight (%d), got %d", s.MaxInFlight, s.MaxInFlightPerIdentity))
+	}
+	if s.MaxWaiters < 1 {
+		errs = append(errs, fmt.Errorf("--max-waiters must be positive, got %d", s.MaxWaiters))
+	}
+	if s.WaitRecheck == 0 {
+		errs = append(errs, fmt.Errorf("--wait-recheck must be between 1ms and %v, got 0s", server.MaxWait))
+	}
+	if s.QuotaRefresh < time.Second {
+		errs = append(errs, fmt.Errorf("--quota-refresh must be at least 1s (each refresh counts every record of the consumers with a quota), got %v", s.QuotaRefresh))
+	}
+	if s.ParkedCountInterval > 0 && s.ParkedCountInterval < time.Second {
+		errs = append(errs, fmt.Errorf("--parked-count-interval must be at least 1s, or 0 to turn the parked records gauge off, got %v", s.ParkedCountInterval))
+	}
+	if k := s.Keepalive; k.MaxConnectionAge == 0 || k.MaxConnectionIdle == 0 {
+		errs = append(errs, fmt.Errorf("--max-connection-age and --max-connection-idle must be positive, got %v and %v", k.MaxConnectionAge, k.MaxConnectionIdle))
+	}
+	if b := s.Bounds; b.MaxHeaderListSize == 0 || b.MaxConcurrentStreams == 0 || b.MaxConnections <= 0 || b.MaxPublicStreams <= 0 || b.MaxCallsPerIdentity <= 0 || b.ConnectionTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("--max-header-list-size (%d), --max-concurrent-streams (%d), --max-connections (%d), --max-public-streams (%d), --max-calls-per-identity (%d) and --connection-timeout (%v) must be positive",
+			b.MaxHeaderListSize, b.MaxConcurrentStreams, b.MaxConnections, b.MaxPublicStreams, b.MaxCallsPerIdentity, b.ConnectionTimeout))
+	}
+	if r := s.Readiness; r.Window <= 0 || r.MinCalls <= 0 || r.MaxFailureRatio <= 0 {
+		errs = append(errs, fmt.Errorf("--readiness-window (%d), --readiness-min-calls (%d) and --readiness-max-failure-ratio (%v) must be positive", r.Window, r.MinCalls, r.MaxFailureRatio))
+	}
+	if s.ShutdownTimeout == 0 {
+		errs = append(errs, errors.New("--shutdown-timeout must be positive"))
+	}
+	return errs
+}
+
+// named gives the server's field errors the names of the flags that set
+// the fields: each is the field's name in kebab case.
+func named(err error) error {
+	errs := []error{err}
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		errs = joined.Unwrap()
+	}
+	var out []error
+	for _, e := range errs {
+		if ce, ok := e.(*server.ConfigError); ok {
+			field := ce.Field[strings.LastIndex(ce.Field, ".")+1:]
+			var name strings.Builder
+			for i, r := range field {
+				if unicode.IsUpper(r) && i > 0 {
+					name.WriteByte('-')
+				}
+				name.WriteRune(unicode.ToLower(r))
+			}
+			e = fmt.Errorf("--%s %s, got %v", name.String(), ce.Problem, ce.Value)
+		}
+		out = append(out, e)
+	}
+	return errors.Join(out...)
+}
+
+// sweeper is the sweeper's configuration, logging to logger.
 func (c *config) sweeper(logger *slog.Logger) retention.Config {
 	rc := c.Sweep
-	if rc.Pause == 0 {
-		rc.Pause = -1
-	}
-	rc.Interval = c.SweepInterval
 	rc.Logger = logger
 	return rc
 }
 
+// logger is the command's logger, which every package it wires is given:
+// durations as "1m0s", and the trace and span of a traced call's lines
+// (telemetry.NewLogger).
 func (c *config) logger(w io.Writer) *slog.Logger {
-	opts := &slog.HandlerOptions{Level: c.LogLevel}
-	if c.LogFormat == "text" {
-		return slog.New(slog.NewTextHandler(w, opts))
+	return telemetry.NewLogger(w, c.LogFormat, c.LogLevel)
+}
+
+// isLoopback reports whether a listen address is reachable from this host
+// only.
+func isLoopback(listen string) bool {
+	host, _, err := net.SplitHostPort(listen)
+	if err != nil {
+		return false
 	}
-	return slog.New(slog.NewJSONHandler(w, opts))
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }

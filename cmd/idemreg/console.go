@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"time"
 
 	"google.golang.org/grpc"
@@ -27,7 +26,7 @@ func startConsole(ctx context.Context, cfg *config, src *access.Source, grpcAddr
 	if addr == "" {
 		return func() {}, nil
 	}
-	if cfg.Surface.TLSCert != "" {
+	if cfg.TLS.CertFile != "" {
 		// The loopback connection would need a client certificate under
 		// mTLS, and the console would have to forward the operator's.
 		return nil, errors.New("--console-listen does not work with --tls-cert yet: the console reaches the AdminService over a plaintext loopback connection")
@@ -63,24 +62,13 @@ func startConsole(ctx context.Context, cfg *config, src *access.Source, grpcAddr
 		_ = conn.Close()
 		return nil, err
 	}
-	lis, err := net.Listen("tcp", addr)
+	stopHTTP, bound, err := serveHTTP("console", addr, h, logger)
 	if err != nil {
 		_ = conn.Close()
-		return nil, fmt.Errorf("console: listening on %s: %w", addr, err)
+		return nil, err
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second, MaxHeaderBytes: 64 << 10}
-	go func() {
-		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			logger.Error("console server stopped", "error", err)
-		}
-	}()
-	logger.Info("serving console", "listen", lis.Addr().String(), "sign_in", signIn != nil)
-	return func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(ctx)
-		_ = conn.Close()
-	}, nil
+	logger.Info("serving console", "listen", bound.String(), "sign_in", signIn != nil)
+	return func() { stopHTTP(); _ = conn.Close() }, nil
 }
 
 // consoleSweepLag is the console's SweepLag for store: nil when the store

@@ -43,7 +43,7 @@ func TestConsoleListenLoopbackOnly(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := defaultConfig()
 			fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-			cfg.bind(fs, true)
+			cfg.bindServe(fs)
 			require.NoError(t, parse(fs, tc.args))
 			err := cfg.Validate()
 			if !tc.refused {

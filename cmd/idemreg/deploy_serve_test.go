@@ -88,20 +88,20 @@ func TestDeployServe(t *testing.T) {
 	cfg := defaultConfig()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	cfg.bind(fs, true)
+	cfg.bindServe(fs)
 	require.NoError(t, fs.Parse(c.Args[1:]), "the Deployment's arguments are flags of idemreg serve")
 	cfg.DatabaseURL = "postgresql://from-the-secret/idemreg"
 	require.NoError(t, cfg.Validate())
-	sc := cfg.Surface
-	require.NotEmpty(t, sc.TLSClientCA, "callers are identified by mTLS")
+	sc := cfg.Server
+	require.NotEmpty(t, cfg.TLS.ClientCAFile, "callers are identified by mTLS")
 
 	ports := map[string]int{}
 	for _, p := range c.Ports {
 		ports[p.Name] = p.ContainerPort
 	}
 	require.Equal(t, port(t, cfg.Listen), ports["grpc"])
-	require.Equal(t, port(t, sc.HealthListen), ports["health"])
-	require.Equal(t, port(t, sc.MetricsListen), ports["metrics"])
+	require.Equal(t, port(t, cfg.HealthListen), ports["health"])
+	require.Equal(t, port(t, cfg.MetricsListen), ports["metrics"])
 	for name, p := range map[string]probe{"startup": c.StartupProbe, "readiness": c.ReadinessProbe, "liveness": c.LivenessProbe} {
 		require.Equal(t, ports["health"], p.GRPC.Port, "%s probe on the plaintext health listener", name)
 	}
@@ -118,7 +118,7 @@ func TestDeployServe(t *testing.T) {
 		mounts[m.Name] = m.MountPath
 	}
 	require.Equal(t, mounts["config"], filepath.Dir(cfg.PolicyFile))
-	for _, f := range []string{sc.TLSCert, sc.TLSKey, sc.TLSClientCA} {
+	for _, f := range []string{cfg.TLS.CertFile, cfg.TLS.KeyFile, cfg.TLS.ClientCAFile} {
 		require.Equal(t, mounts["tls"], filepath.Dir(f))
 	}
 
@@ -131,7 +131,7 @@ func TestDeployServe(t *testing.T) {
 	}
 	require.NoError(t, yaml.Unmarshal(rawCM, &cm))
 	// serve reads the file whole, as one config.
-	file, err := configfile.Parse([]byte(cm.Data[filepath.Base(cfg.PolicyFile)]), cfg.Limits.Policy())
+	file, err := configfile.Parse([]byte(cm.Data[filepath.Base(cfg.PolicyFile)]), cfg.Server.Limits.Policy())
 	require.NoError(t, err)
 	set := file.Access
 	require.True(t, set.Enforced())
@@ -256,16 +256,16 @@ func TestDeployExposure(t *testing.T) {
 	cfg := defaultConfig()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	cfg.bind(fs, true)
+	cfg.bindServe(fs)
 	require.NoError(t, fs.Parse(c.Args[1:]))
-	sc := cfg.Surface
+	sc := cfg.Server
 
 	env := map[string]string{}
 	for _, e := range c.Env {
 		env[e.Name] = e.ValueFrom.FieldRef.FieldPath
 	}
 	require.Equal(t, "status.podIP", env["POD_IP"])
-	for name, addr := range map[string]string{"--health-listen": sc.HealthListen, "--metrics-listen": sc.MetricsListen} {
+	for name, addr := range map[string]string{"--health-listen": cfg.HealthListen, "--metrics-listen": cfg.MetricsListen} {
 		host, _, err := net.SplitHostPort(addr)
 		require.NoError(t, err)
 		require.Equal(t, "$(POD_IP)", host, "%s on the pod's IP, not every interface", name)

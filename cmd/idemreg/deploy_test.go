@@ -117,7 +117,7 @@ func TestDeployMigrateJob(t *testing.T) {
 	// Without the Secret's URL, migrate parses its arguments and stops
 	// before connecting anywhere.
 	t.Setenv("IDEMREG_DATABASE_URL", "")
-	err = migrate(t.Context(), c.Args[1:], io.Discard, io.Discard)
+	err = run(t.Context(), c.Args, io.Discard, io.Discard)
 	require.ErrorContains(t, err, "migrate needs --database-url", "the Job's arguments are flags of idemreg migrate")
 
 	deadline := time.Duration(job.Spec.ActiveDeadlineSeconds) * time.Second

@@ -6,12 +6,14 @@
 //	idemreg health    ask a server's health listener whether it is serving
 //	idemreg admin     list, inspect, resolve or invalidate records on a running server
 //	idemreg new-token make a bearer token and the hash the config file keeps
+//	idemreg version   print the module version, VCS revision and Go version
 //
 // The load generator is a command of its own, cmd/idemreg-bench, so that
 // this binary links none of its baselines' clients.
 //
 // Every flag can also be set by an IDEMREG_* environment variable named
-// after it (--database-url is IDEMREG_DATABASE_URL); flags win.
+// after it (--database-url is IDEMREG_DATABASE_URL), which -h shows; flags
+// win.
 package main
 
 import (
@@ -22,6 +24,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 )
 
@@ -36,16 +39,31 @@ Usage:
   idemreg new-token         print a new bearer token and its hash for --config
   idemreg admin   CMD       list, inspect, resolve or invalidate records on a running
                             server (idemreg admin help)
+  idemreg version           print the module version, VCS revision and Go version
 
-Run "idemreg <command> -h" for the flags of a command.
+Run "idemreg <command> -h" for the flags of a command. Every flag can be
+set by the IDEMREG_* environment variable its help names; a flag wins.
 `
+
+// A command binds its flags on fs and returns what runs it once they are
+// parsed.
+type command func(fs *flag.FlagSet) func(ctx context.Context, stdout, stderr io.Writer) error
+
+var commands = map[string]command{
+	"serve":     serveCommand,
+	"migrate":   migrateCommand,
+	"sweep":     sweepCommand,
+	"health":    healthCommand,
+	"new-token": newTokenCommand,
+	"version":   versionCommand,
+}
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			os.Exit(2)
+			os.Exit(0) // asked for, and printed
 		}
 		fmt.Fprintln(os.Stderr, "idemreg:", err)
 		var exit *exitError
@@ -62,16 +80,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return errors.New("no command given")
 	}
 	switch args[0] {
-	case "serve":
-		return serve(ctx, args[1:], stderr)
-	case "migrate":
-		return migrate(ctx, args[1:], stdout, stderr)
-	case "sweep":
-		return sweep(ctx, args[1:], stdout, stderr)
-	case "health":
-		return health(ctx, args[1:], stdout, stderr)
-	case "new-token":
-		return newToken(ctx, args[1:], stdout, stderr)
 	case "admin":
 		return admin(ctx, args[1:], stdout, stderr)
 	case "bench":
@@ -81,8 +89,81 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return nil
-	default:
+	case "--version":
+		args[0] = "version"
+	}
+	cmd, ok := commands[args[0]]
+	if !ok {
 		fmt.Fprint(stderr, usage)
 		return fmt.Errorf("unknown command %q", args[0])
 	}
+	return runCommand(ctx, args[0], "[flags]", cmd, args[1:], stdout, stderr)
 }
+
+// runCommand parses a command's flags from the environment and args, and
+// runs it.
+func runCommand(ctx context.Context, name, synopsis string, cmd command, args []string, stdout, stderr io.Writer) error {
+	fs, exec := flagSet(name, synopsis, stderr, cmd)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%s: unexpected arguments %q", name, fs.Args())
+	}
+	return exec(ctx, stdout, stderr)
+}
+
+// flagSet makes the flag set of a command, binds its flags and names each
+// flag's environment variable in its help.
+func flagSet(name, synopsis string, stderr io.Writer, cmd command) (*flag.FlagSet, func(context.Context, io.Writer, io.Writer) error) {
+	name = "idemreg " + name
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "usage: %s %s\n", name, synopsis)
+		if hasFlags(fs) {
+			fmt.Fprint(stderr, "\nflags (each also read from the environment variable shown; a flag given wins):\n")
+			fs.PrintDefaults()
+		}
+	}
+	exec := cmd(fs)
+	fs.VisitAll(func(f *flag.Flag) { f.Usage += " ($" + envName(f.Name) + ")" })
+	return fs, exec
+}
+
+func hasFlags(fs *flag.FlagSet) bool {
+	n := 0
+	fs.VisitAll(func(*flag.Flag) { n++ })
+	return n > 0
+}
+
+// parse reads environment variables first, then flags, so flags win.
+func parse(fs *flag.FlagSet, args []string) error {
+	var envErr error
+	fs.VisitAll(func(f *flag.Flag) {
+		if v, ok := os.LookupEnv(envName(f.Name)); ok {
+			if err := f.Value.Set(v); err != nil {
+				envErr = errors.Join(envErr, fmt.Errorf("%s: %w", envName(f.Name), err))
+			}
+		}
+	})
+	if envErr != nil {
+		return envErr
+	}
+	return fs.Parse(args)
+}
+
+// envName is the environment variable of a flag: --database-url is
+// IDEMREG_DATABASE_URL.
+func envName(flag string) string {
+	return "IDEMREG_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))
+}
+
+// exitError is an error that sets the process's exit status.
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Unwrap() error { return e.err }

@@ -1,16 +1,11 @@
 package main
 
 import (
-	"context"
-	"errors"
-	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/pprof"
 	"strings"
-	"time"
 
 	"github.com/idemreg/idemreg/storage/postgres"
 )
@@ -31,22 +26,12 @@ func startPprof(addr string, args []string, logger *slog.Logger) (stop func(), e
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	lis, err := net.Listen("tcp", addr)
+	stop, bound, err := serveHTTP("pprof", addr, mux, logger)
 	if err != nil {
-		return nil, fmt.Errorf("pprof: listening on %s: %w", addr, err)
+		return nil, err
 	}
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() {
-		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			logger.Error("pprof server stopped", "error", err)
-		}
-	}()
-	logger.Info("pprof serving", "listen", lis.Addr().String())
-	return func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_ = srv.Shutdown(ctx)
-	}, nil
+	logger.Info("pprof serving", "listen", bound.String())
+	return stop, nil
 }
 
 // redactedCmdline answers as pprof.Cmdline does (the arguments separated

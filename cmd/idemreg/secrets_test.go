@@ -120,7 +120,7 @@ func TestPprofListenLoopbackOnly(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := defaultConfig()
 			fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-			cfg.bind(fs, true)
+			cfg.bindServe(fs)
 			require.NoError(t, parse(fs, tc.args))
 			err := cfg.Validate()
 			if !tc.refused {
@@ -139,7 +139,7 @@ func TestPprofListenLoopbackOnly(t *testing.T) {
 		t.Setenv("IDEMREG_PPROF_ALLOW_REMOTE", "true")
 		cfg := defaultConfig()
 		fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-		cfg.bind(fs, true)
+		cfg.bindServe(fs)
 		require.NoError(t, parse(fs, nil))
 		require.NoError(t, cfg.Validate())
 	})

@@ -2,33 +2,38 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
-	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 
+	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
-func serve(ctx context.Context, args []string, stderr io.Writer) error {
+// serveCommand binds the flags of serve, the gRPC service.
+func serveCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
 	cfg := defaultConfig()
-	fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	cfg.bind(fs, true)
-	if err := parse(fs, args); err != nil {
-		return err
-	}
+	cfg.bindServe(fs)
+	return func(ctx context.Context, _, stderr io.Writer) error { return serve(ctx, &cfg, stderr) }
+}
+
+func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
@@ -39,37 +44,54 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	defer stopPprof()
-	file, err := loadConfig(&cfg, logger)
+	file, err := loadConfig(cfg, logger)
 	if err != nil {
 		return err
 	}
 	stopReload := reloadOnSIGHUP(file, logger)
 	defer stopReload()
-	surface, err := startSurface(ctx, &cfg, file, logger)
+	callers, err := checkAccess(cfg, file, logger)
 	if err != nil {
 		return err
 	}
-	defer surface.close()
+	tel, err := telemetry.Start(ctx, "idemreg", logger)
+	if err != nil {
+		return err
+	}
+	defer tel.Shutdown()
+	if cfg.MetricsListen != "" {
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", tel.Metrics())
+		stop, addr, err := serveHTTP("metrics", cfg.MetricsListen, mux, logger)
+		if err != nil {
+			return err
+		}
+		defer stop()
+		logger.Info("serving metrics", "listen", addr.String())
+	}
 
-	store, err := openStore(ctx, &cfg, logger)
+	store, err := openStore(ctx, cfg, logger, tel.Meters)
 	if err != nil {
 		return err
 	}
 	defer store.Close()
 
-	srvCfg, err := surface.serverConfig(&cfg, logger)
-	if err != nil {
-		return err
+	srvCfg := cfg.Server
+	srvCfg.Logger, srvCfg.Access, srvCfg.File = logger, callers, file
+	srvCfg.MeterProvider, srvCfg.TracerProvider = tel.Meters, tel.Tracers
+	if cfg.TLS.CertFile != "" {
+		if srvCfg.TLS, err = server.TLSConfig(cfg.TLS, logger); err != nil {
+			return err
+		}
 	}
-	srvCfg.File = file
 	srv, err := server.New(store, srvCfg)
 	if err != nil {
 		return err
 	}
-	if err := serveHealth(srv, cfg.Surface.HealthListen, logger); err != nil {
+	if err := serveHealth(srv, cfg.HealthListen, logger); err != nil {
 		return err
 	}
-	stopSweeper, err := startSweeper(ctx, &cfg, store, logger)
+	stopSweeper, err := startSweeper(ctx, cfg, store, logger)
 	if err != nil {
 		return err
 	}
@@ -78,7 +100,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.Listen, err)
 	}
-	stopConsole, err := startConsole(ctx, &cfg, surface.access, lis.Addr(), store, logger)
+	stopConsole, err := startConsole(ctx, cfg, callers, lis.Addr(), store, logger)
 	if err != nil {
 		_ = lis.Close()
 		return err
@@ -92,12 +114,75 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	return nil
 }
 
+// checkAccess returns who may call (the identities and rate limits of
+// --config; everyone when there is none) after checking that serve is not
+// opened wider than asked for.
+func checkAccess(cfg *config, file *configfile.Source, logger *slog.Logger) (*access.Source, error) {
+	src := access.Static(access.Open())
+	if file != nil {
+		src = file.Access()
+	}
+	set := src.Current()
+	switch {
+	case set.Enforced():
+		logger.Info("authentication on", "identities", set.Identities(), "mtls", cfg.TLS.ClientCAFile != "")
+	case isLoopback(cfg.Listen):
+		logger.Info("authentication off: no identities in --config; loopback only")
+	case cfg.AllowUnauthenticated:
+		logger.Warn("authentication off: every caller may use every consumer (--allow-unauthenticated)")
+	default:
+		return nil, fmt.Errorf("--listen %s is not a loopback address and --config names no identities, so every caller could use every consumer: add identities, or pass --allow-unauthenticated explicitly", cfg.Listen)
+	}
+	if set.HasTokens() && cfg.TLS.CertFile == "" && !isLoopback(cfg.Listen) {
+		logger.Warn("bearer tokens travel in plaintext: serve TLS unless a mesh encrypts the traffic")
+	}
+	return src, nil
+}
+
+// serveHTTP serves h on addr until the returned function is called; name
+// says which listener in errors and logs.
+func serveHTTP(name, addr string, h http.Handler, logger *slog.Logger) (stop func(), bound net.Addr, err error) {
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s: listening on %s: %w", name, addr, err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second, MaxHeaderBytes: 64 << 10}
+	go func() {
+		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			logger.Error("listener failed", "listener", name, "error", err)
+		}
+	}()
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+	}, lis.Addr(), nil
+}
+
+// serveHealth serves the health service alone on --health-listen.
+func serveHealth(srv *server.Server, addr string, logger *slog.Logger) error {
+	if addr == "" {
+		return nil
+	}
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("health: listening on %s: %w", addr, err)
+	}
+	logger.Info("serving health", "listen", lis.Addr().String())
+	go func() {
+		if err := srv.ServeHealth(lis); err != nil {
+			logger.Error("listener failed", "listener", "health", "error", err)
+		}
+	}()
+	return nil
+}
+
 // loadConfig loads the config file, if any, over the limits of the flags.
 func loadConfig(cfg *config, logger *slog.Logger) (*configfile.Source, error) {
 	if cfg.PolicyFile == "" {
 		return nil, nil
 	}
-	src, err := configfile.Open(cfg.PolicyFile, cfg.Limits.Policy())
+	src, err := configfile.Open(cfg.PolicyFile, cfg.Server.Limits.Policy())
 	if err != nil {
 		return nil, err
 	}
@@ -145,21 +230,21 @@ func reloadConfig(src *configfile.Source, logger *slog.Logger) {
 // until the returned function is called, which waits for it to stop.
 func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger *slog.Logger) (stop func(), err error) {
 	sw, ok := store.(storage.Sweeper)
-	if cfg.SweepInterval == 0 || !ok {
-		logger.Info("sweeper off", "sweep_interval", cfg.SweepInterval, "store_can_sweep", ok)
+	if cfg.Sweep.Interval == 0 || !ok {
+		logger.Info("sweeper off", "sweep_interval", cfg.Sweep.Interval, "store_can_sweep", ok)
 		return func() {}, nil
 	}
 	if ttl, err := rowLevelTTL(ctx, store); err != nil {
 		return nil, fmt.Errorf("sweeper: %w", err)
 	} else if ttl {
-		logger.Info("sweeper off: CockroachDB's row-level TTL deletes expired records (idemreg migrate --cockroach-ttl)", "sweep_interval", cfg.SweepInterval)
+		logger.Info("sweeper off: CockroachDB's row-level TTL deletes expired records (idemreg migrate --cockroach-ttl)", "sweep_interval", cfg.Sweep.Interval)
 		return func() {}, nil
 	}
 	sweeper, err := retention.New(sw, cfg.sweeper(logger.With("component", "sweeper")))
 	if err != nil {
 		return nil, err
 	}
-	logger.Info("sweeper on", "sweep_interval", cfg.SweepInterval, "batch_size", cfg.Sweep.BatchSize)
+	logger.Info("sweeper on", "sweep_interval", cfg.Sweep.Interval, "batch_size", cfg.Sweep.BatchSize)
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); sweeper.Run(ctx) }()
@@ -181,17 +266,14 @@ func rowLevelTTL(ctx context.Context, store storage.Store) (bool, error) {
 }
 
 // openStore opens the SQL store when a database URL is given, the embedded
-// store in the data directory otherwise.
-func openStore(ctx context.Context, cfg *config, logger *slog.Logger) (storage.Store, error) {
+// store in the data directory otherwise; the SQL store's instruments are
+// made by meters (nil: the global provider).
+func openStore(ctx context.Context, cfg *config, logger *slog.Logger, meters metric.MeterProvider) (storage.Store, error) {
 	if cfg.DatabaseURL != "" {
 		logger.Info("opening SQL store", "database_url", postgres.Redact(cfg.DatabaseURL))
-		conflicts, err := newConflictTracer(otel.GetMeterProvider())
-		if err != nil {
-			return nil, err
-		}
 		s, err := postgres.Open(ctx, cfg.DatabaseURL, postgres.WithLogger(logger),
 			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, cfg.SQLBatchSlots),
-			postgres.WithTracer(conflicts))
+			postgres.WithMeterProvider(meters))
 		if err != nil {
 			return nil, fmt.Errorf("opening %s: %w", postgres.Redact(cfg.DatabaseURL), err)
 		}

@@ -20,29 +20,19 @@ const (
 	exitSweepMaxReached = 3 // --max-duration ran out; expired records may be left
 )
 
-// exitError is an error that sets the process's exit status.
-type exitError struct {
-	code int
-	err  error
-}
-
-func (e *exitError) Error() string { return e.err.Error() }
-func (e *exitError) Unwrap() error { return e.err }
-
 const pingTimeout = 10 * time.Second
 
-// sweep runs one pass of the sweeper: for a cron job. It exits 0 when the
-// pass finished (nothing expired was left at its last batch), 3 when
-// --max-duration ran out first, 1 when the store failed, and prints what it
-// did on stdout.
-func sweep(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+// sweepCommand binds the flags of sweep, one pass of the sweeper: for a
+// cron job. It exits 0 when the pass finished (nothing expired was left at
+// its last batch), 3 when --max-duration ran out first, 1 when the store
+// failed, and prints what it did on stdout.
+func sweepCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
 	cfg := defaultConfig()
-	fs := flag.NewFlagSet("idemreg sweep", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	cfg.bindSweep(fs)
-	if err := parse(fs, args); err != nil {
-		return err
-	}
+	return func(ctx context.Context, stdout, stderr io.Writer) error { return sweep(ctx, &cfg, stdout, stderr) }
+}
+
+func sweep(ctx context.Context, cfg *config, stdout, stderr io.Writer) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
@@ -58,7 +48,7 @@ func sweep(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return &exitError{code: exitSweepFailed, err: fmt.Errorf(format, args...)}
 	}
 
-	store, err := openStore(ctx, &cfg, logger)
+	store, err := openStore(ctx, cfg, logger, nil)
 	if errors.Is(err, pebble.ErrLocked) {
 		return failed("%w: a running idemreg serve holds it, and sweeps it itself with --sweep-interval", err)
 	}

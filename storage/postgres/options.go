@@ -6,6 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // DefaultMaxRetries is how many times a statement is retried after a
@@ -25,11 +26,12 @@ const (
 type Option func(*options)
 
 type options struct {
-	clockOffset func() time.Duration
-	maxRetries  int
-	logger      *slog.Logger
-	tracer      pgx.QueryTracer
-	poolConfig  func(*pgxpool.Config)
+	clockOffset   func() time.Duration
+	maxRetries    int
+	logger        *slog.Logger
+	tracer        pgx.QueryTracer
+	meterProvider metric.MeterProvider
+	poolConfig    func(*pgxpool.Config)
 
 	batchSize     int
 	batchWindow   time.Duration
@@ -81,8 +83,8 @@ func WithLogger(l *slog.Logger) Option {
 	return func(o *options) { o.logger = l }
 }
 
-// WithTracer sets a pgx query tracer on every connection, for metrics or
-// tracing. pgx's multitracer combines several.
+// WithTracer sets a pgx query tracer on every connection, for tracing or
+// metrics of the caller's own, beside the store's (WithMeterProvider).
 func WithTracer(t pgx.QueryTracer) Option {
 	return func(o *options) { o.tracer = t }
 }

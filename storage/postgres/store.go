@@ -65,8 +65,8 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "idemreg"
 	}
-	if o.tracer != nil {
-		cfg.ConnConfig.Tracer = o.tracer
+	if cfg.ConnConfig.Tracer, err = o.queryTracer(); err != nil {
+		return nil, fmt.Errorf("postgres: metrics: %w", err)
 	}
 	if o.poolConfig != nil {
 		o.poolConfig(cfg)

@@ -1,4 +1,4 @@
-package main
+package postgres
 
 import (
 	"errors"
@@ -12,6 +12,8 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 )
 
+// TestConflictTracer: the statements the store would retry are counted by
+// their sqlstate, whatever wraps their error; no other failure is.
 func TestConflictTracer(t *testing.T) {
 	reader := sdkmetric.NewManualReader()
 	tr, err := newConflictTracer(sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)))
@@ -31,7 +33,7 @@ func TestConflictTracer(t *testing.T) {
 	got := map[string]int64{}
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
-			require.Equal(t, MetricStoreConflicts, m.Name)
+			require.Equal(t, MetricConflicts, m.Name)
 			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
 				v, _ := dp.Attributes.Value("sqlstate")
 				got[v.AsString()] += dp.Value
