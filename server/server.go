@@ -352,7 +352,9 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	return s, nil
 }
 
-// Waiting reports how many Claims wait for a key in progress now.
+// Waiting reports how many Claims wait for a key in progress now: decided
+// once with the key in progress and asleep until it changes, so that a
+// change made after Waiting counted a Claim is one it waits for.
 func (s *Server) Waiting() int { return s.svc.waiters.waiting() }
 
 // GRPCServer returns the underlying server, to register more services.

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -48,6 +49,10 @@ type waitHub struct {
 	keys map[storage.Key]*waitKey
 	n    int // waiters registered
 	max  int
+	// asleep counts the Claims in sleep: registered, and decided once
+	// with the key in progress. A registered Claim may still be making
+	// its first decision, which can answer at once without a wait.
+	asleep atomic.Int64
 	// draining is closed when the server shuts down.
 	draining  chan struct{}
 	drainOnce sync.Once
@@ -99,12 +104,8 @@ func (h *waitHub) notify(k storage.Key) {
 	}
 }
 
-// waiting reports how many Claims wait.
-func (h *waitHub) waiting() int {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.n
-}
+// waiting reports how many Claims wait asleep for a change of their key.
+func (h *waitHub) waiting() int { return int(h.asleep.Load()) }
 
 // drain ends every wait, now and to come.
 func (h *waitHub) drain() { h.drainOnce.Do(func() { close(h.draining) }) }
@@ -200,6 +201,8 @@ func (s *Service) waitClaim(ctx context.Context, p storage.ClaimParams, end time
 // sleep waits on w until a reason to decide again (it returns "") or the
 // end of the wait (it returns how it ended).
 func (s *Service) sleep(ctx context.Context, k storage.Key, w *waitKey, res storage.ClaimResult, end time.Time) string {
+	s.waiters.asleep.Add(1)
+	defer s.waiters.asleep.Add(-1)
 	leaseEnd := time.Now().Add(res.RetryAfter)
 	for {
 		d := min(time.Until(leaseEnd), time.Until(end), s.recheck)
