@@ -179,6 +179,13 @@ func (q *quotas) claimed(u *usage, res storage.ClaimResult, err error) {
 	if u == nil {
 		return
 	}
+	// The record is added before the count is asked for: a count that read
+	// it must also see it in addedRecords, or it would count it twice
+	// (once in the base, once added).
+	if err == nil && res.Outcome == storage.OutcomeAcquired && !res.Repeated && res.Record.Attempt == 1 {
+		u.addedRecords.Add(1)
+		u.addedBytes.Add(storage.RecordBytes(&res.Record))
+	}
 	if u.uncounted.Load() && u.uncounted.Swap(false) && q.wake != nil {
 		// Count it soon rather than at the next tick: it and the others
 		// seen first meanwhile, not every consumer, so that a burst of
@@ -191,11 +198,6 @@ func (q *quotas) claimed(u *usage, res storage.ClaimResult, err error) {
 		default:
 		}
 	}
-	if err != nil || res.Outcome != storage.OutcomeAcquired || res.Repeated || res.Record.Attempt != 1 {
-		return
-	}
-	u.addedRecords.Add(1)
-	u.addedBytes.Add(storage.RecordBytes(&res.Record))
 }
 
 // completed adds a stored result to its consumer's usage, if followed.
