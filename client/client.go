@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -19,6 +20,11 @@ type Client struct {
 	rpc    idemregv1.RegistryServiceClient
 	holder string
 	logger *slog.Logger
+	// runTimes estimates the RetryInfo of IN_PROGRESS answers.
+	runTimes runTimes
+	// streamGuard is set once a stream interceptor of this client exists,
+	// so that the unary one need not warn that streams go unguarded.
+	streamGuard atomic.Bool
 }
 
 // ClientOption configures New.

@@ -10,7 +10,8 @@
 //     replay it to every duplicate; [Client.OnceBatch], the same for a
 //     fetched batch in one BatchClaim and one BatchComplete;
 //   - [UnaryClientInterceptor] and [UnaryServerInterceptor], which make an
-//     outgoing call, or a service's own RPC, run once per idempotency key.
+//     outgoing call, or a service's own RPC, run once per idempotency key,
+//     and their stream counterparts, which refuse keyed streaming calls.
 //
 // The package imports gRPC, protobuf, the genproto error details and the
 // generated idemreg API, and nothing else outside the standard library: a
@@ -37,6 +38,10 @@
 //
 // # Streaming
 //
-// The interceptors are unary. Streaming RPCs do not pass through them at all
-// and are never claimed, replayed or de-duplicated.
+// Streaming RPCs are never claimed, replayed or de-duplicated. So that no
+// keyed streaming call runs twice without saying so, the unary
+// interceptors refuse (panic) to be built with a streaming method in
+// WithMethods, [StreamServerInterceptor] and [StreamClientInterceptor]
+// refuse keyed streaming calls, and a unary interceptor without them logs
+// once per service which streaming methods go unguarded.
 package client

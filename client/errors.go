@@ -74,9 +74,19 @@ const (
 	// a selected call without an idempotency key when the policy requires one.
 	ReasonMissingKey = "IDEMPOTENCY_KEY_MISSING"
 	// ReasonRegistryUnavailable (code UNAVAILABLE, with RetryInfo) is the
-	// server interceptor's answer when it cannot reach the registry and fails
-	// closed.
+	// interceptors' answer when they cannot reach the registry and fail
+	// closed: the call was not run (UnavailableError.NotRun).
 	ReasonRegistryUnavailable = "REGISTRY_UNAVAILABLE"
+	// ReasonKeyUnsupported (code INVALID_ARGUMENT, with BadRequest on
+	// idempotency-key) is the stream interceptors' answer to a streaming
+	// call that carries an idempotency key: streams are not de-duplicated,
+	// so the call is refused rather than run again for every retry.
+	ReasonKeyUnsupported = "IDEMPOTENCY_KEY_UNSUPPORTED"
+	// ReasonStoredResultUnreadable (code INTERNAL) is the interceptors'
+	// answer when the key's stored reply does not decode as the call's
+	// reply type: the call is not run again; an operator repairs the
+	// record (docs/operations.md).
+	ReasonStoredResultUnreadable = "STORED_RESULT_UNREADABLE"
 )
 
 // Sentinels for errors.Is. Every error of the typed client, Once and the
@@ -123,6 +133,13 @@ var (
 	ErrInProgress = errors.New("idemreg: the key is in progress elsewhere")
 	// ErrMissingKey: a selected call carried no idempotency key.
 	ErrMissingKey = errors.New("idemreg: no idempotency key")
+	// ErrKeyUnsupported: a streaming call carried an idempotency key, which
+	// streams cannot honour; it was not run.
+	ErrKeyUnsupported = errors.New("idemreg: idempotency keys are not supported on streaming calls")
+	// ErrStoredResultUnreadable: the key is completed, but its stored reply
+	// does not decode as the call's reply; the call was not run again. The
+	// *Error's Metadata names the record (consumer, kind, key, type).
+	ErrStoredResultUnreadable = errors.New("idemreg: the stored result does not decode")
 )
 
 var sentinelByReason = map[string]error{
@@ -147,6 +164,9 @@ var sentinelByReason = map[string]error{
 	ReasonOverloaded:          ErrUnavailable,
 	ReasonInProgress:          ErrInProgress,
 	ReasonMissingKey:          ErrMissingKey,
+	ReasonKeyUnsupported:      ErrKeyUnsupported,
+
+	ReasonStoredResultUnreadable: ErrStoredResultUnreadable,
 }
 
 // Statuses without an idemreg ErrorInfo come from the transport: the
@@ -217,22 +237,37 @@ func (e *Error) GRPCStatus() *status.Status { return e.st }
 // ErrUnavailable.
 type UnavailableError struct {
 	RetryAfter time.Duration
-	Err        *Error
+	// NotRun is true when the error is an interceptor's answer (reason
+	// REGISTRY_UNAVAILABLE, from either side of the call): it could not
+	// reach the registry, so it did not call the downstream or run the
+	// handler, and the call can be retried as it is.
+	NotRun bool
+	Err    *Error
+	// Cause is the registry call's own error when this client's
+	// interceptor answered; nil in an error rebuilt from a status.
+	Cause error
 }
 
 func (e *UnavailableError) Error() string { return e.Err.Error() }
 
-// Unwrap returns the underlying *Error.
-func (e *UnavailableError) Unwrap() error { return e.Err }
+// Unwrap returns the underlying *Error, and the cause when there is one.
+func (e *UnavailableError) Unwrap() []error {
+	if e.Cause != nil {
+		return []error{e.Err, e.Cause}
+	}
+	return []error{e.Err}
+}
 
 // GRPCStatus returns the status the error was built from.
 func (e *UnavailableError) GRPCStatus() *status.Status { return e.Err.GRPCStatus() }
 
 // InProgressError says another holder has a live claim on the key: the
-// work may be running now. Retry after RetryAfter, the time left on the
-// holder's lease (by then the work is done or the key can be taken over).
-// Its status is ABORTED with a RetryInfo, which is what the interceptors
-// return to their callers.
+// work may be running now. Retry after RetryAfter: how long the work of
+// the key's consumer took on average when this client ran it (or
+// DefaultInProgressRetry before it ran any), at least MinInProgressRetry
+// and at most the time left on the holder's lease, by when the key can be
+// taken over. Its status is ABORTED with a RetryInfo, which is what the
+// interceptors return to their callers.
 type InProgressError struct {
 	RetryAfter time.Duration
 }
@@ -341,7 +376,7 @@ func FromStatus(st *status.Status) error {
 	}
 	switch e.sentinel {
 	case ErrUnavailable:
-		return &UnavailableError{RetryAfter: retryAfter, Err: e}
+		return &UnavailableError{RetryAfter: retryAfter, Err: e, NotRun: e.Reason == ReasonRegistryUnavailable}
 	case ErrInProgress:
 		return &InProgressError{RetryAfter: retryAfter}
 	}

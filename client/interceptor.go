@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"strings"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -115,13 +114,6 @@ func consumerFor(s *settings, prefix, fullMethod string) string {
 	return prefix + strings.TrimPrefix(fullMethod, "/")
 }
 
-func missingKeyError(fullMethod string) *Error {
-	st := newStatus(codes.InvalidArgument, ReasonMissingKey,
-		"no idempotency key for "+fullMethod+": set one with client.WithIdempotencyKey or the idempotency-key metadata",
-		&errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{Field: KeyMetadata, Description: "required"}}})
-	return FromStatus(st).(*Error)
-}
-
 // UnaryClientInterceptor makes each selected outgoing unary call run once
 // per idempotency key (WithIdempotencyKey, or the idempotency-key outgoing
 // metadata). For a call with key K to method M it claims (consumer
@@ -138,26 +130,40 @@ func missingKeyError(fullMethod string) *Error {
 //   - Completed: the stored reply is decoded into reply (or the stored error
 //     is returned) without calling the downstream; Replayed and the
 //     idempotent-replayed header tell the caller.
-//   - In progress: an *InProgressError (ABORTED with RetryInfo), or, with
-//     WithWaitInProgress, the outcome once the first call finishes.
+//   - In progress: the registry holds the duplicate until the first call's
+//     outcome is stored, and it gets that outcome (or runs the call, should
+//     the first one's lease end or be released), for at most
+//     DefaultInterceptorWait and never past its deadline; then, or at once
+//     with WithInProgressWait(0), an *InProgressError (ABORTED with a
+//     RetryInfo estimated from how long the calls took).
 //   - Same key, other parameters: ErrFingerprintMismatch (FAILED_PRECONDITION).
-//   - Registry unreachable: an *UnavailableError and the downstream is not
-//     called (WithRegistryUnavailable(FailOpen) calls it anyway).
+//   - Registry unreachable: an *UnavailableError with NotRun set (reason
+//     REGISTRY_UNAVAILABLE, with RetryInfo): the downstream was not called
+//     (WithRegistryUnavailable(FailOpen) calls it anyway).
+//   - Completed, but the stored reply does not decode as reply:
+//     ErrStoredResultUnreadable, naming the record; the call is not made.
 //   - No key: ErrMissingKey (INVALID_ARGUMENT), or the call as it is with
 //     WithMissingKey(MissingKeyPassThrough).
 //
-// Registry calls carry none of the call's outgoing metadata. Streaming calls
-// never pass through a unary interceptor; they are not de-duplicated.
+// These answers are the server interceptor's, with the same codes, reasons
+// and wording. Registry calls carry none of the call's outgoing metadata.
+// Streaming calls never pass through a unary interceptor and are not
+// de-duplicated: it panics when WithMethods names one, and
+// StreamClientInterceptor refuses keyed streaming calls.
 //
 // Options: WithMethods, WithMethodFilter, WithConsumer, WithFingerprint,
 // WithRetryable, WithMissingKey, WithRegistryUnavailable, WithLease,
-// WithRetention, WithWaitInProgress, WithBookkeepingTimeout.
+// WithRetention, WithInProgressWait, WithWaitInProgress,
+// WithBookkeepingTimeout.
 func UnaryClientInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryClientInterceptor {
 	s := interceptorSettings(DefaultClientMissingKey, opts)
+	mustBeUnary("UnaryClientInterceptor", s)
+	var warnings streamWarnings
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
 		if !s.selected(method) {
 			return invoker(ctx, method, req, reply, cc, callOpts...)
 		}
+		warnings.check(ctx, c, s, "UnaryClientInterceptor", method)
 		setReplayed(callOpts, false)
 		key, ok := IdempotencyKey(ctx)
 		if !ok {
@@ -188,11 +194,11 @@ func UnaryClientInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryClie
 				c.logger.WarnContext(ctx, "idemreg: registry unavailable; calling without it", "method", method, "error", err)
 				return invoker(callCtx, method, req, reply, cc, callOpts...)
 			}
-			return err
+			return c.claimAnswer(ctx, false, method, err)
 		}
 		switch cl.Outcome {
 		case OutcomeCompleted:
-			return replayInto(cl.Record, replyMsg, callOpts)
+			return c.replayInto(ctx, cl.Record, replyMsg, callOpts)
 		case OutcomeAcquired:
 		default:
 			return status.Errorf(codes.Internal, "idemreg: unexpected claim outcome %v", cl.Outcome)
@@ -259,7 +265,11 @@ func setReplayed(callOpts []grpc.CallOption, v bool) {
 	}
 }
 
-func replayInto(rec Record, reply proto.Message, callOpts []grpc.CallOption) error {
+// replayInto decodes a completed record's outcome into reply: the stored
+// error, or the stored reply. A reply that does not decode (another type,
+// or bytes an operator stored that are not its wire format) is
+// ErrStoredResultUnreadable, never a new run of the call.
+func (c *Client) replayInto(ctx context.Context, rec Record, reply proto.Message, callOpts []grpc.CallOption) error {
 	setReplayed(callOpts, true)
 	for _, o := range callOpts {
 		if h, ok := o.(grpc.HeaderCallOption); ok && h.HeaderAddr != nil {
@@ -269,16 +279,21 @@ func replayInto(rec Record, reply proto.Message, callOpts []grpc.CallOption) err
 	r := rec.Result
 	switch {
 	case r == nil:
-		return status.Error(codes.Internal, "idemreg: completed record without a result")
+		return answer(codes.Internal, ReasonInternal, "idemreg: completed record without a result")
 	case r.Failure != nil:
 		return r.Failure.Err()
 	}
+	var err error
 	if want := string(reply.ProtoReflect().Descriptor().FullName()); r.Response.Type != want {
-		return status.Errorf(codes.Internal, "idemreg: stored reply is a %q, the call expects a %q", r.Response.Type, want)
+		err = fmt.Errorf("the call expects a %q", want)
+	} else {
+		proto.Reset(reply)
+		err = proto.Unmarshal(r.Response.Data, reply)
 	}
-	proto.Reset(reply)
-	if err := proto.Unmarshal(r.Response.Data, reply); err != nil {
-		return status.Errorf(codes.Internal, "idemreg: decoding the stored reply: %v", err)
+	if err != nil {
+		c.logger.ErrorContext(ctx, "idemreg: a stored result does not decode; the call is not run again until an operator repairs the record",
+			"consumer", rec.Consumer, "kind", rec.Kind.String(), "key", rec.Key.Key, "type", r.Response.Type, "error", err)
+		return unreadableResult(rec.Key, r.Response.Type, err, true)
 	}
 	return nil
 }

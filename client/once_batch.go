@@ -120,7 +120,7 @@ func (c *Client) OnceBatch(ctx context.Context, consumer string, msgs []BatchMes
 					retryAfter = r.Claim.RetryAfter
 				}
 			case r.Claim.Outcome == OutcomeInProgress:
-				out[i].Err = &InProgressError{RetryAfter: r.Claim.RetryAfter}
+				out[i].Err = &InProgressError{RetryAfter: c.runTimes.retryAfter(consumer, r.Claim.RetryAfter)}
 			default:
 				out[i].Err = fmt.Errorf("idemreg: unexpected claim outcome %v", r.Claim.Outcome)
 			}
@@ -203,7 +203,9 @@ func (c *Client) runBatch(ctx context.Context, s *settings, fn BatchHandler, acq
 			continue
 		}
 		h := holds[j]
+		start := time.Now()
 		data[j], fnErrs[j] = fn(h.ctx, i, Attempt{Key: h.k, Token: h.fence.Token, Attempt: h.attempt})
+		c.runTimes.observe(h.k.Consumer, time.Since(start))
 		ds[j] = handlerDecision(data[j], fnErrs[j])
 		ran = j + 1
 	}

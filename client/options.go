@@ -69,6 +69,22 @@ const (
 	// DefaultRegistryUnavailable: when the registry cannot be reached the
 	// work is not done.
 	DefaultRegistryUnavailable = FailClosed
+	// DefaultInterceptorWait is how long, at most, a duplicate that reaches
+	// an interceptor while the first call with its key still runs waits
+	// for that call's outcome (never past its own deadline) before it is
+	// answered IN_PROGRESS: a service owner's callers get the first call's
+	// answer without having to retry. WithInProgressWait changes it, and
+	// WithInProgressWait(0) answers at once. Once and OnceBatch do not
+	// wait unless asked (a message consumer's worker is better spent on
+	// the next message; the broker redelivers).
+	DefaultInterceptorWait = 30 * time.Second
+	// DefaultInProgressRetry is the RetryInfo an IN_PROGRESS answer
+	// carries when this client has not yet seen a call of the consumer run
+	// to its end (see InProgressError).
+	DefaultInProgressRetry = time.Second
+	// MinInProgressRetry is the shortest RetryInfo of an IN_PROGRESS
+	// answer, so that a fast consumer's duplicates do not spin.
+	MinInProgressRetry = 50 * time.Millisecond
 )
 
 // DefaultBackoff is the backoff of WithWaitInProgress when its fields are
@@ -125,9 +141,12 @@ const (
 )
 
 type settings struct {
-	lease              time.Duration
-	retention          time.Duration
+	lease     time.Duration
+	retention time.Duration
+	// wait, when set, makes a duplicate wait for the holder's outcome,
+	// for at most waitLimit in all when that is positive.
 	wait               *Backoff
+	waitLimit          time.Duration
 	bookkeepingTimeout time.Duration
 
 	// Once.
@@ -135,8 +154,11 @@ type settings struct {
 	messageFingerprint []byte
 
 	// Interceptors.
-	consumer    string
-	selected    func(fullMethod string) bool
+	consumer string
+	selected func(fullMethod string) bool
+	// methods is WithMethods' list, which the unary interceptors check
+	// for streaming methods when they are built.
+	methods     []string
 	fingerprint FingerprintFunc
 	retryable   func(error) bool
 	missingKey  MissingKeyPolicy
@@ -184,6 +206,8 @@ func batchSettings(opts []BatchOption) *settings {
 
 func interceptorSettings(missingKey MissingKeyPolicy, opts []InterceptorOption) *settings {
 	return newSettings(missingKey, func(s *settings) {
+		b := DefaultBackoff
+		s.wait, s.waitLimit = &b, DefaultInterceptorWait
 		for _, o := range opts {
 			o.applyInterceptor(s)
 		}
@@ -204,8 +228,10 @@ func WithRetention(d time.Duration) SharedOption { return func(s *settings) { s.
 // WithWaitInProgress makes a duplicate wait while another holder works on
 // the key, until the key is completed (the duplicate gets the replay), taken
 // over after the holder's lease ran out or was released (the duplicate runs
-// the work), or the context ends. Without it a duplicate fails at once with
-// an *InProgressError (ABORTED with RetryInfo from the interceptors).
+// the work), or the context ends: with no bound but the context's, where
+// the interceptors' default waits DefaultInterceptorWait at most. Without
+// any wait a duplicate fails at once with an *InProgressError (ABORTED with
+// RetryInfo from the interceptors).
 //
 // The waiting is the registry's (ClaimRequest.wait, up to MaxWait and the
 // context's deadline per Claim): it answers as soon as the holder finishes,
@@ -216,7 +242,28 @@ func WithRetention(d time.Duration) SharedOption { return func(s *settings) { s.
 // Every entry point.
 func WithWaitInProgress(b Backoff) SharedOption {
 	b = b.withDefaults()
-	return func(s *settings) { w := b; s.wait = &w }
+	return func(s *settings) { w := b; s.wait, s.waitLimit = &w, 0 }
+}
+
+// WithInProgressWait bounds how long a duplicate waits in all for the
+// holder's outcome (and never past its context's deadline) before it gets
+// an *InProgressError; zero or less answers at once, as a duplicate did
+// before waiting was the interceptors' default. Without it the
+// interceptors wait DefaultInterceptorWait, and Once and OnceBatch answer
+// at once. The Claims of the wait are spaced as WithWaitInProgress's,
+// with DefaultBackoff unless that option came first. Every entry point.
+func WithInProgressWait(d time.Duration) SharedOption {
+	return func(s *settings) {
+		if d <= 0 {
+			s.wait, s.waitLimit = nil, 0
+			return
+		}
+		if s.wait == nil {
+			b := DefaultBackoff
+			s.wait = &b
+		}
+		s.waitLimit = d
+	}
 }
 
 // WithBookkeepingTimeout bounds the Complete or Release after the work
@@ -249,19 +296,25 @@ func WithConsumer(name string) InterceptorOption {
 
 // WithMethods selects the methods the interceptor applies to, by full name
 // ("/payments.v1.PaymentService/Charge"); the others pass through. By
-// default every unary method is selected. Interceptors only.
+// default every method is selected. UnaryClientInterceptor and
+// UnaryServerInterceptor panic when they are built with a method the
+// binary's descriptors say is streaming: they would never see its calls.
+// Interceptors only.
 func WithMethods(fullMethods ...string) InterceptorOption {
 	set := make(map[string]bool, len(fullMethods))
 	for _, m := range fullMethods {
 		set[m] = true
 	}
-	return interceptorOnly(func(s *settings) { s.selected = func(m string) bool { return set[m] } })
+	return interceptorOnly(func(s *settings) {
+		s.selected = func(m string) bool { return set[m] }
+		s.methods = append([]string(nil), fullMethods...)
+	})
 }
 
 // WithMethodFilter selects the methods the interceptor applies to with a
 // function of the full method name. Interceptors only.
 func WithMethodFilter(selected func(fullMethod string) bool) InterceptorOption {
-	return interceptorOnly(func(s *settings) { s.selected = selected })
+	return interceptorOnly(func(s *settings) { s.selected, s.methods = selected, nil })
 }
 
 // WithFingerprint replaces DefaultFingerprint, for instance to fingerprint

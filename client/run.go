@@ -15,11 +15,12 @@ const claimRepeats = 3
 
 // claim claims p. A parked key is a *ParkedError, so that no caller of
 // claim runs its handler for it. While another holder has the key it
-// returns an *InProgressError, or, with s.wait, waits until the key is completed or
-// acquired or ctx ends: each Claim asks the registry to wait (up to MaxWait
-// and ctx's deadline), and a Claim that still finds the key in progress is
-// repeated after s.wait's backoff (a registry that does not wait answers at
-// once, and is then polled as before).
+// returns an *InProgressError, or, with s.wait, waits until the key is
+// completed or acquired, ctx ends or s.waitLimit is spent: each Claim asks
+// the registry to wait (up to MaxWait, ctx's deadline and what is left of
+// the limit), and a Claim that still finds the key in progress is repeated
+// after s.wait's backoff (a registry that does not wait answers at once,
+// and is then polled as before).
 //
 // Every Claim it makes for p carries one request id, so that a Claim whose
 // reply was lost (the registry unavailable, or the bookkeeping timeout,
@@ -32,13 +33,23 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 	}
 	wait := s.wait
 	var delay time.Duration
+	var waitUntil time.Time
 	if wait != nil {
 		delay = wait.Initial
+		if s.waitLimit > 0 {
+			waitUntil = time.Now().Add(s.waitLimit)
+		}
+	}
+	left := func() time.Duration {
+		if waitUntil.IsZero() {
+			return MaxWait
+		}
+		return max(time.Until(waitUntil), 0)
 	}
 	repeats, repeatDelay := 0, DefaultBackoff.Initial
 	for {
 		if wait != nil {
-			p.Wait = waitFor(ctx)
+			p.Wait = min(waitFor(ctx), left())
 		}
 		cl, err := c.claimOnce(ctx, p, s)
 		if err != nil && repeats < claimRepeats && ctx.Err() == nil &&
@@ -56,12 +67,12 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 		if err != nil || cl.Outcome != OutcomeInProgress {
 			return cl, err
 		}
-		if wait == nil {
-			return cl, &InProgressError{RetryAfter: cl.RetryAfter}
+		if wait == nil || left() <= 0 {
+			return cl, &InProgressError{RetryAfter: c.runTimes.retryAfter(p.Consumer, cl.RetryAfter)}
 		}
 		// Never sleep past the holder's lease: a crashed holder's key can be
 		// taken over from then on.
-		sleep := jitter(delay)
+		sleep := min(jitter(delay), left())
 		if cl.RetryAfter > 0 && cl.RetryAfter < sleep {
 			sleep = cl.RetryAfter
 		}
@@ -243,8 +254,10 @@ func (c *Client) runHeld(ctx context.Context, s *settings, h held, work func(con
 			c.releaseAfterPanic(ctx, s, h.k, h.fence)
 		}
 	}()
+	start := time.Now()
 	d = work(hd.ctx)
 	panicked = false
+	c.runTimes.observe(h.k.Consumer, time.Since(start))
 	return d, hd.stop()
 }
 

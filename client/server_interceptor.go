@@ -3,15 +3,12 @@ package client
 import (
 	"context"
 	"errors"
-	"time"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // UnaryServerInterceptor gives a service's own unary RPCs Stripe-like
@@ -25,8 +22,12 @@ import (
 //     when it is retryable (or the handler panicked).
 //   - Completed: the stored response (or stored error) is returned without
 //     running the handler, with the header idempotent-replayed: true.
-//   - In progress: ABORTED with RetryInfo (reason IN_PROGRESS), or with
-//     WithWaitInProgress the outcome once the first request finishes.
+//   - In progress: the registry holds the duplicate until the first
+//     request's outcome is stored, and it gets that response (or runs,
+//     should the first one's lease end or be released), for at most
+//     DefaultInterceptorWait and never past its deadline; then, or at once
+//     with WithInProgressWait(0), ABORTED (reason IN_PROGRESS) with a
+//     RetryInfo estimated from how long the requests took (InProgressError).
 //   - Same key, other payload: FAILED_PRECONDITION (reason
 //     FINGERPRINT_MISMATCH).
 //   - An invalid key (longer than 256 bytes, not printable UTF-8):
@@ -34,24 +35,35 @@ import (
 //   - Registry unreachable: UNAVAILABLE with RetryInfo (reason
 //     REGISTRY_UNAVAILABLE) without running the handler, unless
 //     WithRegistryUnavailable(FailOpen).
+//   - Completed, but the stored response does not decode: INTERNAL (reason
+//     STORED_RESULT_UNREADABLE); the handler does not run, and the record
+//     is logged for an operator to repair.
 //   - No key: the request runs as it is (DefaultServerMissingKey), or with
 //     WithMissingKey(MissingKeyReject) fails with INVALID_ARGUMENT.
 //
 // The statuses it sends carry no registry internals (consumer names,
-// holders, tokens). Replaying a response needs its message type linked into
-// the binary, as it is for any generated service. Streaming RPCs never pass
-// through a unary interceptor.
+// holders, tokens), and are UnaryClientInterceptor's, with the same codes,
+// reasons and wording. Replaying a response needs its message type linked
+// into the binary, as it is for any generated service. Streaming RPCs never
+// pass through a unary interceptor and are not de-duplicated: it panics
+// when WithMethods names one, StreamServerInterceptor refuses keyed
+// streaming calls, and without that interceptor this one logs an error
+// once for each service with streaming methods.
 //
 // Options: WithMethods, WithMethodFilter, WithConsumer, WithFingerprint,
 // WithRetryable, WithMissingKey, WithRegistryUnavailable, WithLease,
-// WithRetention, WithWaitInProgress, WithBookkeepingTimeout.
+// WithRetention, WithInProgressWait, WithWaitInProgress,
+// WithBookkeepingTimeout.
 func UnaryServerInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryServerInterceptor {
 	s := interceptorSettings(DefaultServerMissingKey, opts)
+	mustBeUnary("UnaryServerInterceptor", s)
+	var warnings streamWarnings
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		method := info.FullMethod
 		if !s.selected(method) {
 			return handler(ctx, req)
 		}
+		warnings.check(ctx, c, s, "UnaryServerInterceptor", method)
 		key, err := incomingKey(ctx)
 		if err != nil {
 			return nil, err
@@ -77,11 +89,11 @@ func UnaryServerInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryServ
 				c.logger.WarnContext(ctx, "idemreg: registry unavailable; serving without it", "method", method, "error", err)
 				return handler(ctx, req)
 			}
-			return nil, c.serverClaimError(ctx, method, err)
+			return nil, c.claimAnswer(ctx, true, method, err)
 		}
 		switch cl.Outcome {
 		case OutcomeCompleted:
-			return replayServer(ctx, cl.Record)
+			return c.replayServer(ctx, cl.Record)
 		case OutcomeAcquired:
 		default:
 			return nil, status.Errorf(codes.Internal, "idempotency interceptor: unexpected claim outcome %v", cl.Outcome)
@@ -117,70 +129,23 @@ func incomingKey(ctx context.Context) (string, error) {
 	return key, nil
 }
 
-func invalidKey(desc string) error {
-	return newStatus(codes.InvalidArgument, ReasonInvalidArgument, "invalid idempotency key: "+desc,
-		&errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{Field: KeyMetadata, Description: desc}}}).Err()
-}
-
-// serverClaimError turns a failed Claim into the status the service's
-// caller gets, without the registry's internals.
-func (c *Client) serverClaimError(ctx context.Context, method string, err error) error {
-	var (
-		ie *InProgressError
-		ue *UnavailableError
-		e  *Error
-	)
-	var pe *ParkedError
-	switch {
-	case errors.As(err, &ie):
-		return ie
-	case errors.As(err, &pe):
-		return pe
-	case errors.Is(err, ErrFingerprintMismatch):
-		return newStatus(codes.FailedPrecondition, ReasonFingerprintMismatch,
-			"the idempotency key was already used with different request parameters").Err()
-	case errors.As(err, &ue):
-		c.logger.WarnContext(ctx, "idemreg: registry unavailable; refusing the request", "method", method, "error", err)
-		retry := ue.RetryAfter
-		if retry <= 0 {
-			retry = time.Second
-		}
-		return newStatus(codes.Unavailable, ReasonRegistryUnavailable,
-			"the idempotency registry is unavailable; the request was not run, retry later",
-			&errdetails.RetryInfo{RetryDelay: durationpb.New(retry)}).Err()
-	case ctx.Err() != nil:
-		return status.FromContextError(ctx.Err()).Err()
-	case errors.As(err, &e) && errors.Is(err, ErrInvalidArgument):
-		for _, v := range e.FieldViolations {
-			if v.Field != "key" {
-				c.logger.ErrorContext(ctx, "idemreg: the interceptor is misconfigured", "method", method, "error", err)
-				return status.Error(codes.Internal, "idempotency interceptor misconfigured")
-			}
-		}
-		desc := "invalid"
-		if len(e.FieldViolations) > 0 {
-			desc = e.FieldViolations[0].Description
-		}
-		return invalidKey(desc)
-	default:
-		c.logger.ErrorContext(ctx, "idemreg: claim failed", "method", method, "error", err)
-		return status.Error(codes.Internal, "idempotency registry error")
-	}
-}
-
-func replayServer(ctx context.Context, rec Record) (any, error) {
+// replayServer is the server interceptor's replayInto: it has no reply to
+// decode into, so the stored type must be linked into the binary.
+func (c *Client) replayServer(ctx context.Context, rec Record) (any, error) {
 	// Failing to set the header only loses the hint, not the replay.
 	_ = grpc.SetHeader(ctx, metadata.Pairs(ReplayedHeader, "true"))
 	r := rec.Result
 	switch {
 	case r == nil:
-		return nil, status.Error(codes.Internal, "idempotency interceptor: completed record without a result")
+		return nil, answer(codes.Internal, ReasonInternal, "idempotency interceptor: completed record without a result")
 	case r.Failure != nil:
 		return nil, r.Failure.Err()
 	}
 	m, err := storedReply(r.Response)
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "idempotency interceptor: %v", err)
+		c.logger.ErrorContext(ctx, "idemreg: a stored result does not decode; the request is not run again until an operator repairs the record",
+			"consumer", rec.Consumer, "kind", rec.Kind.String(), "key", rec.Key.Key, "type", r.Response.Type, "error", err)
+		return nil, unreadableResult(rec.Key, r.Response.Type, err, false)
 	}
 	return m, nil
 }

@@ -142,7 +142,7 @@ func TestClientInterceptorReleasesOnRetryableErrors(t *testing.T) {
 }
 
 func TestClientInterceptorInProgress(t *testing.T) {
-	e := newCaller(t, nil)
+	e := newCaller(t, nil, client.WithInProgressWait(0))
 	entered, release := make(chan struct{}), make(chan struct{})
 	e.down.setRespond(func(_ context.Context, n int64, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		if n == 1 {

@@ -56,6 +56,7 @@ var paymentsDesc = grpc.ServiceDesc{
 		StreamName:    "Watch",
 		ServerStreams: true,
 		Handler: func(srv any, stream grpc.ServerStream) error {
+			srv.(*downstream).streams.Add(1)
 			in := new(wrapperspb.StringValue)
 			if err := stream.RecvMsg(in); err != nil {
 				return err
@@ -74,6 +75,7 @@ var paymentsDesc = grpc.ServiceDesc{
 // Its answer is "charged:" + the request unless respond is set.
 type downstream struct {
 	calls   atomic.Int64
+	streams atomic.Int64 // Watch calls run
 	mu      sync.Mutex
 	keys    []string
 	respond func(ctx context.Context, n int64, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error)

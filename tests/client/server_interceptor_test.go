@@ -142,9 +142,9 @@ func TestServerInterceptorReleasesOnRetryableErrors(t *testing.T) {
 func TestServerInterceptorInProgress(t *testing.T) {
 	for _, wait := range []bool{false, true} {
 		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
-			var opts []client.InterceptorOption
+			opts := []client.InterceptorOption{client.WithInProgressWait(0)}
 			if wait {
-				opts = append(opts, client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond}))
+				opts = []client.InterceptorOption{client.WithWaitInProgress(client.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond})}
 			}
 			e := newService(t, opts...)
 			entered, release := make(chan struct{}), make(chan struct{})
