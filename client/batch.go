@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -162,4 +163,77 @@ func (c *Client) claimBatch(ctx context.Context, ps []ClaimParams, wait time.Dur
 		}
 		delay = min(2*delay, DefaultBackoff.Max)
 	}
+}
+
+func newClaimCoalescer(rpc idemregv1.RegistryServiceClient, b Batching) *coalescer[*idemregv1.ClaimRequest, *idemregv1.ClaimResponse] {
+	return &coalescer[*idemregv1.ClaimRequest, *idemregv1.ClaimResponse]{
+		cfg: b,
+		one: func(ctx context.Context, req *idemregv1.ClaimRequest) (*idemregv1.ClaimResponse, error) {
+			return rpc.Claim(ctx, req)
+		},
+		many: func(ctx context.Context, reqs []*idemregv1.ClaimRequest) ([]*idemregv1.ClaimResponse, []error) {
+			out, errs := make([]*idemregv1.ClaimResponse, len(reqs)), make([]error, len(reqs))
+			res, err := rpc.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: reqs})
+			err = batchAnswered(err, "BatchClaim", len(res.GetResults()), len(reqs))
+			for i := range reqs {
+				switch {
+				case err != nil:
+					errs[i] = err
+				case res.GetResults()[i].GetError() != nil:
+					errs[i] = status.FromProto(res.GetResults()[i].GetError()).Err()
+				default:
+					out[i] = res.GetResults()[i].GetResponse()
+				}
+			}
+			return out, errs
+		},
+		shareable: func(r *idemregv1.ClaimRequest) bool {
+			return utf8.ValidString(r.GetConsumer()) && utf8.ValidString(r.GetKey()) &&
+				utf8.ValidString(r.GetHolder()) && utf8.ValidString(r.GetRequestId())
+		},
+	}
+}
+
+func newCompleteCoalescer(rpc idemregv1.RegistryServiceClient, b Batching) *coalescer[*idemregv1.CompleteRequest, *idemregv1.CompleteResponse] {
+	return &coalescer[*idemregv1.CompleteRequest, *idemregv1.CompleteResponse]{
+		cfg: b,
+		one: func(ctx context.Context, req *idemregv1.CompleteRequest) (*idemregv1.CompleteResponse, error) {
+			return rpc.Complete(ctx, req)
+		},
+		many: func(ctx context.Context, reqs []*idemregv1.CompleteRequest) ([]*idemregv1.CompleteResponse, []error) {
+			out, errs := make([]*idemregv1.CompleteResponse, len(reqs)), make([]error, len(reqs))
+			res, err := rpc.BatchComplete(ctx, &idemregv1.BatchCompleteRequest{Requests: reqs})
+			err = batchAnswered(err, "BatchComplete", len(res.GetResults()), len(reqs))
+			for i := range reqs {
+				switch {
+				case err != nil:
+					errs[i] = err
+				case res.GetResults()[i].GetError() != nil:
+					errs[i] = status.FromProto(res.GetResults()[i].GetError()).Err()
+				default:
+					out[i] = res.GetResults()[i].GetResponse()
+				}
+			}
+			return out, errs
+		},
+		shareable: func(r *idemregv1.CompleteRequest) bool {
+			ok := utf8.ValidString(r.GetConsumer()) && utf8.ValidString(r.GetKey())
+			if resp := r.GetResult().GetResponse(); resp != nil {
+				ok = ok && utf8.ValidString(resp.GetType())
+			}
+			if f := r.GetResult().GetFailure(); f != nil {
+				ok = ok && utf8.ValidString(f.GetMessage())
+			}
+			return ok
+		},
+	}
+}
+
+// batchAnswered is a batch RPC's error, or an error when it did not answer
+// each request once.
+func batchAnswered(err error, method string, got, want int) error {
+	if err == nil && got != want {
+		return status.Errorf(codes.Internal, "idemreg: %s answered %d results for %d requests", method, got, want)
+	}
+	return err
 }

@@ -25,6 +25,11 @@ type Client struct {
 	// streamGuard is set once a stream interceptor of this client exists,
 	// so that the unary one need not warn that streams go unguarded.
 	streamGuard atomic.Bool
+	// batching is nil when every call is its own RPC; claims and completes
+	// share RPCs between concurrent calls otherwise.
+	batching  *Batching
+	claims    *coalescer[*idemregv1.ClaimRequest, *idemregv1.ClaimResponse]
+	completes *coalescer[*idemregv1.CompleteRequest, *idemregv1.CompleteResponse]
 }
 
 // ClientOption configures New.
@@ -55,12 +60,17 @@ func DefaultHolder() string {
 
 // New returns a client of the registry reachable through conn.
 func New(conn grpc.ClientConnInterface, opts ...ClientOption) *Client {
-	c := &Client{rpc: idemregv1.NewRegistryServiceClient(conn), holder: DefaultHolder()}
+	b := DefaultBatching
+	c := &Client{rpc: idemregv1.NewRegistryServiceClient(conn), holder: DefaultHolder(), batching: &b}
 	for _, o := range opts {
 		o(c)
 	}
 	if c.logger == nil {
 		c.logger = slog.New(slog.DiscardHandler)
+	}
+	if c.batching != nil {
+		c.claims = newClaimCoalescer(c.rpc, *c.batching)
+		c.completes = newCompleteCoalescer(c.rpc, *c.batching)
 	}
 	return c
 }
@@ -131,7 +141,15 @@ func (c *Client) Claim(ctx context.Context, p ClaimParams) (Claim, error) {
 	if holder == "" {
 		holder = c.holder
 	}
-	res, err := c.rpc.Claim(ctx, p.request(holder))
+	req := p.request(holder)
+	var res *idemregv1.ClaimResponse
+	var err error
+	// A Claim that waits would hold up every call it shared an RPC with.
+	if c.claims != nil && p.Wait <= 0 {
+		res, err = c.claims.do(ctx, req)
+	} else {
+		res, err = c.rpc.Claim(ctx, req)
+	}
 	if err != nil {
 		return Claim{}, FromError(err)
 	}
@@ -178,7 +196,14 @@ func (c Claim) Fence() Fence { return Fence{Token: c.Token, Secret: c.Secret} }
 // ErrNotFound, ErrUnavailable.
 func (c *Client) Complete(ctx context.Context, k Key, f Fence, r Result) (Record, error) {
 	consumer, kind, key := k.proto()
-	res, err := c.rpc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: f.Token, ClaimSecret: f.Secret, Result: r.proto()})
+	req := &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: f.Token, ClaimSecret: f.Secret, Result: r.proto()}
+	var res *idemregv1.CompleteResponse
+	var err error
+	if c.completes != nil {
+		res, err = c.completes.do(ctx, req)
+	} else {
+		res, err = c.rpc.Complete(ctx, req)
+	}
 	if err != nil {
 		return Record{}, FromError(err)
 	}

@@ -46,9 +46,13 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 		}
 		return max(time.Until(waitUntil), 0)
 	}
+	// With batching, the first Claim asks for no wait, so that it can share
+	// an RPC (a new key, the common case, needs none); only a duplicate that
+	// finds the key in progress pays a second Claim, which waits.
+	waiting := c.claims == nil
 	repeats, repeatDelay := 0, DefaultBackoff.Initial
 	for {
-		if wait != nil {
+		if wait != nil && waiting {
 			p.Wait = min(waitFor(ctx), left())
 		}
 		cl, err := c.claimOnce(ctx, p, s)
@@ -69,6 +73,10 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 		}
 		if wait == nil || left() <= 0 {
 			return cl, &InProgressError{RetryAfter: c.runTimes.retryAfter(p.Consumer, cl.RetryAfter)}
+		}
+		if !waiting {
+			waiting = true
+			continue
 		}
 		// Never sleep past the holder's lease: a crashed holder's key can be
 		// taken over from then on.

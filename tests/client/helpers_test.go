@@ -61,16 +61,11 @@ type observer struct {
 // observedClient is a client of reg whose registry calls the observer sees.
 func observedClient(t *testing.T, reg *registrytest.Registry, opts ...client.ClientOption) (*client.Client, *observer) {
 	t.Helper()
-	o := &observer{changed: make(chan struct{}), sent: map[string]int{}}
+	o := newObserver()
 	conn, err := grpc.NewClient(reg.Addr,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
-			o.mu.Lock()
-			o.sent[path.Base(method)]++
-			o.sizes = append(o.sizes, sentSize{path.Base(method), batchSize(req)})
-			close(o.changed)
-			o.changed = make(chan struct{})
-			o.mu.Unlock()
+			o.record(method, req)
 			err := invoker(ctx, method, req, reply, cc, callOpts...)
 			md, _ := metadata.FromOutgoingContext(ctx)
 			o.mu.Lock()
@@ -86,6 +81,25 @@ func observedClient(t *testing.T, reg *registrytest.Registry, opts ...client.Cli
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	return client.New(conn, opts...), o
+}
+
+func newObserver() *observer { return &observer{changed: make(chan struct{}), sent: map[string]int{}} }
+
+// record counts a call of method as sent.
+func (o *observer) record(method string, req any) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.sent[path.Base(method)]++
+	o.sizes = append(o.sizes, sentSize{path.Base(method), batchSize(req)})
+	close(o.changed)
+	o.changed = make(chan struct{})
+}
+
+// sentCount is how many calls of method were sent.
+func (o *observer) sentCount(method string) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.sent[method]
 }
 
 // waitSent blocks until at least n calls of method were sent.

@@ -118,7 +118,7 @@ func TestDuplicatesGetTheFirstAnswerByDefault(t *testing.T) {
 		}
 		second := make(chan reply, 1)
 		go func() { out, err := charge(ctx, e.conn, "10 EUR"); second <- reply{out, err} }()
-		e.obs.waitSent(t, "Claim", 2)
+		e.obs.waitSent(t, "Claim", 3)
 		close(release)
 		require.NoError(t, recv(t, first))
 		got := recv(t, second)
@@ -136,7 +136,7 @@ func TestDuplicatesGetTheFirstAnswerByDefault(t *testing.T) {
 		second := make(chan error, 1)
 		var replayed bool
 		go func() { _, err := charge(ctx, e.conn, "10 EUR", client.Replayed(&replayed)); second <- err }()
-		e.obs.waitSent(t, "Claim", 2)
+		e.obs.waitSent(t, "Claim", 3)
 		close(release)
 		require.NoError(t, recv(t, first))
 		require.NoError(t, recv(t, second))
