@@ -59,12 +59,15 @@ type harness struct {
 	env      []string
 	args     []string
 	embedded bool
-	proc     *process
-	conn     *grpc.ClientConn
-	rec      *lincheck.Recorder
-	work     *lincheck.Workload
-	stop     context.CancelFunc
-	done     chan struct{}
+	// throughClient sends the workload's single Claims and Completes
+	// through the Go client, which batches concurrent ones.
+	throughClient bool
+	proc          *process
+	conn          *grpc.ClientConn
+	rec           *lincheck.Recorder
+	work          *lincheck.Workload
+	stop          context.CancelFunc
+	done          chan struct{}
 
 	mu     sync.Mutex
 	report []string
@@ -73,7 +76,11 @@ type harness struct {
 }
 
 func newHarness(t *testing.T, env []string, args ...string) *harness {
-	h := &harness{t: t, bin: buildBinary(t), dir: t.TempDir(), addr: freeAddr(t), env: env, args: args}
+	return newHarnessThrough(t, false, env, args...)
+}
+
+func newHarnessThrough(t *testing.T, throughClient bool, env []string, args ...string) *harness {
+	h := &harness{t: t, bin: buildBinary(t), dir: t.TempDir(), addr: freeAddr(t), env: env, args: args, throughClient: throughClient}
 	// Reconnect fast after a restart: the default backoff grows to 2 min.
 	conn, err := grpc.NewClient(h.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithConnectParams(grpc.ConnectParams{
@@ -85,7 +92,8 @@ func newHarness(t *testing.T, env []string, args ...string) *harness {
 	h.conn = conn
 	h.start()
 	h.rec = lincheck.NewRecorder()
-	h.work = lincheck.NewWorkload(conn, h.rec, lincheck.Config{Clients: *linClients, Keys: *linKeys, Seed: uint64(time.Now().UnixNano())})
+	h.work = lincheck.NewWorkload(conn, h.rec, lincheck.Config{Clients: *linClients, Keys: *linKeys, Seed: uint64(time.Now().UnixNano()),
+		ThroughClient: h.throughClient})
 	return h
 }
 
@@ -273,6 +281,25 @@ func TestLinearizabilityEmbeddedSIGKILL(t *testing.T) {
 	h.embedded = true
 	h.run()
 	const kills = 4
+	for i := range kills {
+		time.Sleep(phases(kills + 1))
+		h.kill()
+		began := time.Now()
+		h.start()
+		h.recovered(fmt.Sprintf("SIGKILL %d", i+1), began)
+	}
+	time.Sleep(phases(kills + 1))
+	h.finish()
+}
+
+// TestLinearizabilityThroughClientSIGKILL is the embedded store's SIGKILL
+// run with the workload's single Claims and Completes sent through the Go
+// client, whose concurrent calls share BatchClaims and BatchCompletes.
+func TestLinearizabilityThroughClientSIGKILL(t *testing.T) {
+	h := newHarnessThrough(t, true, nil, "--data-dir", "data")
+	h.embedded = true
+	h.run()
+	const kills = 2
 	for i := range kills {
 		time.Sleep(phases(kills + 1))
 		h.kill()

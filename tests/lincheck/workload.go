@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemreg/idemreg/client"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
@@ -40,6 +41,10 @@ type Config struct {
 	// Wait is the share of Claims, in percent, that wait 50 to 300 ms for
 	// another holder's lease (default 10; negative: none).
 	Wait int
+	// ThroughClient sends the single Claims and Completes through the Go
+	// client (client.New with its defaults, so concurrent ones share
+	// BatchClaims and BatchCompletes) instead of the generated stub.
+	ThroughClient bool
 }
 
 func (c *Config) setDefaults() {
@@ -78,6 +83,7 @@ type Workload struct {
 	cfg  Config
 	rec  *Recorder
 	rpc  idemregv1.RegistryServiceClient
+	cl   *client.Client   // set with ThroughClient
 	conn *grpc.ClientConn // nil when not a *grpc.ClientConn
 	born time.Time
 
@@ -97,8 +103,12 @@ type Workload struct {
 func NewWorkload(conn grpc.ClientConnInterface, rec *Recorder, cfg Config) *Workload {
 	cfg.setDefaults()
 	cc, _ := conn.(*grpc.ClientConn)
-	return &Workload{cfg: cfg, rec: rec, rpc: idemregv1.NewRegistryServiceClient(conn), conn: cc, born: time.Now(),
+	w := &Workload{cfg: cfg, rec: rec, rpc: idemregv1.NewRegistryServiceClient(conn), conn: cc, born: time.Now(),
 		slots: make([]slot, cfg.Keys), seen: map[string][]int64{}, secrets: map[fence][]byte{}, ambiguous: map[string]int{}, acked: map[string]Output{}}
+	if cfg.ThroughClient {
+		w.cl = client.New(conn)
+	}
+	return w
 }
 
 // fence names an acquired token.
@@ -551,6 +561,9 @@ func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
 		rec *idemregv1.Record
 		err error
 	)
+	if w.cl != nil && (in.Method == Claim || in.Method == Complete) {
+		return w.callClient(ctx, in)
+	}
 	switch in.Method {
 	case Claim:
 		var res *idemregv1.ClaimResponse
@@ -583,6 +596,60 @@ func (w *Workload) call(ctx context.Context, in Input) (Output, error) {
 		return failed(err)
 	}
 	return w.recordOutput(in, Output{Status: OK}, rec)
+}
+
+// callClient makes a Claim or a Complete through the Go client.
+func (w *Workload) callClient(ctx context.Context, in Input) (Output, error) {
+	k := client.Key{Consumer: w.cfg.Consumer, Kind: client.KindOperation, Key: in.Key}
+	if in.Method == Complete {
+		rec, err := w.cl.Complete(ctx, k, client.Fence{Token: in.Token, Secret: w.secretOf(in)},
+			client.ResponseResult("lincheck.Result", []byte(in.Result)))
+		if err != nil {
+			return failed(err)
+		}
+		return w.clientRecordOutput(in, Output{Status: OK}, rec)
+	}
+	cl, err := w.cl.Claim(ctx, client.ClaimParams{Key: k, Fingerprint: []byte(in.Fingerprint), Lease: time.Hour,
+		Retention: time.Hour, Holder: in.Holder, RequestID: in.RequestID, Wait: in.Wait})
+	if err != nil {
+		return failed(err)
+	}
+	var out Output
+	switch cl.Outcome {
+	case client.OutcomeAcquired:
+		out.Status = Acquired
+		if cl.Token != cl.Record.Token {
+			return Output{}, fmt.Errorf("acquired token %d, record token %d", cl.Token, cl.Record.Token)
+		}
+		w.mu.Lock()
+		w.secrets[fence{in.Key, cl.Token}] = cl.Secret
+		w.mu.Unlock()
+	case client.OutcomeInProgress:
+		out.Status = InProgress
+		if cl.Record.Token != 0 {
+			return Output{}, fmt.Errorf("in-progress answer shows the holder's token %d", cl.Record.Token)
+		}
+	case client.OutcomeCompleted:
+		out.Status = Completed
+	case client.OutcomeParked:
+		out.Status = Parked
+		if cl.Token != 0 || cl.Record.Token != 0 || len(cl.Secret) > 0 {
+			return Output{}, fmt.Errorf("parked answer shows a token (%d, record %d) or a claim secret", cl.Token, cl.Record.Token)
+		}
+	default:
+		return Output{}, fmt.Errorf("claim outcome %v", cl.Outcome)
+	}
+	return w.clientRecordOutput(in, out, cl.Record)
+}
+
+// clientRecordOutput is recordOutput for the Go client's record.
+func (w *Workload) clientRecordOutput(in Input, out Output, rec client.Record) (Output, error) {
+	pb := &idemregv1.Record{Consumer: rec.Consumer, Key: rec.Key.Key, Token: rec.Token, Attempt: rec.Attempt, Holder: rec.Holder,
+		State: idemregv1.State(rec.State), ParkReason: rec.ParkReason}
+	if r := rec.Result; r != nil && r.Response != nil {
+		pb.Result = &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: r.Response.Type, Data: r.Response.Data}}}
+	}
+	return w.recordOutput(in, out, pb)
 }
 
 // failed is the answer of a call that returned err.

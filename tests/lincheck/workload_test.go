@@ -3,6 +3,7 @@ package lincheck
 import (
 	"context"
 	"errors"
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"log/slog"
 	"path/filepath"
 	"sync/atomic"
@@ -26,10 +27,14 @@ func memStore(t *testing.T) storage.Store {
 	return s
 }
 
-func runWorkload(t *testing.T, conn *grpc.ClientConn, d time.Duration) (*Workload, *Recorder) {
+func runWorkload(t *testing.T, conn *grpc.ClientConn, d time.Duration, opts ...func(*Config)) (*Workload, *Recorder) {
 	t.Helper()
 	rec := NewRecorder()
-	w := NewWorkload(conn, rec, Config{Clients: 6, Keys: 2, Rotate: 300 * time.Millisecond, Seed: 1})
+	cfg := Config{Clients: 6, Keys: 2, Rotate: 300 * time.Millisecond, Seed: 1}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	w := NewWorkload(conn, rec, cfg)
 	ctx, cancel := context.WithTimeout(t.Context(), d)
 	defer cancel()
 	w.Run(ctx)
@@ -53,6 +58,28 @@ func TestWorkloadOnEmbeddedStore(t *testing.T) {
 	require.Greater(t, st.SameKey, 0, "a batch names a key twice now and then")
 	require.Greater(t, st.Woken, 0, "a waiting Claim is woken by a Complete or a Release")
 	require.Greater(t, st.Waits, st.Woken, "a waiting Claim's wait elapses now and then")
+	require.NoError(t, Check(h, time.Minute, filepath.Join(t.TempDir(), "history.html")))
+}
+
+// TestWorkloadThroughClient is TestWorkloadOnEmbeddedStore with the single
+// Claims and Completes sent through the Go client, whose concurrent calls
+// share BatchClaims and BatchCompletes: the history stays linearizable.
+func TestWorkloadThroughClient(t *testing.T) {
+	addr, _ := servertest.Serve(t, memStore(t), server.Config{})
+	var shared atomic.Int64
+	conn := servertest.Dial(t, addr, grpc.WithChainUnaryInterceptor(
+		func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+			if r, ok := req.(*idemregv1.BatchClaimRequest); ok && len(r.GetRequests()) > 1 {
+				shared.Add(1)
+			}
+			return invoker(ctx, method, req, reply, cc, opts...)
+		}))
+	_, rec := runWorkload(t, conn, 1500*time.Millisecond, func(c *Config) { c.ThroughClient, c.Batch, c.Clients = true, -1, 16 })
+	h, st := rec.History()
+	t.Log(st, "; BatchClaims the client sent:", shared.Load())
+	require.Greater(t, st.ByStatus[Acquired], 10)
+	require.Greater(t, st.ByStatus[OK], 10)
+	require.Greater(t, shared.Load(), int64(0), "concurrent Claims shared RPCs")
 	require.NoError(t, Check(h, time.Minute, filepath.Join(t.TempDir(), "history.html")))
 }
 
