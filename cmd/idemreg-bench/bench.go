@@ -237,7 +237,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, benchUsage); fs.PrintDefaults() }
 	var targets, callers, mix, serverFlags string
-	fs.StringVar(&targets, "targets", "idemreg,sql,redis", "comma-separated targets: idemreg, idemreg-embedded, sql, redis; a started server takes extra flags and environment in brackets, e.g. idemreg[--sql-batch-size=1 GOGC=100]")
+	fs.StringVar(&targets, "targets", "idemreg,sql,redis", "comma-separated targets: idemreg, idemreg-embedded (through the Go client, with its defaults), their -unary (one generated-stub RPC per call) and -batch variants, sql, sql-batch, redis, grpc-floor; a started server takes extra flags and environment in brackets, e.g. idemreg[--sql-batch-size=1 GOGC=100]")
 	fs.StringVar(&callers, "callers", "1,8,64", "comma-separated numbers of concurrent callers")
 	fs.DurationVar(&cfg.Duration, "duration", 10*time.Second, "measured time of each run")
 	fs.IntVar(&cfg.Count, "count", 0, "measure this many iterations per run instead of --duration")
@@ -322,6 +322,9 @@ type benchTarget struct {
 	ServerBinary string
 	// Batch: a -batch target, which drives its server in batches.
 	Batch bool `json:",omitempty"`
+	// Unary: a -unary target, which calls its server through the
+	// generated stub, one RPC per call, instead of the Go client.
+	Unary bool `json:",omitempty"`
 }
 
 func parseTarget(s string) (benchTarget, error) {
@@ -331,9 +334,6 @@ func parseTarget(s string) (benchTarget, error) {
 			return t, fmt.Errorf("target %q: missing ]", s)
 		}
 		t.Kind = s[:i]
-		if base, ok := strings.CutSuffix(t.Kind, "-batch"); ok {
-			t.Kind, t.Batch = base, true
-		}
 		for _, tok := range strings.Fields(s[i+1 : len(s)-1]) {
 			switch {
 			case strings.HasPrefix(tok, "-"):
@@ -346,20 +346,27 @@ func parseTarget(s string) (benchTarget, error) {
 				return t, fmt.Errorf("target %q: %q is neither a --flag, NAME=value nor @binary", s, tok)
 			}
 		}
+	}
+	if base, ok := strings.CutSuffix(t.Kind, "-batch"); ok {
+		t.Kind, t.Batch = base, true
+	}
+	if base, ok := strings.CutSuffix(t.Kind, "-unary"); ok && !t.Batch {
+		t.Kind, t.Unary = base, true
+	}
+	if len(t.ServerArgs)+len(t.ServerEnv) > 0 || t.ServerBinary != "" {
 		if t.Kind != "idemreg" && t.Kind != "idemreg-embedded" {
 			return t, fmt.Errorf("target %q: only a started server takes [flags]", s)
 		}
-	}
-	if base, ok := strings.CutSuffix(t.Kind, "-batch"); ok && !t.Batch {
-		t.Kind, t.Batch = base, true
 	}
 	switch t.Kind {
 	case "idemreg", "idemreg-embedded":
 		return t, nil
 	case "sql":
-		return t, nil
+		if !t.Unary {
+			return t, nil
+		}
 	case "redis", "grpc-floor":
-		if !t.Batch {
+		if !t.Batch && !t.Unary {
 			return t, nil
 		}
 	}
@@ -440,7 +447,11 @@ func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, re
 			addr, pid = srv.addr, srv.cmd.Process.Pid
 		}
 		// Preloaded records belong to PreloadConsumer: replays claim them.
-		t, err = bench.NewRegistry(addr, bench.PreloadConsumer)
+		if bt.Unary || bt.Batch {
+			t, err = bench.NewRegistry(addr, bench.PreloadConsumer)
+		} else {
+			t, err = bench.NewRegistryClient(addr, bench.PreloadConsumer)
+		}
 	case "sql":
 		t, err = bench.NewSQLInbox(ctx, cfg.DatabaseURL, "bench.sql", callers)
 	case "redis":

@@ -133,6 +133,11 @@ func TestParseBenchTarget(t *testing.T) {
 		{name: "batch with flags", in: "idemreg-batch[--sql-batch-size=1]", want: benchTarget{
 			Label: "idemreg-batch[--sql-batch-size=1]", Kind: "idemreg", ServerArgs: []string{"--sql-batch-size=1"}, Batch: true,
 		}},
+		{name: "unary", in: "idemreg-unary", want: benchTarget{Label: "idemreg-unary", Kind: "idemreg", Unary: true}},
+		{name: "embedded unary with flags", in: "idemreg-embedded-unary[GOGC=100]", want: benchTarget{
+			Label: "idemreg-embedded-unary[GOGC=100]", Kind: "idemreg-embedded", ServerEnv: []string{"GOGC=100"}, Unary: true,
+		}},
+		{name: "unary baseline", in: "sql-unary", err: true},
 		{name: "batched sql baseline", in: "sql-batch", want: benchTarget{Label: "sql-batch", Kind: "sql", Batch: true}},
 		{name: "batch of a baseline without batches", in: "redis-batch", err: true},
 		{name: "flags on a baseline", in: "sql[--x]", err: true},

@@ -17,6 +17,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemreg/idemreg/client"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
@@ -27,7 +28,8 @@ const (
 )
 
 // Registry drives an idemreg server over gRPC, on one client connection
-// (HTTP/2 multiplexes the callers), as a service using the registry would.
+// (HTTP/2 multiplexes the callers), one generated-stub RPC per call: the
+// -unary targets.
 type Registry struct {
 	conn     *grpc.ClientConn
 	client   idemregv1.RegistryServiceClient
@@ -42,6 +44,44 @@ func NewRegistry(addr, consumer string) (*Registry, error) {
 	}
 	return &Registry{conn: conn, client: idemregv1.NewRegistryServiceClient(conn), consumer: consumer}, nil
 }
+
+// RegistryClient drives an idemreg server through the project's Go client
+// with its defaults, as a service calling Claim and Complete the ordinary
+// way would: concurrent calls share BatchClaims and BatchCompletes.
+type RegistryClient struct {
+	conn     *grpc.ClientConn
+	client   *client.Client
+	consumer string
+}
+
+// NewRegistryClient connects to the server at addr; calls use consumer.
+func NewRegistryClient(addr, consumer string) (*RegistryClient, error) {
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	return &RegistryClient{conn: conn, client: client.New(conn, client.WithHolder("bench")), consumer: consumer}, nil
+}
+
+// Claim implements Target.
+func (r *RegistryClient) Claim(ctx context.Context, key string) (Outcome, Fence, error) {
+	cl, err := r.client.Claim(ctx, client.ClaimParams{Key: client.Key{Consumer: r.consumer, Kind: client.KindMessage, Key: key},
+		Lease: Lease, Retention: Retention})
+	if err != nil {
+		return 0, Fence{}, err
+	}
+	return Outcome(cl.Outcome), Fence{Token: cl.Token, Secret: cl.Secret}, nil
+}
+
+// Complete implements Target.
+func (r *RegistryClient) Complete(ctx context.Context, key string, f Fence, result []byte) error {
+	_, err := r.client.Complete(ctx, client.Key{Consumer: r.consumer, Kind: client.KindMessage, Key: key},
+		client.Fence{Token: f.Token, Secret: f.Secret}, client.ResponseResult("bench.v1.Done", result))
+	return err
+}
+
+// Close implements Target.
+func (r *RegistryClient) Close() error { return r.conn.Close() }
 
 // Claim implements Target.
 func (r *Registry) Claim(ctx context.Context, key string) (Outcome, Fence, error) {
