@@ -46,7 +46,10 @@ func IdempotencyKey(ctx context.Context) (string, bool) {
 	if k, ok := ctx.Value(keyContextKey{}).(string); ok && k != "" {
 		return k, true
 	}
-	if v := metadata.ValueFromOutgoingContext(ctx, KeyMetadata); len(v) > 0 && v[0] != "" {
+	// FromOutgoingContext, not ValueFromOutgoingContext: that one is new in
+	// gRPC 1.85 and would be all that keeps the module's gRPC floor there.
+	md, _ := metadata.FromOutgoingContext(ctx)
+	if v := md.Get(KeyMetadata); len(v) > 0 && v[0] != "" {
 		return v[0], true
 	}
 	return "", false
