@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -39,11 +40,15 @@ type AdminService struct {
 	// store cannot administer records.
 	store storage.Admin
 	m     *metrics
+	// types are the message types a resolution's response is checked
+	// against and encoded from JSON by (nil: the linked ones).
+	types *resulttype.Types
 }
 
-// newAdminService returns the AdminService beside svc, on its store chain.
-func newAdminService(svc *Service) *AdminService {
-	return &AdminService{svc: svc, store: svc.store.admin(), m: svc.metrics}
+// newAdminService returns the AdminService beside svc, on its store chain,
+// checking resolutions' responses against types.
+func newAdminService(svc *Service, types *resulttype.Types) *AdminService {
+	return &AdminService{svc: svc, store: svc.store.admin(), m: svc.metrics, types: types}
 }
 
 // errNoAdmin answers every call when the store cannot administer records.
@@ -109,7 +114,7 @@ const (
 
 // ResolveRecord implements AdminServiceServer.
 func (a *AdminService) ResolveRecord(ctx context.Context, req *idemregv1.ResolveRecordRequest) (*idemregv1.ResolveRecordResponse, error) {
-	p, err := a.validateResolve(req)
+	p, checked, err := a.validateResolve(req)
 	if err != nil {
 		return nil, err
 	}
@@ -124,7 +129,10 @@ func (a *AdminService) ResolveRecord(ctx context.Context, req *idemregv1.Resolve
 		if f := req.GetResult().GetFailure(); f != nil {
 			fields = append(fields, slog.String("result_outcome", "failure"), slog.Int("failure_code", int(f.GetCode())))
 		} else {
-			fields = append(fields, slog.String("result_outcome", "response"))
+			// Unchecked: stored as given, of a type the registry does not
+			// know, which the operator's tooling must vouch for.
+			fields = append(fields, slog.String("result_outcome", "response"), slog.Bool("response_checked", checked),
+				slog.Bool("response_from_json", req.GetResponseJson() != nil))
 		}
 	}
 	if attempt, ok := a.resolvedAttempt(ctx, p, got, err); ok {
@@ -140,7 +148,7 @@ func (a *AdminService) ResolveRecord(ctx context.Context, req *idemregv1.Resolve
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "ResolveRecord", p.Key, err)
 	}
-	return &idemregv1.ResolveRecordResponse{Record: rec}, nil
+	return &idemregv1.ResolveRecordResponse{Record: rec, ResponseChecked: checked}, nil
 }
 
 // resolvedAttempt is the attempt a successful resolution ended, for the
@@ -169,9 +177,11 @@ func (a *AdminService) resolvedAttempt(ctx context.Context, p storage.ResolvePar
 	return 0, false
 }
 
-func (a *AdminService) validateResolve(r *idemregv1.ResolveRecordRequest) (storage.ResolveParams, error) {
+// validateResolve checks a resolution and returns what to store, and
+// whether the response it stores was checked against its type.
+func (a *AdminService) validateResolve(r *idemregv1.ResolveRecordRequest) (p storage.ResolveParams, checked bool, err error) {
 	var v violations
-	p := storage.ResolveParams{Key: v.key(r.GetConsumer(), r.GetKind(), r.GetKey()), Token: r.GetToken(), Reason: r.GetReason()}
+	p = storage.ResolveParams{Key: v.key(r.GetConsumer(), r.GetKind(), r.GetKey()), Token: r.GetToken(), Reason: r.GetReason()}
 	if p.Token <= 0 {
 		v.add("token", "required: the record's current token, as InspectRecord or ListRecords showed it")
 	}
@@ -185,11 +195,22 @@ func (a *AdminService) validateResolve(r *idemregv1.ResolveRecordRequest) (stora
 		}
 	case *idemregv1.ResolveRecordRequest_Result:
 		// The same checks and encoding as Complete's: Claims replay it as
-		// if its holder had stored it.
+		// if its holder had stored it. Unlike a holder's, an operator's
+		// bytes were written by hand, so a response of a known type must
+		// also decode as it: else every Claim of the key would fail to
+		// decode the replay for the record's whole retention.
 		p.Complete = true
+		if resp := res.Result.GetResponse(); resp != nil {
+			checked = v.decodes("result.response", resp.GetType(), resp.GetData(), a.types)
+		}
 		p.Result = v.result("result", res.Result, a.svc.limits.MaxResultBytes)
+	case *idemregv1.ResolveRecordRequest_ResponseJson:
+		p.Complete = true
+		checked = true
+		resp := v.fromJSON("response_json", res.ResponseJson, a.types)
+		p.Result = v.result("response_json", &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: resp}}, a.svc.limits.MaxResultBytes)
 	}
-	return p, v.err()
+	return p, checked, v.err()
 }
 
 // ListRecords implements AdminServiceServer.

@@ -60,7 +60,7 @@ func NewAdminService(store storage.Store, limits Limits) (*AdminService, error) 
 	if err != nil {
 		return nil, err
 	}
-	return newAdminService(svc), nil
+	return newAdminService(svc, nil), nil
 }
 
 // AsAnonymous is ctx as the interceptors leave it for a caller of an open

@@ -684,6 +684,8 @@ func TestAdminAudit(t *testing.T) {
 	require.NotContains(t, lost, "attempt")
 	require.Equal(t, "completed", completed["resolution"])
 	require.Equal(t, "response", completed["result_outcome"])
+	require.Equal(t, false, completed["response_checked"], "test.Reply is no type the server knows: stored unchecked, and the line says so")
+	require.Equal(t, false, completed["response_from_json"])
 	require.EqualValues(t, 1, completed["attempt"])
 	require.Equal(t, "INFO", listing["level"])
 	require.Equal(t, "list", listing["action"])

@@ -32,6 +32,7 @@ import (
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/policy"
+	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -126,6 +127,11 @@ type Config struct {
 	// otelgrpc's metrics and spans; nil means the global providers.
 	MeterProvider  metric.MeterProvider
 	TracerProvider trace.TracerProvider
+	// ResultTypes are the message types whose responses ResolveRecord
+	// checks before storing them and encodes from JSON: those of an
+	// operator's descriptor set (resulttype.Load) beside the linked ones.
+	// Nil: the types linked into the binary only.
+	ResultTypes *resulttype.Types
 }
 
 // DefaultMaxInFlight is the default bound on store operations in flight:
@@ -338,7 +344,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	g := grpc.NewServer(opts...)
 	r := decodingRegistrar{g}
 	idemregv1.RegisterRegistryServiceServer(r, svc)
-	idemregv1.RegisterAdminServiceServer(r, newAdminService(svc))
+	idemregv1.RegisterAdminServiceServer(r, newAdminService(svc, cfg.ResultTypes))
 	h := health.NewServer()
 	for _, name := range healthServices {
 		h.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)

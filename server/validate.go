@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 	"unicode"
@@ -13,6 +14,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/policy"
+	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -118,6 +120,39 @@ func (v *violations) result(field string, res *idemregv1.Result, maxBytes int) [
 		return nil
 	}
 	return b
+}
+
+// decodes checks that data decodes as the message type named typ when
+// types know it, under field (a Response: field.data names the bytes), and
+// reports whether they know it: the bytes of a type they do not know are
+// stored unchecked.
+func (v *violations) decodes(field, typ string, data []byte, types *resulttype.Types) bool {
+	known, err := types.Check(typ, data)
+	if err != nil {
+		v.add(field+".data", "does not decode as %s (%v): give the bytes of its wire format, or the response as JSON in response_json (idemreg admin resolve --response-json), which the server encodes", typ, err)
+	}
+	return known
+}
+
+// fromJSON encodes a response given as JSON in its type's wire format,
+// under field. The type must be known: JSON of a type the registry cannot
+// resolve has no wire format to encode to.
+func (v *violations) fromJSON(field string, r *idemregv1.JsonResponse, types *resulttype.Types) *idemregv1.Response {
+	typ := r.GetType()
+	if typ == "" {
+		v.add(field+".type", "required: the response's full message name, such as google.protobuf.Int64Value")
+		return nil
+	}
+	data, err := types.Encode(typ, r.GetJson())
+	switch {
+	case errors.Is(err, resulttype.ErrUnknownType):
+		v.add(field+".type", "the registry does not know the message type %q (neither linked into the server nor in its --descriptor-set): give the response's wire-format bytes in result.response.data, or start the server with a descriptor set that defines it", typ)
+		return nil
+	case err != nil:
+		v.add(field+".json", "is not %s in the protobuf JSON mapping: %v", typ, err)
+		return nil
+	}
+	return &idemregv1.Response{Type: typ, Data: data}
 }
 
 // printable checks that s is valid UTF-8 of printable characters (letters,

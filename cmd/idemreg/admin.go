@@ -23,6 +23,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/resulttype"
 )
 
 // adminUsage lists the admin subcommands.
@@ -36,11 +37,14 @@ const adminUsage = `idemreg admin: an operator's calls to a running registry (Ad
   idemreg admin inspect    --consumer C --kind K --key KEY
                            the record as stored, token, result and attempt history included
   idemreg admin resolve    --consumer C --kind K --key KEY --expect-token T --reason TEXT
-                           (--release | --response-type TYPE [--response-data S | --response-file F]
-                                      | --failure-code CODE [--failure-message TEXT])
+                           (--release | --response-type TYPE [--response-data S | --response-file F
+                                                               | --response-json J | --response-json-file F]
+                                      | --failure-code CODE [--failure-message TEXT]) [--descriptor-set F]
                            settle a parked or stuck record the operator inspected (T is its token):
                            --release for a fresh attempt (attempt 1 again), or complete it with a
-                           result that every later Claim replays
+                           result that every later Claim replays; a response of a type the registry
+                           knows (google.protobuf.*, --descriptor-set) must decode as it, and may be
+                           given as JSON
   idemreg admin invalidate --consumer C --kind K --key KEY --reason TEXT [--expect-token T]
                            end the record's lease or result: the next Claim takes over
 
@@ -167,8 +171,11 @@ func bindResolve(fs *flag.FlagSet) func() (adminCall, error) {
 	expect := fs.Int64("expect-token", 0, "the record's current token, as inspect or list showed it (required): of two operators, only the first acts")
 	release := fs.Bool("release", false, "release the record for a fresh attempt: the next Claim acquires it as attempt 1")
 	respType := fs.String("response-type", "", "complete with a response of this type (the message's full name, as the service's Complete would store it)")
-	respData := fs.String("response-data", "", "the response's bytes, as given")
-	respFile := fs.String("response-file", "", "a file holding the response's bytes")
+	respData := fs.String("response-data", "", "the response's bytes in the type's wire format, as given (of a type the registry knows, checked to decode as it)")
+	respFile := fs.String("response-file", "", "a file holding the response's bytes in the type's wire format")
+	respJSON := fs.String("response-json", "", `the response in the protobuf JSON mapping ('{"value":"10"}' or '"10"' for a google.protobuf.Int64Value), encoded here when the type is known here, else by the server`)
+	respJSONFile := fs.String("response-json-file", "", "a file holding the response in the protobuf JSON mapping")
+	descSet := fs.String("descriptor-set", "", "binary FileDescriptorSet (buf build -o FILE.binpb) of the response's type, for a type that is not google.protobuf.*: the response is checked and encoded here")
 	failCode := fs.String("failure-code", "", "complete with a failure of this google.rpc.Code (1-16, or its name: FAILED_PRECONDITION)")
 	failMsg := fs.String("failure-message", "", "the failure's message")
 	return func() (adminCall, error) {
@@ -183,7 +190,7 @@ func bindResolve(fs *flag.FlagSet) func() (adminCall, error) {
 			return nil, errors.New("resolve needs --expect-token: the record's token as inspect or list showed it")
 		}
 		req := &idemregv1.ResolveRecordRequest{Consumer: k.consumer, Kind: kind, Key: k.key, Token: *expect, Reason: *reason}
-		response := *respType != "" || *respData != "" || *respFile != ""
+		response := *respType != "" || *respData != "" || *respFile != "" || *respJSON != "" || *respJSONFile != ""
 		failure := *failCode != "" || *failMsg != ""
 		switch {
 		case *release && (response || failure), response && failure:
@@ -191,17 +198,13 @@ func bindResolve(fs *flag.FlagSet) func() (adminCall, error) {
 		case *release:
 			req.Resolution = &idemregv1.ResolveRecordRequest_Release{Release: true}
 		case response:
-			if *respData != "" && *respFile != "" {
-				return nil, errors.New("--response-data and --response-file are the same bytes: give one")
+			types, err := resulttype.Load(*descSet)
+			if err != nil {
+				return nil, fmt.Errorf("--descriptor-set: %w", err)
 			}
-			data := []byte(*respData)
-			if *respFile != "" {
-				if data, err = os.ReadFile(*respFile); err != nil {
-					return nil, err
-				}
+			if err := setResponse(req, types, *respType, *respData, *respFile, *respJSON, *respJSONFile); err != nil {
+				return nil, err
 			}
-			req.Resolution = &idemregv1.ResolveRecordRequest_Result{Result: &idemregv1.Result{
-				Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: *respType, Data: data}}}}
 		case failure:
 			code, err := parseCode(*failCode)
 			if err != nil {
@@ -216,6 +219,62 @@ func bindResolve(fs *flag.FlagSet) func() (adminCall, error) {
 			return api.ResolveRecord(ctx, req)
 		}, nil
 	}
+}
+
+// setResponse makes req complete its record with the response of type
+// typ that one of the flags gives: as bytes (data,
+// file) or as JSON (json, jsonFile). Of a type types know, bytes are
+// checked before they are sent, and JSON is encoded here; JSON of a type
+// they do not know is sent as JSON, for the server, which may know it
+// from its own --descriptor-set.
+func setResponse(req *idemregv1.ResolveRecordRequest, types *resulttype.Types, typ, data, file, json, jsonFile string) error {
+	given := 0
+	for _, f := range []string{data, file, json, jsonFile} {
+		if f != "" {
+			given++
+		}
+	}
+	if given > 1 {
+		return errors.New("--response-data, --response-file, --response-json and --response-json-file each give the response: give one")
+	}
+	read := func(flag, path string, into *string) error {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return fmt.Errorf("%s: %w", flag, err)
+		}
+		*into = string(b)
+		return nil
+	}
+	if file != "" {
+		if err := read("--response-file", file, &data); err != nil {
+			return err
+		}
+	}
+	if jsonFile != "" {
+		if err := read("--response-json-file", jsonFile, &json); err != nil {
+			return err
+		}
+	}
+	bytes := []byte(data)
+	if json != "" || jsonFile != "" {
+		if typ == "" {
+			return errors.New("--response-json needs --response-type, the message's full name (such as google.protobuf.Int64Value)")
+		}
+		if _, known := types.Find(typ); !known {
+			req.Resolution = &idemregv1.ResolveRecordRequest_ResponseJson{ResponseJson: &idemregv1.JsonResponse{Type: typ, Json: json}}
+			return nil
+		}
+		var err error
+		if bytes, err = types.Encode(typ, json); err != nil {
+			return fmt.Errorf("the response is not %s in the protobuf JSON mapping: %w", typ, err)
+		}
+	} else if _, err := types.Check(typ, bytes); err != nil {
+		// The server would refuse it too; said here in the flags' words.
+		return fmt.Errorf("the response's bytes do not decode as %s (%v): they must be its wire format; give it as JSON with --response-json, which is encoded for you", typ, err)
+	}
+	req.Resolution = &idemregv1.ResolveRecordRequest_Result{Result: &idemregv1.Result{
+		Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: typ, Data: bytes}}}}
+	return nil
 }
 
 func bindList(fs *flag.FlagSet) func() (adminCall, error) {

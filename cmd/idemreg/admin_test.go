@@ -276,7 +276,7 @@ func TestAdminHelp(t *testing.T) {
 	for cmd, flags := range map[string][]string{
 		"list":       {"-consumer", "-prefix", "-state", "-min-attempt", "-older-than", "-page-size", "-page-token", "-all", "-tls-ca"},
 		"inspect":    {"-consumer", "-kind", "-key", "-token"},
-		"resolve":    {"-expect-token", "-reason", "-release", "-response-type", "-response-data", "-response-file", "-failure-code", "-failure-message"},
+		"resolve":    {"-expect-token", "-reason", "-release", "-response-type", "-response-data", "-response-file", "-response-json", "-response-json-file", "-descriptor-set", "-failure-code", "-failure-message"},
 		"invalidate": {"-expect-token", "-reason"},
 	} {
 		t.Run(cmd, func(t *testing.T) {

@@ -51,6 +51,10 @@ type config struct {
 	// loopback only unless ConsoleAllowRemote says otherwise.
 	ConsoleListen      string
 	ConsoleAllowRemote bool
+	// DescriptorSet is a binary FileDescriptorSet of the message types,
+	// beside the linked ones, whose responses an operator's resolution is
+	// checked against and may give as JSON; empty: the linked ones only.
+	DescriptorSet string
 
 	// Server is the server's configuration but for what serve builds
 	// itself (logger, access, TLS, telemetry).
@@ -130,6 +134,7 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.BoolVar(&c.PprofAllowRemote, "pprof-allow-remote", c.PprofAllowRemote, "allow --pprof-listen on an address that is not loopback: anyone who reaches it can profile the process")
 	fs.StringVar(&c.ConsoleListen, "console-listen", c.ConsoleListen, "serve the operator console (look up and invalidate records, as the signed-in identity) on http://ADDR, a loopback address (off when empty)")
 	fs.BoolVar(&c.ConsoleAllowRemote, "console-allow-remote", c.ConsoleAllowRemote, "allow --console-listen on an address that is not loopback: the console speaks plaintext HTTP, so sign-in tokens and records cross the network unencrypted")
+	fs.StringVar(&c.DescriptorSet, "descriptor-set", c.DescriptorSet, "binary FileDescriptorSet (buf build -o FILE.binpb, protoc --include_imports --descriptor_set_out=FILE) of the services' response types: a resolution's response of one of them must decode as it, and may be given as JSON (the google.protobuf types are known without it); read at start")
 	fs.DurationVar(&c.Sweep.Interval, "sweep-interval", c.Sweep.Interval, "time between sweeps of expired records; 0 turns the in-process sweeper off")
 	fs.IntVar(&c.Sweep.BatchSize, "sweep-batch-size", c.Sweep.BatchSize, "most records one sweep batch deletes")
 	fs.DurationVar(&c.Sweep.BatchTimeout, "sweep-batch-timeout", c.Sweep.BatchTimeout, "timeout of one sweep batch (the batch halves after one)")

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/console"
+	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -20,8 +21,9 @@ import (
 // returned function is called. The console calls the AdminService over a
 // plaintext loopback connection to grpcAddr, serve's own listener, with the
 // signed-in operator's bearer token: it has no authority of its own. Its
-// status panel reads the sweeper's lag from store, when store can sweep.
-func startConsole(ctx context.Context, cfg *config, src *access.Source, grpcAddr net.Addr, store storage.Store, logger *slog.Logger) (stop func(), err error) {
+// status panel reads the sweeper's lag from store, when store can sweep;
+// its resolve form knows the server's response types.
+func startConsole(ctx context.Context, cfg *config, src *access.Source, types *resulttype.Types, grpcAddr net.Addr, store storage.Store, logger *slog.Logger) (stop func(), err error) {
 	addr := cfg.ConsoleListen
 	if addr == "" {
 		return func() {}, nil
@@ -57,7 +59,7 @@ func startConsole(ctx context.Context, cfg *config, src *access.Source, grpcAddr
 	if err != nil {
 		return nil, fmt.Errorf("console: connecting to %s: %w", target, err)
 	}
-	h, err := console.New(console.Config{Conn: conn, SignIn: signIn, SweepLag: sweepLag, Logger: logger.With("component", "console")})
+	h, err := console.New(console.Config{Conn: conn, SignIn: signIn, SweepLag: sweepLag, Types: types, Logger: logger.With("component", "console")})
 	if err != nil {
 		_ = conn.Close()
 		return nil, err

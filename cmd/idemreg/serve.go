@@ -21,6 +21,7 @@ import (
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
+	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
 	"github.com/idemreg/idemreg/storage/postgres"
@@ -54,6 +55,10 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	types, err := resulttype.Load(cfg.DescriptorSet)
+	if err != nil {
+		return fmt.Errorf("--descriptor-set: %w", err)
+	}
 	tel, err := telemetry.Start(ctx, "idemreg", logger)
 	if err != nil {
 		return err
@@ -77,7 +82,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	defer store.Close()
 
 	srvCfg := cfg.Server
-	srvCfg.Logger, srvCfg.Access, srvCfg.File = logger, callers, file
+	srvCfg.Logger, srvCfg.Access, srvCfg.File, srvCfg.ResultTypes = logger, callers, file, types
 	srvCfg.MeterProvider, srvCfg.TracerProvider = tel.Meters, tel.Tracers
 	if cfg.TLS.CertFile != "" {
 		if srvCfg.TLS, err = server.TLSConfig(cfg.TLS, logger); err != nil {
@@ -100,7 +105,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.Listen, err)
 	}
-	stopConsole, err := startConsole(ctx, cfg, callers, lis.Addr(), store, logger)
+	stopConsole, err := startConsole(ctx, cfg, callers, types, lis.Addr(), store, logger)
 	if err != nil {
 		_ = lis.Close()
 		return err

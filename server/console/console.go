@@ -10,7 +10,9 @@
 // is the only thing the browser's cookie holds. Every state-changing POST
 // carries the session's CSRF token; every value shown goes through
 // html/template; stored results are shown as type, size and a hex preview,
-// never as markup.
+// never as markup. A response an operator resolves with is checked against
+// its type where the registry knows it (Config.Types) and may be typed as
+// JSON, which is encoded here; the confirmation shows it as JSON again.
 //
 // The views are a list (routes table in New): the status panel (store
 // health, sweeper lag, parked records per consumer), a look-up, the list of
@@ -53,6 +55,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/resulttype"
 )
 
 // Defaults of Config.
@@ -102,6 +105,10 @@ type Config struct {
 	// AdminService, as it names no record. Nil: the panel says the lag is
 	// not available.
 	SweepLag func(ctx context.Context) (lag time.Duration, ok bool, err error)
+	// Types are the message types whose responses the resolve form checks
+	// and encodes from JSON: the server's own (its ResultTypes), so that
+	// the form refuses what the AdminService would. Nil: the linked ones.
+	Types *resulttype.Types
 }
 
 // Console is the http.Handler of the console.

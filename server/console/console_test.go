@@ -100,9 +100,16 @@ func setup(t *testing.T, withIdentities bool, opts ...func(*console.Config)) *en
 		require.NoError(t, err)
 	}
 	logs := &syncBuffer{}
+	// The server knows the response types the console is given, as serve
+	// wires both.
+	var given console.Config
+	for _, o := range opts {
+		o(&given)
+	}
 	addr, _ := servertest.Serve(t, store, server.Config{
-		Access: access.Static(set),
-		Logger: slog.New(slog.NewJSONHandler(logs, nil)),
+		Access:      access.Static(set),
+		Logger:      slog.New(slog.NewJSONHandler(logs, nil)),
+		ResultTypes: given.Types,
 	})
 	conn := servertest.Dial(t, addr)
 	// As serve wires it (cmd/idemreg/console.go).

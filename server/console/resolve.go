@@ -11,8 +11,11 @@ import (
 	"unicode/utf8"
 
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/resulttype"
 )
 
 // The resolve form's choices.
@@ -23,6 +26,7 @@ const (
 	outcomeFailure  = "failure"
 	encodingText    = "text"
 	encodingBase64  = "base64"
+	encodingJSON    = "json"
 )
 
 // Bounds of a result typed into the resolve form: a result an operator
@@ -37,12 +41,15 @@ const (
 // fills them in again when a submission is refused; the confirmation
 // carries them in canonical form (canonical).
 type resolveForm struct {
-	Reason   string
-	Action   string // actionRelease or actionComplete
-	Outcome  string // outcomeResponse or outcomeFailure, with actionComplete
-	Type     string // the response's type
-	Data     string // the response's bytes, as Encoding says
-	Encoding string // encodingText (UTF-8, line breaks as \n) or encodingBase64
+	Reason  string
+	Action  string // actionRelease or actionComplete
+	Outcome string // outcomeResponse or outcomeFailure, with actionComplete
+	Type    string // the response's type
+	Data    string // the response's bytes, as Encoding says
+	// Encoding is encodingText (UTF-8, line breaks as \n), encodingBase64,
+	// or encodingJSON (the protobuf JSON mapping of a known type, encoded
+	// here).
+	Encoding string
 	Code     string // the failure's google.rpc.Code, 1-16
 	Message  string // the failure's message
 }
@@ -61,8 +68,11 @@ type resolution struct {
 	Result  *idemregv1.Result // when not Release
 }
 
-// parse checks f and returns the resolution it asks for.
-func (f resolveForm) parse() (resolution, error) {
+// parse checks f and returns the resolution it asks for. A response of a
+// type that types know must decode as it, or be given as JSON: the
+// AdminService would refuse it anyway, and the confirmation must not
+// show what the call would refuse.
+func (f resolveForm) parse(types *resulttype.Types) (resolution, error) {
 	if err := checkReason(f.Reason); err != nil {
 		return resolution{}, err
 	}
@@ -78,7 +88,7 @@ func (f resolveForm) parse() (resolution, error) {
 		if err := checkText("the response's type", f.Type, maxResultTypeBytes); err != nil {
 			return resolution{}, err
 		}
-		data, err := f.data()
+		data, err := f.data(types)
 		if err != nil {
 			return resolution{}, err
 		}
@@ -97,10 +107,23 @@ func (f resolveForm) parse() (resolution, error) {
 	}
 }
 
-// data is the response's bytes the form gives.
-func (f resolveForm) data() ([]byte, error) {
+// data is the response's bytes the form gives, checked against its type
+// when types know it.
+func (f resolveForm) data(types *resulttype.Types) ([]byte, error) {
 	var data []byte
 	switch f.Encoding {
+	case encodingJSON:
+		if len(f.Data) > maxResultDataBytes {
+			return nil, fmt.Errorf("the response's JSON must be at most %d bytes here, got %d", maxResultDataBytes, len(f.Data))
+		}
+		var err error
+		data, err = types.Encode(f.Type, f.Data)
+		switch {
+		case errors.Is(err, resulttype.ErrUnknownType):
+			return nil, fmt.Errorf("the registry does not know the type %q (neither linked into the server nor in its --descriptor-set), so it cannot encode JSON of it: give its wire format as text or base64", f.Type)
+		case err != nil:
+			return nil, fmt.Errorf("the response's JSON is not %s in the protobuf JSON mapping: %v", f.Type, err)
+		}
 	case encodingText:
 		if !utf8.ValidString(f.Data) {
 			return nil, errors.New("the response's data is not valid UTF-8 text: give it as base64")
@@ -117,10 +140,13 @@ func (f resolveForm) data() ([]byte, error) {
 			}
 		}
 	default:
-		return nil, errors.New("choose how the response's data is written: text or base64")
+		return nil, errors.New("choose how the response's data is written: text, base64 or JSON")
 	}
 	if len(data) > maxResultDataBytes {
 		return nil, fmt.Errorf("the response's data must be at most %d bytes here, got %d (complete a larger result from the service itself)", maxResultDataBytes, len(data))
+	}
+	if _, err := types.Check(f.Type, data); err != nil {
+		return nil, fmt.Errorf("the response's data does not decode as %s (%v): write it as JSON instead, which is encoded for you", f.Type, err)
 	}
 	return data, nil
 }
@@ -194,6 +220,9 @@ type resolveConfirmView struct {
 	Form    resolveForm
 	Release bool
 	Result  *resultView // the result to store, when not Release
+	// JSON is the response to store decoded and written as JSON, when its
+	// type is known: what the operator can check the bytes against.
+	JSON string
 	// Record is the record as it is now.
 	Record recordView
 }
@@ -211,7 +240,7 @@ func (c *Console) resolve(w http.ResponseWriter, r *http.Request, s *session) {
 		return
 	}
 	form := postedResolveForm(r)
-	res, ferr := form.parse()
+	res, ferr := form.parse(c.cfg.Types)
 	if ferr != nil {
 		view, code, msg := c.inspect(r.Context(), s, k)
 		view.Form = form
@@ -239,6 +268,7 @@ func (c *Console) resolve(w http.ResponseWriter, r *http.Request, s *session) {
 			confirm := resolveConfirmView{Key: k, Token: token, Reason: form.Reason, Form: canonical(form.Reason, res), Release: res.Release, Record: view}
 			if !res.Release {
 				confirm.Result = showResult(res.Result)
+				confirm.JSON = c.responseJSON(res.Result.GetResponse())
 			}
 			p.Data = confirm
 			c.render(w, http.StatusOK, "resolve.html", p)
@@ -264,4 +294,23 @@ func (c *Console) resolve(w http.ResponseWriter, r *http.Request, s *session) {
 	}
 	c.cfg.Logger.Info("console resolution", "identity", s.identity, "resolution", done)
 	http.Redirect(w, r, "/record?"+k.Query()+"&done="+done, http.StatusSeeOther)
+}
+
+// responseJSON is resp decoded and written in the protobuf JSON mapping,
+// or "" when resp is not a response of a known type (its bytes were
+// checked to decode already, by parse).
+func (c *Console) responseJSON(resp *idemregv1.Response) string {
+	mt, ok := c.cfg.Types.Find(resp.GetType())
+	if !ok {
+		return ""
+	}
+	m := mt.New().Interface()
+	if err := (proto.UnmarshalOptions{Resolver: c.cfg.Types}).Unmarshal(resp.GetData(), m); err != nil {
+		return ""
+	}
+	b, err := protojson.MarshalOptions{Resolver: c.cfg.Types, Multiline: true}.Marshal(m)
+	if err != nil {
+		return ""
+	}
+	return string(b)
 }

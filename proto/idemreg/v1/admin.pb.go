@@ -688,6 +688,7 @@ type ResolveRecordRequest struct {
 	//
 	//	*ResolveRecordRequest_Result
 	//	*ResolveRecordRequest_Release
+	//	*ResolveRecordRequest_ResponseJson
 	Resolution    isResolveRecordRequest_Resolution `protobuf_oneof:"resolution"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -783,13 +784,26 @@ func (x *ResolveRecordRequest) GetRelease() bool {
 	return false
 }
 
+func (x *ResolveRecordRequest) GetResponseJson() *JsonResponse {
+	if x != nil {
+		if x, ok := x.Resolution.(*ResolveRecordRequest_ResponseJson); ok {
+			return x.ResponseJson
+		}
+	}
+	return nil
+}
+
 type isResolveRecordRequest_Resolution interface {
 	isResolveRecordRequest_Resolution()
 }
 
 type ResolveRecordRequest_Result struct {
 	// Complete the record with this result: it becomes COMPLETED and every
-	// later Claim replays it.
+	// later Claim replays it. A response whose type the registry knows (a
+	// type linked into the server, the google.protobuf well-known types
+	// among them, or one of the server's --descriptor-set) must decode as
+	// that type, or INVALID_ARGUMENT names result.response.data; the bytes
+	// of a type it does not know are stored as given, unchecked.
 	Result *Result `protobuf:"bytes,6,opt,name=result,oneof"`
 }
 
@@ -799,21 +813,92 @@ type ResolveRecordRequest_Release struct {
 	Release bool `protobuf:"varint,7,opt,name=release,oneof"`
 }
 
+type ResolveRecordRequest_ResponseJson struct {
+	// Complete the record with a response given in the protobuf JSON
+	// mapping: the server encodes it in its type's wire format and stores
+	// that, as if result.response had carried those bytes. The type must
+	// be one the registry knows (see result).
+	ResponseJson *JsonResponse `protobuf:"bytes,8,opt,name=response_json,json=responseJson,oneof"`
+}
+
 func (*ResolveRecordRequest_Result) isResolveRecordRequest_Resolution() {}
 
 func (*ResolveRecordRequest_Release) isResolveRecordRequest_Resolution() {}
 
-type ResolveRecordResponse struct {
+func (*ResolveRecordRequest_ResponseJson) isResolveRecordRequest_Resolution() {}
+
+// JsonResponse is a response written as JSON, for an operator who cannot
+// produce its wire format by hand.
+type JsonResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The record after the resolution, with its new token.
-	Record        *Record `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
+	// The message's full name, such as "google.protobuf.Int64Value".
+	Type string `protobuf:"bytes,1,opt,name=type" json:"type,omitempty"`
+	// The message in the protobuf JSON mapping, such as {"value": "10"}.
+	Json          string `protobuf:"bytes,2,opt,name=json" json:"json,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
+func (x *JsonResponse) Reset() {
+	*x = JsonResponse{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *JsonResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*JsonResponse) ProtoMessage() {}
+
+func (x *JsonResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use JsonResponse.ProtoReflect.Descriptor instead.
+func (*JsonResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *JsonResponse) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *JsonResponse) GetJson() string {
+	if x != nil {
+		return x.Json
+	}
+	return ""
+}
+
+type ResolveRecordResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The record after the resolution, with its new token.
+	Record *Record `protobuf:"bytes,1,opt,name=record" json:"record,omitempty"`
+	// Whether the registry knew the type of the response it stored and
+	// checked that its bytes decode as that type (always true for
+	// response_json). False for a failure, a release, and a response of a
+	// type the registry does not know, whose bytes were stored as given.
+	ResponseChecked bool `protobuf:"varint,2,opt,name=response_checked,json=responseChecked" json:"response_checked,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
 func (x *ResolveRecordResponse) Reset() {
 	*x = ResolveRecordResponse{}
-	mi := &file_idemreg_v1_admin_proto_msgTypes[9]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -825,7 +910,7 @@ func (x *ResolveRecordResponse) String() string {
 func (*ResolveRecordResponse) ProtoMessage() {}
 
 func (x *ResolveRecordResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_admin_proto_msgTypes[9]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -838,7 +923,7 @@ func (x *ResolveRecordResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveRecordResponse.ProtoReflect.Descriptor instead.
 func (*ResolveRecordResponse) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{9}
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ResolveRecordResponse) GetRecord() *Record {
@@ -846,6 +931,13 @@ func (x *ResolveRecordResponse) GetRecord() *Record {
 		return x.Record
 	}
 	return nil
+}
+
+func (x *ResolveRecordResponse) GetResponseChecked() bool {
+	if x != nil {
+		return x.ResponseChecked
+	}
+	return false
 }
 
 type CountParkedRequest struct {
@@ -859,7 +951,7 @@ type CountParkedRequest struct {
 
 func (x *CountParkedRequest) Reset() {
 	*x = CountParkedRequest{}
-	mi := &file_idemreg_v1_admin_proto_msgTypes[10]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -871,7 +963,7 @@ func (x *CountParkedRequest) String() string {
 func (*CountParkedRequest) ProtoMessage() {}
 
 func (x *CountParkedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_admin_proto_msgTypes[10]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -884,7 +976,7 @@ func (x *CountParkedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CountParkedRequest.ProtoReflect.Descriptor instead.
 func (*CountParkedRequest) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{10}
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *CountParkedRequest) GetConsumerPrefix() string {
@@ -904,7 +996,7 @@ type CountParkedResponse struct {
 
 func (x *CountParkedResponse) Reset() {
 	*x = CountParkedResponse{}
-	mi := &file_idemreg_v1_admin_proto_msgTypes[11]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -916,7 +1008,7 @@ func (x *CountParkedResponse) String() string {
 func (*CountParkedResponse) ProtoMessage() {}
 
 func (x *CountParkedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idemreg_v1_admin_proto_msgTypes[11]
+	mi := &file_idemreg_v1_admin_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -929,7 +1021,7 @@ func (x *CountParkedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CountParkedResponse.ProtoReflect.Descriptor instead.
 func (*CountParkedResponse) Descriptor() ([]byte, []int) {
-	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{11}
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *CountParkedResponse) GetParked() map[string]int64 {
@@ -992,7 +1084,7 @@ const file_idemreg_v1_admin_proto_rawDesc = "" +
 	"\arecords\x18\x01 \x03(\v2\x18.idemreg.v1.ListedRecordR\arecords\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x129\n" +
 	"\n" +
-	"store_time\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\tstoreTime\"\xf0\x01\n" +
+	"store_time\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\tstoreTime\"\xb1\x02\n" +
 	"\x14ResolveRecordRequest\x12\x1a\n" +
 	"\bconsumer\x18\x01 \x01(\tR\bconsumer\x12$\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x10.idemreg.v1.KindR\x04kind\x12\x10\n" +
@@ -1000,11 +1092,16 @@ const file_idemreg_v1_admin_proto_rawDesc = "" +
 	"\x05token\x18\x04 \x01(\x03R\x05token\x12\x16\n" +
 	"\x06reason\x18\x05 \x01(\tR\x06reason\x12,\n" +
 	"\x06result\x18\x06 \x01(\v2\x12.idemreg.v1.ResultH\x00R\x06result\x12\x1a\n" +
-	"\arelease\x18\a \x01(\bH\x00R\areleaseB\f\n" +
+	"\arelease\x18\a \x01(\bH\x00R\arelease\x12?\n" +
+	"\rresponse_json\x18\b \x01(\v2\x18.idemreg.v1.JsonResponseH\x00R\fresponseJsonB\f\n" +
 	"\n" +
-	"resolution\"C\n" +
+	"resolution\"6\n" +
+	"\fJsonResponse\x12\x12\n" +
+	"\x04type\x18\x01 \x01(\tR\x04type\x12\x12\n" +
+	"\x04json\x18\x02 \x01(\tR\x04json\"n\n" +
 	"\x15ResolveRecordResponse\x12*\n" +
-	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\"=\n" +
+	"\x06record\x18\x01 \x01(\v2\x12.idemreg.v1.RecordR\x06record\x12)\n" +
+	"\x10response_checked\x18\x02 \x01(\bR\x0fresponseChecked\"=\n" +
 	"\x12CountParkedRequest\x12'\n" +
 	"\x0fconsumer_prefix\x18\x01 \x01(\tR\x0econsumerPrefix\"\x95\x01\n" +
 	"\x13CountParkedResponse\x12C\n" +
@@ -1039,7 +1136,7 @@ func file_idemreg_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_idemreg_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_idemreg_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_idemreg_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_idemreg_v1_admin_proto_goTypes = []any{
 	(AttemptEnd)(0),                  // 0: idemreg.v1.AttemptEnd
 	(*Attempt)(nil),                  // 1: idemreg.v1.Attempt
@@ -1051,52 +1148,54 @@ var file_idemreg_v1_admin_proto_goTypes = []any{
 	(*ListedRecord)(nil),             // 7: idemreg.v1.ListedRecord
 	(*ListRecordsResponse)(nil),      // 8: idemreg.v1.ListRecordsResponse
 	(*ResolveRecordRequest)(nil),     // 9: idemreg.v1.ResolveRecordRequest
-	(*ResolveRecordResponse)(nil),    // 10: idemreg.v1.ResolveRecordResponse
-	(*CountParkedRequest)(nil),       // 11: idemreg.v1.CountParkedRequest
-	(*CountParkedResponse)(nil),      // 12: idemreg.v1.CountParkedResponse
-	nil,                              // 13: idemreg.v1.CountParkedResponse.ParkedEntry
-	(*timestamppb.Timestamp)(nil),    // 14: google.protobuf.Timestamp
-	(Kind)(0),                        // 15: idemreg.v1.Kind
-	(*Record)(nil),                   // 16: idemreg.v1.Record
-	(State)(0),                       // 17: idemreg.v1.State
-	(*durationpb.Duration)(nil),      // 18: google.protobuf.Duration
-	(*Result)(nil),                   // 19: idemreg.v1.Result
+	(*JsonResponse)(nil),             // 10: idemreg.v1.JsonResponse
+	(*ResolveRecordResponse)(nil),    // 11: idemreg.v1.ResolveRecordResponse
+	(*CountParkedRequest)(nil),       // 12: idemreg.v1.CountParkedRequest
+	(*CountParkedResponse)(nil),      // 13: idemreg.v1.CountParkedResponse
+	nil,                              // 14: idemreg.v1.CountParkedResponse.ParkedEntry
+	(*timestamppb.Timestamp)(nil),    // 15: google.protobuf.Timestamp
+	(Kind)(0),                        // 16: idemreg.v1.Kind
+	(*Record)(nil),                   // 17: idemreg.v1.Record
+	(State)(0),                       // 18: idemreg.v1.State
+	(*durationpb.Duration)(nil),      // 19: google.protobuf.Duration
+	(*Result)(nil),                   // 20: idemreg.v1.Result
 }
 var file_idemreg_v1_admin_proto_depIdxs = []int32{
-	14, // 0: idemreg.v1.Attempt.acquired_at:type_name -> google.protobuf.Timestamp
-	14, // 1: idemreg.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
+	15, // 0: idemreg.v1.Attempt.acquired_at:type_name -> google.protobuf.Timestamp
+	15, // 1: idemreg.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
 	0,  // 2: idemreg.v1.Attempt.end:type_name -> idemreg.v1.AttemptEnd
-	15, // 3: idemreg.v1.InspectRecordRequest.kind:type_name -> idemreg.v1.Kind
-	16, // 4: idemreg.v1.InspectRecordResponse.record:type_name -> idemreg.v1.Record
-	14, // 5: idemreg.v1.InspectRecordResponse.store_time:type_name -> google.protobuf.Timestamp
+	16, // 3: idemreg.v1.InspectRecordRequest.kind:type_name -> idemreg.v1.Kind
+	17, // 4: idemreg.v1.InspectRecordResponse.record:type_name -> idemreg.v1.Record
+	15, // 5: idemreg.v1.InspectRecordResponse.store_time:type_name -> google.protobuf.Timestamp
 	1,  // 6: idemreg.v1.InspectRecordResponse.history:type_name -> idemreg.v1.Attempt
-	15, // 7: idemreg.v1.InvalidateRecordRequest.kind:type_name -> idemreg.v1.Kind
-	16, // 8: idemreg.v1.InvalidateRecordResponse.record:type_name -> idemreg.v1.Record
-	17, // 9: idemreg.v1.ListRecordsRequest.state:type_name -> idemreg.v1.State
-	18, // 10: idemreg.v1.ListRecordsRequest.older_than:type_name -> google.protobuf.Duration
-	16, // 11: idemreg.v1.ListedRecord.record:type_name -> idemreg.v1.Record
+	16, // 7: idemreg.v1.InvalidateRecordRequest.kind:type_name -> idemreg.v1.Kind
+	17, // 8: idemreg.v1.InvalidateRecordResponse.record:type_name -> idemreg.v1.Record
+	18, // 9: idemreg.v1.ListRecordsRequest.state:type_name -> idemreg.v1.State
+	19, // 10: idemreg.v1.ListRecordsRequest.older_than:type_name -> google.protobuf.Duration
+	17, // 11: idemreg.v1.ListedRecord.record:type_name -> idemreg.v1.Record
 	1,  // 12: idemreg.v1.ListedRecord.history:type_name -> idemreg.v1.Attempt
 	7,  // 13: idemreg.v1.ListRecordsResponse.records:type_name -> idemreg.v1.ListedRecord
-	14, // 14: idemreg.v1.ListRecordsResponse.store_time:type_name -> google.protobuf.Timestamp
-	15, // 15: idemreg.v1.ResolveRecordRequest.kind:type_name -> idemreg.v1.Kind
-	19, // 16: idemreg.v1.ResolveRecordRequest.result:type_name -> idemreg.v1.Result
-	16, // 17: idemreg.v1.ResolveRecordResponse.record:type_name -> idemreg.v1.Record
-	13, // 18: idemreg.v1.CountParkedResponse.parked:type_name -> idemreg.v1.CountParkedResponse.ParkedEntry
-	2,  // 19: idemreg.v1.AdminService.InspectRecord:input_type -> idemreg.v1.InspectRecordRequest
-	4,  // 20: idemreg.v1.AdminService.InvalidateRecord:input_type -> idemreg.v1.InvalidateRecordRequest
-	6,  // 21: idemreg.v1.AdminService.ListRecords:input_type -> idemreg.v1.ListRecordsRequest
-	9,  // 22: idemreg.v1.AdminService.ResolveRecord:input_type -> idemreg.v1.ResolveRecordRequest
-	11, // 23: idemreg.v1.AdminService.CountParked:input_type -> idemreg.v1.CountParkedRequest
-	3,  // 24: idemreg.v1.AdminService.InspectRecord:output_type -> idemreg.v1.InspectRecordResponse
-	5,  // 25: idemreg.v1.AdminService.InvalidateRecord:output_type -> idemreg.v1.InvalidateRecordResponse
-	8,  // 26: idemreg.v1.AdminService.ListRecords:output_type -> idemreg.v1.ListRecordsResponse
-	10, // 27: idemreg.v1.AdminService.ResolveRecord:output_type -> idemreg.v1.ResolveRecordResponse
-	12, // 28: idemreg.v1.AdminService.CountParked:output_type -> idemreg.v1.CountParkedResponse
-	24, // [24:29] is the sub-list for method output_type
-	19, // [19:24] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	15, // 14: idemreg.v1.ListRecordsResponse.store_time:type_name -> google.protobuf.Timestamp
+	16, // 15: idemreg.v1.ResolveRecordRequest.kind:type_name -> idemreg.v1.Kind
+	20, // 16: idemreg.v1.ResolveRecordRequest.result:type_name -> idemreg.v1.Result
+	10, // 17: idemreg.v1.ResolveRecordRequest.response_json:type_name -> idemreg.v1.JsonResponse
+	17, // 18: idemreg.v1.ResolveRecordResponse.record:type_name -> idemreg.v1.Record
+	14, // 19: idemreg.v1.CountParkedResponse.parked:type_name -> idemreg.v1.CountParkedResponse.ParkedEntry
+	2,  // 20: idemreg.v1.AdminService.InspectRecord:input_type -> idemreg.v1.InspectRecordRequest
+	4,  // 21: idemreg.v1.AdminService.InvalidateRecord:input_type -> idemreg.v1.InvalidateRecordRequest
+	6,  // 22: idemreg.v1.AdminService.ListRecords:input_type -> idemreg.v1.ListRecordsRequest
+	9,  // 23: idemreg.v1.AdminService.ResolveRecord:input_type -> idemreg.v1.ResolveRecordRequest
+	12, // 24: idemreg.v1.AdminService.CountParked:input_type -> idemreg.v1.CountParkedRequest
+	3,  // 25: idemreg.v1.AdminService.InspectRecord:output_type -> idemreg.v1.InspectRecordResponse
+	5,  // 26: idemreg.v1.AdminService.InvalidateRecord:output_type -> idemreg.v1.InvalidateRecordResponse
+	8,  // 27: idemreg.v1.AdminService.ListRecords:output_type -> idemreg.v1.ListRecordsResponse
+	11, // 28: idemreg.v1.AdminService.ResolveRecord:output_type -> idemreg.v1.ResolveRecordResponse
+	13, // 29: idemreg.v1.AdminService.CountParked:output_type -> idemreg.v1.CountParkedResponse
+	25, // [25:30] is the sub-list for method output_type
+	20, // [20:25] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_idemreg_v1_admin_proto_init() }
@@ -1108,6 +1207,7 @@ func file_idemreg_v1_admin_proto_init() {
 	file_idemreg_v1_admin_proto_msgTypes[8].OneofWrappers = []any{
 		(*ResolveRecordRequest_Result)(nil),
 		(*ResolveRecordRequest_Release)(nil),
+		(*ResolveRecordRequest_ResponseJson)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1115,7 +1215,7 @@ func file_idemreg_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idemreg_v1_admin_proto_rawDesc), len(file_idemreg_v1_admin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
