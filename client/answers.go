@@ -79,7 +79,7 @@ func unreadableResult(k Key, typ string, cause error, named bool) error {
 	}
 	st := newStatus(codes.Internal, ReasonStoredResultUnreadable,
 		fmt.Sprintf("the stored result of key %q of consumer %q (%s) is a %q that does not decode (%v); the call was not run again: "+
-			"repair the record with idemreg admin invalidate and resolve, giving a result that decodes (docs/operations.md, a stored result that does not decode)",
+			"an operator repairs it with idemreg admin resolve --expect-token and a result that decodes, such as --response-json (docs/operations.md, a stored result that does not decode)",
 			k.Key, k.Consumer, k.Kind, typ, cause))
 	info := &errdetails.ErrorInfo{Reason: ReasonStoredResultUnreadable, Domain: ErrorDomain,
 		Metadata: map[string]string{"consumer": k.Consumer, "kind": k.Kind.String(), "key": k.Key, "type": typ}}

@@ -6,6 +6,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
@@ -174,4 +175,41 @@ func TestResolveWithDescriptorSet(t *testing.T) {
 	plain := idemregv1.NewAdminServiceClient(start(t, memStore(t), server.Config{}))
 	_, err = plain.ResolveRecord(ctx, resolvingJSON(resolveReq("charge-1", 1, "repair"), servertest.ChargeResponse, `{"chargeId":"ch_1"}`))
 	require.Contains(t, violation(t, err, "response_json.type"), "--descriptor-set")
+}
+
+// TestResolveRepairsACompletedRecord: a key completed with bytes that do
+// not decode (stored before the checks, by a Complete, which is not
+// checked) is repaired in one step: its result replaced with the token the
+// operator inspected, the record still completed, and every later Claim
+// replays the repair and decodes it.
+func TestResolveRepairsACompletedRecord(t *testing.T) {
+	conn := start(t, memStore(t), server.Config{})
+	c := idemregv1.NewRegistryServiceClient(conn)
+	admin := idemregv1.NewAdminServiceClient(conn)
+	ctx := t.Context()
+	cl, err := c.Claim(ctx, claimReq("pay-broken", "fp"))
+	require.NoError(t, err)
+	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: payments, Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-broken",
+		Token: cl.GetToken(), ClaimSecret: cl.GetClaimSecret(), Result: responseOf(int64Value, []byte(`{"value":10}`))})
+	require.NoError(t, err)
+	insp, err := admin.InspectRecord(ctx, inspectReq(payments, "pay-broken"))
+	require.NoError(t, err)
+
+	_, err = admin.ResolveRecord(ctx, resolvingJSON(resolveReq("pay-broken", insp.GetRecord().GetToken(), "stored JSON, OPS-24"), int64Value, `{"value":"10"}`))
+	require.NoError(t, err)
+	replay, err := c.Claim(ctx, claimReq("pay-broken", "fp"))
+	require.NoError(t, err)
+	require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, replay.GetOutcome())
+	var got wrapperspb.Int64Value
+	require.NoError(t, proto.Unmarshal(replay.GetRecord().GetResult().GetResponse().GetData(), &got))
+	require.EqualValues(t, 10, got.GetValue())
+	_, err = c.Claim(ctx, claimReq("pay-broken", "other"))
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "the repaired key keeps its fingerprint")
+
+	insp, err = admin.InspectRecord(ctx, inspectReq(payments, "pay-broken"))
+	require.NoError(t, err)
+	release := resolveReq("pay-broken", insp.GetRecord().GetToken(), "drop it")
+	release.Resolution = &idemregv1.ResolveRecordRequest_Release{Release: true}
+	_, err = admin.ResolveRecord(ctx, release)
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "a completed record is not released: %v", err)
 }

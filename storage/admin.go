@@ -147,7 +147,7 @@ type ResolveParams struct {
 }
 
 // DecideResolve decides an operator's resolution of a parked or in-progress
-// record (its lease live or not). Either way the record gets a token larger
+// record (its lease live or not), or the repair of a completed one's result. Either way the record gets a token larger
 // than any before and nobody holds, which fences out its holder, and the
 // attempt it ends is appended to History with the operator's reason:
 //
@@ -158,8 +158,12 @@ type ResolveParams struct {
 //     consumer's max_attempts counts afresh. The fingerprint stays (unlike
 //     Invalidate, this is the same operation tried again).
 //
-// A completed record is refused with ErrAlreadyCompleted: its result is
-// what Claims replay, and Invalidate is the tool to drop it.
+// A completed record may only be resolved with a result, which replaces
+// the stored one (a repair: a result that cannot be replayed, such as
+// bytes that do not decode as their type, replaced in one step, so that no
+// Claim in between finds the key free and does the work again); its
+// release is refused with ErrAlreadyCompleted, since Invalidate is the
+// tool to drop a result.
 func DecideResolve(now time.Time, cur *Record, p ResolveParams) (rec Record, write bool, err error) {
 	if !cur.Live(now) {
 		return Record{}, false, ErrNotFound
@@ -167,7 +171,7 @@ func DecideResolve(now time.Time, cur *Record, p ResolveParams) (rec Record, wri
 	if cur.Token != p.Token {
 		return Record{}, false, ErrLeaseLost
 	}
-	if cur.State == StateCompleted {
+	if cur.State == StateCompleted && !p.Complete {
 		return Record{}, false, ErrAlreadyCompleted
 	}
 	rec = *cur

@@ -40,7 +40,8 @@ const adminUsage = `idemreg admin: an operator's calls to a running registry (Ad
                            (--release | --response-type TYPE [--response-data S | --response-file F
                                                                | --response-json J | --response-json-file F]
                                       | --failure-code CODE [--failure-message TEXT]) [--descriptor-set F]
-                           settle a parked or stuck record the operator inspected (T is its token):
+                           settle a parked or stuck record the operator inspected (T is its token), or
+                           replace a completed record's result that cannot be replayed:
                            --release for a fresh attempt (attempt 1 again), or complete it with a
                            result that every later Claim replays; a response of a type the registry
                            knows (google.protobuf.*, --descriptor-set) must decode as it, and may be

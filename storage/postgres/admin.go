@@ -44,8 +44,8 @@ var invalidateSQL = fencedStatement(5,
 // result (NULL to release), $7 reason, $8 clock offset µs. Both branches of
 // storage.DecideResolve in one statement: every column the two set
 // differently is a CASE on i.complete. The WHERE is DecideResolve's write
-// condition (fenced, and not completed); a written Complete does not send
-// its result back, as completeSQL does not.
+// condition (fenced, and a completed record only with a result); a written
+// Complete does not send its result back, as completeSQL does not.
 var resolveSQL = fencedStatement(8,
 	single(param{1, "consumer", "TEXT"}, param{2, "kind", "SMALLINT"}, param{3, "key", "TEXT"}, param{4, "token", "BIGINT"},
 		param{5, "complete", "BOOLEAN"}, param{6, "result", "BYTEA"}, param{7, "reason", "TEXT"}),
@@ -66,7 +66,7 @@ var resolveSQL = fencedStatement(8,
         history          = `+appendHistory("r.history",
 		"CASE WHEN i.complete THEN "+ended("r", "c.now", storage.AttemptResolvedCompleted, "i.reason")+
 			" ELSE "+ended("r", "c.now", storage.AttemptResolvedReleased, "i.reason")+" END"),
-	fenced("r", "c.now", "i.token")+" AND NOT "+completed("r"),
+	fenced("r", "c.now", "i.token")+" AND (i.complete OR NOT "+completed("r")+")",
 	recordColumnsNoResultOf("r"))
 
 // inspectSQL: $1 consumer, $2 kind, $3 key, $4 clock offset µs. lookupSQL

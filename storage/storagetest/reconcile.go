@@ -28,6 +28,7 @@ var reconcileCases = []struct {
 	{"ResolveParkedRelease", testResolveRelease},
 	{"ResolveStuckInProgress", testResolveStuck},
 	{"ResolveErrors", testResolveErrors},
+	{"ResolveRepairsCompleted", testResolveRepairsCompleted},
 	{"RaceResolveVersusResolve", testRaceResolveVersusResolve},
 	{"RaceResolveVersusClaim", testRaceResolveVersusClaim},
 	{"ListFilters", testListFilters},
@@ -244,6 +245,34 @@ func testResolveStuck(t *testing.T, s storage.Store, a storage.Admin, _ *Clock) 
 	require.Greater(t, next.Token, rel.Token)
 }
 
+// testResolveRepairsCompleted: an operator replaces a completed record's
+// result (one that cannot be replayed) with the token they inspected, in
+// one step: the record stays completed, keeps its fingerprint and
+// attempt, gets a new token, and every later Claim replays the new result.
+func testResolveRepairsCompleted(t *testing.T, s storage.Store, a storage.Admin, _ *Clock) {
+	k := newKey(storage.KindOperation)
+	p := claimParams(k, "fp")
+	rec := acquire(t, s, p)
+	done := complete(t, s, k, rec.Token, "undecodable")
+	got, err := a.Resolve(t.Context(), storage.ResolveParams{Key: k, Token: done.Token, Complete: true, Result: []byte("repaired"), Reason: "stored JSON, OPS-1"})
+	require.NoError(t, err)
+	require.Equal(t, storage.StateCompleted, got.State)
+	require.Greater(t, got.Token, done.Token)
+	require.Equal(t, done.Attempt, got.Attempt)
+	after := inspect(t, a, k)
+	require.Equal(t, "repaired", string(after.Result))
+	require.Equal(t, []byte("fp"), after.Fingerprint, "the repaired key still refuses other parameters")
+	last := after.History[len(after.History)-1]
+	require.Equal(t, storage.AttemptResolvedCompleted, last.End)
+	require.Equal(t, "stored JSON, OPS-1", last.Note)
+	res, err := s.Claim(t.Context(), p)
+	require.NoError(t, err)
+	require.Equal(t, storage.OutcomeCompleted, res.Outcome)
+	require.Equal(t, "repaired", string(res.Record.Result))
+	_, err = a.Resolve(t.Context(), storage.ResolveParams{Key: k, Token: done.Token, Complete: true, Result: []byte("again"), Reason: "r"})
+	require.ErrorIs(t, err, storage.ErrLeaseLost, "of two operators only the first repairs")
+}
+
 func testResolveErrors(t *testing.T, s storage.Store, a storage.Admin, c *Clock) {
 	k := newKey(storage.KindOperation)
 	_, err := a.Resolve(t.Context(), storage.ResolveParams{Key: k, Token: 1, Reason: "r"})
@@ -255,9 +284,11 @@ func testResolveErrors(t *testing.T, s storage.Store, a storage.Admin, c *Clock)
 	requireSame(t, rec, inspect(t, a, k))
 
 	done := complete(t, s, k, rec.Token, "kept")
-	_, err = a.Resolve(t.Context(), storage.ResolveParams{Key: k, Token: done.Token, Complete: true, Result: []byte("other"), Reason: "r"})
-	require.ErrorIs(t, err, storage.ErrAlreadyCompleted)
-	require.Equal(t, "kept", string(inspect(t, a, k).Result), "a completed record's result is never replaced")
+	_, err = a.Resolve(t.Context(), storage.ResolveParams{Key: k, Token: done.Token, Reason: "r"})
+	require.ErrorIs(t, err, storage.ErrAlreadyCompleted, "a completed record is not released (Invalidate drops a result)")
+	_, err = a.Resolve(t.Context(), storage.ResolveParams{Key: k, Token: done.Token - 1, Complete: true, Result: []byte("other"), Reason: "r"})
+	require.ErrorIs(t, err, storage.ErrLeaseLost)
+	require.Equal(t, "kept", string(inspect(t, a, k).Result), "a stale token replaces nothing")
 
 	k2 := newKey(storage.KindOperation)
 	parked := parkedRecord(t, s, k2, "unknown")
