@@ -171,7 +171,7 @@ func TestConsoleResolveInBrowser(t *testing.T) {
 		ConfirmReason, ConfirmAction, ConfirmType               string
 		ConfirmPreview                                          string
 		Notice, StateAfter, ResultType, ResultPreview           string
-		ResolveFormAfter                                        int
+		ResolveFormAfter, ReleaseAfter                          int
 		Dialogs                                                 []struct{ Type, Message string }
 		ConsoleErrors                                           []string
 	}
@@ -212,7 +212,8 @@ func TestConsoleResolveInBrowser(t *testing.T) {
 		{"attempt": "1", "end": "taken over (its lease ended)", "note": ""},
 		{"attempt": "2", "end": "resolved by an operator: completed", "note": reason},
 	}, seen.HistoryAfter)
-	require.Zero(t, seen.ResolveFormAfter, "a completed record offers no resolution")
+	require.Equal(t, 1, seen.ResolveFormAfter, "a completed record offers the repair of its result")
+	require.Zero(t, seen.ReleaseAfter, "and no release")
 	require.Empty(t, seen.ConsoleErrors, "no script or policy error in the page")
 
 	// The registry replays the operator's result.

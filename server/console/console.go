@@ -542,8 +542,10 @@ type recordView struct {
 	ParkReason string
 	Result     *resultView
 	History    []attemptView
-	// Resolvable: live, and parked or in progress (ResolveRecord's rule).
-	Resolvable bool
+	// Resolvable: live (ResolveRecord's rule); a completed record only
+	// with a result, which repairs the stored one (IsCompleted).
+	Resolvable  bool
+	IsCompleted bool
 	// Form is the resolve form's fields, filled in again when a submission
 	// was refused.
 	Form resolveForm
@@ -645,7 +647,8 @@ func (c *Console) inspect(ctx context.Context, s *session, k recordKey) (recordV
 		view.Result = showResult(result)
 	}
 	view.History = showHistory(res.GetHistory())
-	view.Resolvable = view.Live && (rec.GetState() == idemregv1.State_STATE_PARKED || rec.GetState() == idemregv1.State_STATE_IN_PROGRESS)
+	view.IsCompleted = rec.GetState() == idemregv1.State_STATE_COMPLETED
+	view.Resolvable = view.Live
 	view.Form = resolveForm{Action: actionRelease, Outcome: outcomeResponse, Encoding: encodingText}
 	return view, http.StatusOK, ""
 }

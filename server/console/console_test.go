@@ -721,7 +721,7 @@ func TestConsoleResolveComplete(t *testing.T) {
 	require.Contains(t, body, `<td class="end">resolved by an operator: completed</td>`)
 	require.Contains(t, body, `<td class="note">`+reason+`</td>`)
 	require.Contains(t, body, `<td class="park-reason">provider timed out after send</td>`)
-	require.NotContains(t, body, `id="resolve-form"`, "a completed record is not resolved again")
+	require.NotContains(t, body, `id="action-release"`, "a completed record is not released, only its result repaired")
 
 	again := e.claim(t, "charge:42", "worker-43")
 	require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, again.GetOutcome())
@@ -958,18 +958,32 @@ func TestConsoleResolveRefusesBadForms(t *testing.T) {
 			Result: &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "t"}}}})
 		require.NoError(t, err)
 		_, body := get(t, c, recordURL(e.console.URL, "charge:done"))
-		require.NotContains(t, body, `id="resolve-form"`)
-		form := formFields(t, body, "invalidate-form") // the same hidden fields
+		require.Contains(t, body, "Repair the result")
+		require.NotContains(t, body, `id="action-release"`)
+		form := formFields(t, body, "resolve-form")
 		for k, v := range complete {
 			form[k] = v
 		}
+		form.Set("action", "release")
 		code, body := post(t, c, e.console.URL+"/resolve", form)
 		require.Equal(t, http.StatusConflict, code, body)
-		require.Contains(t, body, "only a live parked or in-progress record can be resolved")
+		require.Contains(t, body, "a completed record is not released")
 		form.Set("confirm", "yes")
 		code, body = post(t, c, e.console.URL+"/resolve", form)
-		require.Equal(t, http.StatusConflict, code, body)
-		require.Contains(t, body, "Refused: the record is completed")
+		require.Equal(t, http.StatusConflict, code, body, "the registry refuses it too")
+		require.Equal(t, "t", e.inspect(t, "charge:done").GetResult().GetResponse().GetType(), "nothing changed")
+
+		// A result repairs the stored one.
+		form.Set("action", "complete")
+		form.Del("confirm")
+		code, body = post(t, c, e.console.URL+"/resolve", form)
+		require.Equal(t, http.StatusOK, code, body)
+		form.Set("confirm", "yes")
+		code, _ = post(t, c, e.console.URL+"/resolve", form)
+		require.Equal(t, http.StatusOK, code)
+		rec := e.inspect(t, "charge:done")
+		require.Equal(t, idemregv1.State_STATE_COMPLETED, rec.GetState())
+		require.Equal(t, "kept-type", rec.GetResult().GetResponse().GetType(), "the result was repaired")
 	})
 	rec := e.inspect(t, "charge:bad")
 	require.Equal(t, before.GetToken(), rec.GetToken())

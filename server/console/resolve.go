@@ -262,7 +262,11 @@ func (c *Console) resolve(w http.ResponseWriter, r *http.Request, s *session) {
 			p.Data, p.Error = view, someoneActedFirst
 			c.render(w, http.StatusConflict, "record.html", p)
 		case !view.Resolvable:
-			p.Data, p.Error = view, "Refused: only a live parked or in-progress record can be resolved; this one is "+view.State+"."
+			p.Data, p.Error = view, "Refused: only a live record can be resolved; this one has expired."
+			c.render(w, http.StatusConflict, "record.html", p)
+		case view.IsCompleted && res.Release:
+			view.Form = form
+			p.Data, p.Error = view, "Refused: a completed record is not released; give a result to repair the stored one, or invalidate the record to drop it."
 			c.render(w, http.StatusConflict, "record.html", p)
 		default:
 			confirm := resolveConfirmView{Key: k, Token: token, Reason: form.Reason, Form: canonical(form.Reason, res), Release: res.Release, Record: view}

@@ -86,6 +86,7 @@ try {
     seen.historyAfter.push(await cells(r, ["attempt", "end", "note"]));
   }
   seen.resolveFormAfter = await page.locator("#resolve-form").count();
+  seen.releaseAfter = await page.locator("#action-release").count();
   await page.screenshot({ path: env("RESOLVED_SCREENSHOT"), fullPage: true });
 } catch (err) {
   const page = context.pages()[0];
