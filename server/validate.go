@@ -100,13 +100,11 @@ func (v *violations) result(field string, res *idemregv1.Result, maxBytes int) [
 		if c := o.Failure.GetCode(); c <= 0 || c > 16 {
 			v.add(field+".failure.code", "must be a google.rpc.Code other than OK (1-16), got %d", c)
 		}
-		if !utf8.ValidString(o.Failure.GetMessage()) {
-			v.add(field+".failure.message", "must be valid UTF-8")
-		}
+		// Stored and replayed to every later Claim, and shown to
+		// operators: held to the check of every other stored text.
+		v.printable(field+".failure.message", o.Failure.GetMessage())
 	case *idemregv1.Result_Response:
-		if !utf8.ValidString(o.Response.GetType()) {
-			v.add(field+".response.type", "must be valid UTF-8")
-		}
+		v.printable(field+".response.type", o.Response.GetType())
 	}
 	if n := proto.Size(res); n > maxBytes {
 		v.add(field, "encoded result must be at most %d bytes, got %d", maxBytes, n)
