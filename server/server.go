@@ -237,6 +237,8 @@ type Server struct {
 	health  *health.Server
 	metrics *metrics
 	limiter *access.Limiter
+	// accessLog writes a line per finished call (accesslog.go).
+	accessLog accessLogger
 	// policies is the service's, for the requests' snapshots.
 	policies *policy.Source
 	// done is closed when Serve returns; ServeHealth stops then.
@@ -292,6 +294,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	}
 	s := &Server{
 		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), policies: svc.policies, done: make(chan struct{}),
+		accessLog:     accessLogger{logger: cfg.Logger},
 		public:        newPublicStreams(cfg.Bounds.MaxPublicStreams, m),
 		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
 		outcomes:      outcomes,
@@ -315,10 +318,13 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("server: metrics: %w", err)
 	}
 	opts := []grpc.ServerOption{
+		// otelgrpc first: the access log's line, written at the call's
+		// end, carries the span it opened.
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithMeterProvider(cfg.MeterProvider),
 			otelgrpc.WithTracerProvider(cfg.TracerProvider),
 			otelgrpc.WithFilter(filters.Not(filters.HealthCheck())))),
+		grpc.StatsHandler(s.accessLog),
 		grpc.ChainUnaryInterceptor(s.unaryInterceptors()...),
 		grpc.ChainStreamInterceptor(s.streamInterceptors()...),
 		// Room for the largest allowed result plus the rest of a request, and for
@@ -501,9 +507,10 @@ func (s *Server) checkHealth(ctx context.Context) {
 // The middleware chain, outermost first. Before it, otelgrpc's stats
 // handler opens the call's span and measures it (every call, health checks
 // left out of traces).
-//  1. access log (accesslog.go): one structured line per finished call
-//     (method, code, duration, consumer, identity) — never payloads,
-//     results, fingerprints or tokens;
+//  1. access log (accesslog.go): notes the consumer for the line per
+//     finished call (method, code, duration, consumer, identity — never
+//     payloads, results, fingerprints or tokens) that its stats handler
+//     writes when gRPC has sent the status;
 //  2. recovery: a panic, here or below, becomes INTERNAL and is logged
 //     with its stack;
 //  3. deadline: a request without a deadline gets RequestTimeout, a longer
@@ -533,7 +540,7 @@ func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
 	return []grpc.UnaryServerInterceptor{
-		accessLogger{logger}.unary,
+		s.accessLog.unary,
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		s.deadline,
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
@@ -551,7 +558,6 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
 	return []grpc.StreamServerInterceptor{
-		accessLogger{logger}.stream,
 		recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
 			return newStatus(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, "streaming methods are not open to identities", nil)

@@ -20,7 +20,7 @@ import (
 type violations []*errdetails.BadRequest_FieldViolation
 
 func (v *violations) add(field, format string, args ...any) {
-	*v = append(*v, &errdetails.BadRequest_FieldViolation{Field: field, Description: truncate(fmt.Sprintf(format, args...), MaxStatusMessageBytes)})
+	*v = append(*v, &errdetails.BadRequest_FieldViolation{Field: field, Description: bounded(fmt.Sprintf(format, args...), MaxStatusMessageBytes)})
 }
 
 // err returns the INVALID_ARGUMENT status for the collected violations, or
@@ -127,12 +127,33 @@ func (v *violations) printable(field, s string) {
 		v.add(field, "must be valid UTF-8")
 		return
 	}
-	for i, r := range s {
-		if !unicode.IsPrint(r) {
-			v.add(field, "must be printable, found U+%04X at byte %d", r, i)
-			return
-		}
+	if i := unprintable(s); i >= 0 {
+		r, _ := utf8.DecodeRuneInString(s[i:])
+		v.add(field, "must be printable, found U+%04X at byte %d", r, i)
 	}
+}
+
+// unprintable returns the index of the first byte of s that is not
+// printable text (invalid UTF-8, or a rune unicode.IsPrint refuses), or -1
+// when there is none. It is the one text check: the validation of every
+// stored text field (printable) and what echo and bounded let through
+// unescaped.
+func unprintable(s string) int {
+	for i := 0; i < len(s); {
+		if c := s[i]; c < utf8.RuneSelf {
+			if c < 0x20 || c == 0x7F {
+				return i
+			}
+			i++
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && size == 1 || !unicode.IsPrint(r) {
+			return i
+		}
+		i += size
+	}
+	return -1
 }
 
 // duration validates an optional duration against the bounds b of a
