@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	spb "google.golang.org/genproto/googleapis/rpc/status"
@@ -65,4 +66,32 @@ func TestAccessLogCodeIsTheWires(t *testing.T) {
 	require.Equal(t, "INTERNAL", got["grpc.code"], "%v", got)
 	require.Equal(t, "Get", got["grpc.method"])
 	require.Equal(t, slog.LevelError, line.Level)
+}
+
+// TestRefusalSampler: at most perSecond lines a second per identity and
+// code; the next line written says how many were left out; other keys and
+// the next second are not affected.
+func TestRefusalSampler(t *testing.T) {
+	s := newRefusalSampler(2)
+	t0 := time.Unix(100, 0)
+	admit := func(at time.Time, id string, c codes.Code) (bool, int64) { return s.admit(at, id, c) }
+	for i := range 2 {
+		ok, out := admit(t0, "team", codes.PermissionDenied)
+		require.True(t, ok, "line %d", i)
+		require.Zero(t, out)
+	}
+	for range 5 {
+		ok, _ := admit(t0.Add(500*time.Millisecond), "team", codes.PermissionDenied)
+		require.False(t, ok)
+	}
+	ok, _ := admit(t0, "other", codes.PermissionDenied)
+	require.True(t, ok, "another identity has its own")
+	ok, _ = admit(t0, "team", codes.Unauthenticated)
+	require.True(t, ok, "another code has its own")
+	ok, out := admit(t0.Add(time.Second), "team", codes.PermissionDenied)
+	require.True(t, ok, "the next second")
+	require.Equal(t, int64(5), out, "the lines left out before it")
+	ok, out = admit(t0.Add(time.Second), "team", codes.PermissionDenied)
+	require.True(t, ok)
+	require.Zero(t, out)
 }

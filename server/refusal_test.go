@@ -4,9 +4,11 @@ import (
 	"context"
 	"strconv"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	rpccode "google.golang.org/genproto/googleapis/rpc/code"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
@@ -180,4 +182,46 @@ func FuzzRefusals(f *testing.F) {
 		_, err = completeResult(cres.GetResults()[1])
 		check(err)
 	})
+}
+
+// TestRefusalFloodLogsSampled (issue 25, finding 9): a flood of refused
+// calls from one identity wrote a line each. Now its lines are sampled
+// (RefusalLogRate a second per identity and code), every refusal is still
+// counted (idemreg.auth.denied, and idemreg.access_log.sampled_out for the
+// lines left out), and the lines of other identities and of successful
+// calls are all written.
+func TestRefusalFloodLogsSampled(t *testing.T) {
+	var logs syncBuffer
+	reader := sdkmetric.NewManualReader()
+	c := idemregv1.NewRegistryServiceClient(start(t, memStore(t), server.Config{Access: refusalFile(t), Logger: jsonLogger(&logs),
+		RefusalLogRate: 3, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))}))
+	team, other := bearer(t.Context(), "team-token"), bearer(t.Context(), "other-token")
+	const flood = 200
+	for range flood {
+		_, err := c.Lookup(team, &idemregv1.LookupRequest{Consumer: "other.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+		requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+	}
+	for range 3 {
+		_, err := c.Lookup(other, &idemregv1.LookupRequest{Consumer: "team.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+		requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+	}
+	_, err := c.Claim(team, &idemregv1.ClaimRequest{Consumer: "team.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+	require.NoError(t, err)
+
+	// Each line is written, or left out, as its call ends, after the
+	// caller has its answer: wait until every call is accounted for.
+	denied := func(identity string) (n int64) {
+		for _, l := range logs.lines(t, "finished call") {
+			if l["identity"] == identity && l["grpc.code"] == "PERMISSION_DENIED" {
+				n++
+			}
+		}
+		return n
+	}
+	require.Eventually(t, func() bool {
+		return denied("team")+collectSums(t, reader)[server.MetricLogSampled+" code=PERMISSION_DENIED"] == flood &&
+			denied("other") == 3 && len(logs.lines(t, "finished call")) > int(denied("team")+denied("other"))
+	}, 10*time.Second, 10*time.Millisecond, "every refusal logged or counted as left out")
+	require.Less(t, denied("team"), int64(flood/2), "the flood's lines are sampled")
+	require.Equal(t, int64(flood+3), collectSums(t, reader)[server.MetricDenied+" code=PERMISSION_DENIED"], "every refusal counted")
 }

@@ -118,6 +118,12 @@ type Config struct {
 	// health listener alike; zero fields take the defaults of
 	// DefaultBounds.
 	Bounds Bounds
+	// RefusalLogRate is how many access log lines a second are written for
+	// each identity and refusal code (UNAUTHENTICATED, PERMISSION_DENIED,
+	// RESOURCE_EXHAUSTED, INVALID_ARGUMENT); the others are counted, not
+	// written (accesslog.go). Zero means DefaultRefusalLogRate; negative
+	// writes every line.
+	RefusalLogRate int
 	// DrainDelay is how long the server keeps serving after reporting
 	// NOT_SERVING on shutdown, so load balancers and Kubernetes endpoints
 	// stop sending new calls before connections are drained (default 0).
@@ -199,6 +205,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxInFlightPerIdentity <= 0 {
 		c.MaxInFlightPerIdentity = max(1, int(float64(c.MaxInFlight)*DefaultInFlightShare))
+	}
+	if c.RefusalLogRate == 0 {
+		c.RefusalLogRate = DefaultRefusalLogRate
 	}
 	if c.StreamWorkers == 0 {
 		c.StreamWorkers = DefaultStreamWorkers
@@ -294,13 +303,16 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	}
 	s := &Server{
 		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), policies: svc.policies, done: make(chan struct{}),
-		accessLog:     accessLogger{logger: cfg.Logger},
+		accessLog:     accessLogger{logger: cfg.Logger, m: m},
 		public:        newPublicStreams(cfg.Bounds.MaxPublicStreams, m),
 		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
 		outcomes:      outcomes,
 		window:        newReadinessWindow(cfg.Readiness),
 		// The backend counts: the gauge's count is not a request's store call.
 		parked: newParkedCounts(store, cfg.Logger),
+	}
+	if cfg.RefusalLogRate > 0 {
+		s.accessLog.refusals = newRefusalSampler(cfg.RefusalLogRate)
 	}
 	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
 		s.listeners.Range(func(name, l any) bool {
