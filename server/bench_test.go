@@ -160,6 +160,8 @@ func BenchmarkNeighbourOfRefusalFlood(b *testing.B) {
 identities:
   - {name: team, token_hashes: ["`+access.HashToken("team-token")+`"], consumers: ["team.*"]}
   - {name: flood, token_hashes: ["`+access.HashToken("flood-token")+`"], consumers: ["flood.*"]}
+rate_limits: # team measures its throughput: above the default rate of an identity
+  - {identities: [team], rate: 1000000000, burst: 1000000000}
 `)
 	for _, flooded := range []bool{false, true} {
 		b.Run(map[bool]string{false: "alone", true: "beside_flood"}[flooded], func(b *testing.B) {
