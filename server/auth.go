@@ -7,7 +7,6 @@ import (
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
-	"go.opentelemetry.io/otel/attribute"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -73,7 +72,7 @@ func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
 	snap := s.snapshot()
 	id, err := identify(ctx, snap.access)
 	if err != nil {
-		s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", codeName(codes.Unauthenticated))))
+		s.metrics.denied.Add(ctx, 1, codeAttr(codes.Unauthenticated))
 		return nil, err
 	}
 	noteIdentity(ctx, id.Name)
@@ -175,7 +174,7 @@ func adminPrefix(req any) (string, bool) {
 }
 
 func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg string) error {
-	s.metrics.denied.Add(ctx, 1, attrs(attribute.String("code", codeName(codes.PermissionDenied))))
+	s.metrics.denied.Add(ctx, 1, codeAttr(codes.PermissionDenied))
 	if msg == "" {
 		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(echo(consumer))
 	}
@@ -225,7 +224,7 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 		name = id.Name
 		if l, limited := set.IdentityRateLimit(name); limited && id != access.Anonymous {
 			if ok, wait := s.limiter.Allow("identity:"+name, l); !ok {
-				s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
+				s.metrics.rateLimited.Add(ctx, 1, identityAttr(name))
 				return rateLimited("identity "+quote(echo(name))+" is over its rate limit of "+l.String(),
 					"identity:"+echo(name), l, wait, map[string]string{"identity": name, "consumer": consumer})
 			}
@@ -236,7 +235,7 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 		return nil
 	}
 	if ok, wait := s.limiter.Allow("consumer:"+consumer, l); !ok {
-		s.metrics.rateLimited.Add(ctx, 1, attrs(attribute.String("identity", name)))
+		s.metrics.rateLimited.Add(ctx, 1, identityAttr(name))
 		return rateLimited("consumer "+quote(echo(consumer))+" is over its rate limit of "+l.String(),
 			"consumer:"+echo(consumer), l, wait, map[string]string{"consumer": consumer})
 	}

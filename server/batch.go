@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -97,6 +99,21 @@ func statusOf(err error) *status.Status {
 	return status.Convert(newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil))
 }
 
+// itemStatus is an item's error as its answer carries it. A batch's answer
+// is one message, and one item's status that does not encode (a string
+// field of invalid UTF-8) would fail all of it: the caller would be told
+// INTERNAL for items the store had committed, without their tokens or
+// records. newStatus bounds and escapes what it quotes; this is the net
+// for a status it did not build: that item alone is INTERNAL.
+func (s *Service) itemStatus(ctx context.Context, method string, err error) *spb.Status {
+	p := statusOf(err).Proto()
+	if _, merr := proto.Marshal(p); merr != nil {
+		s.logger.ErrorContext(ctx, "batch item status does not encode", "method", method, "code", codeName(codes.Code(p.GetCode())), "error", merr)
+		return statusOf(newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)).Proto()
+	}
+	return p
+}
+
 // BatchClaim implements RegistryServiceServer.
 func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimRequest) (*idemregv1.BatchClaimResponse, error) {
 	items := req.GetRequests()
@@ -106,7 +123,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 	verdicts := verdictsOf(ctx, len(items))
 	results := make([]*idemregv1.BatchClaimResult, len(items))
 	fail := func(i int, err error) {
-		results[i] = &idemregv1.BatchClaimResult{Result: &idemregv1.BatchClaimResult_Error{Error: statusOf(err).Proto()}}
+		results[i] = &idemregv1.BatchClaimResult{Result: &idemregv1.BatchClaimResult_Error{Error: s.itemStatus(ctx, "BatchClaim", err)}}
 	}
 	type pending struct {
 		i    int
@@ -197,7 +214,7 @@ func (s *Service) BatchComplete(ctx context.Context, req *idemregv1.BatchComplet
 	verdicts := verdictsOf(ctx, len(items))
 	results := make([]*idemregv1.BatchCompleteResult, len(items))
 	fail := func(i int, err error) {
-		results[i] = &idemregv1.BatchCompleteResult{Result: &idemregv1.BatchCompleteResult_Error{Error: statusOf(err).Proto()}}
+		results[i] = &idemregv1.BatchCompleteResult{Result: &idemregv1.BatchCompleteResult_Error{Error: s.itemStatus(ctx, "BatchComplete", err)}}
 	}
 	var (
 		idx []int

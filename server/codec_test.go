@@ -104,7 +104,7 @@ identities:
 				require.Equal(t, tc.message, detail[*errdetails.ErrorInfo](t, err).GetMetadata()["message"])
 				require.Contains(t, st.Message(), "the request is not a valid encoding of "+tc.message)
 			}
-			calls := logs.lines(t, "finished call")
+			calls := logs.waitLines(t, "finished call", before+1)
 			require.Len(t, calls, before+1, "one access log line")
 			line := calls[len(calls)-1]
 			require.Equal(t, tc.method, line["grpc.method"])

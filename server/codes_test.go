@@ -48,7 +48,7 @@ identities:
 
 	want := []string{"FAILED_PRECONDITION", "OK", "PERMISSION_DENIED", "UNAUTHENTICATED"}
 	logged := map[string]bool{}
-	for _, line := range logs.lines(t, "finished call") {
+	for _, line := range logs.waitLines(t, "finished call", 4) {
 		logged[line["grpc.code"].(string)] = true
 	}
 	require.Equal(t, want, slices.Sorted(maps.Keys(logged)), "the access log")

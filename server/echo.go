@@ -2,6 +2,8 @@ package server
 
 import (
 	"strconv"
+	"strings"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -9,9 +11,11 @@ import (
 // reaches a log line or a status before validation has bounded it (the
 // access log, authentication, authorization and rate limits all run before
 // the handler validates), so a caller who sends a consumer of 1 MB must not
-// get a log line or a status of 1 MB: every request field that is logged or
-// echoed goes through echo, and every status message through newStatus.
-// The bounds are documented in docs/operations.md ("Log and error bounds").
+// get a log line or a status of 1 MB, and one who sends invalid UTF-8 must
+// not get it back raw: every request field that is logged or echoed goes
+// through echo, and every status message and BadRequest description
+// through bounded (newStatus, violations.add). The bounds are documented in
+// docs/operations.md ("Log and error bounds").
 const (
 	// MaxEchoedFieldBytes is the most bytes of one request field that a
 	// log line, a status message or an ErrorInfo metadata value quotes; a
@@ -23,21 +27,53 @@ const (
 	MaxStatusMessageBytes = 1024
 )
 
-// echo returns a request field as a log line or a status may quote it.
-func echo(s string) string { return truncate(s, MaxEchoedFieldBytes) }
+// echo returns a request field as a log line, a status message or an
+// ErrorInfo metadata value may quote it.
+func echo(s string) string { return bounded(s, MaxEchoedFieldBytes) }
 
-// truncate cuts s to at most n bytes, at a rune boundary so that valid
-// UTF-8 stays valid, and appends a marker saying how many bytes were cut:
-// "…(+N bytes)". The marker is not counted in n.
-func truncate(s string, n int) string {
-	if len(s) <= n {
+// bounded returns s as text the server may send and log: printable UTF-8
+// of at most n bytes, plus a marker saying how many bytes of s were cut,
+// "…(+N bytes)" (the marker is not counted in n). A byte of invalid UTF-8
+// and a rune that is not printable (the check of every stored text field,
+// unprintable) are written as Go escapes: \xff, \x00, \n, \u200b.
+//
+// Printable text is returned as it is (only cut), so a valid consumer or
+// key reads the same in a status as in the request. Invalid UTF-8 must
+// never get through: protobuf refuses it in the string fields of
+// google.rpc.Status and its details, and a status that does not encode
+// loses its details on a unary call and fails a whole batch answer. A
+// control character would rewrite a log line. The result is printable, so
+// bounded of it is itself (when short enough): a message built from echoed
+// fields can be bounded again without escaping twice.
+func bounded(s string, n int) string {
+	if len(s) <= n && unprintable(s) < 0 {
 		return s
 	}
-	cut := n
-	// Back up to the start of the rune the cut falls in; at most
-	// UTFMax-1 bytes, so that invalid UTF-8 cannot move the cut far.
-	for i := 0; i < utf8.UTFMax-1 && cut > 0 && !utf8.RuneStart(s[cut]); i++ {
-		cut--
+	var b strings.Builder
+	b.Grow(min(len(s), n) + len("…(+1048576 bytes)"))
+	var buf [utf8.UTFMax * 3]byte
+	i := 0
+	for i < len(s) {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		piece := buf[:0]
+		switch {
+		case r == utf8.RuneError && size == 1:
+			const hex = "0123456789abcdef"
+			piece = append(piece, '\\', 'x', hex[s[i]>>4], hex[s[i]&0xF])
+		case !unicode.IsPrint(r):
+			q := strconv.AppendQuoteRuneToASCII(piece, r) // '\n', '\u200b'
+			piece = q[1 : len(q)-1]
+		default:
+			piece = append(piece, s[i:i+size]...)
+		}
+		if b.Len()+len(piece) > n {
+			break
+		}
+		b.Write(piece)
+		i += size
 	}
-	return s[:cut] + "…(+" + strconv.Itoa(len(s)-cut) + " bytes)"
+	if i < len(s) {
+		b.WriteString("…(+" + strconv.Itoa(len(s)-i) + " bytes)")
+	}
+	return b.String()
 }

@@ -87,7 +87,7 @@ rate_limits:
 					}
 				}
 			}
-			calls := logs.lines(t, "finished call")
+			calls := logs.waitLines(t, "finished call", before+1)
 			require.Len(t, calls, before+1, "one line for the call")
 			line := calls[len(calls)-1]
 			require.Equal(t, rpccode.Code(tc.code).String(), line["grpc.code"])

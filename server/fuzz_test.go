@@ -187,20 +187,6 @@ func expectedViolations(r request) []string {
 	if r.kind != idemregv1.Kind_KIND_MESSAGE && r.kind != idemregv1.Kind_KIND_OPERATION {
 		bad = append(bad, "kind")
 	}
-	// Printable: valid UTF-8 of letters, marks, numbers, punctuation,
-	// symbols, and the ASCII space (no other space, no control or format
-	// character).
-	printable := func(s string) bool {
-		if !utf8.ValidString(s) {
-			return false
-		}
-		for _, c := range s {
-			if !unicode.In(c, unicode.L, unicode.M, unicode.N, unicode.P, unicode.S) && c != ' ' {
-				return false
-			}
-		}
-		return true
-	}
 	if r.key == "" || len(r.key) > 256 || !printable(r.key) {
 		bad = append(bad, "key")
 	}
@@ -272,6 +258,21 @@ func expectedViolations(r request) []string {
 	return slices.Compact(bad)
 }
 
+// printable is the contract of every stored text field: valid UTF-8 of
+// letters, marks, numbers, punctuation, symbols, and the ASCII space (no
+// other space, no control or format character, no NUL).
+func printable(s string) bool {
+	if !utf8.ValidString(s) {
+		return false
+	}
+	for _, c := range s {
+		if !unicode.In(c, unicode.L, unicode.M, unicode.N, unicode.P, unicode.S) && c != ' ' {
+			return false
+		}
+	}
+	return true
+}
+
 // expectedResultViolations are the fields a result to store breaks, as
 // Complete and ResolveRecord check it.
 func expectedResultViolations(res *idemregv1.Result) []string {
@@ -280,14 +281,14 @@ func expectedResultViolations(res *idemregv1.Result) []string {
 	case nil:
 		bad = append(bad, "result")
 	case *idemregv1.Result_Response:
-		if !utf8.ValidString(o.Response.GetType()) {
+		if !printable(o.Response.GetType()) {
 			bad = append(bad, "result.response.type")
 		}
 	case *idemregv1.Result_Failure:
 		if c := o.Failure.GetCode(); c < 1 || c > 16 {
 			bad = append(bad, "result.failure.code")
 		}
-		if !utf8.ValidString(o.Failure.GetMessage()) {
+		if !printable(o.Failure.GetMessage()) {
 			bad = append(bad, "result.failure.message")
 		}
 	}

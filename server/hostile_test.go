@@ -87,6 +87,15 @@ func TestHostileRequests(t *testing.T) {
 		{"response type not UTF-8", complete(&idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "\xc0\xaf"}}}),
 			[]string{"result.response.type"}},
 		{"empty result", complete(&idemregv1.Result{}), []string{"result"}},
+		// Stored text (docs/operations.md, threat model): no NUL, which
+		// PostgreSQL refuses in text, and no control character.
+		{"a NUL in the failure message", complete(failure(9, "declined\x00")), []string{"result.failure.message"}},
+		{"a newline in the failure message", complete(failure(9, "declined\nlevel=ERROR")), []string{"result.failure.message"}},
+		{"an escape sequence in the failure message", complete(failure(9, "\x1b[2J")), []string{"result.failure.message"}},
+		{"a NUL in the response type", complete(&idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "payments.v1.Charge\x00"}}}),
+			[]string{"result.response.type"}},
+		{"a tab in the response type", complete(&idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "payments\tv1"}}}),
+			[]string{"result.response.type"}},
 		{"zero and negative tokens", func() error {
 			for _, tok := range []int64{0, -1, -1 << 63} {
 				if _, err := c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: op, Key: "k", Token: tok, ClaimSecret: forged}); status.Code(err) != codes.InvalidArgument {

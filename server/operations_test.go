@@ -31,12 +31,47 @@ import (
 type syncBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
+	// wrote is closed and replaced at each write, for waitLines.
+	wrote chan struct{}
 }
 
 func (s *syncBuffer) Write(p []byte) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.wrote != nil {
+		close(s.wrote)
+		s.wrote = nil
+	}
 	return s.b.Write(p)
+}
+
+// written returns a channel closed at the next write.
+func (s *syncBuffer) written() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.wrote == nil {
+		s.wrote = make(chan struct{})
+	}
+	return s.wrote
+}
+
+// waitLines returns the lines whose msg is msg once there are at least n.
+// The access log writes a call's line when gRPC reports the call ended,
+// after the status is on the wire: the caller can have its answer first.
+func (s *syncBuffer) waitLines(t *testing.T, msg string, n int) []map[string]any {
+	t.Helper()
+	timeout := time.After(10 * time.Second)
+	for {
+		wrote := s.written()
+		if lines := s.lines(t, msg); len(lines) >= n {
+			return lines
+		}
+		select {
+		case <-wrote:
+		case <-timeout:
+			t.Fatalf("%d lines %q after 10s, want %d", len(s.lines(t, msg)), msg, n)
+		}
+	}
 }
 
 func (s *syncBuffer) String() string {
@@ -74,7 +109,7 @@ func TestLogsAtWarn(t *testing.T) {
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("warn-1", "fp-2"))
 	requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
-	calls := buf.lines(t, "finished call")
+	calls := buf.waitLines(t, "finished call", 1)
 	require.Len(t, calls, 1)
 	require.Equal(t, "FAILED_PRECONDITION", calls[0]["grpc.code"])
 }
@@ -83,7 +118,7 @@ func jsonLogger(buf *syncBuffer) *slog.Logger {
 	return slog.New(slog.NewJSONHandler(buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 }
 
-func detail[T any](t *testing.T, err error) T {
+func detail[T any](t testing.TB, err error) T {
 	t.Helper()
 	var zero T
 	for _, d := range statusOf(err).Details() {
@@ -216,12 +251,17 @@ func TestLogs(t *testing.T) {
 	_, err = idemregv1.NewAdminServiceClient(conn).InvalidateRecord(ctx, &idemregv1.InvalidateRecordRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Reason: "wrong amount, ticket OPS-1"})
 	require.NoError(t, err)
 
+	calls := buf.waitLines(t, "finished call", 6)
+	require.Len(t, calls, 6)
 	logs := buf.String()
 	for _, secret := range []string{"SECRET", strconv.FormatInt(claimed.GetToken(), 10), strconv.FormatInt(claimed.GetToken()+1, 10)} {
 		require.NotContains(t, logs, secret)
 	}
-	calls := buf.lines(t, "finished call")
-	require.Len(t, calls, 6)
+	// Each line is written as its call ends, so two calls in a row may
+	// log in either order: the first two are the Claims, by their code.
+	if calls[0]["grpc.code"] != "OK" {
+		calls[0], calls[1] = calls[1], calls[0]
+	}
 	for _, l := range calls {
 		require.Equal(t, "billing.payment-worker", l["consumer"])
 		require.Equal(t, "anonymous", l["identity"])

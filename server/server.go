@@ -119,6 +119,12 @@ type Config struct {
 	// health listener alike; zero fields take the defaults of
 	// DefaultBounds.
 	Bounds Bounds
+	// RefusalLogRate is how many access log lines a second are written for
+	// each identity and refusal code (UNAUTHENTICATED, PERMISSION_DENIED,
+	// RESOURCE_EXHAUSTED, INVALID_ARGUMENT); the others are counted, not
+	// written (accesslog.go). Zero means DefaultRefusalLogRate; negative
+	// writes every line.
+	RefusalLogRate int
 	// DrainDelay is how long the server keeps serving after reporting
 	// NOT_SERVING on shutdown, so load balancers and Kubernetes endpoints
 	// stop sending new calls before connections are drained (default 0).
@@ -206,6 +212,9 @@ func (c *Config) setDefaults() {
 	if c.MaxInFlightPerIdentity <= 0 {
 		c.MaxInFlightPerIdentity = max(1, int(float64(c.MaxInFlight)*DefaultInFlightShare))
 	}
+	if c.RefusalLogRate == 0 {
+		c.RefusalLogRate = DefaultRefusalLogRate
+	}
 	if c.StreamWorkers == 0 {
 		c.StreamWorkers = DefaultStreamWorkers
 	}
@@ -243,6 +252,8 @@ type Server struct {
 	health  *health.Server
 	metrics *metrics
 	limiter *access.Limiter
+	// accessLog writes a line per finished call (accesslog.go).
+	accessLog accessLogger
 	// policies is the service's, for the requests' snapshots.
 	policies *policy.Source
 	// done is closed when Serve returns; ServeHealth stops then.
@@ -298,12 +309,16 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	}
 	s := &Server{
 		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), policies: svc.policies, done: make(chan struct{}),
+		accessLog:     accessLogger{logger: cfg.Logger, m: m},
 		public:        newPublicStreams(cfg.Bounds.MaxPublicStreams, m),
 		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
 		outcomes:      outcomes,
 		window:        newReadinessWindow(cfg.Readiness),
 		// The backend counts: the gauge's count is not a request's store call.
 		parked: newParkedCounts(store, cfg.Logger),
+	}
+	if cfg.RefusalLogRate > 0 {
+		s.accessLog.refusals = newRefusalSampler(cfg.RefusalLogRate)
 	}
 	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
 		s.listeners.Range(func(name, l any) bool {
@@ -321,10 +336,13 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("server: metrics: %w", err)
 	}
 	opts := []grpc.ServerOption{
+		// otelgrpc first: the access log's line, written at the call's
+		// end, carries the span it opened.
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithMeterProvider(cfg.MeterProvider),
 			otelgrpc.WithTracerProvider(cfg.TracerProvider),
 			otelgrpc.WithFilter(filters.Not(filters.HealthCheck())))),
+		grpc.StatsHandler(s.accessLog),
 		grpc.ChainUnaryInterceptor(s.unaryInterceptors()...),
 		grpc.ChainStreamInterceptor(s.streamInterceptors()...),
 		// Room for the largest allowed result plus the rest of a request, and for
@@ -507,9 +525,10 @@ func (s *Server) checkHealth(ctx context.Context) {
 // The middleware chain, outermost first. Before it, otelgrpc's stats
 // handler opens the call's span and measures it (every call, health checks
 // left out of traces).
-//  1. access log (accesslog.go): one structured line per finished call
-//     (method, code, duration, consumer, identity) — never payloads,
-//     results, fingerprints or tokens;
+//  1. access log (accesslog.go): notes the consumer for the line per
+//     finished call (method, code, duration, consumer, identity — never
+//     payloads, results, fingerprints or tokens) that its stats handler
+//     writes when gRPC has sent the status;
 //  2. recovery: a panic, here or below, becomes INTERNAL and is logged
 //     with its stack;
 //  3. deadline: a request without a deadline gets RequestTimeout, a longer
@@ -539,7 +558,7 @@ func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
 	return []grpc.UnaryServerInterceptor{
-		accessLogger{logger}.unary,
+		s.accessLog.unary,
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		s.deadline,
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
@@ -557,7 +576,6 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
 	return []grpc.StreamServerInterceptor{
-		accessLogger{logger}.stream,
 		recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
 			return newStatus(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, "streaming methods are not open to identities", nil)

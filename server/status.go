@@ -73,15 +73,23 @@ const overloadedRetryAfter = 100 * time.Millisecond
 
 // newStatus builds the status of a refusal: the code is the reason's
 // (ErrorReason.Code), so that a reason never comes with another. Its message
-// and metadata values are cut to the bounds of bounds.go here, once, so that
-// no caller can make a status larger than they are whatever it quotes.
+// and metadata values are cut to the bounds of echo.go and escaped here,
+// once, so that no caller can make a status larger than they are, or one
+// that does not encode, whatever it quotes.
 func newStatus(reason idemregv1.ErrorReason, msg string, meta map[string]string, extra ...protoadapt.MessageV1) error {
 	for k, v := range meta {
 		meta[k] = echo(v)
 	}
-	st := status.New(reason.Code(), truncate(msg, MaxStatusMessageBytes))
+	st := status.New(reason.Code(), bounded(msg, MaxStatusMessageBytes))
 	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason.Reason(), Domain: ErrorDomain, Metadata: meta}}, extra...)
-	if withDetails, err := st.WithDetails(details...); err == nil {
+	withDetails, err := st.WithDetails(details...)
+	if err != nil {
+		// A detail that does not encode (a text not bounded above): the
+		// ErrorInfo is what clients decide by, so it goes alone rather
+		// than the status going without it.
+		withDetails, err = st.WithDetails(&errdetails.ErrorInfo{Reason: reason.Reason(), Domain: ErrorDomain})
+	}
+	if err == nil {
 		st = withDetails
 	}
 	return st.Err()

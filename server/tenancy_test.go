@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -78,6 +79,8 @@ func TestIdentityRateLimitRules(t *testing.T) {
 	}{
 		{"by name beats *", "  - {identities: [\"*\"], rate: 5}\n  - {identities: [a], rate: 1}\n", `1 requests per second, burst 1 (rate_limits identities "a")`, false},
 		{"*", "  - {identities: [\"*\"], rate: 5}\n", `5 requests per second, burst 5 (rate_limits identities "*")`, false},
+		// Issue 25: an identity is bounded even where no rule says so.
+		{"none: the default", "  - {consumers: [\"*\"], rate: 5}\n", `2000 requests per second, burst 4000 (the default of each identity; a rate_limits rule of identities replaces it)`, false},
 		{"unknown identity", "  - {identities: [b], rate: 5}\n", `rate_limits[0]: identities[0]: no identity is named "b"`, true},
 		{"consumers and identities in one rule", "  - {identities: [a], consumers: [x], rate: 5}\n", "consumers or identities, not both", true},
 		{"twice", "  - {identities: [a], rate: 5}\n  - {identities: [a], rate: 6}\n", `rate_limits[1]: identities[0]: "a" is given twice`, true},
@@ -97,6 +100,44 @@ func TestIdentityRateLimitRules(t *testing.T) {
 	}
 	_, err := access.Parse([]byte("rate_limits:\n  - {identities: [\"*\"], rate: 5}\n"))
 	require.ErrorContains(t, err, "the file names no identities")
+	open, err := access.Parse([]byte("rate_limits:\n  - {consumers: [\"*\"], rate: 5}\n"))
+	require.NoError(t, err)
+	_, limited := open.IdentityRateLimit(access.Anonymous.Name)
+	require.False(t, limited, "no identities, no other tenant: no default")
+}
+
+// TestDefaultIdentityRateLimit (issue 25, finding 9): an identity of a file
+// without any rule of identities is held to access.DefaultIdentityLimit,
+// over the wire: past its burst its calls are RATE_LIMITED naming it,
+// while another identity is served.
+func TestDefaultIdentityRateLimit(t *testing.T) {
+	src := accessFile(t, `
+identities:
+  - {name: runaway, token_hashes: ["`+access.HashToken("runaway-token")+`"], consumers: ["runaway.*"]}
+  - {name: other, token_hashes: ["`+access.HashToken("other-token")+`"], consumers: ["other.*"]}
+`)
+	c := idemregv1.NewRegistryServiceClient(start(t, memStore(t), server.Config{Access: src}))
+	ctx := bearer(t.Context(), "runaway-token")
+	// A batch's items each take from the bucket: the burst in a few calls.
+	var items []*idemregv1.ClaimRequest
+	for i := range server.MaxBatchItems {
+		items = append(items, &idemregv1.ClaimRequest{Consumer: "runaway.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k" + strconv.Itoa(i)})
+	}
+	var limited error
+	for range 2 * access.DefaultIdentityLimit.Burst / server.MaxBatchItems {
+		res, err := c.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: items})
+		require.NoError(t, err)
+		if _, err := claimResult(res.GetResults()[len(items)-1]); err != nil {
+			limited = err
+			break
+		}
+	}
+	requireStatus(t, limited, codes.ResourceExhausted, server.ReasonRateLimited)
+	require.Equal(t, "identity:runaway", detail[*errdetails.QuotaFailure](t, limited).GetViolations()[0].GetSubject())
+	require.Contains(t, status.Convert(limited).Message(), "the default of each identity")
+
+	_, err := c.Claim(bearer(t.Context(), "other-token"), &idemregv1.ClaimRequest{Consumer: "other.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+	require.NoError(t, err, "another identity has its own bucket")
 }
 
 // TestInFlightShareIsolatesIdentities: an identity whose calls wait on the

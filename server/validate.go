@@ -22,7 +22,7 @@ import (
 type violations []*errdetails.BadRequest_FieldViolation
 
 func (v *violations) add(field, format string, args ...any) {
-	*v = append(*v, &errdetails.BadRequest_FieldViolation{Field: field, Description: truncate(fmt.Sprintf(format, args...), MaxStatusMessageBytes)})
+	*v = append(*v, &errdetails.BadRequest_FieldViolation{Field: field, Description: bounded(fmt.Sprintf(format, args...), MaxStatusMessageBytes)})
 }
 
 // err returns the INVALID_ARGUMENT status for the collected violations, or
@@ -102,13 +102,11 @@ func (v *violations) result(field string, res *idemregv1.Result, maxBytes int) [
 		if c := o.Failure.GetCode(); c <= 0 || c > 16 {
 			v.add(field+".failure.code", "must be a google.rpc.Code other than OK (1-16), got %d", c)
 		}
-		if !utf8.ValidString(o.Failure.GetMessage()) {
-			v.add(field+".failure.message", "must be valid UTF-8")
-		}
+		// Stored and replayed to every later Claim, and shown to
+		// operators: held to the check of every other stored text.
+		v.printable(field+".failure.message", o.Failure.GetMessage())
 	case *idemregv1.Result_Response:
-		if !utf8.ValidString(o.Response.GetType()) {
-			v.add(field+".response.type", "must be valid UTF-8")
-		}
+		v.printable(field+".response.type", o.Response.GetType())
 	}
 	if n := proto.Size(res); n > maxBytes {
 		v.add(field, "encoded result must be at most %d bytes, got %d", maxBytes, n)
@@ -164,12 +162,33 @@ func (v *violations) printable(field, s string) {
 		v.add(field, "must be valid UTF-8")
 		return
 	}
-	for i, r := range s {
-		if !unicode.IsPrint(r) {
-			v.add(field, "must be printable, found U+%04X at byte %d", r, i)
-			return
-		}
+	if i := unprintable(s); i >= 0 {
+		r, _ := utf8.DecodeRuneInString(s[i:])
+		v.add(field, "must be printable, found U+%04X at byte %d", r, i)
 	}
+}
+
+// unprintable returns the index of the first byte of s that is not
+// printable text (invalid UTF-8, or a rune unicode.IsPrint refuses), or -1
+// when there is none. It is the one text check: the validation of every
+// stored text field (printable) and what echo and bounded let through
+// unescaped.
+func unprintable(s string) int {
+	for i := 0; i < len(s); {
+		if c := s[i]; c < utf8.RuneSelf {
+			if c < 0x20 || c == 0x7F {
+				return i
+			}
+			i++
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && size == 1 || !unicode.IsPrint(r) {
+			return i
+		}
+		i += size
+	}
+	return -1
 }
 
 // duration validates an optional duration against the bounds b of a

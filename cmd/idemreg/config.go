@@ -86,6 +86,7 @@ func defaultConfig() config {
 			QuotaRefresh:        server.DefaultQuotaRefresh,
 			ParkedCountInterval: server.DefaultParkedCountInterval,
 			StreamWorkers:       server.DefaultStreamWorkers,
+			RefusalLogRate:      server.DefaultRefusalLogRate,
 			Keepalive:           server.DefaultKeepalive(),
 			Bounds:              server.DefaultBounds(),
 			ShutdownTimeout:     10 * time.Second,
@@ -160,6 +161,7 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.DurationVar(&s.WaitRecheck, "wait-recheck", s.WaitRecheck, "how often a waiting Claim looks for changes made through other replicas: how late it may wake for them")
 	fs.DurationVar(&s.QuotaRefresh, "quota-refresh", s.QuotaRefresh, "how often the live records and bytes of the consumers with a quota (max_records, max_bytes in --config) are counted in the store: how late a replica learns of other replicas' new keys")
 	offAtZeroVar(fs, &s.ParkedCountInterval, time.ParseDuration, "parked-count-interval", "how often the parked records of every consumer are counted in the store (from its index of parked records) for the idemreg_parked_records gauge; 0 turns the gauge off")
+	offAtZeroVar(fs, &s.RefusalLogRate, strconv.Atoi, "refusal-log-rate", "access log lines written a second for each identity and refusal code (UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT); the others are counted in idemreg_access_log_sampled_out_total (0: every line)")
 	offAtZeroVar(fs, &s.StreamWorkers, strconv.Atoi, "stream-workers", "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
 	fs.DurationVar(&s.Keepalive.MaxConnectionAge, "max-connection-age", s.Keepalive.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
 	fs.DurationVar(&s.Keepalive.MaxConnectionIdle, "max-connection-idle", s.Keepalive.MaxConnectionIdle, "close client connections that have had no call for this long")

@@ -24,17 +24,32 @@ type Limit struct {
 	Pattern string
 	// Of is "identities" for a rule of identities, empty for consumers.
 	Of string
+	// Default is set on DefaultIdentityLimit, which no rule wrote.
+	Default bool
 }
 
 // String describes l for an error message.
 func (l Limit) String() string {
+	rate := strconv.FormatFloat(l.Rate, 'f', -1, 64)
+	if l.Default {
+		return fmt.Sprintf("%s requests per second, burst %d (the default of each identity; a rate_limits rule of identities replaces it)", rate, l.Burst)
+	}
 	of := ""
 	if l.Of != "" {
 		of = l.Of + " "
 	}
-	return fmt.Sprintf("%s requests per second, burst %d (rate_limits %s%q)",
-		strconv.FormatFloat(l.Rate, 'f', -1, 64), l.Burst, of, l.Pattern)
+	return fmt.Sprintf("%s requests per second, burst %d (rate_limits %s%q)", rate, l.Burst, of, l.Pattern)
 }
+
+// DefaultIdentityLimit is the rate limit of each identity of a Set that
+// names identities but has no rule of identities: a tenant's calls are
+// bounded even where the operator wrote no rule, so that one tenant's
+// runaway loop, or its flood, cannot take a replica's whole capacity from
+// the others (issue 25). It is the rule deploy/policy-configmap.yaml
+// ships, well above what one tenant of a shared replica should need, and a
+// rule of identities ("*", or a name) replaces it. A Set without
+// identities (every caller Anonymous) has none: there is no other tenant.
+var DefaultIdentityLimit = Limit{Rate: 2000, Burst: 4000, Pattern: "*", Of: "identities", Default: true}
 
 // identityRules are the rate limits of identities: by name, else "*".
 type identityRules struct {
@@ -63,13 +78,17 @@ func (r *identityRules) add(name string, l Limit) error {
 
 // IdentityRateLimit returns the limit of the calls of the identity named
 // name, whatever their consumers: the rule naming it, else the "*" rule of
-// identities. ok is false when none applies.
+// identities, else, when the Set names identities, DefaultIdentityLimit.
+// ok is false when none applies.
 func (s *Set) IdentityRateLimit(name string) (l Limit, ok bool) {
 	if l, ok := s.identityLimits.names[name]; ok {
 		return l, true
 	}
 	if s.identityLimits.all != nil {
 		return *s.identityLimits.all, true
+	}
+	if s.Enforced() {
+		return DefaultIdentityLimit, true
 	}
 	return Limit{}, false
 }
