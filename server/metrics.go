@@ -35,6 +35,7 @@ const (
 	MetricBatchSize     = "idemreg.batch.size"
 	MetricWaits         = "idemreg.waits"
 	MetricWaitDuration  = "idemreg.wait.duration"
+	MetricWaitsRefused  = "idemreg.waits.refused"
 	MetricParkedRecords = "idemreg.parked_records"
 )
 
@@ -67,6 +68,7 @@ type metrics struct {
 	leaseLost                                    metric.Int64Counter
 	storeErrors, overloaded, rateLimited, denied metric.Int64Counter
 	adminActions, boundRefused, waits            metric.Int64Counter
+	waitsRefused                                 metric.Int64Counter
 	storeDuration, waitDuration                  metric.Float64Histogram
 	batchSize                                    metric.Int64Histogram
 	inFlight, connections                        metric.Int64ObservableUpDownCounter
@@ -97,6 +99,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.denied, MetricDenied, "{call}", "Calls refused with UNAUTHENTICATED or PERMISSION_DENIED, by code.")
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
 	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, parked, elapsed, canceled, full, drained, error).")
+	counter(&out.waitsRefused, MetricWaitsRefused, "{claim}", "Claims with a wait answered at once, key in progress, because the replica had --max-waiters waiting (bound=server) or the caller's identity had its share of them (bound=identity, with identity).")
 	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams (TOO_MANY_STREAMS) or identity_calls (TOO_MANY_CALLS).")
 	var err error
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),
