@@ -100,7 +100,7 @@ func dial(t *testing.T, addr string, tlsCfg *tls.Config, opts ...grpc.DialOption
 	return conn
 }
 
-func accessFile(t *testing.T, doc string) *access.Source {
+func accessFile(t testing.TB, doc string) *access.Source {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "idemreg.yaml")
 	require.NoError(t, os.WriteFile(path, []byte(doc), 0o600))
@@ -109,7 +109,7 @@ func accessFile(t *testing.T, doc string) *access.Source {
 	return src
 }
 
-func memStore(t *testing.T) storage.Store {
+func memStore(t testing.TB) storage.Store {
 	t.Helper()
 	s, err := pebble.Open("", pebble.WithInMemory())
 	require.NoError(t, err)
