@@ -130,7 +130,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		p    storage.ClaimParams
 		wait time.Duration
 		d    decision
-		u    *usage
+		r    *reservation
 	}
 	var todo []*pending
 	// A key named more than once does not wait: a later item on it is
@@ -154,27 +154,31 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		}
 		// Each item's quota on its own, before the store: a refused item
 		// is that item's answer, as its unary Claim's would be.
-		u, err := s.quotas.admit(ctx, s.store, s.policyFor(ctx, p.Consumer), p.Key)
+		r, err := s.quotas.admit(ctx, s.store, s.policyFor(ctx, p.Consumer), p)
 		if err != nil {
 			fail(i, s.toStatus(ctx, "BatchClaim", p.Key, err))
 			continue
 		}
-		todo = append(todo, &pending{i: i, p: p, wait: wait, u: u})
+		todo = append(todo, &pending{i: i, p: p, wait: wait, r: r})
 	}
 	if len(todo) > 0 {
 		key, err := s.secrets.load(ctx)
 		if err != nil {
+			for _, t := range todo {
+				s.quotas.claimed(t.r, storage.ClaimResult{}, err) // gives the reservation back
+			}
 			return nil, s.toStatus(ctx, "BatchClaim", todo[0].p.Key, err)
 		}
 		ps := make([]storage.ClaimParams, len(todo))
 		for j, t := range todo {
 			ps[j] = t.p
 			if t.wait > 0 { // registered before the decision, as in claim
-				t.d.w, t.d.joined = s.waiters.join(t.p.Key)
+				t.d = s.joinWait(ctx, t.p.Key)
 			}
 		}
 		for j, a := range storage.ClaimBatch(ctx, s.store, ps) {
 			todo[j].d.res, todo[j].d.err = a.Result, a.Err
+			s.quotas.claimed(todo[j].r, a.Result, a.Err)
 		}
 		var wg sync.WaitGroup
 		for _, t := range todo {
@@ -182,7 +186,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 				wg.Go(func() {
 					start, end := time.Now(), waitEnd(ctx, t.wait)
 					var ended string
-					t.d.res, t.d.err, ended = s.waitClaim(ctx, t.p, end, t.d)
+					t.d.res, t.d.err, ended = s.waitClaim(ctx, t.p, end, t.d, t.r)
 					if ended != "" {
 						d := attrs(attribute.String("ended", ended))
 						s.metrics.waits.Add(ctx, 1, d)
@@ -193,7 +197,6 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		}
 		wg.Wait()
 		for _, t := range todo {
-			s.quotas.claimed(t.u, t.d.res, t.d.err)
 			res, err := s.claimResponse(ctx, "BatchClaim", key, t.p, t.d.res, t.d.err)
 			if err != nil {
 				fail(t.i, err)

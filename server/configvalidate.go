@@ -53,7 +53,8 @@ func (c Config) Validate() error {
 	for _, n := range []struct {
 		field string
 		v     int
-	}{{"MaxInFlight", c.MaxInFlight}, {"MaxInFlightPerIdentity", c.MaxInFlightPerIdentity}, {"MaxWaiters", c.MaxWaiters}} {
+	}{{"MaxInFlight", c.MaxInFlight}, {"MaxInFlightPerIdentity", c.MaxInFlightPerIdentity}, {"MaxWaiters", c.MaxWaiters},
+		{"MaxWaitersPerIdentity", c.MaxWaitersPerIdentity}, {"MaxQuotaConsumersPerIdentity", c.MaxQuotaConsumersPerIdentity}} {
 		if n.v < 0 {
 			bad(n.field, n.v, "must not be negative")
 		}

@@ -56,7 +56,7 @@ func NewAdminService(store storage.Store, limits Limits) (*AdminService, error) 
 	if err != nil {
 		return nil, err
 	}
-	svc, err := newService(chain, limits, nil, nil, m, waiting{})
+	svc, err := newService(chain, limits, nil, nil, m, serviceBounds{})
 	if err != nil {
 		return nil, err
 	}

@@ -42,6 +42,7 @@ const (
 	MetricBatchSize     = "idemreg.batch.size"
 	MetricWaits         = "idemreg.waits"
 	MetricWaitDuration  = "idemreg.wait.duration"
+	MetricWaitsRefused  = "idemreg.waits.refused"
 	MetricParkedRecords = "idemreg.parked_records"
 )
 
@@ -75,6 +76,7 @@ type metrics struct {
 	storeErrors, overloaded, rateLimited, denied metric.Int64Counter
 	adminActions, boundRefused, waits            metric.Int64Counter
 	logSampled                                   metric.Int64Counter
+	waitsRefused                                 metric.Int64Counter
 	storeDuration, waitDuration                  metric.Float64Histogram
 	batchSize                                    metric.Int64Histogram
 	inFlight, connections                        metric.Int64ObservableUpDownCounter
@@ -106,6 +108,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.logSampled, MetricLogSampled, "{line}", "Access log lines of refused calls left out by sampling, by code.")
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
 	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, parked, elapsed, canceled, full, drained, error).")
+	counter(&out.waitsRefused, MetricWaitsRefused, "{claim}", "Claims with a wait answered at once, key in progress, because the replica had --max-waiters waiting (bound=server) or the caller's identity had its share of them (bound=identity, with identity).")
 	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams (TOO_MANY_STREAMS) or identity_calls (TOO_MANY_CALLS).")
 	var err error
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),

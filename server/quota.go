@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -20,39 +21,63 @@ import (
 // as the server knows. Knowing costs the hot path nothing: no counter row
 // is written per Claim and no count is read per Claim. Instead, each
 // replica
-//   - follows the consumers with a quota that it has seen Claim (at most
-//     MaxQuotaConsumers), and every QuotaRefresh counts their live records
-//     and bytes in the store (storage.UsageCounter: one statement, or one
-//     prefix scan per consumer, over those consumers' records only);
-//   - adds to that count the records its own Claims create, and the results
-//     its own Completes store, in memory;
+//   - follows the consumers with a quota that it has seen Claim, at most
+//     MaxQuotaConsumersPerIdentity of them for each identity (the one whose
+//     Claim it saw first), and forgets one none of whose Claims it admitted
+//     for QuotaIdleRefreshes refreshes; every QuotaRefresh it counts their
+//     live records and bytes in the store (storage.UsageCounter: one
+//     statement, or one prefix scan per consumer, over those consumers'
+//     records only);
+//   - reserves, for every Claim it admits, one record and the Claim's
+//     bytes before the Claim goes to the store, and turns the reservation
+//     into the record the Claim created (or drops it) when the store
+//     answers: so the Claims in flight count, and Claims decided at the
+//     same time (a BatchClaim's items, concurrent batches) cannot all see
+//     the same count;
+//   - adds the results its own Completes store, in memory;
 //   - refuses a Claim of a consumer at or over a quota, with
 //     RESOURCE_EXHAUSTED (QUOTA_EXCEEDED) and a QuotaFailure, when the key
 //     has no live record: only such a consumer's Claims pay a Lookup first,
 //     so that Claims of its existing keys (replays, in progress, takeovers)
 //     and Complete, Release and Extend keep working.
 //
-// The quota is soft. A consumer seen for the first time counts as empty
-// until the refresh its first Claim asks for answers; Claims on other
-// replicas are known here only at the next refresh; Claims decided at the
-// same time all see the same count (a BatchClaim's items too); a Claim that
-// commits while a refresh counts may be missed until the next one. So a
-// consumer may overshoot by the new keys it Claims through the other
-// replicas in one refresh interval, plus those in flight at once; not for
-// longer, since each refresh counts what the store holds. The count is the database's, shared by every
-// replica on it. max_bytes is checked at Claim time only: the Complete that
-// stores a large result is never refused, so a consumer may pass max_bytes
-// by the results of the records it holds in progress.
+// A consumer with a quota is never admitted unchecked: one that this
+// replica cannot follow, because its identity already has its share of
+// followed consumers, is treated as at its quota (its live keys work, new
+// keys are refused), so that an identity inventing consumer names under its
+// prefix only ever stops its own.
+//
+// The quota is soft across replicas and time, not within one replica's
+// Claims. A consumer seen for the first time (after a restart, or after it
+// was forgotten) counts as empty until the count its first Claim asks for
+// answers, so until then this replica admits up to one quota of new keys;
+// Claims on other replicas are known here only at the next refresh, so each
+// other replica may admit up to a quota (less what it knows) in one
+// refresh interval. A count errs toward refusing: a Claim whose record the
+// count read while it was still reserved or just added counts twice until
+// the next refresh. The count is the database's, shared by every replica
+// on it. max_bytes is checked at Claim time only: the Complete that stores
+// a large result is never refused, so a consumer may pass max_bytes by the
+// results of the records it holds in progress.
 
 // DefaultQuotaRefresh is how often a replica counts the usage of the
 // consumers with a quota.
 const DefaultQuotaRefresh = 30 * time.Second
 
-// MaxQuotaConsumers bounds the consumers with a quota one replica follows:
-// their usage is counted in one statement per refresh. A consumer beyond it
-// is not held to its quota on that replica (and a warning says so), which
-// only an identity that invents consumer names under a prefix can cause.
-const MaxQuotaConsumers = 10000
+// DefaultMaxQuotaConsumersPerIdentity bounds the consumers with a quota
+// one replica follows for one identity (Config.MaxQuotaConsumersPerIdentity):
+// their usage is counted in one statement per refresh, so the bound keeps
+// that statement, and the memory of the usage, in proportion to the
+// identities of the config file. Only an identity that invents consumer
+// names under a prefix reaches it, and then only its own new consumers are
+// refused.
+const DefaultMaxQuotaConsumersPerIdentity = 10000
+
+// QuotaIdleRefreshes is how many refreshes a followed consumer may go
+// without a Claim admitted through this replica before the next refresh
+// forgets it: what an identity's invented consumers hold of its share ends
+// with their Claims, and a forgotten consumer is counted again when seen.
+const QuotaIdleRefreshes = 10
 
 // quotas follows the usage of the consumers with a quota.
 type quotas struct {
@@ -63,9 +88,15 @@ type quotas struct {
 	// reload removed.
 	policies func() *policy.Set
 	logger   *slog.Logger
+	// perIdentity bounds the consumers followed for each identity.
+	perIdentity int64
 
 	consumers sync.Map // consumer → *usage
-	n         atomic.Int64
+	// followed counts the consumers followed for each identity; names come
+	// from the config file, so the map stays as small as its identities.
+	followed sync.Map // identity name → *atomic.Int64
+	// epoch counts the periodic refreshes: the clock of idleness.
+	epoch atomic.Int64
 	// wake asks the loop to count the consumers of fresh now: they were
 	// seen first. Nil in tests that refresh by hand (a send to it never
 	// happens).
@@ -78,113 +109,223 @@ type quotas struct {
 	refreshed, failed atomic.Int64
 	running           atomic.Bool
 	warnedNoCounter   atomic.Bool
-	warnedTooMany     atomic.Bool
+	warnedFull        sync.Map // identity name → struct{}: warned once
 }
 
 // usage is what a replica knows of one consumer: the store's count at the
-// last refresh, less what this replica had added when it applied it, plus
-// what this replica added. Adding never takes a lock.
+// last refresh, less what this replica had added when the count began,
+// plus what this replica added, plus what its Claims in flight reserved.
+// Adding never takes a lock; reserving takes the consumer's, so that two
+// Claims cannot both take the last record of a quota.
 type usage struct {
-	name                     string
+	name string
+	// owner is the identity charged for following the consumer.
+	owner                    string
 	baseRecords, baseBytes   atomic.Int64
 	addedRecords, addedBytes atomic.Int64
+	// seen is the epoch of the last Claim admitted.
+	seen atomic.Int64
 	// uncounted is set until the first Claim that saw the consumer asked
 	// for a refresh.
 	uncounted atomic.Bool
+
+	mu                             sync.Mutex
+	reservedRecords, reservedBytes int64
+	// forgotten is set when a refresh stopped following the consumer: a
+	// Claim that found it just before must follow it afresh.
+	forgotten bool
 }
 
 func (u *usage) records() int64 { return u.baseRecords.Load() + u.addedRecords.Load() }
 func (u *usage) bytes() int64   { return u.baseBytes.Load() + u.addedBytes.Load() }
 
-// newQuotas follows usage with counter, nil when the store cannot count.
-func newQuotas(counter storage.UsageCounter, policies func() *policy.Set, logger *slog.Logger) *quotas {
-	return &quotas{counter: counter, policies: policies, logger: logger, wake: make(chan struct{}, 1)}
+// reservation is what one admitted Claim holds of its consumer's quota
+// until the store answers it: one record and the Claim's bytes, or nothing
+// for a Claim of a live key admitted at the quota.
+type reservation struct {
+	u              *usage
+	records, bytes int64
 }
 
-// quotaExceeded: a Claim of a new key for a consumer at or over a quota.
+// newQuotas follows usage with counter, nil when the store cannot count,
+// at most perIdentity consumers for each identity.
+func newQuotas(counter storage.UsageCounter, policies func() *policy.Set, perIdentity int, logger *slog.Logger) *quotas {
+	return &quotas{counter: counter, policies: policies, perIdentity: int64(perIdentity), logger: logger, wake: make(chan struct{}, 1)}
+}
+
+// quotaExceeded: a Claim of a new key for a consumer at or over a quota,
+// or for one this replica cannot follow (maxConsumers set).
 type quotaExceeded struct {
 	consumer, source    string
 	maxRecords, records int64 // maxRecords zero when not exceeded
 	maxBytes, bytes     int64 // maxBytes zero when not exceeded
+	// identity already has maxConsumers consumers followed, when set.
+	identity     string
+	maxConsumers int64
 }
 
 func (e *quotaExceeded) Error() string {
 	return fmt.Sprintf("consumer %q is at its quota", e.consumer)
 }
 
-// admit decides whether a Claim of k may go to the store under pol. It
-// returns the consumer's usage to add the Claim's new record to, nil when
-// the consumer has no quota.
-func (q *quotas) admit(ctx context.Context, store storage.Store, pol policy.Policy, k storage.Key) (*usage, error) {
+// errNotFollowed: the identity already has its share of followed
+// consumers.
+var errNotFollowed = errors.New("the identity has its share of consumers followed")
+
+// identityName is the identity charged for what the request of ctx
+// makes the replica hold: the anonymous one for a caller of an open server
+// (or a call that came through no interceptor).
+func identityName(ctx context.Context) string {
+	if id, ok := IdentityFrom(ctx); ok && id != nil {
+		return id.Name
+	}
+	return access.Anonymous.Name
+}
+
+// claimBytes are the bytes of the record a Claim of p creates, as
+// storage.RecordBytes counts them.
+func claimBytes(p storage.ClaimParams) int64 {
+	return int64(len(p.Consumer) + len(p.Key.Key) + len(p.Fingerprint) + len(p.Holder) + len(p.RequestID))
+}
+
+// admit decides whether a Claim of p may go to the store under pol, and
+// reserves what it may create. The reservation must be given to claimed
+// once the store answered (or the Claim was given up); nil when the
+// consumer has no quota.
+func (q *quotas) admit(ctx context.Context, store storage.Store, pol policy.Policy, p storage.ClaimParams) (*reservation, error) {
 	if !pol.HasQuota() {
 		return nil, nil
 	}
 	if q.counter == nil {
 		if !q.warnedNoCounter.Swap(true) {
-			q.logger.WarnContext(ctx, "quotas not enforced: the store cannot count usage", "consumer", echo(k.Consumer))
+			q.logger.WarnContext(ctx, "quotas not enforced: the store cannot count usage", "consumer", echo(p.Consumer))
 		}
 		return nil, nil
 	}
-	u := q.follow(ctx, k.Consumer)
-	if u == nil {
-		return nil, nil
+	owner := identityName(ctx)
+	for {
+		u, err := q.follow(ctx, p.Consumer, owner)
+		if err != nil {
+			// Fail closed: a consumer not followed is at its quota.
+			return nil, q.atQuota(ctx, store, p.Key, &quotaExceeded{consumer: p.Consumer, source: pol.Source, identity: owner, maxConsumers: q.perIdentity})
+		}
+		u.mu.Lock()
+		if u.forgotten {
+			u.mu.Unlock()
+			continue
+		}
+		if epoch := q.epoch.Load(); u.seen.Load() != epoch {
+			u.seen.Store(epoch)
+		}
+		e := &quotaExceeded{consumer: p.Consumer, source: pol.Source}
+		if r := u.records() + u.reservedRecords; pol.MaxRecords > 0 && r >= pol.MaxRecords {
+			e.maxRecords, e.records = pol.MaxRecords, r
+		}
+		if b := u.bytes() + u.reservedBytes; pol.MaxBytes > 0 && b >= pol.MaxBytes {
+			e.maxBytes, e.bytes = pol.MaxBytes, b
+		}
+		if e.maxRecords == 0 && e.maxBytes == 0 {
+			r := &reservation{u: u, records: 1, bytes: claimBytes(p)}
+			u.reservedRecords += r.records
+			u.reservedBytes += r.bytes
+			u.mu.Unlock()
+			return r, nil
+		}
+		u.mu.Unlock()
+		if err := q.atQuota(ctx, store, p.Key, e); err != nil {
+			return nil, err
+		}
+		return &reservation{u: u}, nil
 	}
-	e := &quotaExceeded{consumer: k.Consumer, source: pol.Source}
-	if r := u.records(); pol.MaxRecords > 0 && r >= pol.MaxRecords {
-		e.maxRecords, e.records = pol.MaxRecords, r
-	}
-	if b := u.bytes(); pol.MaxBytes > 0 && b >= pol.MaxBytes {
-		e.maxBytes, e.bytes = pol.MaxBytes, b
-	}
-	if e.maxRecords == 0 && e.maxBytes == 0 {
-		return u, nil
-	}
-	// At the quota, a Claim may still go on with a key that has a live
-	// record: it adds none.
+}
+
+// atQuota lets a Claim of a consumer at its quota go on with a key that
+// has a live record, which adds none; it returns e for a new key.
+func (q *quotas) atQuota(ctx context.Context, store storage.Store, k storage.Key, e *quotaExceeded) error {
 	switch _, err := store.Lookup(ctx, k); {
 	case err == nil:
-		return u, nil
-	case errors.Is(err, storage.ErrNotFound):
-		return nil, e
-	default:
-		return nil, err
-	}
-}
-
-// follow returns the usage of consumer, following it from now on; nil
-// when the replica follows MaxQuotaConsumers already.
-func (q *quotas) follow(ctx context.Context, consumer string) *usage {
-	if v, ok := q.consumers.Load(consumer); ok {
-		return v.(*usage)
-	}
-	if q.n.Load() >= MaxQuotaConsumers {
-		if !q.warnedTooMany.Swap(true) {
-			q.logger.WarnContext(ctx, "quotas not enforced for more consumers: this replica follows the most it may", "max", MaxQuotaConsumers, "consumer", echo(consumer))
-		}
 		return nil
+	case errors.Is(err, storage.ErrNotFound):
+		return e
+	default:
+		return err
 	}
-	seen := &usage{name: consumer}
-	seen.uncounted.Store(true)
-	v, loaded := q.consumers.LoadOrStore(consumer, seen)
-	if !loaded {
-		q.n.Add(1)
-	}
-	return v.(*usage)
 }
 
-// claimed is called once the store answered a Claim admitted with u: it
-// adds the record the Claim created, if it did, and asks for a count of a
-// consumer seen for the first time, now that its Claim is in the store.
-func (q *quotas) claimed(u *usage, res storage.ClaimResult, err error) {
-	if u == nil {
+// follow returns the usage of consumer, following it from now on, charged
+// to owner when it was not followed yet; errNotFollowed when owner has
+// its share of followed consumers.
+func (q *quotas) follow(ctx context.Context, consumer, owner string) (*usage, error) {
+	if v, ok := q.consumers.Load(consumer); ok {
+		return v.(*usage), nil
+	}
+	n := q.followedBy(owner)
+	if n.Add(1) > q.perIdentity {
+		n.Add(-1)
+		if _, warned := q.warnedFull.LoadOrStore(owner, struct{}{}); !warned {
+			q.logger.WarnContext(ctx, "quota: new keys refused for consumers beyond the identity's share of consumers followed",
+				"identity", owner, "max", q.perIdentity, "consumer", echo(consumer))
+		}
+		return nil, errNotFollowed
+	}
+	seen := &usage{name: consumer, owner: owner}
+	seen.uncounted.Store(true)
+	seen.seen.Store(q.epoch.Load())
+	v, loaded := q.consumers.LoadOrStore(consumer, seen)
+	if loaded {
+		n.Add(-1)
+	}
+	return v.(*usage), nil
+}
+
+func (q *quotas) followedBy(owner string) *atomic.Int64 {
+	v, ok := q.followed.Load(owner)
+	if !ok {
+		v, _ = q.followed.LoadOrStore(owner, new(atomic.Int64))
+	}
+	return v.(*atomic.Int64)
+}
+
+// forget stops following u unless a Claim holds a reservation on it (keep
+// set): it is then kept until a later refresh. It reports whether u was
+// forgotten.
+func (q *quotas) forget(u *usage, keep bool) bool {
+	u.mu.Lock()
+	if keep && (u.reservedRecords != 0 || u.reservedBytes != 0) {
+		u.mu.Unlock()
+		return false
+	}
+	u.forgotten = true
+	u.mu.Unlock()
+	if q.consumers.CompareAndDelete(u.name, u) {
+		q.followedBy(u.owner).Add(-1)
+	}
+	return true
+}
+
+// claimed is called with the store's answer to a Claim admitted with r
+// (each decision of a waiting Claim, or the error that gave it up): it
+// adds the record the Claim created, if it did, gives back what r
+// reserved, and asks for a count of a consumer seen for the first time,
+// now that its Claim is in the store.
+func (q *quotas) claimed(r *reservation, res storage.ClaimResult, err error) {
+	if r == nil {
 		return
 	}
-	// The record is added before the count is asked for: a count that read
-	// it must also see it in addedRecords, or it would count it twice
-	// (once in the base, once added).
+	u := r.u
+	// The record is added before its reservation is given back, so that
+	// no admit in between sees neither; and before the count is asked
+	// for, so that a count that read it also sees it added.
 	if err == nil && res.Outcome == storage.OutcomeAcquired && !res.Repeated && res.Record.Attempt == 1 {
 		u.addedRecords.Add(1)
 		u.addedBytes.Add(storage.RecordBytes(&res.Record))
+	}
+	if r.records != 0 || r.bytes != 0 {
+		u.mu.Lock()
+		u.reservedRecords -= r.records
+		u.reservedBytes -= r.bytes
+		u.mu.Unlock()
+		r.records, r.bytes = 0, 0
 	}
 	if u.uncounted.Load() && u.uncounted.Swap(false) && q.wake != nil {
 		// Count it soon rather than at the next tick: it and the others
@@ -208,24 +349,27 @@ func (q *quotas) completed(p storage.CompleteParams) {
 }
 
 // refresh counts the usage of the consumers followed, and stops following
-// those whose policy has no quota any more. On a store failure every
-// consumer keeps the usage it had, and the failure is logged.
+// those whose policy has no quota any more and those idle for
+// QuotaIdleRefreshes refreshes. On a store failure every consumer keeps the
+// usage it had, and the failure is logged.
 func (q *quotas) refresh(ctx context.Context) error {
 	if q.counter == nil {
 		return nil
 	}
 	q.refreshMu.Lock()
 	defer q.refreshMu.Unlock()
+	epoch := q.epoch.Add(1)
 	set := q.policies()
 	var names []string
-	q.consumers.Range(func(k, _ any) bool {
-		name := k.(string)
-		if !set.For(name).HasQuota() {
-			q.consumers.Delete(name)
-			q.n.Add(-1)
-			return true
+	q.consumers.Range(func(_, v any) bool {
+		u := v.(*usage)
+		switch {
+		case !set.For(u.name).HasQuota():
+			q.forget(u, false)
+		case epoch-u.seen.Load() > QuotaIdleRefreshes && q.forget(u, true):
+		default:
+			names = append(names, u.name)
 		}
-		names = append(names, name)
 		return true
 	})
 	return q.count(ctx, names)
@@ -248,24 +392,35 @@ func (q *quotas) count(ctx context.Context, names []string) error {
 		q.refreshed.Add(1)
 		return nil
 	}
+	// What this replica added before the count began is in the count
+	// (a Claim adds after the store answered it); what it adds from now
+	// on may be too, and then counts twice until the next refresh, which
+	// errs toward refusing rather than admitting.
+	type before struct {
+		u              *usage
+		records, bytes int64
+	}
+	was := make([]before, len(names))
+	for i, name := range names {
+		if v, ok := q.consumers.Load(name); ok {
+			u := v.(*usage)
+			was[i] = before{u: u, records: u.addedRecords.Load(), bytes: u.addedBytes.Load()}
+		}
+	}
 	counts, err := q.counter.ConsumerUsage(ctx, names)
 	if err != nil {
 		q.failed.Add(1)
 		q.logger.Warn("quota refresh failed; consumers keep the usage last known", "consumers", len(names), "error", err)
 		return err
 	}
-	for _, name := range names {
-		v, ok := q.consumers.Load(name)
-		if !ok {
+	for i, name := range names {
+		w := was[i]
+		if w.u == nil {
 			continue
 		}
-		// What this replica added so far is in the count (a Claim adds
-		// after the store answered it), bar the Claims that committed
-		// after the count's snapshot: those are missed until the next
-		// refresh, which errs toward admitting.
-		u, c := v.(*usage), counts[name]
-		u.baseRecords.Store(c.Records - u.addedRecords.Load())
-		u.baseBytes.Store(c.Bytes - u.addedBytes.Load())
+		c := counts[name]
+		w.u.baseRecords.Store(c.Records - w.records)
+		w.u.baseBytes.Store(c.Bytes - w.bytes)
 	}
 	q.refreshed.Add(1)
 	return nil

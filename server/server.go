@@ -85,11 +85,26 @@ type Config struct {
 	// (DefaultWaitRecheck): their bound on how late a waiter wakes.
 	MaxWaiters  int
 	WaitRecheck time.Duration
+	// MaxWaitersPerIdentity bounds the Claims of each identity of the
+	// config file waiting at once, so that one tenant cannot take every
+	// slot of MaxWaiters (nor the memory and re-checks they cost); one
+	// beyond it answers at once, as beyond MaxWaiters. Zero means half of
+	// MaxWaiters (DefaultWaitShare); MaxWaiters or more turns the share
+	// off. An open server (no identities) has no shares.
+	MaxWaitersPerIdentity int
 	// QuotaRefresh is how often the usage of the consumers with a quota
 	// (max_records, max_bytes) is counted in the store (DefaultQuotaRefresh;
 	// quota.go): the bound on how late a replica learns of the records
 	// other replicas created.
 	QuotaRefresh time.Duration
+	// MaxQuotaConsumersPerIdentity bounds the consumers with a quota one
+	// replica follows for each identity (the one whose Claim it saw
+	// first); a consumer idle for QuotaIdleRefreshes refreshes is
+	// forgotten. A consumer with a quota beyond the bound is not admitted
+	// unchecked: its new keys are refused, QUOTA_EXCEEDED, until the
+	// identity's followed consumers fall below it
+	// (DefaultMaxQuotaConsumersPerIdentity).
+	MaxQuotaConsumersPerIdentity int
 	// ParkedCountInterval is how often the parked records of every
 	// consumer are counted in the store for the idemreg.parked_records
 	// gauge (DefaultParkedCountInterval; parked.go): how late the gauge
@@ -303,7 +318,10 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	svc, err := newService(chain, cfg.Limits, cfg.Policy, cfg.Logger, m, waiting{maxWaiters: cfg.MaxWaiters, recheck: cfg.WaitRecheck})
+	svc, err := newService(chain, cfg.Limits, cfg.Policy, cfg.Logger, m, serviceBounds{
+		maxWaiters: cfg.MaxWaiters, maxWaitersPerIdentity: cfg.MaxWaitersPerIdentity, recheck: cfg.WaitRecheck,
+		maxQuotaConsumersPerIdentity: cfg.MaxQuotaConsumersPerIdentity,
+	})
 	if err != nil {
 		return nil, err
 	}

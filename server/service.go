@@ -48,18 +48,34 @@ func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Servi
 	if err != nil {
 		return nil, err
 	}
-	return newService(chain, limits, nil, logger, m, waiting{})
+	return newService(chain, limits, nil, logger, m, serviceBounds{})
 }
 
-// waiting configures waiting Claims; zero fields take the defaults.
-type waiting struct {
-	maxWaiters int
-	recheck    time.Duration
+// serviceBounds are the service's own bounds on what callers make a
+// replica hold; zero fields take the defaults.
+type serviceBounds struct {
+	// maxWaiters (DefaultMaxWaiters) and, of each identity, maxWaitersPerIdentity
+	// (DefaultWaitShare of maxWaiters) bound the Claims waiting at once;
+	// recheck is how often a waiter looks for changes made through other
+	// replicas (DefaultWaitRecheck).
+	maxWaiters, maxWaitersPerIdentity int
+	recheck                           time.Duration
+	// maxQuotaConsumersPerIdentity bounds the consumers with a quota
+	// followed for each identity (DefaultMaxQuotaConsumersPerIdentity).
+	maxQuotaConsumersPerIdentity int
+}
+
+// waitersPerIdentity is the share of maxWaiters each identity may hold.
+func (b serviceBounds) waitersPerIdentity(maxWaiters int) int {
+	if b.maxWaitersPerIdentity > 0 {
+		return b.maxWaitersPerIdentity
+	}
+	return max(1, int(float64(maxWaiters)*DefaultWaitShare))
 }
 
 // newService builds the service on the store chain. policies, when set,
 // give each consumer its bounds in place of those of limits.
-func newService(store storeChain, limits Limits, policies *policy.Source, logger *slog.Logger, m *metrics, w waiting) (*Service, error) {
+func newService(store storeChain, limits Limits, policies *policy.Source, logger *slog.Logger, m *metrics, b serviceBounds) (*Service, error) {
 	if err := limits.Validate(); err != nil {
 		return nil, err
 	}
@@ -77,10 +93,12 @@ func newService(store storeChain, limits Limits, policies *policy.Source, logger
 	if perProcess {
 		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", store.backend))
 	}
+	maxWaiters := cmp.Or(b.maxWaiters, DefaultMaxWaiters)
 	s := &Service{store: store, limits: limits, policies: policies, secrets: secrets,
-		waiters: newWaitHub(cmp.Or(w.maxWaiters, DefaultMaxWaiters)), recheck: cmp.Or(w.recheck, DefaultWaitRecheck),
+		waiters: newWaitHub(maxWaiters, b.waitersPerIdentity(maxWaiters)), recheck: cmp.Or(b.recheck, DefaultWaitRecheck),
 		metrics: m, logger: logger}
-	s.quotas = newQuotas(store.usageCounter(), func() *policy.Set { return s.policies.Current() }, logger)
+	s.quotas = newQuotas(store.usageCounter(), func() *policy.Set { return s.policies.Current() },
+		cmp.Or(b.maxQuotaConsumersPerIdentity, DefaultMaxQuotaConsumersPerIdentity), logger)
 	return s, nil
 }
 
@@ -102,17 +120,17 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 		return nil, err
 	}
 	// Read before the claim, so that no claim is acquired without an
-	// answer that proves it.
-	u, err := s.quotas.admit(ctx, s.store, s.policyFor(ctx, p.Consumer), p.Key)
-	if err != nil {
-		return nil, s.toStatus(ctx, "Claim", p.Key, err)
-	}
+	// answer that proves it; and before the quota reserves anything, so
+	// that nothing is left to give back when it fails.
 	key, err := s.secrets.load(ctx)
 	if err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
-	res, err := s.claim(ctx, p, wait)
-	s.quotas.claimed(u, res, err)
+	r, err := s.quotas.admit(ctx, s.store, s.policyFor(ctx, p.Consumer), p)
+	if err != nil {
+		return nil, s.toStatus(ctx, "Claim", p.Key, err)
+	}
+	res, err := s.claim(ctx, p, wait, r)
 	return s.claimResponse(ctx, "Claim", key, p, res, err)
 }
 

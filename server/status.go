@@ -196,6 +196,13 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 		errors.As(err, &quota)
 		var violations []*errdetails.QuotaFailure_Violation
 		var what []string
+		if quota.maxConsumers > 0 {
+			meta["identity"], meta["max_consumers"] = quota.identity, strconv.FormatInt(quota.maxConsumers, 10)
+			d := fmt.Sprintf("identity %q already has %d consumers with a quota (of %s and others) followed on this replica, the most it may, so this one's usage cannot be checked; one idle for %d quota refreshes makes room",
+				quota.identity, quota.maxConsumers, quota.source, QuotaIdleRefreshes)
+			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + quota.consumer, Description: d})
+			what = append(what, d)
+		}
 		if quota.maxRecords > 0 {
 			meta["max_records"], meta["records"] = strconv.FormatInt(quota.maxRecords, 10), strconv.FormatInt(quota.records, 10)
 			d := fmt.Sprintf("at most %d live records (max_records of %s); %d known", quota.maxRecords, quota.source, quota.records)

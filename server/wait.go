@@ -8,6 +8,7 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -28,9 +29,14 @@ import (
 //     answer is then OUTCOME_IN_PROGRESS as without waiting.
 //
 // A waiter registers before it decides, so a change between its decision
-// and its sleep still wakes it. A replica keeps at most MaxWaiters; a Claim
-// beyond that answers at once. Server.Serve ends every wait when it starts
-// to shut down.
+// and its sleep still wakes it. A replica keeps at most MaxWaiters, and each
+// identity of the config file at most its share of them
+// (MaxWaitersPerIdentity, like the share of the store's slots in
+// observe.go), so that one tenant's waits (each a goroutine, a timer and
+// its request, held for up to MaxWait) cannot take every slot, or the
+// memory and re-checks they cost, from the others; a Claim beyond either
+// answers at once. Server.Serve ends every wait when it starts to shut
+// down.
 
 // Bounds of waiting.
 const (
@@ -38,9 +44,21 @@ const (
 	MaxWait = 30 * time.Second
 	// DefaultMaxWaiters is how many Claims may wait at once on a replica.
 	DefaultMaxWaiters = 10000
+	// DefaultWaitShare is the share of MaxWaiters one identity may hold by
+	// default: half, as for the store's slots (DefaultInFlightShare), so
+	// that a tenant holding every wait it may still leaves half to the
+	// others.
+	DefaultWaitShare = 0.5
 	// DefaultWaitRecheck is how often a waiter looks at the record for
 	// changes made through other replicas.
 	DefaultWaitRecheck = 100 * time.Millisecond
+)
+
+// The bounds that refuse a wait, the values of the "bound" attribute of
+// idemreg.waits.refused.
+const (
+	waitBoundServer   = "server"   // the replica had MaxWaiters waiting
+	waitBoundIdentity = "identity" // the identity had its share of them
 )
 
 // waitHub wakes the Claims waiting on a key when this replica changes it.
@@ -49,6 +67,11 @@ type waitHub struct {
 	keys map[storage.Key]*waitKey
 	n    int // waiters registered
 	max  int
+	// perIdentity bounds the waiters of each identity, counted in
+	// byIdentity; zero when an identity may take every slot. Names come
+	// from the config file, so the map stays as small as its identities.
+	perIdentity int
+	byIdentity  map[string]int
 	// asleep counts the Claims in sleep: registered, and decided once
 	// with the key in progress. A registered Claim may still be making
 	// its first decision, which can answer at once without a wait.
@@ -63,16 +86,28 @@ type waitKey struct {
 	refs    int
 }
 
-func newWaitHub(maxWaiters int) *waitHub {
-	return &waitHub{keys: map[storage.Key]*waitKey{}, max: maxWaiters, draining: make(chan struct{})}
+// newWaitHub keeps at most maxWaiters, and perIdentity of each identity
+// when it is less.
+func newWaitHub(maxWaiters, perIdentity int) *waitHub {
+	h := &waitHub{keys: map[storage.Key]*waitKey{}, max: maxWaiters, draining: make(chan struct{})}
+	if perIdentity < maxWaiters {
+		h.perIdentity, h.byIdentity = perIdentity, map[string]int{}
+	}
+	return h
 }
 
-// join registers a waiter on k; false when the replica has max waiters.
-func (h *waitHub) join(k storage.Key) (*waitKey, bool) {
+// join registers a waiter on k for identity (empty: a caller with no
+// share of its own); it returns the bound that refused it instead, if one
+// did.
+func (h *waitHub) join(k storage.Key, identity string) (*waitKey, string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.n >= h.max {
-		return nil, false
+		return nil, waitBoundServer
+	}
+	shared := h.byIdentity != nil && identity != ""
+	if shared && h.byIdentity[identity] >= h.perIdentity {
+		return nil, waitBoundIdentity
 	}
 	w := h.keys[k]
 	if w == nil {
@@ -81,17 +116,35 @@ func (h *waitHub) join(k storage.Key) (*waitKey, bool) {
 	}
 	w.refs++
 	h.n++
-	return w, true
+	if shared {
+		h.byIdentity[identity]++
+	}
+	return w, ""
 }
 
-func (h *waitHub) leave(k storage.Key, w *waitKey) {
+func (h *waitHub) leave(k storage.Key, w *waitKey, identity string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	w.refs--
 	h.n--
+	if h.byIdentity != nil && identity != "" {
+		if h.byIdentity[identity]--; h.byIdentity[identity] == 0 {
+			delete(h.byIdentity, identity)
+		}
+	}
 	if w.refs == 0 && h.keys[k] == w {
 		delete(h.keys, k)
 	}
+}
+
+// waitShare is the name whose share of the waiters the request of ctx
+// takes: its identity's, none (empty) for the anonymous caller of an open
+// server, which is every caller and not a tenant.
+func waitShare(ctx context.Context) string {
+	if id, ok := IdentityFrom(ctx); ok && id != nil && id != access.Anonymous {
+		return id.Name
+	}
+	return ""
 }
 
 // notify wakes every waiter on k.
@@ -125,14 +178,18 @@ func waitEnd(ctx context.Context, d time.Duration) time.Time {
 	return end
 }
 
-// claim decides p, waiting up to wait while the key is in progress.
-func (s *Service) claim(ctx context.Context, p storage.ClaimParams, wait time.Duration) (storage.ClaimResult, error) {
+// claim decides p, waiting up to wait while the key is in progress; r,
+// what its admission reserved of the consumer's quota, is settled by
+// every decision.
+func (s *Service) claim(ctx context.Context, p storage.ClaimParams, wait time.Duration, r *reservation) (storage.ClaimResult, error) {
 	if wait <= 0 {
-		return s.store.Claim(ctx, p)
+		res, err := s.store.Claim(ctx, p)
+		s.quotas.claimed(r, res, err)
+		return res, err
 	}
 	start := time.Now()
 	end := waitEnd(ctx, wait)
-	res, err, ended := s.waitClaim(ctx, p, end, s.decideJoined(ctx, p))
+	res, err, ended := s.waitClaim(ctx, p, end, s.decideJoined(ctx, p, r), r)
 	if ended != "" {
 		d := attrs(attribute.String("ended", ended))
 		s.metrics.waits.Add(ctx, 1, d)
@@ -142,28 +199,38 @@ func (s *Service) claim(ctx context.Context, p storage.ClaimParams, wait time.Du
 }
 
 // decision is a Claim decided while registered as a waiter on its key
-// (unless the replica had too many), so that no change after it is missed.
+// (unless a bound refused it), so that no change after it is missed.
 type decision struct {
-	w      *waitKey
-	joined bool
-	res    storage.ClaimResult
-	err    error
+	w *waitKey
+	// refused is the bound that kept the Claim from waiting, if any.
+	refused string
+	res     storage.ClaimResult
+	err     error
 }
 
-func (s *Service) decideJoined(ctx context.Context, p storage.ClaimParams) decision {
-	w, joined := s.waiters.join(p.Key)
-	res, err := s.store.Claim(ctx, p)
-	return decision{w: w, joined: joined, res: res, err: err}
+// joinWait registers a waiter on p's key for the caller of ctx.
+func (s *Service) joinWait(ctx context.Context, k storage.Key) decision {
+	w, refused := s.waiters.join(k, waitShare(ctx))
+	return decision{w: w, refused: refused}
 }
 
-// waitClaim is claim's loop from the first decision d; ended says how a
-// wait ended, empty when the first decision needed none.
-func (s *Service) waitClaim(ctx context.Context, p storage.ClaimParams, end time.Time, d decision) (res storage.ClaimResult, err error, ended string) {
+func (s *Service) decideJoined(ctx context.Context, p storage.ClaimParams, r *reservation) decision {
+	d := s.joinWait(ctx, p.Key)
+	d.res, d.err = s.store.Claim(ctx, p)
+	s.quotas.claimed(r, d.res, d.err)
+	return d
+}
+
+// waitClaim is claim's loop from the first decision d (whose answer r
+// already settled); ended says how a wait ended, empty when the first
+// decision needed none.
+func (s *Service) waitClaim(ctx context.Context, p storage.ClaimParams, end time.Time, d decision, r *reservation) (res storage.ClaimResult, err error, ended string) {
+	share := waitShare(ctx)
 	for round := 0; ; round++ {
 		if round > 0 {
-			d = s.decideJoined(ctx, p)
+			d = s.decideJoined(ctx, p, r)
 		}
-		w, joined := d.w, d.joined
+		w, joined := d.w, d.refused == ""
 		res, err = d.res, d.err
 		switch {
 		case err != nil:
@@ -176,12 +243,17 @@ func (s *Service) waitClaim(ctx context.Context, p storage.ClaimParams, end time
 			ended = WaitParked // nobody holds it: nothing to wait for
 		case !joined:
 			ended = WaitFull
+			refused := []attribute.KeyValue{attribute.String("bound", d.refused)}
+			if d.refused == waitBoundIdentity {
+				refused = append(refused, attribute.String("identity", share))
+			}
+			s.metrics.waitsRefused.Add(ctx, 1, attrs(refused...))
 		case !time.Now().Before(end):
 			ended = WaitElapsed
 		}
 		if ended != "" {
 			if joined {
-				s.waiters.leave(p.Key, w)
+				s.waiters.leave(p.Key, w, share)
 			}
 			if round == 0 && ended != WaitFull {
 				ended = "" // answered at once: no wait
@@ -190,7 +262,7 @@ func (s *Service) waitClaim(ctx context.Context, p storage.ClaimParams, end time
 		}
 		decided := time.Now()
 		ended = s.sleep(ctx, p.Key, w, res, end)
-		s.waiters.leave(p.Key, w)
+		s.waiters.leave(p.Key, w, share)
 		if ended != "" {
 			res.RetryAfter = max(res.RetryAfter-time.Since(decided), 0)
 			return res, err, ended

@@ -77,19 +77,22 @@ func defaultConfig() config {
 		SQLBatchWindow: postgres.DefaultBatchWindow,
 		SQLBatchSlots:  postgres.DefaultBatchInFlight,
 		Server: server.Config{
-			Limits:              server.DefaultLimits(),
-			RequestTimeout:      server.DefaultRequestTimeout,
-			MaxRequestTimeout:   server.DefaultMaxRequestTimeout,
-			MaxInFlight:         server.DefaultMaxInFlight,
-			MaxWaiters:          server.DefaultMaxWaiters,
-			WaitRecheck:         server.DefaultWaitRecheck,
-			QuotaRefresh:        server.DefaultQuotaRefresh,
-			ParkedCountInterval: server.DefaultParkedCountInterval,
-			StreamWorkers:       server.DefaultStreamWorkers,
-			RefusalLogRate:      server.DefaultRefusalLogRate,
-			Keepalive:           server.DefaultKeepalive(),
-			Bounds:              server.DefaultBounds(),
-			ShutdownTimeout:     10 * time.Second,
+			Limits:            server.DefaultLimits(),
+			RequestTimeout:    server.DefaultRequestTimeout,
+			MaxRequestTimeout: server.DefaultMaxRequestTimeout,
+			MaxInFlight:       server.DefaultMaxInFlight,
+			MaxWaiters:        server.DefaultMaxWaiters,
+			WaitRecheck:       server.DefaultWaitRecheck,
+			QuotaRefresh:      server.DefaultQuotaRefresh,
+			// Shown by -h; MaxWaitersPerIdentity stays 0 (half of
+			// --max-waiters, whatever it is), as MaxInFlightPerIdentity.
+			MaxQuotaConsumersPerIdentity: server.DefaultMaxQuotaConsumersPerIdentity,
+			ParkedCountInterval:          server.DefaultParkedCountInterval,
+			StreamWorkers:                server.DefaultStreamWorkers,
+			RefusalLogRate:               server.DefaultRefusalLogRate,
+			Keepalive:                    server.DefaultKeepalive(),
+			Bounds:                       server.DefaultBounds(),
+			ShutdownTimeout:              10 * time.Second,
 			Readiness: server.Readiness{
 				Window:          server.DefaultReadinessWindow,
 				MinCalls:        server.DefaultReadinessMinCalls,
@@ -158,8 +161,10 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.IntVar(&s.MaxInFlight, "max-in-flight", s.MaxInFlight, "most store operations at once; beyond it calls fail at once with UNAVAILABLE (OVERLOADED)")
 	fs.IntVar(&s.MaxInFlightPerIdentity, "max-in-flight-per-identity", s.MaxInFlightPerIdentity, "most store operations at once of one identity of --config, so one tenant cannot take every slot (0: half of --max-in-flight; --max-in-flight turns it off)")
 	fs.IntVar(&s.MaxWaiters, "max-waiters", s.MaxWaiters, "most Claims waiting at once for a key in progress (ClaimRequest.wait); beyond it a Claim answers at once")
+	fs.IntVar(&s.MaxWaitersPerIdentity, "max-waiters-per-identity", s.MaxWaitersPerIdentity, "most Claims of one identity of --config waiting at once, so one tenant cannot take every wait slot (0: half of --max-waiters; --max-waiters turns it off)")
 	fs.DurationVar(&s.WaitRecheck, "wait-recheck", s.WaitRecheck, "how often a waiting Claim looks for changes made through other replicas: how late it may wake for them")
 	fs.DurationVar(&s.QuotaRefresh, "quota-refresh", s.QuotaRefresh, "how often the live records and bytes of the consumers with a quota (max_records, max_bytes in --config) are counted in the store: how late a replica learns of other replicas' new keys")
+	fs.IntVar(&s.MaxQuotaConsumersPerIdentity, "max-quota-consumers-per-identity", s.MaxQuotaConsumersPerIdentity, "most consumers with a quota (max_records, max_bytes in --config) a replica follows for one identity; beyond it their new keys are refused (QUOTA_EXCEEDED) until one of its consumers is idle for "+strconv.Itoa(server.QuotaIdleRefreshes)+" quota refreshes")
 	offAtZeroVar(fs, &s.ParkedCountInterval, time.ParseDuration, "parked-count-interval", "how often the parked records of every consumer are counted in the store (from its index of parked records) for the idemreg_parked_records gauge; 0 turns the gauge off")
 	offAtZeroVar(fs, &s.RefusalLogRate, strconv.Atoi, "refusal-log-rate", "access log lines written a second for each identity and refusal code (UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT); the others are counted in idemreg_access_log_sampled_out_total (0: every line)")
 	offAtZeroVar(fs, &s.StreamWorkers, strconv.Atoi, "stream-workers", "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
@@ -317,6 +322,12 @@ func (c *config) commandLineBounds() []error {
 	}
 	if s.MaxWaiters < 1 {
 		errs = append(errs, fmt.Errorf("--max-waiters must be positive, got %d", s.MaxWaiters))
+	}
+	if s.MaxWaitersPerIdentity > s.MaxWaiters {
+		errs = append(errs, fmt.Errorf("--max-waiters-per-identity must be between 0 (half of --max-waiters) and --max-waiters (%d), got %d", s.MaxWaiters, s.MaxWaitersPerIdentity))
+	}
+	if s.MaxQuotaConsumersPerIdentity < 1 {
+		errs = append(errs, fmt.Errorf("--max-quota-consumers-per-identity must be positive, got %d", s.MaxQuotaConsumersPerIdentity))
 	}
 	if s.WaitRecheck == 0 {
 		errs = append(errs, fmt.Errorf("--wait-recheck must be between 1ms and %v, got 0s", server.MaxWait))

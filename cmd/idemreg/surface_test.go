@@ -70,6 +70,9 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"quota refresh too often", []string{"--quota-refresh", "10ms"}, "--quota-refresh must be at least 1s"},
 		{"parked count too often", []string{"--parked-count-interval", "10ms"}, "--parked-count-interval must be at least 1s"},
 		{"identity share above the server's", []string{"--max-in-flight", "8", "--max-in-flight-per-identity", "9"}, "--max-in-flight-per-identity must be between 0"},
+		{"wait share above the server's", []string{"--max-waiters", "8", "--max-waiters-per-identity", "9"}, "--max-waiters-per-identity must be between 0"},
+		{"wait share negative", []string{"--max-waiters-per-identity", "-1"}, "--max-waiters-per-identity"},
+		{"no quota consumers", []string{"--max-quota-consumers-per-identity", "0"}, "--max-quota-consumers-per-identity must be positive"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
