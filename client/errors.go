@@ -33,7 +33,12 @@ const (
 	ReasonInvalidArgument     = idemregv1.ReasonInvalidArgument
 	ReasonFingerprintMismatch = idemregv1.ReasonFingerprintMismatch
 	ReasonLeaseLost           = idemregv1.ReasonLeaseLost
-	ReasonAlreadyCompleted    = idemregv1.ReasonAlreadyCompleted
+	// ReasonClaimSecretInvalid (code FAILED_PRECONDITION): the claim secret
+	// sent with the token verifies under no claim key the registry accepts
+	// (not the one its Claim returned, or one whose key was retired after a
+	// rotation's grace period).
+	ReasonClaimSecretInvalid = idemregv1.ReasonClaimSecretInvalid
+	ReasonAlreadyCompleted   = idemregv1.ReasonAlreadyCompleted
 	// ReasonParked (code FAILED_PRECONDITION): Complete, Release or Extend
 	// of a parked record. Once and the interceptors also answer it, as a
 	// *ParkedError, for a Claim that answered OutcomeParked.
@@ -97,7 +102,12 @@ var (
 	ErrInvalidArgument     = errors.New("idemreg: invalid argument")
 	ErrFingerprintMismatch = errors.New("idemreg: fingerprint mismatch: the key was used with different parameters")
 	ErrLeaseLost           = errors.New("idemreg: lease lost: another holder took over the key")
-	ErrAlreadyCompleted    = errors.New("idemreg: the key is already completed")
+	// ErrClaimSecretInvalid: the registry accepts the claim secret for the
+	// token under none of its claim keys. The claim cannot be completed,
+	// released or extended with it; a claim held past a key rotation's
+	// grace period ends this way. The registry read and changed nothing.
+	ErrClaimSecretInvalid = errors.New("idemreg: the claim secret is not valid for the token under any claim key the registry accepts")
+	ErrAlreadyCompleted   = errors.New("idemreg: the key is already completed")
 	// ErrParked: the key is parked (its attempts ran out, or its holder
 	// parked it because the outcome of its work is unknown): do not do the
 	// work; dead-letter or skip the message until an operator resolves it.
@@ -147,6 +157,7 @@ var sentinelByReason = map[string]error{
 	ReasonMalformedRequest:    ErrInvalidArgument,
 	ReasonFingerprintMismatch: ErrFingerprintMismatch,
 	ReasonLeaseLost:           ErrLeaseLost,
+	ReasonClaimSecretInvalid:  ErrClaimSecretInvalid,
 	ReasonAlreadyCompleted:    ErrAlreadyCompleted,
 	ReasonParked:              ErrParked,
 	ReasonLeaseTotalExceeded:  ErrLeaseTotalExceeded,

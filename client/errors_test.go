@@ -29,7 +29,7 @@ func registryStatus(t *testing.T, reason idemregv1.ErrorReason, domain string) *
 // so it has no sentinel and matches none.
 func TestEveryRegistryReasonIsTyped(t *testing.T) {
 	sentinels := []error{
-		client.ErrInvalidArgument, client.ErrFingerprintMismatch, client.ErrLeaseLost, client.ErrAlreadyCompleted,
+		client.ErrInvalidArgument, client.ErrFingerprintMismatch, client.ErrLeaseLost, client.ErrClaimSecretInvalid, client.ErrAlreadyCompleted,
 		client.ErrParked, client.ErrLeaseTotalExceeded, client.ErrQuotaExceeded, client.ErrNotFound,
 		client.ErrUnavailable, client.ErrDeadlineExceeded, client.ErrCanceled, client.ErrInternal,
 		client.ErrUnauthenticated, client.ErrPermissionDenied, client.ErrRateLimited, client.ErrInProgress,

@@ -51,7 +51,9 @@ type OnceResult struct {
 //   - It claims (consumer, KindMessage, messageID). When acquired it runs fn
 //     with the fencing token and extends the lease every half lease while fn
 //     runs. Should the registry report that another holder took over, fn's
-//     context is cancelled with an error matching ErrLeaseLost as cause;
+//     context is cancelled with an error matching ErrLeaseLost as cause
+//     (ErrClaimSecretInvalid when the claim outlived a claim key rotation's
+//     grace period);
 //     should it refuse to extend because the attempt held the key for its
 //     consumer's max_lease_total, the cause matches ErrLeaseTotalExceeded
 //     (the claim is then released when fn returns, as after an error).

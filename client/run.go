@@ -201,7 +201,7 @@ func (c *Client) startHeartbeat(ctx context.Context, k Key, f Fence, lease time.
 			_, err := c.Extend(ectx, k, f, lease)
 			ecancel()
 			if errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrNotFound) || errors.Is(err, ErrAlreadyCompleted) ||
-				errors.Is(err, ErrLeaseTotalExceeded) {
+				errors.Is(err, ErrLeaseTotalExceeded) || errors.Is(err, ErrClaimSecretInvalid) {
 				h.mu.Lock()
 				h.err = err
 				h.mu.Unlock()

@@ -226,14 +226,22 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 	if err != nil {
 		return nil, err
 	}
-	claimKey, err := a.svc.secrets.load(ctx)
+	issuer, err := a.svc.secrets.issuer(ctx)
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 	}
-	sealer := pageSealer(claimKey)
 	if t := req.GetPageToken(); t != "" {
 		var v violations
-		if p.After = v.pageToken(sealer, t, filters, p); v.err() != nil {
+		if gen, ok := pageTokenGeneration(t); !ok {
+			v.add("page_token", pageTokenGarbled)
+		} else if opener, err := a.svc.secrets.sealer(ctx, gen); err != nil {
+			return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
+		} else if opener == nil {
+			v.add("page_token", "was sealed under a claim key generation this registry no longer accepts (the key was rotated): list again from the first page, without a page token")
+		} else {
+			p.After = v.pageToken(opener, t, filters, p)
+		}
+		if v.err() != nil {
 			return nil, v.err()
 		}
 	}
@@ -259,7 +267,7 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 		return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 	}
 	if page.Next != nil {
-		out.NextPageToken = encodePageToken(sealer, filters, *page.Next)
+		out.NextPageToken = encodePageToken(issuer, filters, *page.Next)
 	}
 	return out, nil
 }

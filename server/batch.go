@@ -162,7 +162,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		todo = append(todo, &pending{i: i, p: p, wait: wait, r: r})
 	}
 	if len(todo) > 0 {
-		key, err := s.secrets.load(ctx)
+		key, err := s.secrets.issuer(ctx)
 		if err != nil {
 			for _, t := range todo {
 				s.quotas.claimed(t.r, storage.ClaimResult{}, err) // gives the reservation back
@@ -197,7 +197,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		}
 		wg.Wait()
 		for _, t := range todo {
-			res, err := s.claimResponse(ctx, "BatchClaim", key, t.p, t.d.res, t.d.err)
+			res, err := s.claimResponse(ctx, "BatchClaim", key.Key, t.p, t.d.res, t.d.err)
 			if err != nil {
 				fail(t.i, err)
 				continue

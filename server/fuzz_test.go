@@ -65,7 +65,13 @@ func (s *echoStore) Park(_ context.Context, p storage.ParkParams) (storage.Recor
 // send the right claim secret with any token.
 var echoKey = bytes.Repeat([]byte{0x5A}, storage.ClaimKeySize)
 
-func (s *echoStore) ClaimKey(context.Context) ([]byte, error) { return echoKey, nil }
+func (s *echoStore) ClaimKeyRing(context.Context) (storage.ClaimKeyRing, error) {
+	return storage.ClaimKeyRing{Keys: []storage.ClaimKey{{Generation: 1, Key: echoKey}}}, nil
+}
+
+func (s *echoStore) RotateClaimKey(context.Context, storage.RotateClaimKeyParams) (storage.ClaimKeyRing, error) {
+	return s.ClaimKeyRing(context.Background())
+}
 
 // secretOf is what the holder of token for r's key would send, or a part
 // of it.

@@ -22,20 +22,30 @@ import (
 // reads, storage.ListParams.After) and a digest of the filters of the
 // listing that issued it:
 //
-//	base64url(version (1) | filter digest (8) | nonce (12) | sealed key)
+//	base64url(version (2) | key generation (8) | filter digest (8) | nonce (12) | sealed key)
 //
 // The digest makes a token sent with other filters INVALID_ARGUMENT
 // (AIP-158) rather than a listing that silently skips what the new filters
 // would have shown before the token's key. The key is sealed (AES-256-GCM,
-// the version and digest as additional data) because it is not always the
-// caller's to read: a listing by prefix drops the records of consumers the
-// identity may not administer, and the page may stop at one of them. The
-// sealing key is derived from the store's claim key (claimSecrets), so
-// every replica on the store opens the tokens of the others; on a store
-// without one, tokens are good in the process that issued them only. The
-// seal also makes a token that was tampered with INVALID_ARGUMENT.
+// the head as additional data) because it is not always the caller's to
+// read: a listing by prefix drops the records of consumers the identity
+// may not administer, and the page may stop at one of them. The sealing
+// key is derived from a generation of the store's claim key
+// (claimSecrets), named in the token, so every replica on the store opens
+// the tokens of the others, also across a rotation while the generation is
+// accepted; on a store without one, tokens are good in the process that
+// issued them only. The seal also makes a token that was tampered with
+// INVALID_ARGUMENT. Version 1 tokens, from before key generations, have no
+// generation field and were sealed under generation 1.
 
-const pageTokenVersion = 1
+const (
+	pageTokenVersion   = 2
+	pageTokenVersionV1 = 1
+	// digestVersion is hashed into the filter digest; it stayed 1 when the
+	// token gained its generation, so that the digest of a version 1
+	// token still matches.
+	digestVersion = 1
+)
 
 // MaxPageTokenBytes bounds a page_token before it is decoded: a token of a
 // valid key is well under it.
@@ -46,7 +56,7 @@ const MaxPageTokenBytes = 1024
 type listFilters [8]byte
 
 func digestFilters(p storage.ListParams) listFilters {
-	b := []byte{pageTokenVersion}
+	b := []byte{digestVersion}
 	b = binary.AppendUvarint(b, uint64(len(p.Consumer)))
 	b = append(b, p.Consumer...)
 	if p.Prefix {
@@ -77,8 +87,10 @@ func pageSealer(claimKey []byte) cipher.AEAD {
 	return aead
 }
 
-func encodePageToken(aead cipher.AEAD, f listFilters, after storage.Key) string {
-	head := append([]byte{pageTokenVersion}, f[:]...)
+func encodePageToken(key viewKey, f listFilters, after storage.Key) string {
+	head := binary.BigEndian.AppendUint64([]byte{pageTokenVersion}, uint64(key.Generation))
+	head = append(head, f[:]...)
+	aead := key.sealer
 	nonce := make([]byte, aead.NonceSize())
 	_, _ = rand.Read(nonce) // never fails (crypto/rand)
 	plain := []byte{byte(after.Kind)}
@@ -90,23 +102,49 @@ func encodePageToken(aead cipher.AEAD, f listFilters, after storage.Key) string 
 	return base64.RawURLEncoding.EncodeToString(aead.Seal(out, nonce, plain, head))
 }
 
-// pageToken returns where the page of token starts, adding a violation of
-// page_token when it is not a token of the listing p (digest f).
-func (v *violations) pageToken(aead cipher.AEAD, token string, f listFilters, p storage.ListParams) *storage.Key {
-	const garbled = "not a page token of ListRecords: send the next_page_token of the previous page unchanged, or none for the first page"
+// pageTokenGeneration is the claim key generation token was sealed under,
+// false when it is not a page token at all.
+func pageTokenGeneration(token string) (int64, bool) {
 	b, err := base64.RawURLEncoding.DecodeString(token)
-	head := 1 + len(f)
-	if err != nil || len(b) < head+aead.NonceSize() || b[0] != pageTokenVersion {
-		v.add("page_token", garbled)
+	switch {
+	case err != nil || len(b) < 1:
+		return 0, false
+	case b[0] == pageTokenVersionV1:
+		return 1, true
+	case b[0] == pageTokenVersion && len(b) >= 9:
+		return int64(binary.BigEndian.Uint64(b[1:9])), true
+	}
+	return 0, false
+}
+
+// pageTokenGarbled is the violation of a page_token that is not one.
+const pageTokenGarbled = "not a page token of ListRecords: send the next_page_token of the previous page unchanged, or none for the first page"
+
+// pageToken returns where the page of token starts, adding a violation of
+// page_token when it is not a token of the listing p (digest f) sealed by
+// aead.
+func (v *violations) pageToken(aead cipher.AEAD, token string, f listFilters, p storage.ListParams) *storage.Key {
+	b, err := base64.RawURLEncoding.DecodeString(token)
+	if err != nil || len(b) < 1 {
+		v.add("page_token", pageTokenGarbled)
 		return nil
 	}
-	if !bytes.Equal(b[1:head], f[:]) {
+	digestAt := 1
+	if b[0] == pageTokenVersion {
+		digestAt = 9
+	}
+	head := digestAt + len(f)
+	if len(b) < head+aead.NonceSize() || (b[0] != pageTokenVersion && b[0] != pageTokenVersionV1) {
+		v.add("page_token", pageTokenGarbled)
+		return nil
+	}
+	if !bytes.Equal(b[digestAt:head], f[:]) {
 		v.add("page_token", "was issued for other filters: send the filters of the first page (consumer, consumer_prefix, state, min_attempt, older_than) with each of its page tokens")
 		return nil
 	}
 	plain, err := aead.Open(nil, b[head:head+aead.NonceSize()], b[head+aead.NonceSize():], b[:head])
 	if err != nil || len(plain) < 1 {
-		v.add("page_token", garbled)
+		v.add("page_token", pageTokenGarbled)
 		return nil
 	}
 	k := storage.Key{Kind: storage.Kind(plain[0])}
@@ -128,7 +166,7 @@ func (v *violations) pageToken(aead cipher.AEAD, token string, f listFilters, p 
 	inRange := k.Consumer == p.Consumer || p.Prefix && strings.HasPrefix(k.Consumer, p.Consumer)
 	if !okC || !okK || len(plain) != 0 || k.Key == "" || !inRange ||
 		(k.Kind != storage.KindMessage && k.Kind != storage.KindOperation) {
-		v.add("page_token", garbled)
+		v.add("page_token", pageTokenGarbled)
 		return nil
 	}
 	return &k

@@ -372,8 +372,12 @@ func (o *observedStore) CountParked(ctx context.Context, prefix string) (counts 
 
 func (o *observedStore) Ping(ctx context.Context) error { return o.next.Ping(ctx) }
 func (o *observedStore) Close() error                   { return o.next.Close() }
-func (o *observedStore) ClaimKey(ctx context.Context) ([]byte, error) {
-	return o.next.ClaimKey(ctx)
+func (o *observedStore) ClaimKeyRing(ctx context.Context) (storage.ClaimKeyRing, error) {
+	return o.next.ClaimKeyRing(ctx)
+}
+
+func (o *observedStore) RotateClaimKey(ctx context.Context, p storage.RotateClaimKeyParams) (storage.ClaimKeyRing, error) {
+	return o.next.RotateClaimKey(ctx, p)
 }
 
 func (o *observedStore) ConsumerUsage(ctx context.Context, consumers []string) (map[string]storage.Usage, error) {

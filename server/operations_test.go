@@ -243,7 +243,7 @@ func TestLogs(t *testing.T) {
 	_, err = c.Claim(ctx, claimReq("log-1", "fp-OTHER-SECRET"))
 	requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
 	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken() + 1, ClaimSecret: claimed.GetClaimSecret(), Result: response(result)})
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+	requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken(), ClaimSecret: claimed.GetClaimSecret(), Result: response(result)})
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("log-1", fingerprint))

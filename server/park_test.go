@@ -93,9 +93,9 @@ func TestParking(t *testing.T) {
 			// Park by the holder: fenced by the token and its claim secret.
 			own := batch.GetResults()[1].GetResponse()
 			_, err = c.Park(ctx, parkReq("pay-2", own.GetToken(), forged, "sent, no answer"))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+			requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 			_, err = c.Park(ctx, parkReq("pay-2", own.GetToken()-1, own.GetClaimSecret(), "sent, no answer"))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+			requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 			res, err := c.Park(ctx, parkReq("pay-2", own.GetToken(), own.GetClaimSecret(), "sent, no answer"))
 			require.NoError(t, err)
 			require.Equal(t, idemregv1.State_STATE_PARKED, res.GetRecord().GetState())
@@ -120,7 +120,7 @@ func TestParking(t *testing.T) {
 			_, err = c.Park(ctx, parkReq("pay-3", done.GetToken(), done.GetClaimSecret(), "too late"))
 			requireStatus(t, err, codes.FailedPrecondition, server.ReasonAlreadyCompleted)
 			_, err = c.Park(ctx, parkReq("pay-4", done.GetToken(), done.GetClaimSecret(), "no such key"))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost) // the secret is not for pay-4
+			requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid) // the secret is not for pay-4
 
 			// Another consumer has no max_attempts: takeovers go on.
 			other := claimReq("pay-1", "fp")
@@ -157,7 +157,7 @@ func TestParkValidation(t *testing.T) {
 		})
 	}
 	_, err := c.Park(ctx, parkReq("k", 1, forged, strings.Repeat("é", server.MaxParkReasonBytes/2)))
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost) // valid: 512 bytes
+	requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid) // valid: 512 bytes
 }
 
 func TestParkMetrics(t *testing.T) {

@@ -2,12 +2,18 @@ package server
 
 import (
 	"context"
+	"crypto/cipher"
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
+	"errors"
+	"log/slog"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/idemreg/idemreg/storage"
 )
@@ -26,64 +32,269 @@ import (
 // back. Nothing is stored per record: every server on the store derives the
 // same secret, and a secret is worthless once its token is not current,
 // since tokens are never issued twice.
+//
+// The claim key has generations (storage.ClaimKeyRing), so that it can be
+// rotated while servers run. A secret implies its generation rather than
+// carrying it (its size is the API's): it is checked under every
+// generation the server accepts, the current one first. A rotation adds a
+// generation that is "next" until its activation, accepted but not issued
+// under, so that every server knows it before any issues secrets under it;
+// the generation it replaces stays accepted for the rotation's grace. Each
+// server re-reads the keys every ClaimKeyRefresh, and at once, at most once
+// per interval, when a secret verifies under none of the keys it knows.
 
 // ClaimSecretSize is the length of a claim secret.
 const ClaimSecretSize = 16
 
-// claimSecrets derives and checks claim secrets. The key is read from the
-// store on first use, under the first caller's context, and kept.
+// DefaultClaimKeyRefresh is how often a server re-reads the claim keys by
+// default: the bound on how late it learns of a rotation, which
+// `idemreg rotate-claim-key`'s activation delay must exceed.
+const DefaultClaimKeyRefresh = 30 * time.Second
+
+// errClaimSecretUnknown: a claim secret verifies under no generation of the
+// claim key the server accepts for the token it came with. It is not
+// LEASE_LOST: nothing says another holder took over (a stale holder's own
+// secret does verify, and the store then answers LEASE_LOST).
+var errClaimSecretUnknown = errors.New("claim_secret was not issued for this token under any claim key the registry accepts: not a secret of this registry, or one whose key generation was retired after a rotation's grace period")
+
+// claimSecrets derives and checks claim secrets under the claim keys, read
+// from the store on first use and again every refresh.
 type claimSecrets struct {
-	source storage.ClaimKeys
-	key    atomic.Pointer[[]byte] // nil until read; then every call reads it without a lock
-	mu     sync.Mutex             // serialises the first reads
+	source  storage.ClaimKeys // nil: view is a key of this process only
+	now     func() time.Time
+	refresh time.Duration
+	logger  *slog.Logger
+
+	view     atomic.Pointer[keyView] // nil until read; then every call reads it without a lock
+	mu       sync.Mutex              // serialises the reads of the store
+	lastMiss atomic.Int64            // when a miss last caused a read, Unix ns by now
+	lastWarn atomic.Int64            // when a miss was last logged, Unix ns by now
+	unlogged atomic.Int64            // misses not logged since
 }
 
-// newClaimSecrets reads the key from keys, the store's; nil when the store
+// keyView is the claim keys as a server read them.
+type keyView struct {
+	keys   []viewKey // newest first
+	readAt time.Time // by claimSecrets.now
+}
+
+type viewKey struct {
+	storage.ClaimKey
+	sealer cipher.AEAD // page tokens' (pageSealer)
+}
+
+// claimWarnEvery bounds the WARN lines about secrets that verify under no
+// key to one per interval per server; the others are counted into it.
+const claimWarnEvery = 10 * time.Second
+
+// newClaimSecrets reads the keys from keys, the store's; nil when the store
 // keeps none, which gets a random key for this process only: secrets then
 // survive neither a restart nor a move to another replica, so such a store
 // suits a single process (tests).
-func newClaimSecrets(keys storage.ClaimKeys) (c *claimSecrets, perProcess bool) {
+func newClaimSecrets(keys storage.ClaimKeys, now func() time.Time, refresh time.Duration, logger *slog.Logger) (c *claimSecrets, perProcess bool) {
+	c = &claimSecrets{source: keys, now: now, refresh: refresh, logger: logger}
 	if keys != nil {
-		return &claimSecrets{source: keys}, false
+		return c, false
 	}
 	key := make([]byte, storage.ClaimKeySize)
 	_, _ = rand.Read(key) // never fails (crypto/rand)
-	c = &claimSecrets{}
-	c.key.Store(&key)
+	c.view.Store(newKeyView(storage.ClaimKeyRing{Keys: []storage.ClaimKey{{Generation: 1, Key: key}}}, time.Time{}))
 	return c, true
 }
 
-// load returns the key. Errors: the store's (storage.ErrUnavailable) when
-// it cannot be read.
-func (c *claimSecrets) load(ctx context.Context) ([]byte, error) {
-	if k := c.key.Load(); k != nil {
-		return *k, nil
+func newKeyView(ring storage.ClaimKeyRing, readAt time.Time) *keyView {
+	v := &keyView{readAt: readAt}
+	for _, k := range ring.Keys {
+		v.keys = append(v.keys, viewKey{ClaimKey: k, sealer: pageSealer(k.Key)})
 	}
-	c.mu.Lock()
+	return v
+}
+
+// load returns the keys, reading them when this server has none yet or
+// they are older than the refresh interval. A failed re-read keeps the
+// keys it has (and logs it); a failed first read is the store's error
+// (storage.ErrUnavailable).
+func (c *claimSecrets) load(ctx context.Context) (*keyView, error) {
+	v := c.view.Load()
+	if v == nil {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if v = c.view.Load(); v != nil {
+			return v, nil
+		}
+		return c.read(ctx)
+	}
+	if c.source == nil || c.now().Sub(v.readAt) < c.refresh || !c.mu.TryLock() {
+		return v, nil // another caller is reading them meanwhile
+	}
 	defer c.mu.Unlock()
-	if k := c.key.Load(); k != nil {
-		return *k, nil
+	if nv := c.view.Load(); nv != v {
+		return nv, nil
 	}
-	key, err := c.source.ClaimKey(ctx)
+	nv, err := c.read(ctx)
+	if err != nil {
+		c.logger.WarnContext(ctx, "claim keys: re-read failed; keeping the keys read before",
+			"current_generation", v.current(c.now()).Generation, "error", err)
+		return v, nil
+	}
+	return nv, nil
+}
+
+// read reads the keys from the store and logs when what it read differs
+// from what the server had. The caller holds mu.
+func (c *claimSecrets) read(ctx context.Context) (*keyView, error) {
+	ring, err := c.source.ClaimKeyRing(ctx)
 	if err != nil {
 		return nil, err
 	}
-	c.key.Store(&key)
-	return key, nil
+	now := c.now()
+	nv := newKeyView(ring, now)
+	old := c.view.Load()
+	c.view.Store(nv)
+	if old == nil || old.generations() != nv.generations() {
+		attrs := []any{"current_generation", nv.current(now).Generation, "generations", nv.generations()}
+		if next := nv.keys[0]; now.Before(next.ActiveFrom) {
+			attrs = append(attrs, "next_generation", next.Generation, "next_active_from", next.ActiveFrom)
+		}
+		for _, k := range nv.keys {
+			if !k.AcceptUntil.IsZero() {
+				attrs = append(attrs, "previous_generation", k.Generation, "previous_accepted_until", k.AcceptUntil)
+				break
+			}
+		}
+		c.logger.InfoContext(ctx, "claim keys loaded", attrs...)
+	}
+	return nv, nil
 }
 
-// check answers storage.ErrLeaseLost unless got is the secret of token for
-// k: to a caller without the secret, the claim is as good as lost, and the
-// answer tells it nothing that a wrong token would not.
+// current is the generation to issue secrets under at now.
+func (v *keyView) current(now time.Time) viewKey {
+	for _, k := range v.keys {
+		if !now.Before(k.ActiveFrom) && k.Accepted(now) {
+			return k
+		}
+	}
+	return v.keys[len(v.keys)-1]
+}
+
+// generations lists the generations, newest first ("3,2"): what a log
+// line names, never a key.
+func (v *keyView) generations() string {
+	var b strings.Builder
+	for i, k := range v.keys {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(strconv.FormatInt(k.Generation, 10))
+	}
+	return b.String()
+}
+
+// byGeneration is the key of gen when the server accepts it at now.
+func (v *keyView) byGeneration(gen int64, now time.Time) (viewKey, bool) {
+	for _, k := range v.keys {
+		if k.Generation == gen && k.Accepted(now) {
+			return k, true
+		}
+	}
+	return viewKey{}, false
+}
+
+// issuer is the key the server issues secrets and page tokens under now.
+func (c *claimSecrets) issuer(ctx context.Context) (viewKey, error) {
+	v, err := c.load(ctx)
+	if err != nil {
+		return viewKey{}, err
+	}
+	return v.current(c.now()), nil
+}
+
+// check answers nil when got is the secret of token for k under a
+// generation the server accepts, errClaimSecretUnknown when it is not.
+// Other errors: the store's (storage.ErrUnavailable) when the keys cannot
+// be read.
 func (c *claimSecrets) check(ctx context.Context, k storage.Key, token int64, got []byte) error {
-	key, err := c.load(ctx)
+	v, err := c.load(ctx)
 	if err != nil {
 		return err
 	}
-	if !hmac.Equal(derive(key, k, token), got) {
-		return storage.ErrLeaseLost
+	if v.verifies(k, token, got, c.now()) {
+		return nil
 	}
-	return nil
+	if nv, ok := c.reread(ctx); ok {
+		if nv.verifies(k, token, got, c.now()) {
+			return nil
+		}
+		v = nv
+	}
+	c.warn(ctx, "claim secret verifies under no accepted claim key generation", v,
+		"consumer", echo(k.Consumer), "kind", kindName(k.Kind))
+	return errClaimSecretUnknown
+}
+
+// reread reads the keys again after a miss (a rotation this server has
+// not read yet?), at most once per refresh interval, so that forged
+// secrets and tokens cannot drive the reads; false when it did not.
+func (c *claimSecrets) reread(ctx context.Context) (*keyView, bool) {
+	now := c.now().UnixNano()
+	last := c.lastMiss.Load()
+	if c.source == nil || now-last < int64(c.refresh) || !c.lastMiss.CompareAndSwap(last, now) {
+		return nil, false
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	nv, err := c.read(ctx)
+	if err != nil {
+		c.logger.WarnContext(ctx, "claim keys: re-read failed", "error", err)
+		return nil, false
+	}
+	return nv, true
+}
+
+// sealer is the page tokens' key of generation gen, nil when the server
+// accepts no such generation, also after re-reading the keys (at most once
+// per interval, as for a secret). Errors: the store's when the keys cannot
+// be read at all.
+func (c *claimSecrets) sealer(ctx context.Context, gen int64) (cipher.AEAD, error) {
+	v, err := c.load(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if k, ok := v.byGeneration(gen, c.now()); ok {
+		return k.sealer, nil
+	}
+	if nv, ok := c.reread(ctx); ok {
+		if k, ok := nv.byGeneration(gen, c.now()); ok {
+			return k.sealer, nil
+		}
+		v = nv
+	}
+	c.warn(ctx, "page token sealed under a claim key generation not accepted", v, "generation", gen)
+	return nil, nil
+}
+
+func (v *keyView) verifies(k storage.Key, token int64, got []byte, now time.Time) bool {
+	for _, key := range v.keys {
+		if key.Accepted(now) && hmac.Equal(derive(key.Key, k, token), got) {
+			return true
+		}
+	}
+	return false
+}
+
+// warn logs a secret or page token that verified under no key the
+// server accepts, at most once per claimWarnEvery, with how many were not
+// logged since: what a caller sends must not drive the log.
+func (c *claimSecrets) warn(ctx context.Context, msg string, v *keyView, attrs ...any) {
+	now := c.now().UnixNano()
+	last := c.lastWarn.Load()
+	if now-last < int64(claimWarnEvery) || !c.lastWarn.CompareAndSwap(last, now) {
+		c.unlogged.Add(1)
+		return
+	}
+	attrs = append(attrs, "current_generation", v.current(c.now()).Generation,
+		"accepted_generations", v.generations(), "not_logged_since", c.unlogged.Swap(0))
+	c.logger.WarnContext(ctx, msg, attrs...)
 }
 
 func derive(key []byte, k storage.Key, token int64) []byte {

@@ -20,8 +20,9 @@ import (
 // derives the token from their times as the store's clock makes it, and
 // tries Complete, Release and Extend with that token (and the true one)
 // and, as the secret, every 16-byte window of every answer it saw. Every
-// try is LEASE_LOST and changes nothing; the holders then complete, and
-// the stored result is theirs.
+// try is CLAIM_SECRET_INVALID (not LEASE_LOST: nobody took over) and
+// changes nothing; the stale holder's own token and secret are LEASE_LOST;
+// the holders then complete, and the stored result is theirs.
 func TestClaimSecretCannotBeDerived(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, h *harness) {
 		ctx, c := t.Context(), h.client
@@ -80,13 +81,13 @@ func TestClaimSecretCannotBeDerived(t *testing.T) {
 				for _, s := range secrets {
 					_, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 						Token: tok, ClaimSecret: s, Result: response("intruder")})
-					requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+					requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 					_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 						Token: tok, ClaimSecret: s})
-					requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+					requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 					_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 						Token: tok, ClaimSecret: s})
-					requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+					requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 					tries++
 				}
 			}
@@ -113,10 +114,15 @@ func TestClaimSecretCannotBeDerived(t *testing.T) {
 		require.NoError(t, err)
 		attack(looked.GetRecord(), takeover.GetToken(), seen)
 
+		// The stale holder with its own token and secret: truly lost.
+		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
+			Token: holder.GetToken(), ClaimSecret: holder.GetClaimSecret(), Result: response("stale holder")})
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+
 		// The first holder's secret does not carry over to the new token.
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 			Token: takeover.GetToken(), ClaimSecret: holder.GetClaimSecret(), Result: response("stale holder")})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 
 		// Nothing the attacks did is visible: the current holder completes.
 		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
@@ -133,7 +139,7 @@ func TestClaimSecretCannotBeDerived(t *testing.T) {
 		require.Empty(t, replay.GetClaimSecret())
 		_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 			Token: replay.GetRecord().GetToken(), ClaimSecret: forged})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 	})
 }
 

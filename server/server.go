@@ -148,6 +148,16 @@ type Config struct {
 	// otelgrpc's metrics and spans; nil means the global providers.
 	MeterProvider  metric.MeterProvider
 	TracerProvider trace.TracerProvider
+	// ClaimKeyRefresh is how often the claim keys are re-read from the
+	// store (DefaultClaimKeyRefresh; secret.go): the bound on how late this
+	// replica learns of a rotation (idemreg rotate-claim-key), besides the
+	// one read a secret that verifies under no known key causes, at most
+	// once per interval.
+	ClaimKeyRefresh time.Duration
+	// Now is the clock the claim keys' activation and grace are compared
+	// with; nil means time.Now. Replicas' clocks need only agree to well
+	// within a rotation's activation delay.
+	Now func() time.Time
 	// ResultTypes are the message types whose responses ResolveRecord
 	// checks before storing them and encodes from JSON: those of an
 	// operator's descriptor set (resulttype.Load) beside the linked ones.
@@ -321,6 +331,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	svc, err := newService(chain, cfg.Limits, cfg.Policy, cfg.Logger, m, serviceBounds{
 		maxWaiters: cfg.MaxWaiters, maxWaitersPerIdentity: cfg.MaxWaitersPerIdentity, recheck: cfg.WaitRecheck,
 		maxQuotaConsumersPerIdentity: cfg.MaxQuotaConsumersPerIdentity,
+		claimKeyRefresh:              cfg.ClaimKeyRefresh, now: cfg.Now,
 	})
 	if err != nil {
 		return nil, err

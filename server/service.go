@@ -63,6 +63,11 @@ type serviceBounds struct {
 	// maxQuotaConsumersPerIdentity bounds the consumers with a quota
 	// followed for each identity (DefaultMaxQuotaConsumersPerIdentity).
 	maxQuotaConsumersPerIdentity int
+	// claimKeyRefresh is how often the claim keys are re-read
+	// (DefaultClaimKeyRefresh); now is the clock their activation and
+	// grace are compared with (time.Now).
+	claimKeyRefresh time.Duration
+	now             func() time.Time
 }
 
 // waitersPerIdentity is the share of maxWaiters each identity may hold.
@@ -89,7 +94,11 @@ func newService(store storeChain, limits Limits, policies *policy.Source, logger
 		}
 		policies = policy.Static(set)
 	}
-	secrets, perProcess := newClaimSecrets(store.claimKeys())
+	now := b.now
+	if now == nil {
+		now = time.Now
+	}
+	secrets, perProcess := newClaimSecrets(store.claimKeys(), now, cmp.Or(b.claimKeyRefresh, DefaultClaimKeyRefresh), logger)
 	if perProcess {
 		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", store.backend))
 	}
@@ -122,7 +131,7 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 	// Read before the claim, so that no claim is acquired without an
 	// answer that proves it; and before the quota reserves anything, so
 	// that nothing is left to give back when it fails.
-	key, err := s.secrets.load(ctx)
+	key, err := s.secrets.issuer(ctx)
 	if err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
@@ -131,7 +140,7 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
 	res, err := s.claim(ctx, p, wait, r)
-	return s.claimResponse(ctx, "Claim", key, p, res, err)
+	return s.claimResponse(ctx, "Claim", key.Key, p, res, err)
 }
 
 // claimResponse is the answer to a Claim the store decided (res, err),

@@ -38,7 +38,10 @@ const (
 	ReasonInvalidArgument     = idemregv1.ReasonInvalidArgument
 	ReasonFingerprintMismatch = idemregv1.ReasonFingerprintMismatch
 	ReasonLeaseLost           = idemregv1.ReasonLeaseLost
-	ReasonAlreadyCompleted    = idemregv1.ReasonAlreadyCompleted
+	// CLAIM_SECRET_INVALID (code FAILED_PRECONDITION): the claim_secret
+	// verifies under no claim key generation the server accepts.
+	ReasonClaimSecretInvalid = idemregv1.ReasonClaimSecretInvalid
+	ReasonAlreadyCompleted   = idemregv1.ReasonAlreadyCompleted
 	// PARKED (code FAILED_PRECONDITION): Complete, Release or Extend of a
 	// parked record.
 	ReasonParked             = idemregv1.ReasonParked
@@ -108,6 +111,7 @@ func keyMeta(k storage.Key) map[string]string {
 const (
 	reasonFingerprintMismatch = idemregv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH
 	reasonLeaseLost           = idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST
+	reasonClaimSecretInvalid  = idemregv1.ErrorReason_ERROR_REASON_CLAIM_SECRET_INVALID
 	reasonAlreadyCompleted    = idemregv1.ErrorReason_ERROR_REASON_ALREADY_COMPLETED
 	reasonParked              = idemregv1.ErrorReason_ERROR_REASON_PARKED
 	reasonLeaseTotalExceeded  = idemregv1.ErrorReason_ERROR_REASON_LEASE_TOTAL_EXCEEDED
@@ -139,6 +143,8 @@ func classify(err error) idemregv1.ErrorReason {
 		return reasonFingerprintMismatch
 	case errors.Is(err, storage.ErrLeaseLost):
 		return reasonLeaseLost
+	case errors.Is(err, errClaimSecretUnknown):
+		return reasonClaimSecretInvalid
 	case errors.Is(err, storage.ErrAlreadyCompleted):
 		return reasonAlreadyCompleted
 	case errors.Is(err, storage.ErrParked):
@@ -163,7 +169,7 @@ func classify(err error) idemregv1.ErrorReason {
 func isAnswer(reason idemregv1.ErrorReason) bool {
 	switch reason {
 	case reasonFingerprintMismatch, reasonLeaseLost, reasonAlreadyCompleted, reasonParked,
-		reasonLeaseTotalExceeded, reasonQuotaExceeded, reasonNotFound:
+		reasonLeaseTotalExceeded, reasonQuotaExceeded, reasonNotFound, reasonClaimSecretInvalid:
 		return true
 	}
 	return false
@@ -237,6 +243,8 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 	case reasonLeaseLost:
 		return newStatus(reason,
 			"the token is not the record's current token: another holder took over the key", meta)
+	case reasonClaimSecretInvalid:
+		return newStatus(reason, errClaimSecretUnknown.Error(), meta)
 	case reasonAlreadyCompleted:
 		return newStatus(reason, "the record is already completed", meta)
 	case reasonParked:

@@ -31,6 +31,7 @@ func TestClassify(t *testing.T) {
 	}{
 		{"fingerprint mismatch", storage.ErrFingerprintMismatch, reasonFingerprintMismatch, "", "ok"},
 		{"lease lost", fmt.Errorf("postgres complete: %w", storage.ErrLeaseLost), reasonLeaseLost, "", "ok"},
+		{"claim secret invalid", errClaimSecretUnknown, reasonClaimSecretInvalid, "", "ok"},
 		{"already completed", storage.ErrAlreadyCompleted, reasonAlreadyCompleted, "", "ok"},
 		{"parked", storage.ErrParked, reasonParked, "", "ok"},
 		{"lease total exceeded", storage.ErrLeaseTotalExceeded, reasonLeaseTotalExceeded, "", "ok"},

@@ -188,11 +188,18 @@ func (b backendStore) OldestExpiry(ctx context.Context) (oldest, now time.Time, 
 	return b.sweeper.OldestExpiry(ctx)
 }
 
-func (b backendStore) ClaimKey(ctx context.Context) ([]byte, error) {
+func (b backendStore) ClaimKeyRing(ctx context.Context) (storage.ClaimKeyRing, error) {
 	if b.keys == nil {
-		return nil, errNoCapability
+		return storage.ClaimKeyRing{}, errNoCapability
 	}
-	return b.keys.ClaimKey(ctx)
+	return b.keys.ClaimKeyRing(ctx)
+}
+
+func (b backendStore) RotateClaimKey(ctx context.Context, p storage.RotateClaimKeyParams) (storage.ClaimKeyRing, error) {
+	if b.keys == nil {
+		return storage.ClaimKeyRing{}, errNoCapability
+	}
+	return b.keys.RotateClaimKey(ctx, p)
 }
 
 func (b backendStore) ConsumerUsage(ctx context.Context, consumers []string) (map[string]storage.Usage, error) {

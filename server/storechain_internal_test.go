@@ -103,9 +103,14 @@ func (s *capableStore) OldestExpiry(ctx context.Context) (oldest, now time.Time,
 	return time.Time{}, time.Time{}, false, nil
 }
 
-func (s *capableStore) ClaimKey(ctx context.Context) ([]byte, error) {
-	s.saw(ctx, "ClaimKey")
-	return make([]byte, storage.ClaimKeySize), nil
+func (s *capableStore) ClaimKeyRing(ctx context.Context) (storage.ClaimKeyRing, error) {
+	s.saw(ctx, "ClaimKeyRing")
+	return storage.ClaimKeyRing{Keys: []storage.ClaimKey{{Generation: 1, Key: make([]byte, storage.ClaimKeySize)}}}, nil
+}
+
+func (s *capableStore) RotateClaimKey(ctx context.Context, _ storage.RotateClaimKeyParams) (storage.ClaimKeyRing, error) {
+	s.saw(ctx, "RotateClaimKey")
+	return storage.ClaimKeyRing{Keys: []storage.ClaimKey{{Generation: 1, Key: make([]byte, storage.ClaimKeySize)}}}, nil
 }
 
 func (s *capableStore) ConsumerUsage(ctx context.Context, _ []string) (map[string]storage.Usage, error) {
@@ -185,7 +190,11 @@ func TestStoreChainDecorates(t *testing.T) {
 		{"List", func() error { _, err := chain.admin().List(ctx, storage.ListParams{Consumer: "c"}); return err }, true},
 		{"CountParked", func() error { _, err := chain.admin().CountParked(ctx, ""); return err }, true},
 		{"Ping", func() error { return chain.Ping(ctx) }, false},
-		{"ClaimKey", func() error { _, err := chain.claimKeys().ClaimKey(ctx); return err }, false},
+		{"ClaimKeyRing", func() error { _, err := chain.claimKeys().ClaimKeyRing(ctx); return err }, false},
+		{"RotateClaimKey", func() error {
+			_, err := chain.claimKeys().RotateClaimKey(ctx, storage.RotateClaimKeyParams{})
+			return err
+		}, false},
 		{"ConsumerUsage", func() error { _, err := chain.usageCounter().ConsumerUsage(ctx, []string{"c"}); return err }, false},
 		{"SweepExpired", func() error { _, err := chain.SweepExpired(ctx, 1); return err }, false},
 		{"OldestExpiry", func() error { _, _, _, err := chain.OldestExpiry(ctx); return err }, false},

@@ -121,8 +121,12 @@ func (s marginStore) CountParked(ctx context.Context, prefix string) (map[string
 
 func (s marginStore) Ping(ctx context.Context) error { return s.next.Ping(ctx) }
 func (s marginStore) Close() error                   { return s.next.Close() }
-func (s marginStore) ClaimKey(ctx context.Context) ([]byte, error) {
-	return s.next.ClaimKey(ctx)
+func (s marginStore) ClaimKeyRing(ctx context.Context) (storage.ClaimKeyRing, error) {
+	return s.next.ClaimKeyRing(ctx)
+}
+
+func (s marginStore) RotateClaimKey(ctx context.Context, p storage.RotateClaimKeyParams) (storage.ClaimKeyRing, error) {
+	return s.next.RotateClaimKey(ctx, p)
 }
 
 func (s marginStore) ConsumerUsage(ctx context.Context, consumers []string) (map[string]storage.Usage, error) {

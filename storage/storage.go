@@ -273,17 +273,81 @@ func CompleteBatch(ctx context.Context, s Store, ps []CompleteParams) []Complete
 	return out
 }
 
-// ClaimKeys is implemented by stores that keep the registry's claim key:
+// ClaimKeys is implemented by stores that keep the registry's claim keys:
 // random bytes created on first use and then the same for every server
 // that shares the store, across restarts. The server derives each claim's
-// secret from it (server/secret.go), so that only the caller a Claim
-// answered can complete, release or extend it. The key never leaves the
-// server.
+// secret and seals its page tokens with them (server/secret.go), so that
+// only the caller a Claim answered can complete, release or extend it.
+// The keys never leave the server.
+//
+// Keys are versioned so that they can be rotated while servers run: a
+// rotation adds a generation that becomes current at a time to come
+// (every server has read it by then), and keeps the one it replaces
+// accepted for a grace period after that, so that secrets and page tokens
+// issued under it keep working on every server until they could no longer
+// be in use.
 type ClaimKeys interface {
-	// ClaimKey returns the key, creating it when the store has none.
-	// Concurrent first calls, also from other processes, agree on one key.
-	// Errors: ErrUnavailable.
-	ClaimKey(ctx context.Context) ([]byte, error)
+	// ClaimKeyRing returns the generations still accepted, creating
+	// generation 1 when the store has none. Concurrent first calls, also
+	// from other processes, agree on one key. Errors: ErrUnavailable.
+	ClaimKeyRing(ctx context.Context) (ClaimKeyRing, error)
+	// RotateClaimKey adds a generation, one above the newest, that is
+	// current from the store's clock plus p.ActivateAfter; the generation
+	// it replaces is accepted until p.Grace after that. Generations whose
+	// acceptance has ended are deleted. It returns the keys as they are
+	// after the rotation. Errors: ErrUnavailable.
+	RotateClaimKey(ctx context.Context, p RotateClaimKeyParams) (ClaimKeyRing, error)
+}
+
+// ClaimKey is one generation of the claim key. Times are the store's clock.
+type ClaimKey struct {
+	// Generation is 1 for the first key and one more for each rotation.
+	Generation int64
+	// Key is the key: ClaimKeySize random bytes.
+	Key []byte
+	// ActiveFrom is when servers start to issue secrets under it; until
+	// then it is "next": accepted, never issued.
+	ActiveFrom time.Time
+	// AcceptUntil is when the key stops being accepted (a newer generation
+	// replaced it); zero while it is the newest.
+	AcceptUntil time.Time
+}
+
+// Accepted reports whether secrets under k are good at now (store's clock).
+func (k ClaimKey) Accepted(now time.Time) bool {
+	return k.AcceptUntil.IsZero() || now.Before(k.AcceptUntil)
+}
+
+// ClaimKeyRing is the claim keys a store keeps, as read at Now.
+type ClaimKeyRing struct {
+	// Keys are the generations still accepted at Now, newest first; never
+	// empty.
+	Keys []ClaimKey
+	// Now is the store's clock when the keys were read.
+	Now time.Time
+}
+
+// Current is the generation to issue secrets under at now: the newest
+// whose ActiveFrom has come, else the oldest.
+func (r ClaimKeyRing) Current(now time.Time) ClaimKey {
+	for _, k := range r.Keys {
+		if !now.Before(k.ActiveFrom) {
+			return k
+		}
+	}
+	return r.Keys[len(r.Keys)-1]
+}
+
+// RotateClaimKeyParams are the parameters of ClaimKeys.RotateClaimKey.
+type RotateClaimKeyParams struct {
+	// ActivateAfter is how long the new key is "next" before it becomes
+	// current: at least the servers' refresh interval, so that every
+	// server accepts it before any issues under it.
+	ActivateAfter time.Duration
+	// Grace is how long the replaced key stays accepted once the new one
+	// is current: at least the longest a claim may be held (the
+	// consumers' max_lease_total) and a page token be used.
+	Grace time.Duration
 }
 
 // ClaimKeySize is the length of a claim key.

@@ -33,6 +33,8 @@ const usage = `idemreg: an idempotency-key registry
 Usage:
   idemreg serve   [flags]   run the gRPC service
   idemreg migrate [flags]   apply the SQL schema to --database-url
+  idemreg rotate-claim-key [flags]
+                            add a claim key generation; the old one stays accepted for --grace
   idemreg sweep   [flags]   delete expired records once and exit (for a cron job):
                             0 finished, 1 failed, 3 stopped by --max-duration
   idemreg health  [flags]   check a server's --health-listen (exit 0 when SERVING)
@@ -50,12 +52,13 @@ set by the IDEMREG_* environment variable its help names; a flag wins.
 type command func(fs *flag.FlagSet) func(ctx context.Context, stdout, stderr io.Writer) error
 
 var commands = map[string]command{
-	"serve":     serveCommand,
-	"migrate":   migrateCommand,
-	"sweep":     sweepCommand,
-	"health":    healthCommand,
-	"new-token": newTokenCommand,
-	"version":   versionCommand,
+	"serve":            serveCommand,
+	"migrate":          migrateCommand,
+	"rotate-claim-key": rotateCommand,
+	"sweep":            sweepCommand,
+	"health":           healthCommand,
+	"new-token":        newTokenCommand,
+	"version":          versionCommand,
 }
 
 func main() {

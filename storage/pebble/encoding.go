@@ -27,6 +27,9 @@ var (
 	metaTokenFloor = []byte{prefixMeta, 't', 'o', 'k', 'e', 'n', '-', 'f', 'l', 'o', 'o', 'r'}
 	// metaClaimKey holds the claim key (storage.ClaimKeys).
 	metaClaimKey = []byte{prefixMeta, 'c', 'l', 'a', 'i', 'm', '-', 'k', 'e', 'y'}
+	// metaClaimKeys holds the claim keys by generation (encodeClaimKeys);
+	// generation 1 is metaClaimKey's.
+	metaClaimKeys = []byte{prefixMeta, 'c', 'l', 'a', 'i', 'm', '-', 'k', 'e', 'y', 's'}
 )
 
 // layoutVersion is the version of the key layout and of metaFormat.

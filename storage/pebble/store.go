@@ -89,7 +89,7 @@ type Store struct {
 	// floor mirrors metaTokenFloor. It only grows.
 	floor atomic.Int64
 
-	// keyMu serialises the creation of metaClaimKey.
+	// keyMu serialises the writes of metaClaimKey and metaClaimKeys.
 	keyMu sync.Mutex
 
 	// afterScan, when set by a test, runs between a sweep's index scan and

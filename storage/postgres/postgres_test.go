@@ -728,7 +728,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 		return out
 	}
 	first := applied()
-	require.Len(t, first, 7)
+	require.Len(t, first, 8)
 	require.Equal(t, "0001_records.sql", first[0].Name)
 	require.Equal(t, "0002_expires_at_index.sql", first[1].Name)
 	require.Equal(t, "0003_request_id.sql", first[2].Name)
@@ -736,6 +736,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 	require.Equal(t, "0005_secrets.sql", first[4].Name)
 	require.Equal(t, "0006_parking.sql", first[5].Name)
 	require.Equal(t, "0007_history_and_parked_index.sql", first[6].Name)
+	require.Equal(t, "0008_claim_keys.sql", first[7].Name)
 
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL))
 	require.Equal(t, first, applied(), "a second Migrate applies nothing")
@@ -744,7 +745,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_schema_migrations`)
 	require.NoError(t, err)
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL), "migrations are safe to repeat")
-	require.Len(t, applied(), 7)
+	require.Len(t, applied(), 8)
 }
 
 // closedPortURL is a database URL nothing listens at.

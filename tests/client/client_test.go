@@ -116,10 +116,10 @@ func TestTypedErrors(t *testing.T) {
 			_, err := c.Claim(ctx, client.ClaimParams{Key: msgKey, Fingerprint: []byte("b")})
 			return err
 		}, client.ErrFingerprintMismatch, codes.FailedPrecondition, client.ReasonFingerprintMismatch},
-		{"lease lost", func() error {
+		{"claim secret invalid", func() error {
 			_, err := c.Release(ctx, msgKey, client.Fence{Token: first.Token - 1, Secret: first.Secret})
 			return err
-		}, client.ErrLeaseLost, codes.FailedPrecondition, client.ReasonLeaseLost},
+		}, client.ErrClaimSecretInvalid, codes.FailedPrecondition, client.ReasonClaimSecretInvalid},
 		{"not found", func() error {
 			_, err := c.Lookup(ctx, client.Key{Consumer: "orders.inbox", Kind: client.KindMessage, Key: "absent"})
 			return err
@@ -137,7 +137,7 @@ func TestTypedErrors(t *testing.T) {
 			require.Equal(t, tc.code, e.Code)
 			require.Equal(t, tc.reason, e.Reason)
 			require.Equal(t, tc.code, status.Code(err), "status.Code still works on a typed error")
-			for _, other := range []error{client.ErrFingerprintMismatch, client.ErrLeaseLost, client.ErrNotFound, client.ErrInvalidArgument, client.ErrUnavailable} {
+			for _, other := range []error{client.ErrFingerprintMismatch, client.ErrLeaseLost, client.ErrClaimSecretInvalid, client.ErrNotFound, client.ErrInvalidArgument, client.ErrUnavailable} {
 				if other != tc.sentinel {
 					require.NotErrorIs(t, err, other)
 				}

@@ -43,7 +43,7 @@ func TestParkTypedClient(t *testing.T) {
 	require.ErrorIs(t, err, client.ErrParked)
 	require.Equal(t, codes.FailedPrecondition, status.Code(err))
 	_, err = c.Park(t.Context(), k, client.Fence{Token: cl.Token, Secret: make([]byte, len(cl.Secret))}, "forged")
-	require.ErrorIs(t, err, client.ErrLeaseLost)
+	require.ErrorIs(t, err, client.ErrClaimSecretInvalid)
 	_, err = c.Park(t.Context(), k, cl.Fence(), "")
 	require.ErrorIs(t, err, client.ErrInvalidArgument)
 }

@@ -49,8 +49,8 @@ const (
 	// Metadata: consumer, kind, key.
 	ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH ErrorReason = 1
 	// "LEASE_LOST", code FAILED_PRECONDITION: the token is not the record's
-	// current token (another holder took over the key), or claim_secret is
-	// not the one its Claim returned.
+	// current token (another holder took over the key). A claim_secret that
+	// is not its token's is CLAIM_SECRET_INVALID.
 	ErrorReason_ERROR_REASON_LEASE_LOST ErrorReason = 2
 	// "ALREADY_COMPLETED", code FAILED_PRECONDITION: Release, Extend or Park
 	// of a record already completed.
@@ -112,6 +112,13 @@ const (
 	// "TOO_MANY_STREAMS", code RESOURCE_EXHAUSTED: too many health Watch or
 	// reflection streams are open (they need no credentials). RetryInfo.
 	ErrorReason_ERROR_REASON_TOO_MANY_STREAMS ErrorReason = 19
+	// "CLAIM_SECRET_INVALID", code FAILED_PRECONDITION: Complete, Release,
+	// Extend or Park sent a claim_secret that no claim key the registry
+	// accepts issued for the token: not the secret its Claim returned, or
+	// one issued under a key generation retired after a rotation's grace
+	// period. Nothing was read or changed; it says nothing of the record.
+	// Metadata: consumer, kind, key.
+	ErrorReason_ERROR_REASON_CLAIM_SECRET_INVALID ErrorReason = 20
 )
 
 // Enum value maps for ErrorReason.
@@ -137,6 +144,7 @@ var (
 		17: "ERROR_REASON_OVERLOADED",
 		18: "ERROR_REASON_TOO_MANY_CALLS",
 		19: "ERROR_REASON_TOO_MANY_STREAMS",
+		20: "ERROR_REASON_CLAIM_SECRET_INVALID",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED":          0,
@@ -159,6 +167,7 @@ var (
 		"ERROR_REASON_OVERLOADED":           17,
 		"ERROR_REASON_TOO_MANY_CALLS":       18,
 		"ERROR_REASON_TOO_MANY_STREAMS":     19,
+		"ERROR_REASON_CLAIM_SECRET_INVALID": 20,
 	}
 )
 
@@ -194,7 +203,7 @@ var File_idemreg_v1_error_reason_proto protoreflect.FileDescriptor
 const file_idemreg_v1_error_reason_proto_rawDesc = "" +
 	"\n" +
 	"\x1didemreg/v1/error_reason.proto\x12\n" +
-	"idemreg.v1*\x9b\x05\n" +
+	"idemreg.v1*\xc2\x05\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12%\n" +
 	"!ERROR_REASON_FINGERPRINT_MISMATCH\x10\x01\x12\x1b\n" +
@@ -216,7 +225,8 @@ const file_idemreg_v1_error_reason_proto_rawDesc = "" +
 	"\x19ERROR_REASON_RATE_LIMITED\x10\x10\x12\x1b\n" +
 	"\x17ERROR_REASON_OVERLOADED\x10\x11\x12\x1f\n" +
 	"\x1bERROR_REASON_TOO_MANY_CALLS\x10\x12\x12!\n" +
-	"\x1dERROR_REASON_TOO_MANY_STREAMS\x10\x13B7Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1b\beditionsp\xe8\a"
+	"\x1dERROR_REASON_TOO_MANY_STREAMS\x10\x13\x12%\n" +
+	"!ERROR_REASON_CLAIM_SECRET_INVALID\x10\x14B7Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1b\beditionsp\xe8\a"
 
 var (
 	file_idemreg_v1_error_reason_proto_rawDescOnce sync.Once

@@ -24,6 +24,7 @@ const (
 	ReasonOverloaded          = "OVERLOADED"           // ERROR_REASON_OVERLOADED
 	ReasonTooManyCalls        = "TOO_MANY_CALLS"       // ERROR_REASON_TOO_MANY_CALLS
 	ReasonTooManyStreams      = "TOO_MANY_STREAMS"     // ERROR_REASON_TOO_MANY_STREAMS
+	ReasonClaimSecretInvalid  = "CLAIM_SECRET_INVALID" // ERROR_REASON_CLAIM_SECRET_INVALID
 )
 
 // Reasons lists every reason above, in the enum's order.
@@ -47,4 +48,5 @@ var Reasons = []string{
 	ReasonOverloaded,
 	ReasonTooManyCalls,
 	ReasonTooManyStreams,
+	ReasonClaimSecretInvalid,
 }
