@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/idemreg/idemreg/client"
 	"io"
 	"net"
 	"net/http"
@@ -52,6 +53,9 @@ type benchConfig struct {
 	ResultBytes int
 	Label       string
 	Replot      string
+	// ClientInFlight is the Go client's Batching.MaxInFlight (0: its
+	// default).
+	ClientInFlight int
 	// Batch is the keys per call of the -batch targets.
 	Batch int
 	// ServerBinary is the idemreg binary started for a server target
@@ -258,6 +262,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.StringVar(&cfg.Label, "label", "", "a note for the chart's title")
 	fs.StringVar(&cfg.Replot, "replot", "", "draw --chart from the figures a run wrote with --json, and run nothing")
 	fs.IntVar(&cfg.Batch, "batch", 64, "keys per batch claim and batch complete of the -batch targets")
+	fs.IntVar(&cfg.ClientInFlight, "client-in-flight", 0, "the Go client's Batching.MaxInFlight for the idemreg and idemreg-embedded targets (0: the client's default)")
 	fs.IntVar(&cfg.Waiters, "waiters", 0, "after the runs, measure this many woken waiters per server target and replica case (0: none)")
 	fs.IntVar(&cfg.WaiterPairs, "waiter-pairs", 8, "holder/waiter pairs at a time in the waiter measurement")
 	fs.DurationVar(&cfg.WaiterSettle, "waiter-settle", 50*time.Millisecond, "how long a holder lets its waiter's Claim start waiting before it completes; a waiter that arrives later counts as woken at once")
@@ -450,7 +455,7 @@ func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, re
 		if bt.Unary || bt.Batch {
 			t, err = bench.NewRegistry(addr, bench.PreloadConsumer)
 		} else {
-			t, err = bench.NewRegistryClient(addr, bench.PreloadConsumer)
+			t, err = bench.NewRegistryClient(addr, bench.PreloadConsumer, client.Batching{MaxInFlight: cfg.ClientInFlight})
 		}
 	case "sql":
 		t, err = bench.NewSQLInbox(ctx, cfg.DatabaseURL, "bench.sql", callers)

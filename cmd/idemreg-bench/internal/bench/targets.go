@@ -55,12 +55,13 @@ type RegistryClient struct {
 }
 
 // NewRegistryClient connects to the server at addr; calls use consumer.
-func NewRegistryClient(addr, consumer string) (*RegistryClient, error) {
+// batching is the client's (client.DefaultBatching when zero).
+func NewRegistryClient(addr, consumer string, batching client.Batching) (*RegistryClient, error) {
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return nil, err
 	}
-	return &RegistryClient{conn: conn, client: client.New(conn, client.WithHolder("bench")), consumer: consumer}, nil
+	return &RegistryClient{conn: conn, client: client.New(conn, client.WithHolder("bench"), client.WithBatching(batching)), consumer: consumer}, nil
 }
 
 // Claim implements Target.
