@@ -176,6 +176,7 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.IntVar(&b.MaxConnections, "max-connections", b.MaxConnections, "most connections each listener (gRPC, health) holds open; beyond it new ones wait to be accepted")
 	fs.IntVar(&b.MaxPublicStreams, "max-public-streams", b.MaxPublicStreams, "most health Watch and reflection streams (which need no credentials) open at once; beyond it they fail with RESOURCE_EXHAUSTED")
 	fs.IntVar(&b.MaxCallsPerIdentity, "max-calls-per-identity", b.MaxCallsPerIdentity, "most calls one identity of --config has in progress at once; beyond it they fail with RESOURCE_EXHAUSTED (TOO_MANY_CALLS)")
+	fs.IntVar(&b.MaxPendingCalls, "max-pending-calls", b.MaxPendingCalls, "most calls whose request message has not arrived yet, both listeners (gRPC, health) together, half on each; beyond it they fail at once with RESOURCE_EXHAUSTED (TOO_MANY_STREAMS), before credentials are checked")
 	fs.DurationVar(&b.ConnectionTimeout, "connection-timeout", b.ConnectionTimeout, "longest a new connection may take over its TLS and HTTP/2 handshakes")
 	r := &s.Readiness
 	fs.IntVar(&r.Window, "readiness-window", r.Window, "health intervals (2 s each) over which the store calls' failure rate decides readiness")
@@ -341,9 +342,9 @@ func (c *config) commandLineBounds() []error {
 	if k := s.Keepalive; k.MaxConnectionAge == 0 || k.MaxConnectionIdle == 0 {
 		errs = append(errs, fmt.Errorf("--max-connection-age and --max-connection-idle must be positive, got %v and %v", k.MaxConnectionAge, k.MaxConnectionIdle))
 	}
-	if b := s.Bounds; b.MaxHeaderListSize == 0 || b.MaxConcurrentStreams == 0 || b.MaxConnections <= 0 || b.MaxPublicStreams <= 0 || b.MaxCallsPerIdentity <= 0 || b.ConnectionTimeout <= 0 {
-		errs = append(errs, fmt.Errorf("--max-header-list-size (%d), --max-concurrent-streams (%d), --max-connections (%d), --max-public-streams (%d), --max-calls-per-identity (%d) and --connection-timeout (%v) must be positive",
-			b.MaxHeaderListSize, b.MaxConcurrentStreams, b.MaxConnections, b.MaxPublicStreams, b.MaxCallsPerIdentity, b.ConnectionTimeout))
+	if b := s.Bounds; b.MaxHeaderListSize == 0 || b.MaxConcurrentStreams == 0 || b.MaxConnections <= 0 || b.MaxPublicStreams <= 0 || b.MaxCallsPerIdentity <= 0 || b.MaxPendingCalls <= 0 || b.ConnectionTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("--max-header-list-size (%d), --max-concurrent-streams (%d), --max-connections (%d), --max-public-streams (%d), --max-calls-per-identity (%d), --max-pending-calls (%d) and --connection-timeout (%v) must be positive",
+			b.MaxHeaderListSize, b.MaxConcurrentStreams, b.MaxConnections, b.MaxPublicStreams, b.MaxCallsPerIdentity, b.MaxPendingCalls, b.ConnectionTimeout))
 	}
 	if r := s.Readiness; r.Window <= 0 || r.MinCalls <= 0 || r.MaxFailureRatio <= 0 {
 		errs = append(errs, fmt.Errorf("--readiness-window (%d), --readiness-min-calls (%d) and --readiness-max-failure-ratio (%v) must be positive", r.Window, r.MinCalls, r.MaxFailureRatio))
