@@ -58,7 +58,7 @@ func startConsole(ctx context.Context, cfg *config, src *access.Source, types *r
 		_ = conn.Close()
 		return nil, err
 	}
-	stopHTTP, bound, err := serveHTTP("console", addr, h, logger)
+	stopHTTP, bound, err := serveHTTP("console", addr, h, cfg.HTTP, logger)
 	if err != nil {
 		_ = conn.Close()
 		return nil, err

@@ -62,6 +62,8 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"no public stream bound", []string{"--max-public-streams", "-1"}, "--max-public-streams (-1)"},
 		{"no per-identity bound", []string{"--max-calls-per-identity", "0"}, "--max-calls-per-identity (0)"},
 		{"no pending call bound", []string{"--max-pending-calls", "0"}, "--max-pending-calls (0)"},
+		{"no HTTP connection bound", []string{"--http-max-connections", "0"}, "--http-max-connections (0)"},
+		{"no HTTP read timeout", []string{"--http-read-timeout", "0s"}, "--http-read-timeout (0s)"},
 		{"no handshake timeout", []string{"--connection-timeout", "0s"}, "--connection-timeout (0s)"},
 		{"no idle timeout", []string{"--max-connection-idle", "0s"}, "--max-connection-idle must be positive"},
 		{"no readiness window", []string{"--readiness-window", "0"}, "--readiness-window (0)"},
