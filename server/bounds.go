@@ -83,7 +83,7 @@ const (
 	DefaultMaxConcurrentStreams = 64
 	// DefaultMaxConnections: a shared replica serves one connection per
 	// client process behind a ClusterIP Service; 128 of them fit, and with
-	// the other defaults cap pinned headers at 128 MiB of a 512 MiB pod.
+	// MaxPendingCalls bound what held calls pin (DefaultMaxPendingCalls).
 	DefaultMaxConnections = 128
 	// DefaultMaxPublicStreams: enough for the watchers and grpcurl
 	// sessions of operators, far below what would matter in memory.
