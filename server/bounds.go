@@ -82,8 +82,8 @@ const (
 	// connection can pin.
 	DefaultMaxConcurrentStreams = 64
 	// DefaultMaxConnections: a shared replica serves one connection per
-	// client process behind a ClusterIP Service; 128 of them fit, and with
-	// MaxPendingCalls bound what held calls pin (DefaultMaxPendingCalls).
+	// client process behind a ClusterIP Service; 128 of them fit.
+	// MaxPendingCalls bounds what their held calls pin.
 	DefaultMaxConnections = 128
 	// DefaultMaxPublicStreams: enough for the watchers and grpcurl
 	// sessions of operators, far below what would matter in memory.
