@@ -25,11 +25,10 @@ import (
 // streams take a server from 51 MB to 407 MB. Zero fields take the
 // defaults below.
 //
-// Their product is the worst case an anonymous peer can pin, since a
-// stream whose request never arrives keeps its headers until its
-// connection closes: MaxConnections × MaxConcurrentStreams ×
-// MaxHeaderListSize per listener (128 × 64 × 16 KiB = 128 MiB by default),
-// recycled at least every MaxConnectionAge (Keepalive).
+// A call whose request never arrives keeps a goroutine and its headers
+// until its connection closes, recycled at least every MaxConnectionAge
+// (Keepalive); MaxPendingCalls bounds how many such calls both listeners
+// hold together, whatever MaxConnections × MaxConcurrentStreams allow.
 type Bounds struct {
 	// MaxHeaderListSize bounds the header list of one stream (HTTP/2
 	// SETTINGS_MAX_HEADER_LIST_SIZE, names and values plus 32 bytes per
@@ -62,6 +61,14 @@ type Bounds struct {
 	// (DefaultMaxCallsPerIdentity). It applies when the server has
 	// identities; anonymous callers of an open server are one caller.
 	MaxCallsPerIdentity int
+	// MaxPendingCalls bounds the calls whose request message has not
+	// arrived whole yet, over both listeners: each (gRPC, health) holds at
+	// most half, so that a flood of one leaves the other its share. A call
+	// beyond it fails at once, before any credential is checked, with
+	// RESOURCE_EXHAUSTED, reason TOO_MANY_STREAMS
+	// (DefaultMaxPendingCalls). Such a call costs its goroutine and its
+	// headers (HeldCallBytes at the default header bound).
+	MaxPendingCalls int
 }
 
 const (
@@ -75,8 +82,8 @@ const (
 	// connection can pin.
 	DefaultMaxConcurrentStreams = 64
 	// DefaultMaxConnections: a shared replica serves one connection per
-	// client process behind a ClusterIP Service; 128 of them fit, and with
-	// the other defaults cap pinned headers at 128 MiB of a 512 MiB pod.
+	// client process behind a ClusterIP Service; 128 of them fit.
+	// MaxPendingCalls bounds what their held calls pin.
 	DefaultMaxConnections = 128
 	// DefaultMaxPublicStreams: enough for the watchers and grpcurl
 	// sessions of operators, far below what would matter in memory.
@@ -87,6 +94,19 @@ const (
 	// DefaultMaxCallsPerIdentity: half of DefaultMaxInFlight, so that one
 	// identity at its bound leaves the other half to the rest.
 	DefaultMaxCallsPerIdentity = DefaultMaxInFlight / 2
+	// DefaultMaxPendingCalls: a well-behaved call sends its message with
+	// its headers and is pending for microseconds, so 1024 per listener is
+	// never reached by callers; at HeldCallBytes each, 2048 held calls
+	// cost at most 96 MiB, under a fifth of the 512 MiB pod of deploy/
+	// (without the bound, both listeners held 16,384: 797 MB).
+	DefaultMaxPendingCalls = 2048
+	// HeldCallBytes is the resident memory one held call costs with
+	// headers at DefaultMaxHeaderListSize (a call whose headers arrived
+	// and whose message never does): measured by BenchmarkHeldCalls on
+	// linux/amd64 (Go 1.26, grpc-go 1.85) at 35-46 KiB (about 21 KiB of
+	// heap in use and 8 KiB of goroutine stack, the rest the collector's
+	// headroom), rounded up.
+	HeldCallBytes = 48 << 10
 )
 
 // Smallest and largest header list sizes Validate accepts: below the
@@ -106,6 +126,7 @@ func DefaultBounds() Bounds {
 		MaxPublicStreams:     DefaultMaxPublicStreams,
 		ConnectionTimeout:    DefaultConnectionTimeout,
 		MaxCallsPerIdentity:  DefaultMaxCallsPerIdentity,
+		MaxPendingCalls:      DefaultMaxPendingCalls,
 	}
 }
 
@@ -129,6 +150,9 @@ func (b *Bounds) setDefaults() {
 	if b.MaxCallsPerIdentity == 0 {
 		b.MaxCallsPerIdentity = d.MaxCallsPerIdentity
 	}
+	if b.MaxPendingCalls == 0 {
+		b.MaxPendingCalls = d.MaxPendingCalls
+	}
 }
 
 // Validate reports bounds that cannot work. Zero fields are valid: they
@@ -147,6 +171,9 @@ func (b Bounds) Validate() error {
 	if b.MaxCallsPerIdentity < 0 {
 		errs = append(errs, fmt.Errorf("the bound on one identity's calls must be positive, got %d", b.MaxCallsPerIdentity))
 	}
+	if b.MaxPendingCalls < 0 || b.MaxPendingCalls == 1 {
+		errs = append(errs, fmt.Errorf("the bound on calls waiting for their request must be at least 2 (one per listener), got %d", b.MaxPendingCalls))
+	}
 	if b.ConnectionTimeout < 0 {
 		errs = append(errs, fmt.Errorf("the connection handshake timeout must be positive, got %v", b.ConnectionTimeout))
 	}
@@ -154,12 +181,15 @@ func (b Bounds) Validate() error {
 }
 
 // serverOptions are the options that bound what a peer can open, for every
-// gRPC server the Server runs.
-func (b Bounds) serverOptions() []grpc.ServerOption {
+// gRPC server the Server runs; pending is the listener's share of the calls
+// waiting for their request.
+func (b Bounds) serverOptions(pending *pendingCalls) []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.MaxHeaderListSize(b.MaxHeaderListSize),
 		grpc.MaxConcurrentStreams(b.MaxConcurrentStreams),
 		grpc.ConnectionTimeout(b.ConnectionTimeout),
+		grpc.InTapHandle(pending.tap),
+		grpc.StatsHandler(pendingStats{}),
 	}
 }
 

@@ -109,7 +109,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
 	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, parked, elapsed, canceled, full, drained, error).")
 	counter(&out.waitsRefused, MetricWaitsRefused, "{claim}", "Claims with a wait answered at once, key in progress, because the replica had --max-waiters waiting (bound=server) or the caller's identity had its share of them (bound=identity, with identity).")
-	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams (TOO_MANY_STREAMS) or identity_calls (TOO_MANY_CALLS).")
+	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams or pending_calls (TOO_MANY_STREAMS), or identity_calls (TOO_MANY_CALLS).")
 	var err error
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),
 		metric.WithDescription("How long Claims waited for a key in progress, by how they ended."),

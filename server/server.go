@@ -384,7 +384,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		// INVALID_ARGUMENT and goes through the interceptors (codec.go).
 		grpc.ForceServerCodecV2(newRequestCodec()),
 	}
-	opts = append(opts, cfg.Bounds.serverOptions()...)
+	opts = append(opts, cfg.Bounds.serverOptions(newPendingCalls(cfg.Bounds.MaxPendingCalls-cfg.Bounds.MaxPendingCalls/2, m))...)
 	if cfg.TLS != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
 	}
@@ -467,7 +467,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 func (s *Server) ServeHealth(lis net.Listener) error {
 	// The same codec as the main listener, so that a malformed check is
 	// INVALID_ARGUMENT there too (codec.go).
-	opts := append(s.cfg.Bounds.serverOptions(),
+	opts := append(s.cfg.Bounds.serverOptions(newPendingCalls(s.cfg.Bounds.MaxPendingCalls/2, s.metrics)),
 		grpc.ForceServerCodecV2(newRequestCodec()),
 		grpc.UnaryInterceptor(refuseMalformed),
 		grpc.ChainStreamInterceptor(s.public.intercept),

@@ -51,6 +51,8 @@ type config struct {
 	// loopback only unless ConsoleAllowRemote says otherwise.
 	ConsoleListen      string
 	ConsoleAllowRemote bool
+	// HTTP bounds the metrics, console and pprof listeners.
+	HTTP httpBounds
 	// DescriptorSet is a binary FileDescriptorSet of the message types,
 	// beside the linked ones, whose responses an operator's resolution is
 	// checked against and may give as JSON; empty: the linked ones only.
@@ -73,6 +75,7 @@ func defaultConfig() config {
 		LogLevel:  slog.LevelInfo,
 		LogFormat: "json",
 
+		HTTP:           defaultHTTPBounds(),
 		SQLBatchSize:   postgres.DefaultBatchSize,
 		SQLBatchWindow: postgres.DefaultBatchWindow,
 		SQLBatchSlots:  postgres.DefaultBatchInFlight,
@@ -138,6 +141,13 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.BoolVar(&c.PprofAllowRemote, "pprof-allow-remote", c.PprofAllowRemote, "allow --pprof-listen on an address that is not loopback: anyone who reaches it can profile the process")
 	fs.StringVar(&c.ConsoleListen, "console-listen", c.ConsoleListen, "serve the operator console (look up and invalidate records, as the signed-in identity) on http://ADDR, a loopback address (off when empty)")
 	fs.BoolVar(&c.ConsoleAllowRemote, "console-allow-remote", c.ConsoleAllowRemote, "allow --console-listen on an address that is not loopback: the console speaks plaintext HTTP, so sign-in tokens and records cross the network unencrypted")
+	h := &c.HTTP
+	fs.IntVar(&h.MaxConnections, "http-max-connections", h.MaxConnections, "most connections each HTTP listener (metrics, console, pprof) holds open; one beyond it is closed at once")
+	fs.DurationVar(&h.ReadHeaderTimeout, "http-read-header-timeout", h.ReadHeaderTimeout, "HTTP listeners: longest a request's headers, or a new connection's first request, may take to arrive")
+	fs.DurationVar(&h.ReadTimeout, "http-read-timeout", h.ReadTimeout, "HTTP listeners: longest a whole request, body included, may take to arrive")
+	fs.DurationVar(&h.WriteTimeout, "http-write-timeout", h.WriteTimeout, "HTTP listeners: longest a response may take, from the end of the request's headers (a pprof profile or trace may ask for at most this long)")
+	fs.DurationVar(&h.IdleTimeout, "http-idle-timeout", h.IdleTimeout, "HTTP listeners: how long a kept-alive connection may wait for its next request")
+	fs.IntVar(&h.MaxHeaderBytes, "http-max-header-bytes", h.MaxHeaderBytes, "HTTP listeners: largest request headers, in bytes")
 	fs.StringVar(&c.DescriptorSet, "descriptor-set", c.DescriptorSet, "binary FileDescriptorSet (buf build -o FILE.binpb, protoc --include_imports --descriptor_set_out=FILE) of the services' response types: a resolution's response of one of them must decode as it, and may be given as JSON (the google.protobuf types are known without it); read at start")
 	fs.DurationVar(&c.Sweep.Interval, "sweep-interval", c.Sweep.Interval, "time between sweeps of expired records; 0 turns the in-process sweeper off")
 	fs.IntVar(&c.Sweep.BatchSize, "sweep-batch-size", c.Sweep.BatchSize, "most records one sweep batch deletes")
@@ -176,6 +186,7 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.IntVar(&b.MaxConnections, "max-connections", b.MaxConnections, "most connections each listener (gRPC, health) holds open; beyond it new ones wait to be accepted")
 	fs.IntVar(&b.MaxPublicStreams, "max-public-streams", b.MaxPublicStreams, "most health Watch and reflection streams (which need no credentials) open at once; beyond it they fail with RESOURCE_EXHAUSTED")
 	fs.IntVar(&b.MaxCallsPerIdentity, "max-calls-per-identity", b.MaxCallsPerIdentity, "most calls one identity of --config has in progress at once; beyond it they fail with RESOURCE_EXHAUSTED (TOO_MANY_CALLS)")
+	fs.IntVar(&b.MaxPendingCalls, "max-pending-calls", b.MaxPendingCalls, "most calls whose request message has not arrived yet, both listeners (gRPC, health) together, half on each; beyond it they fail at once with RESOURCE_EXHAUSTED (TOO_MANY_STREAMS), before credentials are checked")
 	fs.DurationVar(&b.ConnectionTimeout, "connection-timeout", b.ConnectionTimeout, "longest a new connection may take over its TLS and HTTP/2 handshakes")
 	r := &s.Readiness
 	fs.IntVar(&r.Window, "readiness-window", r.Window, "health intervals (2 s each) over which the store calls' failure rate decides readiness")
@@ -283,6 +294,9 @@ func (c *config) Validate() error {
 	if t.CertFile == "" && !c.Plaintext && c.Listen != "" && !isLoopback(c.Listen) {
 		errs = append(errs, fmt.Errorf("--listen %s is not a loopback address: serve TLS (--tls-cert, --tls-key) or pass --plaintext explicitly", c.Listen))
 	}
+	if err := c.HTTP.validate(); err != nil {
+		errs = append(errs, err)
+	}
 	errs = append(errs, c.commandLineBounds()...)
 	if err := c.Server.Validate(); err != nil {
 		errs = append(errs, named(err))
@@ -341,9 +355,9 @@ func (c *config) commandLineBounds() []error {
 	if k := s.Keepalive; k.MaxConnectionAge == 0 || k.MaxConnectionIdle == 0 {
 		errs = append(errs, fmt.Errorf("--max-connection-age and --max-connection-idle must be positive, got %v and %v", k.MaxConnectionAge, k.MaxConnectionIdle))
 	}
-	if b := s.Bounds; b.MaxHeaderListSize == 0 || b.MaxConcurrentStreams == 0 || b.MaxConnections <= 0 || b.MaxPublicStreams <= 0 || b.MaxCallsPerIdentity <= 0 || b.ConnectionTimeout <= 0 {
-		errs = append(errs, fmt.Errorf("--max-header-list-size (%d), --max-concurrent-streams (%d), --max-connections (%d), --max-public-streams (%d), --max-calls-per-identity (%d) and --connection-timeout (%v) must be positive",
-			b.MaxHeaderListSize, b.MaxConcurrentStreams, b.MaxConnections, b.MaxPublicStreams, b.MaxCallsPerIdentity, b.ConnectionTimeout))
+	if b := s.Bounds; b.MaxHeaderListSize == 0 || b.MaxConcurrentStreams == 0 || b.MaxConnections <= 0 || b.MaxPublicStreams <= 0 || b.MaxCallsPerIdentity <= 0 || b.MaxPendingCalls <= 0 || b.ConnectionTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("--max-header-list-size (%d), --max-concurrent-streams (%d), --max-connections (%d), --max-public-streams (%d), --max-calls-per-identity (%d), --max-pending-calls (%d) and --connection-timeout (%v) must be positive",
+			b.MaxHeaderListSize, b.MaxConcurrentStreams, b.MaxConnections, b.MaxPublicStreams, b.MaxCallsPerIdentity, b.MaxPendingCalls, b.ConnectionTimeout))
 	}
 	if r := s.Readiness; r.Window <= 0 || r.MinCalls <= 0 || r.MaxFailureRatio <= 0 {
 		errs = append(errs, fmt.Errorf("--readiness-window (%d), --readiness-min-calls (%d) and --readiness-max-failure-ratio (%v) must be positive", r.Window, r.MinCalls, r.MaxFailureRatio))

@@ -34,18 +34,12 @@ func startConsole(ctx context.Context, cfg *config, src *access.Source, types *r
 		return nil, errors.New("--console-listen does not work with --tls-cert yet: the console reaches the AdminService over a plaintext loopback connection")
 	}
 	set := src.Current()
-	var signIn func(string) (string, bool)
+	var signIn func(string) (string, error)
 	switch {
 	case set.Enforced() && !set.HasTokens():
 		return nil, errors.New("--console-listen: the identities of --config all authenticate by client certificate, which the console cannot forward yet; give the operators' identities token_hashes (idemreg new-token)")
 	case set.Enforced():
-		signIn = func(token string) (string, bool) {
-			id, ok := src.Current().ByToken(token)
-			if !ok {
-				return "", false
-			}
-			return id.Name, true
-		}
+		signIn = console.SignInWith(src)
 	}
 	sweepLag, err := consoleSweepLag(ctx, store)
 	if err != nil {
@@ -64,7 +58,7 @@ func startConsole(ctx context.Context, cfg *config, src *access.Source, types *r
 		_ = conn.Close()
 		return nil, err
 	}
-	stopHTTP, bound, err := serveHTTP("console", addr, h, logger)
+	stopHTTP, bound, err := serveHTTP("console", addr, h, cfg.HTTP, logger)
 	if err != nil {
 		_ = conn.Close()
 		return nil, err

@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.yaml.in/yaml/v3"
 
+	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/configfile"
 )
 
@@ -376,13 +377,17 @@ func TestDeployExposure(t *testing.T) {
 	require.NotEmpty(t, dbPort, "the example database URL names its port")
 	require.ElementsMatch(t, []string{dbPort + "/TCP", "53/UDP", "53/TCP"}, egress, "serve reaches the database and DNS, nothing else")
 
-	// A stream whose request never comes keeps its headers until its
-	// connection closes: what both listeners can pin at worst.
+	// A call whose request never comes keeps its goroutine and headers
+	// until its connection closes: what both listeners can pin at worst,
+	// at the measured cost of such a call (server.HeldCallBytes, at the
+	// default header bound, which deploy/ must not raise).
 	b := sc.Bounds
-	pinned := 2 * int64(b.MaxConnections) * int64(b.MaxConcurrentStreams) * int64(b.MaxHeaderListSize)
+	require.LessOrEqual(t, b.MaxHeaderListSize, uint32(server.DefaultMaxHeaderListSize), "HeldCallBytes is measured at the default header bound")
+	held := min(int64(b.MaxPendingCalls), 2*int64(b.MaxConnections)*int64(b.MaxConcurrentStreams))
+	pinned := held * server.HeldCallBytes
 	limit := c.Resources.Limits["memory"]
 	require.Regexp(t, `^[0-9]+Mi$`, limit)
 	mib, err := strconv.ParseInt(strings.TrimSuffix(limit, "Mi"), 10, 64)
 	require.NoError(t, err)
-	require.LessOrEqual(t, pinned, mib<<20/2, "pinned headers (%d MiB) within half of the memory limit (%s)", pinned>>20, limit)
+	require.LessOrEqual(t, pinned, mib<<20/4, "held calls (%d, %d MiB) within a quarter of the memory limit (%s)", held, pinned>>20, limit)
 }

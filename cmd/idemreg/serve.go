@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -12,7 +11,6 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
-	"time"
 
 	"go.opentelemetry.io/otel/metric"
 
@@ -40,7 +38,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	}
 	logger := cfg.logger(stderr)
 	tuneGC(logger)
-	stopPprof, err := startPprof(cfg.PprofListen, os.Args, logger)
+	stopPprof, err := startPprof(cfg.PprofListen, os.Args, cfg.HTTP, logger)
 	if err != nil {
 		return err
 	}
@@ -67,7 +65,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if cfg.MetricsListen != "" {
 		mux := http.NewServeMux()
 		mux.Handle("GET /metrics", tel.Metrics())
-		stop, addr, err := serveHTTP("metrics", cfg.MetricsListen, mux, logger)
+		stop, addr, err := serveHTTP("metrics", cfg.MetricsListen, mux, cfg.HTTP, logger)
 		if err != nil {
 			return err
 		}
@@ -142,26 +140,6 @@ func checkAccess(cfg *config, file *configfile.Source, logger *slog.Logger) (*ac
 		logger.Warn("bearer tokens travel in plaintext: serve TLS unless a mesh encrypts the traffic")
 	}
 	return src, nil
-}
-
-// serveHTTP serves h on addr until the returned function is called; name
-// says which listener in errors and logs.
-func serveHTTP(name, addr string, h http.Handler, logger *slog.Logger) (stop func(), bound net.Addr, err error) {
-	lis, err := net.Listen("tcp", addr)
-	if err != nil {
-		return nil, nil, fmt.Errorf("%s: listening on %s: %w", name, addr, err)
-	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second, MaxHeaderBytes: 64 << 10}
-	go func() {
-		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			logger.Error("listener failed", "listener", name, "error", err)
-		}
-	}()
-	return func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(ctx)
-	}, lis.Addr(), nil
 }
 
 // serveHealth serves the health service alone on --health-listen.

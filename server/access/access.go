@@ -38,6 +38,13 @@ func (id *Identity) MayUse(consumer string) bool { return id.consumers.Match(con
 // invalidate the records of consumer through AdminService.
 func (id *Identity) MayAdminister(consumer string) bool { return id.admin.Match(consumer) }
 
+// AdministersAny reports whether id has an admin grant on at least one
+// consumer: whether the operator console may be opened with it.
+func (id *Identity) AdministersAny() bool {
+	a := id.admin
+	return a.all || len(a.names) > 0 || len(a.prefixes) > 0
+}
+
 // MayAdministerUnder reports whether id may administer every consumer whose
 // name starts with prefix (all), and whether it may administer at least
 // one such name (some). A listing by prefix filters its records through

@@ -55,6 +55,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/resulttype"
 )
 
@@ -62,7 +63,11 @@ import (
 const (
 	DefaultSessionTTL  = 8 * time.Hour
 	DefaultMaxSessions = 1024
-	DefaultCallTimeout = 10 * time.Second
+	// DefaultMaxSessionsPerIdentity: an operator's browsers and a
+	// colleague sharing the identity, far below DefaultMaxSessions, so
+	// that no identity's sign-ins can fill the console for the others.
+	DefaultMaxSessionsPerIdentity = 8
+	DefaultCallTimeout            = 10 * time.Second
 	// previewBytes is how much of a stored response the record page shows.
 	previewBytes = 64
 	// maxReasonBytes mirrors server.MaxReasonBytes, which the AdminService
@@ -81,10 +86,12 @@ type Config struct {
 	// Conn reaches the server's AdminService and health service, as a
 	// loopback connection to its own listener.
 	Conn grpc.ClientConnInterface
-	// SignIn checks a bearer token and returns its identity's name. Nil
-	// means the server has no identities (open, loopback only): no sign-in,
-	// and calls carry no credentials.
-	SignIn func(token string) (identity string, ok bool)
+	// SignIn checks a bearer token and returns its identity's name, or
+	// ErrUnknownToken, or ErrNoAdminGrant for an identity that
+	// administers no consumer (SignInWith). Nil means the server has no
+	// identities (open, loopback only): no sign-in, and calls carry no
+	// credentials.
+	SignIn func(token string) (identity string, err error)
 	// Secure marks the session cookie Secure (the console is behind TLS).
 	Secure bool
 	// SessionTTL is how long a sign-in lasts (DefaultSessionTTL).
@@ -92,6 +99,11 @@ type Config struct {
 	// MaxSessions bounds the sessions held at once (DefaultMaxSessions);
 	// beyond it a sign-in is refused until one expires.
 	MaxSessions int
+	// MaxSessionsPerIdentity bounds the sessions of one identity
+	// (DefaultMaxSessionsPerIdentity): a sign-in beyond it ends that
+	// identity's oldest session, so that no identity can take the
+	// sessions of MaxSessions from the others.
+	MaxSessionsPerIdentity int
 	// CallTimeout bounds each gRPC call of a page (DefaultCallTimeout).
 	CallTimeout time.Duration
 	// Logger gets sign-ins and refused requests, never tokens.
@@ -128,6 +140,7 @@ type session struct {
 	identity string
 	token    string
 	csrf     string
+	created  time.Time
 	expires  time.Time
 }
 
@@ -147,6 +160,9 @@ func New(cfg Config) (*Console, error) {
 	}
 	if cfg.MaxSessions == 0 {
 		cfg.MaxSessions = DefaultMaxSessions
+	}
+	if cfg.MaxSessionsPerIdentity == 0 {
+		cfg.MaxSessionsPerIdentity = DefaultMaxSessionsPerIdentity
 	}
 	if cfg.CallTimeout == 0 {
 		cfg.CallTimeout = DefaultCallTimeout
@@ -315,12 +331,26 @@ func (c *Console) session(r *http.Request) *session {
 func (c *Console) newSession(w http.ResponseWriter, identity, token string) (*session, error) {
 	id, csrf := randomID(), randomID()
 	now := c.cfg.Now()
-	s := &session{identity: identity, token: token, csrf: csrf, expires: now.Add(c.cfg.SessionTTL)}
+	s := &session{identity: identity, token: token, csrf: csrf, created: now, expires: now.Add(c.cfg.SessionTTL)}
 	c.mu.Lock()
+	var (
+		mine   int
+		oldest string
+	)
 	for k, old := range c.sessions {
-		if !now.Before(old.expires) {
+		switch {
+		case !now.Before(old.expires):
 			delete(c.sessions, k)
+		case old.identity == identity:
+			mine++
+			if oldest == "" || old.created.Before(c.sessions[oldest].created) {
+				oldest = k
+			}
 		}
+	}
+	evicted := mine >= c.cfg.MaxSessionsPerIdentity
+	if evicted {
+		delete(c.sessions, oldest)
 	}
 	full := len(c.sessions) >= c.cfg.MaxSessions
 	if !full {
@@ -329,6 +359,9 @@ func (c *Console) newSession(w http.ResponseWriter, identity, token string) (*se
 	c.mu.Unlock()
 	if full {
 		return nil, errors.New("too many console sessions: try again later")
+	}
+	if evicted {
+		c.cfg.Logger.Info("console session ended: the identity signed in again at its bound", "identity", identity, "max_sessions_per_identity", c.cfg.MaxSessionsPerIdentity)
 	}
 	http.SetCookie(w, &http.Cookie{
 		Name: cookieName, Value: id, Path: "/", HttpOnly: true, Secure: c.cfg.Secure,
@@ -356,9 +389,14 @@ func (c *Console) signIn(w http.ResponseWriter, r *http.Request) {
 		http.Redirect(w, r, "/", http.StatusSeeOther)
 		return
 	}
-	identity, ok := c.cfg.SignIn(r.PostFormValue("token"))
-	if !ok {
-		c.cfg.Logger.Warn("console sign-in refused", "remote", r.RemoteAddr)
+	identity, err := c.cfg.SignIn(r.PostFormValue("token"))
+	switch {
+	case errors.Is(err, ErrNoAdminGrant):
+		c.cfg.Logger.Warn("console sign-in refused", "identity", identity, "reason", "no admin grant", "remote", r.RemoteAddr)
+		c.render(w, http.StatusForbidden, "signin.html", page{Error: "identity " + identity + " administers no consumer: the console is for identities with an admin grant (admin in --config)"})
+		return
+	case err != nil:
+		c.cfg.Logger.Warn("console sign-in refused", "reason", "unknown token", "remote", r.RemoteAddr)
 		c.render(w, http.StatusUnauthorized, "signin.html", page{Error: "unknown token: give a bearer token of an identity of --config"})
 		return
 	}
@@ -368,6 +406,29 @@ func (c *Console) signIn(w http.ResponseWriter, r *http.Request) {
 	}
 	c.cfg.Logger.Info("console sign-in", "identity", identity, "remote", r.RemoteAddr)
 	http.Redirect(w, r, "/", http.StatusSeeOther)
+}
+
+// Errors of Config.SignIn.
+var (
+	ErrUnknownToken = errors.New("console: unknown token")
+	ErrNoAdminGrant = errors.New("console: the identity administers no consumer")
+)
+
+// SignInWith is the Config.SignIn of a server whose identities are src's:
+// a token of an identity that may administer at least one consumer. An
+// identity without an admin grant could see nothing in the console, and
+// would only take sessions from those who can.
+func SignInWith(src *access.Source) func(token string) (string, error) {
+	return func(token string) (string, error) {
+		id, ok := src.Current().ByToken(token)
+		switch {
+		case !ok:
+			return "", ErrUnknownToken
+		case !id.AdministersAny():
+			return id.Name, ErrNoAdminGrant
+		}
+		return id.Name, nil
+	}
 }
 
 func (c *Console) signOut(w http.ResponseWriter, r *http.Request, _ *session) {
