@@ -30,6 +30,10 @@ identities:
 consumers:
   - {prefix: flood., max_records: 100}
   - {prefix: calm., max_records: 3}
+# The flood is bounded here by how many consumers a replica follows for
+# it, not by the default identity rate (2000 a second), which it exceeds.
+rate_limits:
+  - {identities: ["*"], rate: 1000000, burst: 1000000}
 `
 
 // batchOf is a BatchClaim of one new key for each of n consumers named

@@ -222,13 +222,14 @@ func TestFencedCalls(t *testing.T) {
 		claim := &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: "msg-1"}
 
 		// Without the claim's secret nothing is fenced in, whether or not
-		// the record exists: the answer is the same as for a lost lease.
+		// the record exists: the answer says the secret is not the
+		// claim's, never that another holder took over.
 		_, err := c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, ClaimSecret: forged})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, ClaimSecret: forged})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, ClaimSecret: forged, Result: response("x")})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 
 		// A real claim's holder finds its record gone once it expired.
 		gone := &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: "msg-0", Lease: durationpb.New(time.Second), Retention: durationpb.New(time.Hour)}
