@@ -243,6 +243,8 @@ func Classify(err error) (s Status, unexpected bool) {
 			return FingerprintMismatch, false
 		case "PARKED":
 			return ParkedRefusal, false
+		case "CLAIM_SECRET_INVALID":
+			return SecretInvalid, false
 		}
 	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled:
 		return Unknown, false

@@ -120,11 +120,15 @@ const (
 	// Release or Extend refused with PARKED.
 	Parked
 	ParkedRefusal
+	// SecretInvalid is a Complete, Release, Extend or Park refused with
+	// CLAIM_SECRET_INVALID: the secret is not its token's. Only a forged
+	// call may get it.
+	SecretInvalid
 )
 
 func (s Status) String() string {
 	return [...]string{"UNKNOWN", "OK", "ACQUIRED", "IN_PROGRESS", "COMPLETED", "NOT_FOUND",
-		"LEASE_LOST", "ALREADY_COMPLETED", "FINGERPRINT_MISMATCH", "PARKED", "PARKED_REFUSAL"}[s]
+		"LEASE_LOST", "ALREADY_COMPLETED", "FINGERPRINT_MISMATCH", "PARKED", "PARKED_REFUSAL", "CLAIM_SECRET_INVALID"}[s]
 }
 
 // Output is what a call returned, as far as the model checks it.
@@ -271,10 +275,14 @@ func stepCall(s State, in Input, out Output) []State {
 	}
 
 	// Complete, Release and Extend are fenced by the claim secret first:
-	// without its token's, nothing happens and the answer is LEASE_LOST,
-	// whether or not the key exists.
+	// without its token's, nothing happens and the answer is
+	// CLAIM_SECRET_INVALID, whether or not the key exists; a call with its
+	// token's secret never gets that answer.
 	if in.Forged {
-		return when(out.Status == Unknown || out.Status == LeaseLost, s)
+		return when(out.Status == Unknown || out.Status == SecretInvalid, s)
+	}
+	if out.Status == SecretInvalid {
+		return nil
 	}
 	// Then by the token: an absent key is NOT_FOUND, another token
 	// LEASE_LOST. A token nobody learned is never presented, so it never
@@ -435,7 +443,7 @@ func forgedMark(in Input) string {
 
 func (out Output) String() string {
 	switch out.Status {
-	case Unknown, NotFound, LeaseLost, AlreadyCompleted, FingerprintMismatch, ParkedRefusal:
+	case Unknown, NotFound, LeaseLost, AlreadyCompleted, FingerprintMismatch, ParkedRefusal, SecretInvalid:
 		return out.Status.String()
 	}
 	s := fmt.Sprintf("%s t=%d a=%d h=%s", out.Status, out.Token, out.Attempt, out.Holder)

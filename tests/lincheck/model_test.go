@@ -104,7 +104,7 @@ func TestModel(t *testing.T) {
 			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
 			op(0, 2, 3, complete(10, "r1"), done(10, 1, "h1", "r1")),
 			op(0, 4, 5, park(10, "p1"), answer(AlreadyCompleted)),
-			op(1, 6, 7, forged(park(10, "p2")), answer(LeaseLost)),
+			op(1, 6, 7, forged(park(10, "p2")), answer(SecretInvalid)),
 			op(1, 8, 9, claim("A", "h2"), replay(10, 1, "h1", "r1")),
 		}, true},
 		{"an ambiguous park may have parked the key", []porcupine.Operation{
@@ -194,12 +194,20 @@ func TestModel(t *testing.T) {
 			op(0, 4, 5, lookup(), answer(NotFound)),
 		}, true},
 		{"a forged secret is refused whatever the record", []porcupine.Operation{
-			op(0, 0, 1, forged(complete(1, "r")), answer(LeaseLost)),
+			op(0, 0, 1, forged(complete(1, "r")), answer(SecretInvalid)),
 			op(0, 2, 3, claim("A", "h1"), acquired(10, 1, "h1")),
-			op(1, 4, 5, forged(complete(10, "intruder")), answer(LeaseLost)),
+			op(1, 4, 5, forged(complete(10, "intruder")), answer(SecretInvalid)),
 			op(1, 6, open, forged(release(10)), answer(Unknown)),
 			op(0, 8, 9, complete(10, "r1"), done(10, 1, "h1", "r1")),
 		}, true},
+		{"the holder's own secret refused as invalid", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(0, 2, 3, complete(10, "r1"), answer(SecretInvalid)),
+		}, false},
+		{"a forged call told LEASE_LOST (another holder) instead of CLAIM_SECRET_INVALID", []porcupine.Operation{
+			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
+			op(1, 2, 3, forged(complete(10, "intruder")), answer(LeaseLost)),
+		}, false},
 		{"a forged Complete takes effect", []porcupine.Operation{
 			op(0, 0, 1, claim("A", "h1"), acquired(10, 1, "h1")),
 			op(1, 2, 3, forged(complete(10, "intruder")), done(10, 1, "h1", "intruder")),
@@ -270,7 +278,7 @@ func TestModel(t *testing.T) {
 		{"batch items are not atomic: another call between two items on a key", []porcupine.Operation{
 			op(0, 0, 10, item("b3", 1, 0, true, claim("A", "h1")), acquired(10, 1, "h1")),
 			op(2, 1, 2, lookup(), ok(0, 1, "h1")),
-			op(2, 3, 4, forged(release(10)), answer(LeaseLost)),
+			op(2, 3, 4, forged(release(10)), answer(SecretInvalid)),
 			op(1, 0, 10, item("b3", 2, 1, false, claim("A", "h2")), inProgress(1, "h1")),
 		}, true},
 		{"batch items on other keys do not order each other", []porcupine.Operation{
