@@ -182,7 +182,7 @@ func malformedFrames(t *testing.T, s *suite) {
 // connection before any handler), a header list just under the bound is
 // answered, and while 4 peers send 4 × 256 KiB bombs per connection in a
 // loop the neighbour keeps at least 5% of its throughput (measured here:
-// 14–34%; the server reads and decodes every header frame until the list
+// 19–34%; the server reads and decodes every header frame until the list
 // is over the bound, so a bomb costs it CPU).
 func headerBombs(t *testing.T, s *suite) {
 	// A gRPC client learns the bound from the server's SETTINGS and
