@@ -4,7 +4,7 @@ BUF := go tool -modfile=proto/tools/go.mod buf
 # vets and tests each on its own go.mod.
 GO_MODULES := $(shell git ls-files -- '*go.mod' ':!proto/tools' | xargs -n1 dirname)
 
-.PHONY: run test generate lint breaking bench build image
+.PHONY: run test adversarial generate lint breaking bench build image
 
 run: ## run the service on the embedded store
 	go run ./cmd/idemreg serve
@@ -18,6 +18,9 @@ image: ## the container image, labelled with this checkout's version and revisio
 
 test: ## the whole suite; starts PostgreSQL if it is down
 	.ci/test
+
+adversarial: ## the adversarial suite against a real serve (docs/testing.md, "Adversarial suite"); .ci/test runs it too
+	cd tests && go test -count=1 -timeout 10m ./adversarial/ -v
 
 generate: ## regenerate Go code from proto/ and examples/proto/, and the reason constants from ErrorReason
 	$(BUF) generate --template proto/buf.gen.yaml
