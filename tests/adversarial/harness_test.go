@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
 )
 
@@ -34,7 +35,17 @@ import (
 // defaults where a default would make an attack take minutes to reach
 // its bound; each case says which one it measures.
 const (
-	maxConnections    = 32              // --max-connections, per listener
+	maxConnections = 32 // --max-connections, per listener
+	// httpMaxConnections is --http-max-connections: each HTTP listener's
+	// (metrics here) cap on open connections.
+	httpMaxConnections = 8
+	// maxPendingCalls is --max-pending-calls: calls whose message has not
+	// arrived, half of them per gRPC listener.
+	maxPendingCalls = server.DefaultMaxPendingCalls
+	// raceShadow is how much more memory the -race binary takes than the
+	// plain one for the same goroutines and buffers (the race detector's
+	// shadow memory, two to eight times).
+	raceShadow        = 8
 	maxStreams        = 64              // --max-concurrent-streams (the default)
 	maxHeaderList     = 16 << 10        // --max-header-list-size (the default)
 	connectionTimeout = 2 * time.Second // --connection-timeout
@@ -199,6 +210,8 @@ func startSuite(t *testing.T) *suite {
 		"--listen", s.addr, "--health-listen", s.healthAddr, "--metrics-listen", s.metricsAddr,
 		"--data-dir", filepath.Join(dir, "data"), "--config", cfg,
 		"--max-connections", strconv.Itoa(maxConnections),
+		"--http-max-connections", strconv.Itoa(httpMaxConnections),
+		"--max-pending-calls", strconv.Itoa(maxPendingCalls),
 		"--max-concurrent-streams", strconv.Itoa(maxStreams),
 		"--max-header-list-size", strconv.Itoa(maxHeaderList),
 		"--connection-timeout", connectionTimeout.String(),

@@ -65,12 +65,57 @@ func httpListenerCaps(t *testing.T, s *suite) {
 	t.Logf("a request dripping a header a second was cut after %v (%q)", took.Round(time.Millisecond), strings.TrimSpace(reply))
 	require.Positive(t, s.metric(t, "idemreg_connections", `listener="grpc"`), "metrics still scraped")
 
+	// Finding 7: each HTTP listener takes at most --http-max-connections
+	// connections; one beyond is closed before it is served, and a freed
+	// slot serves again.
 	t.Run("connections per HTTP listener", func(t *testing.T) {
-		t.Skip("finding 7: pending")
+		var held []net.Conn
+		defer func() {
+			for _, c := range held {
+				_ = c.Close()
+			}
+		}()
+		// The suite's scraper may keep a connection of its own open: open
+		// more than the cap, each with a request, and count what is served.
+		served, closed := 0, 0
+		for range httpMaxConnections + 4 {
+			c, err := net.Dial("tcp", s.metricsAddr)
+			require.NoError(t, err)
+			held = append(held, c)
+			_, _ = c.Write([]byte("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"))
+		}
+		for _, c := range held {
+			_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			line, err := bufio.NewReader(c).ReadString('\n')
+			if err == nil && strings.Contains(line, "200") {
+				served++
+			} else {
+				closed++
+			}
+		}
+		require.LessOrEqual(t, served, httpMaxConnections, "no more than the cap is served at once")
+		require.GreaterOrEqual(t, closed, 4, "the connections beyond the cap are closed unserved")
+		for _, c := range held {
+			_ = c.Close()
+		}
+		held = nil
+
+		require.Eventually(t, func() bool {
+			c, err := net.Dial("tcp", s.metricsAddr)
+			if err != nil {
+				return false
+			}
+			defer c.Close()
+			_, _ = c.Write([]byte("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"))
+			_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+			line, _ := bufio.NewReader(c).ReadString('\n')
+			return strings.Contains(line, "200")
+		}, 10*time.Second, 100*time.Millisecond, "a freed slot serves again")
+		t.Logf("metrics listener (cap %d): %d of %d connections served at once, %d closed unserved", httpMaxConnections, served, httpMaxConnections+4, closed)
 	})
 }
 
-// claimKeyRotation (finding 6: pending, being fixed). Rotating the
+// claimKeyRotation (finding 6). Rotating the
 // store's claim key, the one claim secrets and page tokens are derived
 // from. Expected bound after the fix: a secret issued under the old key
 // still completes its claim (the old key is kept for verification until
@@ -78,15 +123,24 @@ func httpListenerCaps(t *testing.T, s *suite) {
 // a retired key is FAILED_PRECONDITION / INVALID_ARGUMENT, and no
 // acknowledged Complete of the neighbour is lost across the rotation.
 func claimKeyRotation(t *testing.T, s *suite) {
-	t.Skip("finding 6: pending")
+	// The rotation needs a shared store and a second replica to show its
+	// bound; server.TestClaimKeyRotationAcrossReplicas (two replicas on
+	// one PostgreSQL database) and TestClaimKeyRotationEmbedded hold it.
+	// This suite runs one replica on the embedded store, whose rotation
+	// needs serve stopped (docs/operations.md).
+	t.Skip("finding 6: held by server.TestClaimKeyRotationAcrossReplicas; needs a second replica on a shared store")
 }
 
-// consoleSignIn (finding 8: pending, being fixed). Guessing console
+// consoleSignIn (finding 8). Guessing console
 // sign-in tokens on --console-listen. Expected bound after the fix: a
 // wrong token is refused without saying which part was wrong, repeated
 // failures from one peer are slowed or refused at the rate the fix
 // documents, and a signed-in operator and the gRPC tenants are served
 // meanwhile.
 func consoleSignIn(t *testing.T, s *suite) {
-	t.Skip("finding 8: pending")
+	// The suite's serve has no console listener; the fix (sign-in only for
+	// identities that administer something, at most 8 sessions per
+	// identity) is held by console.TestConsoleSignInNeedsAdminGrant and
+	// TestConsoleSessionFlood against the console's real listener.
+	t.Skip("finding 8: held by server/console's TestConsoleSignInNeedsAdminGrant and TestConsoleSessionFlood")
 }

@@ -37,7 +37,9 @@ func requireHeld(t *testing.T, s *suite, ctx context.Context, consumer, key stri
 // compute a claim's token (Lookup shows it) but not its secret sends
 // Complete, Release and Extend with the right token and a wrong secret
 // (random, another key's real secret), and with the right secret and
-// another token. Bound: every one is FAILED_PRECONDITION / LEASE_LOST, the
+// another token. Bound: every one is FAILED_PRECONDITION /
+// CLAIM_SECRET_INVALID (never LEASE_LOST, which says another holder took
+// over), the
 // record keeps its token and no result, the holder then completes it;
 // while 4 workers send forged Completes in a loop the neighbour keeps at
 // least 10% of its throughput (measured: 31–45%) and every held key is
@@ -72,7 +74,7 @@ func forgedClaimSecrets(t *testing.T, s *suite) {
 		"another key's token":    {other.GetToken(), other.GetClaimSecret()},
 	} {
 		for _, err := range forge(ctx, "f-0", f.token, f.secret) {
-			requireRefused(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+			requireRefused(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
 		}
 		requireHeld(t, s, ctx, consumer, "f-0")
 		t.Logf("%s: refused, nothing stored", name)

@@ -19,6 +19,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+
+	"github.com/idemreg/idemreg/server"
 )
 
 // closeGuard is how long a case waits for the server to close a
@@ -390,17 +392,14 @@ func slowlorisStreams(t *testing.T, s *suite) {
 	})
 }
 
-// heldHeadersMemory (finding 1: pending, being fixed). Peers hold calls
-// whose message never comes with headers just under the bound, on as many
-// connections as the listener takes. Expected bound, after the fix: the
-// one operations.md ("Connection and stream bounds") will state for the
-// memory held headers pin; until then main bounds it by connections ×
-// streams × header list size (here 30 × 64 × 16 KiB = 30 MiB), which the
-// body checks against serve's resident memory growth. The -race binary's
-// shadow memory inflates that growth: set the bound from a run after the
-// merge.
+// heldHeadersMemory (finding 1). Peers hold calls whose message never
+// comes, with headers just under the bound, on as many connections as the
+// listener takes (30 × 64 = 1,920 calls). Bound: at most
+// --max-pending-calls / 2 of them are held on the gRPC listener (the rest
+// are refused), so serve's resident memory grows by at most that many
+// held calls at server.HeldCallBytes each, times raceShadow for the -race
+// binary's shadow memory.
 func heldHeadersMemory(t *testing.T, s *suite) {
-	t.Skip("finding 1: pending")
 	before := residentBytes(t, s)
 	var peers []*rawPeer
 	for range maxConnections - 2 { // the suite's two connections
@@ -415,8 +414,8 @@ func heldHeadersMemory(t *testing.T, s *suite) {
 		p.await(nil, 500*time.Millisecond) // settings and pings
 	}
 	grown := int64(residentBytes(t, s)) - int64(before)
-	bound := int64(maxConnections-2) * maxStreams * maxHeaderList
-	t.Logf("resident memory grew by %d MiB holding %d streams (bound %d MiB)", grown>>20, len(peers)*maxStreams, bound>>20)
+	bound := int64(maxPendingCalls/2) * server.HeldCallBytes * raceShadow
+	t.Logf("resident memory grew by %d MiB with %d streams opened, at most %d held (bound %d MiB)", grown>>20, len(peers)*maxStreams, maxPendingCalls/2, bound>>20)
 	require.LessOrEqual(t, grown, bound)
 	for _, p := range peers {
 		_ = p.conn.Close()
