@@ -124,7 +124,11 @@ var malformedInputs = []malformed{
 		return err
 	})},
 	{"garbage frames after the preface", closes(grpcAddr, true, func(p *rawPeer) error {
-		_, err := p.conn.Write(randomBytes(256))
+		// Garbage whose first frame header declares more than the largest
+		// frame the server reads: random bytes alone may declare a frame
+		// longer than what follows, which the server then rightly waits
+		// for.
+		_, err := p.conn.Write(append([]byte{0xff, 0xff, 0xff, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01}, randomBytes(256)...))
 		return err
 	})},
 	{"HEADERS on an even stream id", closes(grpcAddr, true, func(p *rawPeer) error {
