@@ -42,8 +42,9 @@ type Config struct {
 	// another holder's lease (default 10; negative: none).
 	Wait int
 	// ThroughClient sends the single Claims and Completes through the Go
-	// client (client.New with its defaults, so concurrent ones share
-	// BatchClaims and BatchCompletes) instead of the generated stub.
+	// client (with one RPC of each kind in flight, so that concurrent
+	// ones share BatchClaims and BatchCompletes) instead of the generated
+	// stub.
 	ThroughClient bool
 }
 
@@ -106,7 +107,9 @@ func NewWorkload(conn grpc.ClientConnInterface, rec *Recorder, cfg Config) *Work
 	w := &Workload{cfg: cfg, rec: rec, rpc: idemregv1.NewRegistryServiceClient(conn), conn: cc, born: time.Now(),
 		slots: make([]slot, cfg.Keys), seen: map[string][]int64{}, secrets: map[fence][]byte{}, ambiguous: map[string]int{}, acked: map[string]Output{}}
 	if cfg.ThroughClient {
-		w.cl = client.New(conn)
+		// One RPC of each kind in flight, so that the workers' calls share
+		// RPCs even at the few workers a run has (the default waits for 8).
+		w.cl = client.New(conn, client.WithBatching(client.Batching{MaxInFlight: 1}))
 	}
 	return w
 }
