@@ -136,8 +136,9 @@ type pass struct {
 	batch        int
 }
 
-// Once runs one pass. It returns nil when the pass finished (a short batch:
-// nothing expired was left at the last batch's horizon); ErrMaxDuration when
+// Once runs one pass. It returns nil when the pass finished (a short batch
+// after which the store's oldest record was not expired, or three short
+// batches in a row); ErrMaxDuration when
 // MaxDuration ran out first; an error matching ctx.Err() when ctx ended; or
 // the last store error, wrapped, when MaxErrors batches in a row failed.
 // The Result describes the pass in every case.
@@ -175,7 +176,7 @@ func (s *Sweeper) Once(ctx context.Context) (Result, error) {
 
 func (p *pass) loop(ctx context.Context) error {
 	cfg := &p.s.cfg
-	failures := 0
+	failures, shortBatches := 0, 0
 	var lastErr error
 	for {
 		if err := ctx.Err(); err != nil {
@@ -217,9 +218,24 @@ func (p *pass) loop(ctx context.Context) error {
 
 		failures = 0
 		if deleted < p.batch {
+			// Under concurrent sweepers a short batch is no proof that
+			// nothing expired is left: two that pick the same oldest rows
+			// wait for each other, and the second deletes none of them. So
+			// a short batch ends the pass only when the store's oldest
+			// record is not expired, or after maxShortBatches short
+			// batches in a row (records that stay expired and undeletable
+			// must not keep a pass going).
+			shortBatches++
+			if shortBatches < maxShortBatches && p.expiredLeft(ctx) {
+				if err := p.pause(ctx, cfg.jitter(cfg.Pause, 0.5)); err != nil {
+					return err
+				}
+				continue
+			}
 			p.res.Stop = StopFinished
 			return nil
 		}
+		shortBatches = 0
 		if elapsed < cfg.BatchTimeout/4 && p.batch < cfg.BatchSize {
 			p.setBatch(ctx, min(p.batch*2, cfg.BatchSize))
 		}
@@ -276,6 +292,17 @@ func (p *pass) setBatch(ctx context.Context, n int) {
 
 // readOldest reads the oldest expiry left and records the lag. A failure
 // is logged and counted, never fatal: the batches decide.
+// maxShortBatches is how many short batches in a row end a pass even
+// though expired records seem left.
+const maxShortBatches = 3
+
+// expiredLeft reads the store's oldest expiry and reports whether a record
+// expired at the store's clock is left.
+func (p *pass) expiredLeft(ctx context.Context) bool {
+	p.readOldest(ctx)
+	return p.res.HasOldest && !p.res.Oldest.After(p.res.StoreNow)
+}
+
 func (p *pass) readOldest(ctx context.Context) {
 	cfg := &p.s.cfg
 	bctx, cancel := context.WithTimeout(ctx, cfg.BatchTimeout)
