@@ -6,6 +6,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
@@ -172,20 +173,8 @@ func newClaimCoalescer(rpc idemregv1.RegistryServiceClient, b Batching) *coalesc
 			return rpc.Claim(ctx, req)
 		},
 		many: func(ctx context.Context, reqs []*idemregv1.ClaimRequest) ([]*idemregv1.ClaimResponse, []error) {
-			out, errs := make([]*idemregv1.ClaimResponse, len(reqs)), make([]error, len(reqs))
 			res, err := rpc.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: reqs})
-			err = batchAnswered(err, "BatchClaim", len(res.GetResults()), len(reqs))
-			for i := range reqs {
-				switch {
-				case err != nil:
-					errs[i] = err
-				case res.GetResults()[i].GetError() != nil:
-					errs[i] = status.FromProto(res.GetResults()[i].GetError()).Err()
-				default:
-					out[i] = res.GetResults()[i].GetResponse()
-				}
-			}
-			return out, errs
+			return itemAnswers(res.GetResults(), err, "BatchClaim", len(reqs))
 		},
 		shareable: func(r *idemregv1.ClaimRequest) bool {
 			return utf8.ValidString(r.GetConsumer()) && utf8.ValidString(r.GetKey()) &&
@@ -201,20 +190,8 @@ func newCompleteCoalescer(rpc idemregv1.RegistryServiceClient, b Batching) *coal
 			return rpc.Complete(ctx, req)
 		},
 		many: func(ctx context.Context, reqs []*idemregv1.CompleteRequest) ([]*idemregv1.CompleteResponse, []error) {
-			out, errs := make([]*idemregv1.CompleteResponse, len(reqs)), make([]error, len(reqs))
 			res, err := rpc.BatchComplete(ctx, &idemregv1.BatchCompleteRequest{Requests: reqs})
-			err = batchAnswered(err, "BatchComplete", len(res.GetResults()), len(reqs))
-			for i := range reqs {
-				switch {
-				case err != nil:
-					errs[i] = err
-				case res.GetResults()[i].GetError() != nil:
-					errs[i] = status.FromProto(res.GetResults()[i].GetError()).Err()
-				default:
-					out[i] = res.GetResults()[i].GetResponse()
-				}
-			}
-			return out, errs
+			return itemAnswers(res.GetResults(), err, "BatchComplete", len(reqs))
 		},
 		shareable: func(r *idemregv1.CompleteRequest) bool {
 			ok := utf8.ValidString(r.GetConsumer()) && utf8.ValidString(r.GetKey())
@@ -229,11 +206,30 @@ func newCompleteCoalescer(rpc idemregv1.RegistryServiceClient, b Batching) *coal
 	}
 }
 
-// batchAnswered is a batch RPC's error, or an error when it did not answer
-// each request once.
-func batchAnswered(err error, method string, got, want int) error {
-	if err == nil && got != want {
-		return status.Errorf(codes.Internal, "idemreg: %s answered %d results for %d requests", method, got, want)
+// itemResult is a batch RPC's answer to one item: BatchClaimResult or
+// BatchCompleteResult.
+type itemResult[Res any] interface {
+	GetError() *spb.Status
+	GetResponse() Res
+}
+
+// itemAnswers splits a batch RPC's answer into each of n items' response
+// or error: the RPC's own error for every item when it failed, or did not
+// answer each item once.
+func itemAnswers[Res any, R itemResult[Res]](results []R, err error, method string, n int) ([]Res, []error) {
+	if err == nil && len(results) != n {
+		err = status.Errorf(codes.Internal, "idemreg: %s answered %d results for %d requests", method, len(results), n)
 	}
-	return err
+	out, errs := make([]Res, n), make([]error, n)
+	for i := range n {
+		switch {
+		case err != nil:
+			errs[i] = err
+		case results[i].GetError() != nil:
+			errs[i] = status.FromProto(results[i].GetError()).Err()
+		default:
+			out[i] = results[i].GetResponse()
+		}
+	}
+	return out, errs
 }
