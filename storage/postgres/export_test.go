@@ -3,6 +3,7 @@ package postgres
 import (
 	"context"
 	"fmt"
+	"testing"
 	"time"
 
 	"github.com/idemreg/idemreg/storage"
@@ -113,3 +114,25 @@ func ListSQL(scope string, parked bool) string {
 // CountParkedRangeSQL is CountParked's statement for a prefix with an end,
 // for the plan test.
 var CountParkedRangeSQL = countParkedRangeSQL
+
+// BackendPID is the process id of the database backend behind the store's
+// pool (the benchmarks size it to one connection).
+func BackendPID(t testing.TB, s *Store) int {
+	var pid int
+	if err := s.pool.QueryRow(t.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	return pid
+}
+
+// BatchPlans sums, over the batched Claim and Complete statements, the
+// generic and custom plans PostgreSQL made for them on the connection
+// behind the store's pool (the test sizes it to one connection).
+func BatchPlans(t testing.TB, s *Store) (generic, custom int64) {
+	err := s.pool.QueryRow(t.Context(), `SELECT COALESCE(sum(generic_plans), 0), COALESCE(sum(custom_plans), 0)
+FROM pg_prepared_statements WHERE statement = ANY($1)`, []string{claimBatchSQL, completeBatchSQL}).Scan(&generic, &custom)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return generic, custom
+}

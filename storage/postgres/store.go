@@ -79,7 +79,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 				return err
 			}
 		}
-		if err := setIsolation(ctx, conn); err != nil {
+		if err := setSession(ctx, conn); err != nil {
 			return err
 		}
 		return prepare(ctx, conn)
@@ -103,15 +103,29 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	return s, nil
 }
 
-// setIsolation lowers a PostgreSQL session to READ COMMITTED; a
-// CockroachDB session (it reports crdb_version when it connects) stays at
-// the SERIALIZABLE it was opened with.
-func setIsolation(ctx context.Context, conn *pgx.Conn) error {
+// setSession sets a PostgreSQL session up for the store's statements; a
+// CockroachDB session (it reports crdb_version when it connects) is left as
+// it was opened (SERIALIZABLE, its own plan cache).
+//
+//   - READ COMMITTED: each statement decides on the latest committed rows
+//     (doc.go, "Isolation").
+//   - Generic plans, always: every statement is a lookup by key or a scan
+//     of an index range, whose plan does not depend on the parameters'
+//     values. Left to choose, PostgreSQL compares the generic plan's cost
+//     with that of the first five custom plans, and a batched statement of
+//     two or three keys, whose custom plans know the arrays are short,
+//     kept a custom plan: it was planned again on every execution, about
+//     650 µs of the database's CPU per statement, four times what executing
+//     it cost (docs/benchmarks.md, "Small batches").
+func setSession(ctx context.Context, conn *pgx.Conn) error {
 	if conn.PgConn().ParameterStatus("crdb_version") != "" {
 		return nil
 	}
 	if _, err := conn.Exec(ctx, "SET default_transaction_isolation = 'read committed'"); err != nil {
 		return fmt.Errorf("postgres: set isolation: %w", err)
+	}
+	if _, err := conn.Exec(ctx, "SET plan_cache_mode = 'force_generic_plan'"); err != nil {
+		return fmt.Errorf("postgres: set plan cache mode: %w", err)
 	}
 	return nil
 }
