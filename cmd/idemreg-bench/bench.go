@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -255,7 +256,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.StringVar(&cfg.ServerBinary, "server-binary", "", "the idemreg binary to start for server targets without [@binary] (empty: go build ./cmd/idemreg of this module, once per invocation)")
 	fs.IntVar(&cfg.Preload, "preload", 0, "before the runs, make sure --database-url holds this many completed records (replays then claim them at random)")
 	fs.StringVar(&serverFlags, "server-flags", "", "extra flags for each started server, space-separated (e.g. --sql-batch-size=1)")
-	fs.StringVar(&cfg.ProfileDir, "profile-dir", "", "write a CPU profile of each started server's measured phase here (the server runs with --pprof-listen)")
+	fs.StringVar(&cfg.ProfileDir, "profile-dir", "", "write a CPU profile of each started server's measured phase here (the server runs with --pprof-listen), and of the callers' side (cpu-client-*)")
 	fs.StringVar(&cfg.Chart, "chart", "", "write an SVG chart of latency and throughput against callers to this file")
 	fs.StringVar(&cfg.JSON, "json", "", "write every run's figures as JSON to this file")
 	fs.IntVar(&cfg.ResultBytes, "result-bytes", 64, "size of each stored result")
@@ -498,7 +499,13 @@ func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, re
 	}
 	var serverCPU0, dbCPU0, clientCPU0 time.Duration
 	var dbPIDs []int
+	var clientProfile *os.File
 	bc.OnMeasure = func() {
+		if cfg.ProfileDir != "" {
+			// The caller side too: the stub or the client package, and the
+			// driver's own work, in this process.
+			clientProfile = startClientProfile(cfg.ProfileDir, bt.Label, callers, rep, stderr)
+		}
 		if profileDone != nil {
 			path := filepath.Join(cfg.ProfileDir, fmt.Sprintf("cpu-%s-%d-%d.pprof", fileSafe(bt.Label), callers, rep))
 			go func() { profileDone <- fetchProfile(ctx, srv.pprof, cfg.Duration, path) }()
@@ -517,6 +524,10 @@ func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, re
 		return run, err
 	}
 	run.Result = res
+	if clientProfile != nil {
+		pprof.StopCPUProfile()
+		_ = clientProfile.Close()
+	}
 	if res.Ops > 0 {
 		run.ClientCPUPerCall = float64((selfCPU() - clientCPU0).Microseconds()) / float64(res.Ops)
 	}
@@ -666,6 +677,22 @@ func (s *spawned) stop() {
 		<-s.done
 	}
 	os.RemoveAll(s.dir)
+}
+
+// startClientProfile starts a CPU profile of this process, the callers'
+// side of a run, into dir; nil when it cannot (another profile runs).
+func startClientProfile(dir, label string, callers, rep int, stderr io.Writer) *os.File {
+	f, err := os.Create(filepath.Join(dir, fmt.Sprintf("cpu-client-%s-%d-%d.pprof", fileSafe(label), callers, rep)))
+	if err != nil {
+		fmt.Fprintln(stderr, "bench: client profile:", err)
+		return nil
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		fmt.Fprintln(stderr, "bench: client profile:", err)
+		_ = f.Close()
+		return nil
+	}
+	return f
 }
 
 // selfCPU is this process's user and system CPU time so far.
