@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/admincli"
 	"github.com/stretchr/testify/require"
 )
 
@@ -23,8 +24,8 @@ func everyCommand(t *testing.T) map[string]*flag.FlagSet {
 	for name, cmd := range commands {
 		out[name], _ = flagSet(name, "", io.Discard, cmd)
 	}
-	for name, cmd := range adminCommands {
-		out["admin "+name], _ = flagSet("admin "+name, "", io.Discard, cmd.command(name))
+	for name, cmd := range admincli.Commands {
+		out["admin "+name], _ = flagSet("admin "+name, "", io.Discard, adminCommand(cmd))
 	}
 	return out
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"strconv"
 	"strings"
 	"time"
@@ -15,6 +14,7 @@ import (
 	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
@@ -271,12 +271,12 @@ func (c *config) Validate() error {
 	if c.LogFormat != "json" && c.LogFormat != "text" {
 		errs = append(errs, fmt.Errorf("--log-format must be json or text, got %q", c.LogFormat))
 	}
-	if c.PprofListen != "" && !isLoopback(c.PprofListen) && !c.PprofAllowRemote {
+	if c.PprofListen != "" && !access.Loopback(c.PprofListen) && !c.PprofAllowRemote {
 		// Profiles, goroutine stacks and the heap show internals to
 		// anyone who reaches the listener, which has no authentication.
 		errs = append(errs, fmt.Errorf("--pprof-listen %s is not a loopback address: pprof has no authentication; bind it to loopback or pass --pprof-allow-remote explicitly", c.PprofListen))
 	}
-	if c.ConsoleListen != "" && !isLoopback(c.ConsoleListen) && !c.ConsoleAllowRemote {
+	if c.ConsoleListen != "" && !access.Loopback(c.ConsoleListen) && !c.ConsoleAllowRemote {
 		// The console has no TLS of its own: a token typed into it, and
 		// every record it shows, would cross the network in the clear.
 		errs = append(errs, fmt.Errorf("--console-listen %s is not a loopback address: the console serves plaintext HTTP; bind it to loopback (reach it through a tunnel or a TLS proxy) or pass --console-allow-remote explicitly", c.ConsoleListen))
@@ -291,7 +291,7 @@ func (c *config) Validate() error {
 	if c.Plaintext && t.CertFile != "" {
 		errs = append(errs, errors.New("--plaintext contradicts --tls-cert"))
 	}
-	if t.CertFile == "" && !c.Plaintext && c.Listen != "" && !isLoopback(c.Listen) {
+	if t.CertFile == "" && !c.Plaintext && c.Listen != "" && !access.Loopback(c.Listen) {
 		errs = append(errs, fmt.Errorf("--listen %s is not a loopback address: serve TLS (--tls-cert, --tls-key) or pass --plaintext explicitly", c.Listen))
 	}
 	if err := c.HTTP.validate(); err != nil {
@@ -405,18 +405,4 @@ func (c *config) sweeper(logger *slog.Logger) retention.Config {
 // (telemetry.NewLogger).
 func (c *config) logger(w io.Writer) *slog.Logger {
 	return telemetry.NewLogger(w, c.LogFormat, c.LogLevel)
-}
-
-// isLoopback reports whether a listen address is reachable from this host
-// only.
-func isLoopback(listen string) bool {
-	host, _, err := net.SplitHostPort(listen)
-	if err != nil {
-		return false
-	}
-	if host == "localhost" {
-		return true
-	}
-	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
 }

@@ -26,6 +26,8 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
+
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/admincli"
 )
 
 const usage = `idemreg: an idempotency-key registry
@@ -170,3 +172,36 @@ type exitError struct {
 
 func (e *exitError) Error() string { return e.err.Error() }
 func (e *exitError) Unwrap() error { return e.err }
+
+// admin runs an admin command (admincli) against a running server.
+func admin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		fmt.Fprint(stdout, admincli.Usage)
+		if len(args) == 0 {
+			return errors.New("no admin command given")
+		}
+		return nil
+	}
+	name := args[0]
+	cmd, ok := admincli.Commands[name]
+	if !ok {
+		fmt.Fprint(stderr, admincli.Usage)
+		return fmt.Errorf("unknown admin command %q", name)
+	}
+	return runCommand(ctx, "admin "+name, cmd.Synopsis, adminCommand(cmd), args[1:], stdout, stderr)
+}
+
+// adminCommand is an admin command as run runs commands: a call the server
+// refused exits with status 1, flags that could not make one with 2.
+func adminCommand(cmd admincli.Command) command {
+	return func(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
+		exec := cmd.Bind(fs)
+		return func(ctx context.Context, stdout, _ io.Writer) error {
+			err := exec(ctx, stdout)
+			if call := (*admincli.CallError)(nil); errors.As(err, &call) {
+				return &exitError{code: 1, err: err}
+			}
+			return err
+		}
+	}
+}

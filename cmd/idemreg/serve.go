@@ -129,14 +129,14 @@ func checkAccess(cfg *config, file *configfile.Source, logger *slog.Logger) (*ac
 	switch {
 	case set.Enforced():
 		logger.Info("authentication on", "identities", set.Identities(), "mtls", cfg.TLS.ClientCAFile != "")
-	case isLoopback(cfg.Listen):
+	case access.Loopback(cfg.Listen):
 		logger.Info("authentication off: no identities in --config; loopback only")
 	case cfg.AllowUnauthenticated:
 		logger.Warn("authentication off: every caller may use every consumer (--allow-unauthenticated)")
 	default:
 		return nil, fmt.Errorf("--listen %s is not a loopback address and --config names no identities, so every caller could use every consumer: add identities, or pass --allow-unauthenticated explicitly", cfg.Listen)
 	}
-	if set.HasTokens() && cfg.TLS.CertFile == "" && !isLoopback(cfg.Listen) {
+	if set.HasTokens() && cfg.TLS.CertFile == "" && !access.Loopback(cfg.Listen) {
 		logger.Warn("bearer tokens travel in plaintext: serve TLS unless a mesh encrypts the traffic")
 	}
 	return src, nil

@@ -31,6 +31,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/access"
 )
 
 // TestServeRefusesToOpenUp: serve refuses settings that would expose the
@@ -90,7 +91,7 @@ func TestIsLoopback(t *testing.T) {
 		"127.0.0.1:7350": true, "[::1]:7350": true, "localhost:7350": true, "127.0.0.2:1": true,
 		"0.0.0.0:7350": false, ":7350": false, "[::]:7350": false, "10.0.0.1:7350": false, "idemreg:7350": false, "bad": false,
 	} {
-		require.Equal(t, want, isLoopback(addr), addr)
+		require.Equal(t, want, access.Loopback(addr), addr)
 	}
 }
 

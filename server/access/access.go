@@ -18,6 +18,7 @@ import (
 	"crypto/x509"
 	"encoding/hex"
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 )
@@ -217,4 +218,19 @@ func checkConsumer(s string) error {
 		}
 	}
 	return nil
+}
+
+// Loopback reports whether addr (host:port) is reachable only from this
+// host: where the binary serves an open Set, and where a bearer token may
+// travel in plaintext.
+func Loopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }

@@ -1,4 +1,10 @@
-package main
+// Package admincli is the admin command of the idemreg binary: an
+// operator's calls to a running registry's AdminService (list, inspect,
+// resolve, invalidate), made with the credentials a service would use and
+// answered as JSON. The binary parses the flags each Command binds, the
+// way it parses those of its other commands (from the environment, then
+// the arguments), and runs what Bind returned.
+package admincli
 
 import (
 	"context"
@@ -23,11 +29,12 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/resulttype"
 )
 
-// adminUsage lists the admin subcommands.
-const adminUsage = `idemreg admin: an operator's calls to a running registry (AdminService), answers as JSON
+// Usage lists the admin commands.
+const Usage = `idemreg admin: an operator's calls to a running registry (AdminService), answers as JSON
 
   idemreg admin list       [--consumer C | --prefix P] [--state S] [--min-attempt N] [--older-than D]
                            [--page-size N] [--page-token T] [--all]
@@ -58,47 +65,39 @@ Without --tls-ca the connection is plaintext, which only a loopback --addr accep
 // adminCall is one command's call, its flags parsed and checked.
 type adminCall func(ctx context.Context, api idemregv1.AdminServiceClient) (proto.Message, error)
 
-// adminCommand binds a command's flags on fs and returns what, once they
-// are parsed, checks them and makes its call.
-type adminCommand struct {
-	synopsis string
-	bind     func(fs *flag.FlagSet) func() (adminCall, error)
+// Command is one admin command: its synopsis, and Bind, which binds its
+// flags (the connection's beside its own) on a flag set and returns what
+// runs it once they are parsed. Run's error is a *CallError when the
+// server refused or failed the call.
+type Command struct {
+	Synopsis string
+	Bind     func(fs *flag.FlagSet) func(ctx context.Context, stdout io.Writer) error
 }
 
-var adminCommands = map[string]adminCommand{
-	"list":       {"[--consumer C | --prefix P] [filters] [--all]", bindList},
-	"inspect":    {"--consumer C --kind K --key KEY", bindInspect},
-	"resolve":    {"--consumer C --kind K --key KEY --expect-token T --reason TEXT (--release | a result)", bindResolve},
-	"invalidate": {"--consumer C --kind K --key KEY --reason TEXT [--expect-token T]", bindInvalidate},
+// Commands are the admin commands by name.
+var Commands = map[string]Command{
+	"list":       command("list", "[--consumer C | --prefix P] [filters] [--all]", bindList),
+	"inspect":    command("inspect", "--consumer C --kind K --key KEY", bindInspect),
+	"resolve":    command("resolve", "--consumer C --kind K --key KEY --expect-token T --reason TEXT (--release | a result)", bindResolve),
+	"invalidate": command("invalidate", "--consumer C --kind K --key KEY --reason TEXT [--expect-token T]", bindInvalidate),
 }
 
-// admin runs an AdminService call against a server, with the credentials
-// a service would use, and prints the answer as JSON.
-func admin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
-		fmt.Fprint(stdout, adminUsage)
-		if len(args) == 0 {
-			return errors.New("no admin command given")
-		}
-		return nil
-	}
-	name := args[0]
-	cmd, ok := adminCommands[name]
-	if !ok {
-		fmt.Fprint(stderr, adminUsage)
-		return fmt.Errorf("unknown admin command %q", name)
-	}
-	return runCommand(ctx, "admin "+name, cmd.synopsis, cmd.command(name), args[1:], stdout, stderr)
-}
+// CallError is a call the server answered with an error, as opposed to
+// flags that could not make one.
+type CallError struct{ Err error }
 
-// command is the admin command name: the connection flags beside its own,
-// and its call, made and printed as JSON once they are parsed.
-func (a adminCommand) command(name string) command {
-	return func(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
+func (e *CallError) Error() string { return e.Err.Error() }
+func (e *CallError) Unwrap() error { return e.Err }
+
+// command makes the Command name: the connection flags beside the
+// command's own, and its call, made and printed as JSON once they are
+// parsed.
+func command(name, synopsis string, bind func(fs *flag.FlagSet) func() (adminCall, error)) Command {
+	return Command{Synopsis: synopsis, Bind: func(fs *flag.FlagSet) func(context.Context, io.Writer) error {
 		var c adminConn
 		c.bind(fs)
-		prepare := a.bind(fs)
-		return func(ctx context.Context, stdout, _ io.Writer) error {
+		prepare := bind(fs)
+		return func(ctx context.Context, stdout io.Writer) error {
 			call, err := prepare()
 			if err != nil {
 				return fmt.Errorf("admin %s: %w", name, err)
@@ -111,7 +110,7 @@ func (a adminCommand) command(name string) command {
 			defer conn.Close()
 			out, err := call(ctx, idemregv1.NewAdminServiceClient(conn))
 			if err != nil {
-				return &exitError{code: 1, err: fmt.Errorf("admin %s: %w", name, err)}
+				return &CallError{Err: fmt.Errorf("admin %s: %w", name, err)}
 			}
 			b, err := protojson.MarshalOptions{Multiline: true, Indent: "  "}.Marshal(out)
 			if err != nil {
@@ -120,7 +119,7 @@ func (a adminCommand) command(name string) command {
 			_, err = fmt.Fprintln(stdout, string(b))
 			return err
 		}
-	}
+	}}
 }
 
 // keyFlags name one record.
@@ -403,7 +402,7 @@ func (c *adminConn) dial(ctx context.Context) (*grpc.ClientConn, context.Context
 			cfg.Certificates = []tls.Certificate{pair}
 		}
 		creds = credentials.NewTLS(cfg)
-	} else if !isLoopback(c.addr) {
+	} else if !access.Loopback(c.addr) {
 		return nil, nil, nil, fmt.Errorf("--addr %s is not loopback: give --tls-ca, so that the token and the records do not travel in plaintext", c.addr)
 	}
 	conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(creds))
