@@ -12,7 +12,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/idemreg/idemreg/server/access"
-	"github.com/idemreg/idemreg/server/console"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )

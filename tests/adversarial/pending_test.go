@@ -142,5 +142,5 @@ func consoleSignIn(t *testing.T, s *suite) {
 	// identities that administer something, at most 8 sessions per
 	// identity) is held by console.TestConsoleSignInNeedsAdminGrant and
 	// TestConsoleSessionFlood against the console's real listener.
-	t.Skip("finding 8: held by server/console's TestConsoleSignInNeedsAdminGrant and TestConsoleSessionFlood")
+	t.Skip("finding 8: held by the console's (cmd/idemreg/internal/console) TestConsoleSignInNeedsAdminGrant and TestConsoleSessionFlood")
 }

@@ -28,7 +28,7 @@ import (
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
-	"github.com/idemreg/idemreg/server/console"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	"github.com/idemreg/idemreg/server/servertest"
 	"github.com/idemreg/idemreg/storage/pebble"
 )

@@ -46,7 +46,7 @@ func needBrowser(t *testing.T) {
 	} else if _, err := exec.LookPath("node"); err != nil {
 		missing = "node"
 	} else if _, err := os.Stat(filepath.Join(browserDir, "node_modules", "playwright-core")); err != nil {
-		missing = filepath.Join("server/console", browserDir, "node_modules/playwright-core") + " (npm ci in " + filepath.Join("server/console", browserDir) + ")"
+		missing = filepath.Join("cmd/idemreg/internal/console", browserDir, "node_modules/playwright-core") + " (npm ci in " + filepath.Join("cmd/idemreg/internal/console", browserDir) + ")"
 	}
 	if missing != "" {
 		if os.Getenv("CI") != "" {

@@ -10,7 +10,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
-	"github.com/idemreg/idemreg/server/console"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/server/servertest"
 )
