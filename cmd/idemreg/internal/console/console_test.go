@@ -25,10 +25,10 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
-	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	"github.com/idemreg/idemreg/server/servertest"
 	"github.com/idemreg/idemreg/storage/pebble"
 )
@@ -264,7 +264,7 @@ func TestConsoleSignIn(t *testing.T) {
 	require.Contains(t, body, `name="token"`)
 }
 
-// TestConsoleSignInNeedsAdminGrant (issue 25, finding 8): a token whose
+// TestConsoleSignInNeedsAdminGrant: a token whose
 // identity administers no consumer is refused at sign-in, with a message
 // that says why, and opens no session; on main it signed in.
 func TestConsoleSignInNeedsAdminGrant(t *testing.T) {
@@ -282,7 +282,7 @@ func TestConsoleSignInNeedsAdminGrant(t *testing.T) {
 	require.Equal(t, "no admin grant", lines[0]["reason"])
 }
 
-// TestConsoleSessionFlood (issue 25, finding 8): one identity's sign-ins
+// TestConsoleSessionFlood: one identity's sign-ins
 // beyond its bound end its own oldest sessions, so 1,030 sign-ins (more
 // than DefaultMaxSessions) leave another identity's sign-in working; the
 // flooding identity's newest sessions still work and its oldest has

@@ -9,13 +9,13 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
-	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/server/servertest"
 )
 
-// TestConsoleResolveResponseTypes (issue 24, point 3): the resolve form
+// TestConsoleResolveResponseTypes: the resolve form
 // refuses a response whose data does not decode as its known type before
 // any confirmation, takes JSON of a known type and stores its wire format,
 // and says when a type it does not know goes unchecked.
