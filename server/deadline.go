@@ -18,8 +18,8 @@ const (
 	// DefaultMaxRequestTimeout caps the deadline a request may carry, so
 	// that a caller cannot hold a store connection or an in-flight slot for
 	// minutes. It stays below the default keepalive MaxConnectionAgeGrace
-	// (this plus 5 s), so a connection
-	// being recycled lets its last calls finish.
+	// (this plus 5 s), so a connection being recycled lets its last calls
+	// finish.
 	DefaultMaxRequestTimeout = 30 * time.Second
 )
 
