@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/pagetoken"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -232,14 +233,18 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 	}
 	if t := req.GetPageToken(); t != "" {
 		var v violations
-		if gen, ok := pageTokenGeneration(t); !ok {
-			v.add("page_token", pageTokenGarbled)
+		if gen, ok := pagetoken.Generation(t); !ok {
+			v.add("page_token", "%s", pagetoken.ErrGarbled)
 		} else if opener, err := a.svc.secrets.sealer(ctx, gen); err != nil {
 			return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 		} else if opener == nil {
 			v.add("page_token", "was sealed under a claim key generation this registry no longer accepts (the key was rotated): list again from the first page, without a page token")
 		} else {
-			p.After = v.pageToken(opener, t, filters, p)
+			if after, err := pagetoken.Open(opener, t, filters, p); err != nil {
+				v.add("page_token", "%s", err)
+			} else {
+				p.After = &after
+			}
 		}
 		if v.err() != nil {
 			return nil, v.err()
@@ -267,7 +272,7 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 		return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 	}
 	if page.Next != nil {
-		out.NextPageToken = encodePageToken(issuer, filters, *page.Next)
+		out.NextPageToken = pagetoken.Encode(issuer.sealer, issuer.Generation, filters, *page.Next)
 	}
 	return out, nil
 }

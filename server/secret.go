@@ -15,6 +15,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/idemreg/idemreg/server/internal/pagetoken"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -80,7 +81,7 @@ type keyView struct {
 
 type viewKey struct {
 	storage.ClaimKey
-	sealer cipher.AEAD // page tokens' (pageSealer)
+	sealer cipher.AEAD // page tokens' (pagetoken.Sealer)
 }
 
 // claimWarnEvery bounds the WARN lines about secrets that verify under no
@@ -105,7 +106,7 @@ func newClaimSecrets(keys storage.ClaimKeys, now func() time.Time, refresh time.
 func newKeyView(ring storage.ClaimKeyRing, readAt time.Time) *keyView {
 	v := &keyView{readAt: readAt}
 	for _, k := range ring.Keys {
-		v.keys = append(v.keys, viewKey{ClaimKey: k, sealer: pageSealer(k.Key)})
+		v.keys = append(v.keys, viewKey{ClaimKey: k, sealer: pagetoken.Sealer(k.Key)})
 	}
 	return v
 }
