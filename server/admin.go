@@ -227,7 +227,7 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 	if err != nil {
 		return nil, err
 	}
-	issuer, err := a.svc.secrets.issuer(ctx)
+	issuer, err := a.svc.secrets.Issuer(ctx)
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 	}
@@ -235,7 +235,7 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 		var v violations
 		if gen, ok := pagetoken.Generation(t); !ok {
 			v.add("page_token", "%s", pagetoken.ErrGarbled)
-		} else if opener, err := a.svc.secrets.sealer(ctx, gen); err != nil {
+		} else if opener, err := a.svc.secrets.Sealer(ctx, gen); err != nil {
 			return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 		} else if opener == nil {
 			v.add("page_token", "was sealed under a claim key generation this registry no longer accepts (the key was rotated): list again from the first page, without a page token")
@@ -272,7 +272,7 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 		return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 	}
 	if page.Next != nil {
-		out.NextPageToken = pagetoken.Encode(issuer.sealer, issuer.Generation, filters, *page.Next)
+		out.NextPageToken = pagetoken.Encode(issuer.Sealer, issuer.Generation, filters, *page.Next)
 	}
 	return out, nil
 }

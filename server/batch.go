@@ -162,7 +162,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		todo = append(todo, &pending{i: i, p: p, wait: wait, r: r})
 	}
 	if len(todo) > 0 {
-		key, err := s.secrets.issuer(ctx)
+		key, err := s.secrets.Issuer(ctx)
 		if err != nil {
 			for _, t := range todo {
 				s.quotas.claimed(t.r, storage.ClaimResult{}, err) // gives the reservation back
@@ -233,7 +233,7 @@ func (s *Service) BatchComplete(ctx context.Context, req *idemregv1.BatchComplet
 			fail(i, err)
 			continue
 		}
-		if err := s.secrets.check(ctx, p.Key, p.Token, item.GetClaimSecret()); err != nil {
+		if err := s.secrets.Check(ctx, p.Key, p.Token, item.GetClaimSecret()); err != nil {
 			fail(i, s.toStatus(ctx, "BatchComplete", p.Key, err))
 			continue
 		}

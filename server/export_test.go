@@ -9,10 +9,6 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// DeriveClaimSecret is derive, for tests that play a holder against a
-// store whose claim key they chose.
-var DeriveClaimSecret = derive
-
 // RefreshQuotas runs one refresh of srv's quota usage now, as its loop
 // does every QuotaRefresh.
 func RefreshQuotas(ctx context.Context, srv *Server) error { return srv.svc.quotas.refresh(ctx) }

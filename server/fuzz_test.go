@@ -18,6 +18,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -76,7 +77,7 @@ func (s *echoStore) RotateClaimKey(context.Context, storage.RotateClaimKeyParams
 // secretOf is what the holder of token for r's key would send, or a part
 // of it.
 func secretOf(r request) []byte {
-	s := server.DeriveClaimSecret(echoKey, storage.Key{Consumer: r.consumer, Kind: storage.Kind(r.kind), Key: r.key}, r.token)
+	s := claimsecret.Derive(echoKey, storage.Key{Consumer: r.consumer, Kind: storage.Kind(r.kind), Key: r.key}, r.token)
 	if r.shortSecret {
 		return s[:r.token&0xF] // 0 to 15 bytes
 	}

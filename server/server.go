@@ -31,6 +31,7 @@ import (
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
+	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
@@ -149,7 +150,7 @@ type Config struct {
 	MeterProvider  metric.MeterProvider
 	TracerProvider trace.TracerProvider
 	// ClaimKeyRefresh is how often the claim keys are re-read from the
-	// store (DefaultClaimKeyRefresh; secret.go): the bound on how late this
+	// store (DefaultClaimKeyRefresh): the bound on how late this
 	// replica learns of a rotation (idemreg rotate-claim-key), besides the
 	// one read a secret that verifies under no known key causes, at most
 	// once per interval.
@@ -621,3 +622,11 @@ func panicHandler(logger *slog.Logger) recovery.RecoveryHandlerFuncContext {
 		return newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 }
+
+// ClaimSecretSize is the length of a claim secret (server/internal/claimsecret).
+const ClaimSecretSize = claimsecret.Size
+
+// DefaultClaimKeyRefresh is how often a server re-reads the claim keys by
+// default: the bound on how late it learns of a rotation, which
+// `idemreg rotate-claim-key`'s activation delay must exceed.
+const DefaultClaimKeyRefresh = claimsecret.DefaultRefresh

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -26,7 +27,7 @@ type Service struct {
 	limits Limits
 	// policies give each consumer its lease and retention bounds.
 	policies *policy.Source
-	secrets  *claimSecrets
+	secrets  *claimsecret.Secrets
 	waiters  *waitHub
 	recheck  time.Duration // DefaultWaitRecheck
 	// quotas follow the usage of the consumers with a quota (quota.go).
@@ -64,7 +65,7 @@ type serviceBounds struct {
 	// followed for each identity (DefaultMaxQuotaConsumersPerIdentity).
 	maxQuotaConsumersPerIdentity int
 	// claimKeyRefresh is how often the claim keys are re-read
-	// (DefaultClaimKeyRefresh); now is the clock their activation and
+	// (claimsecret.DefaultRefresh); now is the clock their activation and
 	// grace are compared with (time.Now).
 	claimKeyRefresh time.Duration
 	now             func() time.Time
@@ -98,7 +99,7 @@ func newService(store storeChain, limits Limits, policies *policy.Source, logger
 	if now == nil {
 		now = time.Now
 	}
-	secrets, perProcess := newClaimSecrets(store.claimKeys(), now, cmp.Or(b.claimKeyRefresh, DefaultClaimKeyRefresh), logger)
+	secrets, perProcess := claimsecret.New(store.claimKeys(), now, cmp.Or(b.claimKeyRefresh, claimsecret.DefaultRefresh), logger)
 	if perProcess {
 		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", store.backend))
 	}
@@ -131,7 +132,7 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 	// Read before the claim, so that no claim is acquired without an
 	// answer that proves it; and before the quota reserves anything, so
 	// that nothing is left to give back when it fails.
-	key, err := s.secrets.issuer(ctx)
+	key, err := s.secrets.Issuer(ctx)
 	if err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
@@ -158,7 +159,7 @@ func (s *Service) claimResponse(ctx context.Context, method string, key []byte, 
 	switch res.Outcome {
 	case storage.OutcomeAcquired:
 		out.Token = res.Record.Token
-		out.ClaimSecret = derive(key, p.Key, res.Record.Token)
+		out.ClaimSecret = claimsecret.Derive(key, p.Key, res.Record.Token)
 	case storage.OutcomeInProgress:
 		out.RetryAfter = durationpb.New(res.RetryAfter)
 	}
@@ -252,7 +253,7 @@ func (s *Service) Lookup(ctx context.Context, req *idemregv1.LookupRequest) (*id
 // claim's secret, that a Claim gave it the token; so the record comes back
 // with it.
 func (s *Service) fenced(ctx context.Context, method string, k storage.Key, token int64, secret []byte, call func() (storage.Record, error)) (*idemregv1.Record, error) {
-	if err := s.secrets.check(ctx, k, token, secret); err != nil {
+	if err := s.secrets.Check(ctx, k, token, secret); err != nil {
 		return nil, s.toStatus(ctx, method, k, err)
 	}
 	got, err := call()

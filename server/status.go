@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -143,7 +144,7 @@ func classify(err error) idemregv1.ErrorReason {
 		return reasonFingerprintMismatch
 	case errors.Is(err, storage.ErrLeaseLost):
 		return reasonLeaseLost
-	case errors.Is(err, errClaimSecretUnknown):
+	case errors.Is(err, claimsecret.ErrUnknown):
 		return reasonClaimSecretInvalid
 	case errors.Is(err, storage.ErrAlreadyCompleted):
 		return reasonAlreadyCompleted
@@ -244,7 +245,7 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 		return newStatus(reason,
 			"the token is not the record's current token: another holder took over the key", meta)
 	case reasonClaimSecretInvalid:
-		return newStatus(reason, errClaimSecretUnknown.Error(), meta)
+		return newStatus(reason, claimsecret.ErrUnknown.Error(), meta)
 	case reasonAlreadyCompleted:
 		return newStatus(reason, "the record is already completed", meta)
 	case reasonParked:

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -31,7 +32,7 @@ func TestClassify(t *testing.T) {
 	}{
 		{"fingerprint mismatch", storage.ErrFingerprintMismatch, reasonFingerprintMismatch, "", "ok"},
 		{"lease lost", fmt.Errorf("postgres complete: %w", storage.ErrLeaseLost), reasonLeaseLost, "", "ok"},
-		{"claim secret invalid", errClaimSecretUnknown, reasonClaimSecretInvalid, "", "ok"},
+		{"claim secret invalid", claimsecret.ErrUnknown, reasonClaimSecretInvalid, "", "ok"},
 		{"already completed", storage.ErrAlreadyCompleted, reasonAlreadyCompleted, "", "ok"},
 		{"parked", storage.ErrParked, reasonParked, "", "ok"},
 		{"lease total exceeded", storage.ErrLeaseTotalExceeded, reasonLeaseTotalExceeded, "", "ok"},

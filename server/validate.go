@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
@@ -224,8 +225,8 @@ func (v *violations) fence(t int64, secret []byte) {
 	switch n := len(secret); {
 	case n == 0:
 		v.add("claim_secret", "required: the claim_secret returned by the Claim that acquired the token")
-	case n != ClaimSecretSize:
-		v.add("claim_secret", "must be %d bytes, got %d", ClaimSecretSize, n)
+	case n != claimsecret.Size:
+		v.add("claim_secret", "must be %d bytes, got %d", claimsecret.Size, n)
 	}
 }
 

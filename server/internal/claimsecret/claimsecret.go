@@ -1,25 +1,4 @@
-package server
-
-import (
-	"context"
-	"crypto/cipher"
-	"crypto/hmac"
-	"crypto/rand"
-	"crypto/sha256"
-	"encoding/binary"
-	"errors"
-	"log/slog"
-	"strconv"
-	"strings"
-	"sync"
-	"sync/atomic"
-	"time"
-
-	"github.com/idemreg/idemreg/server/internal/pagetoken"
-	"github.com/idemreg/idemreg/storage"
-)
-
-// Claim secrets.
+// Package claimsecret derives and checks claim secrets.
 //
 // A fencing token orders the holders of a key; it is not a credential. It
 // comes from the store's clock (storage.NextToken), so it can be computed
@@ -43,24 +22,45 @@ import (
 // the generation it replaces stays accepted for the rotation's grace. Each
 // server re-reads the keys every ClaimKeyRefresh, and at once, at most once
 // per interval, when a secret verifies under none of the keys it knows.
+package claimsecret
 
-// ClaimSecretSize is the length of a claim secret.
-const ClaimSecretSize = 16
+import (
+	"context"
+	"crypto/cipher"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
 
-// DefaultClaimKeyRefresh is how often a server re-reads the claim keys by
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/pagetoken"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// Size is the length of a claim secret.
+const Size = 16
+
+// DefaultRefresh is how often a server re-reads the claim keys by
 // default: the bound on how late it learns of a rotation, which
 // `idemreg rotate-claim-key`'s activation delay must exceed.
-const DefaultClaimKeyRefresh = 30 * time.Second
+const DefaultRefresh = 30 * time.Second
 
-// errClaimSecretUnknown: a claim secret verifies under no generation of the
+// ErrUnknown: a claim secret verifies under no generation of the
 // claim key the server accepts for the token it came with. It is not
 // LEASE_LOST: nothing says another holder took over (a stale holder's own
 // secret does verify, and the store then answers LEASE_LOST).
-var errClaimSecretUnknown = errors.New("claim_secret was not issued for this token under any claim key the registry accepts: not a secret of this registry, or one whose key generation was retired after a rotation's grace period")
+var ErrUnknown = errors.New("claim_secret was not issued for this token under any claim key the registry accepts: not a secret of this registry, or one whose key generation was retired after a rotation's grace period")
 
-// claimSecrets derives and checks claim secrets under the claim keys, read
+// Secrets derives and checks claim secrets under the claim keys, read
 // from the store on first use and again every refresh.
-type claimSecrets struct {
+type Secrets struct {
 	source  storage.ClaimKeys // nil: view is a key of this process only
 	now     func() time.Time
 	refresh time.Duration
@@ -75,25 +75,27 @@ type claimSecrets struct {
 
 // keyView is the claim keys as a server read them.
 type keyView struct {
-	keys   []viewKey // newest first
-	readAt time.Time // by claimSecrets.now
+	keys   []Key     // newest first
+	readAt time.Time // by Secrets.now
 }
 
-type viewKey struct {
+// Key is a generation of the claim key as a server read it, with the
+// sealer of the page tokens issued under it.
+type Key struct {
 	storage.ClaimKey
-	sealer cipher.AEAD // page tokens' (pagetoken.Sealer)
+	Sealer cipher.AEAD // page tokens' (pagetoken.Sealer)
 }
 
 // claimWarnEvery bounds the WARN lines about secrets that verify under no
 // key to one per interval per server; the others are counted into it.
 const claimWarnEvery = 10 * time.Second
 
-// newClaimSecrets reads the keys from keys, the store's; nil when the store
+// New reads the keys from keys, the store's; nil when the store
 // keeps none, which gets a random key for this process only: secrets then
 // survive neither a restart nor a move to another replica, so such a store
 // suits a single process (tests).
-func newClaimSecrets(keys storage.ClaimKeys, now func() time.Time, refresh time.Duration, logger *slog.Logger) (c *claimSecrets, perProcess bool) {
-	c = &claimSecrets{source: keys, now: now, refresh: refresh, logger: logger}
+func New(keys storage.ClaimKeys, now func() time.Time, refresh time.Duration, logger *slog.Logger) (c *Secrets, perProcess bool) {
+	c = &Secrets{source: keys, now: now, refresh: refresh, logger: logger}
 	if keys != nil {
 		return c, false
 	}
@@ -106,7 +108,7 @@ func newClaimSecrets(keys storage.ClaimKeys, now func() time.Time, refresh time.
 func newKeyView(ring storage.ClaimKeyRing, readAt time.Time) *keyView {
 	v := &keyView{readAt: readAt}
 	for _, k := range ring.Keys {
-		v.keys = append(v.keys, viewKey{ClaimKey: k, sealer: pagetoken.Sealer(k.Key)})
+		v.keys = append(v.keys, Key{ClaimKey: k, Sealer: pagetoken.Sealer(k.Key)})
 	}
 	return v
 }
@@ -115,7 +117,7 @@ func newKeyView(ring storage.ClaimKeyRing, readAt time.Time) *keyView {
 // they are older than the refresh interval. A failed re-read keeps the
 // keys it has (and logs it); a failed first read is the store's error
 // (storage.ErrUnavailable).
-func (c *claimSecrets) load(ctx context.Context) (*keyView, error) {
+func (c *Secrets) load(ctx context.Context) (*keyView, error) {
 	v := c.view.Load()
 	if v == nil {
 		c.mu.Lock()
@@ -143,7 +145,7 @@ func (c *claimSecrets) load(ctx context.Context) (*keyView, error) {
 
 // read reads the keys from the store and logs when what it read differs
 // from what the server had. The caller holds mu.
-func (c *claimSecrets) read(ctx context.Context) (*keyView, error) {
+func (c *Secrets) read(ctx context.Context) (*keyView, error) {
 	ring, err := c.source.ClaimKeyRing(ctx)
 	if err != nil {
 		return nil, err
@@ -169,7 +171,7 @@ func (c *claimSecrets) read(ctx context.Context) (*keyView, error) {
 }
 
 // current is the generation to issue secrets under at now.
-func (v *keyView) current(now time.Time) viewKey {
+func (v *keyView) current(now time.Time) Key {
 	for _, k := range v.keys {
 		if !now.Before(k.ActiveFrom) && k.Accepted(now) {
 			return k
@@ -192,29 +194,29 @@ func (v *keyView) generations() string {
 }
 
 // byGeneration is the key of gen when the server accepts it at now.
-func (v *keyView) byGeneration(gen int64, now time.Time) (viewKey, bool) {
+func (v *keyView) byGeneration(gen int64, now time.Time) (Key, bool) {
 	for _, k := range v.keys {
 		if k.Generation == gen && k.Accepted(now) {
 			return k, true
 		}
 	}
-	return viewKey{}, false
+	return Key{}, false
 }
 
-// issuer is the key the server issues secrets and page tokens under now.
-func (c *claimSecrets) issuer(ctx context.Context) (viewKey, error) {
+// Issuer is the key the server issues secrets and page tokens under now.
+func (c *Secrets) Issuer(ctx context.Context) (Key, error) {
 	v, err := c.load(ctx)
 	if err != nil {
-		return viewKey{}, err
+		return Key{}, err
 	}
 	return v.current(c.now()), nil
 }
 
-// check answers nil when got is the secret of token for k under a
-// generation the server accepts, errClaimSecretUnknown when it is not.
+// Check answers nil when got is the secret of token for k under a
+// generation the server accepts, ErrUnknown when it is not.
 // Other errors: the store's (storage.ErrUnavailable) when the keys cannot
 // be read.
-func (c *claimSecrets) check(ctx context.Context, k storage.Key, token int64, got []byte) error {
+func (c *Secrets) Check(ctx context.Context, k storage.Key, token int64, got []byte) error {
 	v, err := c.load(ctx)
 	if err != nil {
 		return err
@@ -229,14 +231,14 @@ func (c *claimSecrets) check(ctx context.Context, k storage.Key, token int64, go
 		v = nv
 	}
 	c.warn(ctx, "claim secret verifies under no accepted claim key generation", v,
-		"consumer", echo(k.Consumer), "kind", kindName(k.Kind))
-	return errClaimSecretUnknown
+		"consumer", k.Consumer, "kind", idemregv1.Kind(k.Kind).String()) // k passed the request's validation
+	return ErrUnknown
 }
 
 // reread reads the keys again after a miss (a rotation this server has
 // not read yet?), at most once per refresh interval, so that forged
 // secrets and tokens cannot drive the reads; false when it did not.
-func (c *claimSecrets) reread(ctx context.Context) (*keyView, bool) {
+func (c *Secrets) reread(ctx context.Context) (*keyView, bool) {
 	now := c.now().UnixNano()
 	last := c.lastMiss.Load()
 	if c.source == nil || now-last < int64(c.refresh) || !c.lastMiss.CompareAndSwap(last, now) {
@@ -252,21 +254,21 @@ func (c *claimSecrets) reread(ctx context.Context) (*keyView, bool) {
 	return nv, true
 }
 
-// sealer is the page tokens' key of generation gen, nil when the server
+// Sealer is the page tokens' key of generation gen, nil when the server
 // accepts no such generation, also after re-reading the keys (at most once
 // per interval, as for a secret). Errors: the store's when the keys cannot
 // be read at all.
-func (c *claimSecrets) sealer(ctx context.Context, gen int64) (cipher.AEAD, error) {
+func (c *Secrets) Sealer(ctx context.Context, gen int64) (cipher.AEAD, error) {
 	v, err := c.load(ctx)
 	if err != nil {
 		return nil, err
 	}
 	if k, ok := v.byGeneration(gen, c.now()); ok {
-		return k.sealer, nil
+		return k.Sealer, nil
 	}
 	if nv, ok := c.reread(ctx); ok {
 		if k, ok := nv.byGeneration(gen, c.now()); ok {
-			return k.sealer, nil
+			return k.Sealer, nil
 		}
 		v = nv
 	}
@@ -276,7 +278,7 @@ func (c *claimSecrets) sealer(ctx context.Context, gen int64) (cipher.AEAD, erro
 
 func (v *keyView) verifies(k storage.Key, token int64, got []byte, now time.Time) bool {
 	for _, key := range v.keys {
-		if key.Accepted(now) && hmac.Equal(derive(key.Key, k, token), got) {
+		if key.Accepted(now) && hmac.Equal(Derive(key.Key, k, token), got) {
 			return true
 		}
 	}
@@ -286,7 +288,7 @@ func (v *keyView) verifies(k storage.Key, token int64, got []byte, now time.Time
 // warn logs a secret or page token that verified under no key the
 // server accepts, at most once per claimWarnEvery, with how many were not
 // logged since: what a caller sends must not drive the log.
-func (c *claimSecrets) warn(ctx context.Context, msg string, v *keyView, attrs ...any) {
+func (c *Secrets) warn(ctx context.Context, msg string, v *keyView, attrs ...any) {
 	now := c.now().UnixNano()
 	last := c.lastWarn.Load()
 	if now-last < int64(claimWarnEvery) || !c.lastWarn.CompareAndSwap(last, now) {
@@ -298,7 +300,8 @@ func (c *claimSecrets) warn(ctx context.Context, msg string, v *keyView, attrs .
 	c.logger.WarnContext(ctx, msg, attrs...)
 }
 
-func derive(key []byte, k storage.Key, token int64) []byte {
+// Derive is the claim secret of token for k under key (a claim key).
+func Derive(key []byte, k storage.Key, token int64) []byte {
 	m := hmac.New(sha256.New, key)
 	// Length-prefixed fields: no two keys encode alike.
 	var buf [binary.MaxVarintLen64]byte
@@ -309,5 +312,5 @@ func derive(key []byte, k storage.Key, token int64) []byte {
 	m.Write(binary.AppendUvarint(buf[:0], uint64(len(k.Key))))
 	m.Write([]byte(k.Key))
 	m.Write(binary.BigEndian.AppendUint64(buf[:0], uint64(token)))
-	return m.Sum(nil)[:ClaimSecretSize]
+	return m.Sum(nil)[:Size]
 }
