@@ -247,3 +247,13 @@ func rateLimited(msg, subject string, l access.Limit, wait time.Duration, meta m
 		&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{Subject: subject, Description: l.String()}}},
 		retryInfo(wait))
 }
+
+// identityName is the identity charged for what the request of ctx
+// makes the replica hold: the anonymous one for a caller of an open server
+// (or a call that came through no interceptor).
+func identityName(ctx context.Context) string {
+	if id, ok := IdentityFrom(ctx); ok && id != nil {
+		return id.Name
+	}
+	return access.Anonymous.Name
+}

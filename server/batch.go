@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/quota"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -130,7 +131,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		p    storage.ClaimParams
 		wait time.Duration
 		d    decision
-		r    *reservation
+		r    *quota.Reservation
 	}
 	var todo []*pending
 	// A key named more than once does not wait: a later item on it is
@@ -154,7 +155,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		}
 		// Each item's quota on its own, before the store: a refused item
 		// is that item's answer, as its unary Claim's would be.
-		r, err := s.quotas.admit(ctx, s.store, s.policyFor(ctx, p.Consumer), p)
+		r, err := s.quotas.Admit(ctx, s.store, identityName(ctx), s.policyFor(ctx, p.Consumer), p)
 		if err != nil {
 			fail(i, s.toStatus(ctx, "BatchClaim", p.Key, err))
 			continue
@@ -165,7 +166,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		key, err := s.secrets.Issuer(ctx)
 		if err != nil {
 			for _, t := range todo {
-				s.quotas.claimed(t.r, storage.ClaimResult{}, err) // gives the reservation back
+				s.quotas.Claimed(t.r, storage.ClaimResult{}, err) // gives the reservation back
 			}
 			return nil, s.toStatus(ctx, "BatchClaim", todo[0].p.Key, err)
 		}
@@ -178,7 +179,7 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		}
 		for j, a := range storage.ClaimBatch(ctx, s.store, ps) {
 			todo[j].d.res, todo[j].d.err = a.Result, a.Err
-			s.quotas.claimed(todo[j].r, a.Result, a.Err)
+			s.quotas.Claimed(todo[j].r, a.Result, a.Err)
 		}
 		var wg sync.WaitGroup
 		for _, t := range todo {
@@ -245,7 +246,7 @@ func (s *Service) BatchComplete(ctx context.Context, req *idemregv1.BatchComplet
 			fail(i, s.toStatus(ctx, "BatchComplete", p.Key, a.Err))
 			continue
 		}
-		s.quotas.completed(p)
+		s.quotas.Completed(p)
 		s.waiters.notify(p.Key)
 		rec, err := toRecord(a.Record, true)
 		if err != nil {

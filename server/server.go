@@ -32,6 +32,7 @@ import (
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
+	"github.com/idemreg/idemreg/server/internal/quota"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
@@ -423,7 +424,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	defer func() { cancel(); loops.Wait() }() // no loop outlives Serve
 	s.checkHealth(ctx)
 	go s.watchHealth(ctx)
-	loops.Go(func() { s.svc.quotas.run(ctx, s.cfg.QuotaRefresh) })
+	loops.Go(func() { s.svc.quotas.Run(ctx, s.cfg.QuotaRefresh) })
 	loops.Go(func() { s.parked.run(ctx, s.cfg.ParkedCountInterval) })
 
 	lis = s.limitConnections("grpc", lis)
@@ -630,3 +631,13 @@ const ClaimSecretSize = claimsecret.Size
 // default: the bound on how late it learns of a rotation, which
 // `idemreg rotate-claim-key`'s activation delay must exceed.
 const DefaultClaimKeyRefresh = claimsecret.DefaultRefresh
+
+// Quotas' defaults (server/internal/quota): how often a replica counts the
+// usage of the consumers with a quota; how many of them it follows for one
+// identity; how many refreshes a consumer may go without a Claim before it
+// is forgotten.
+const (
+	DefaultQuotaRefresh                 = quota.DefaultRefresh
+	DefaultMaxQuotaConsumersPerIdentity = quota.DefaultMaxConsumersPerIdentity
+	QuotaIdleRefreshes                  = quota.IdleRefreshes
+)

@@ -14,6 +14,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
+	"github.com/idemreg/idemreg/server/internal/quota"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -31,7 +32,7 @@ type Service struct {
 	waiters  *waitHub
 	recheck  time.Duration // DefaultWaitRecheck
 	// quotas follow the usage of the consumers with a quota (quota.go).
-	quotas  *quotas
+	quotas  *quota.Quotas
 	metrics *metrics
 	logger  *slog.Logger
 }
@@ -107,7 +108,7 @@ func newService(store storeChain, limits Limits, policies *policy.Source, logger
 	s := &Service{store: store, limits: limits, policies: policies, secrets: secrets,
 		waiters: newWaitHub(maxWaiters, b.waitersPerIdentity(maxWaiters)), recheck: cmp.Or(b.recheck, DefaultWaitRecheck),
 		metrics: m, logger: logger}
-	s.quotas = newQuotas(store.usageCounter(), func() *policy.Set { return s.policies.Current() },
+	s.quotas = quota.New(store.usageCounter(), func(c string) policy.Policy { return s.policies.Current().For(c) },
 		cmp.Or(b.maxQuotaConsumersPerIdentity, DefaultMaxQuotaConsumersPerIdentity), logger)
 	return s, nil
 }
@@ -136,7 +137,7 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 	if err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
-	r, err := s.quotas.admit(ctx, s.store, s.policyFor(ctx, p.Consumer), p)
+	r, err := s.quotas.Admit(ctx, s.store, identityName(ctx), s.policyFor(ctx, p.Consumer), p)
 	if err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
@@ -176,7 +177,7 @@ func (s *Service) Complete(ctx context.Context, req *idemregv1.CompleteRequest) 
 	if err != nil {
 		return nil, err
 	}
-	s.quotas.completed(p)
+	s.quotas.Completed(p)
 	s.waiters.notify(p.Key)
 	return &idemregv1.CompleteResponse{Record: rec}, nil
 }

@@ -15,6 +15,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
+	"github.com/idemreg/idemreg/server/internal/quota"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -132,11 +133,11 @@ const (
 // claim outcomes), readiness (callOutcomes.record) and the admin audit all
 // go by it, so that they cannot disagree about what an error is.
 func classify(err error) idemregv1.ErrorReason {
-	var quota *quotaExceeded
+	var exceeded *quota.Exceeded
 	switch {
 	case err == nil:
 		return idemregv1.ErrorReason_ERROR_REASON_UNSPECIFIED
-	case errors.As(err, &quota):
+	case errors.As(err, &exceeded):
 		return reasonQuotaExceeded
 	case errors.Is(err, storage.ErrLeaseTotalExceeded):
 		return reasonLeaseTotalExceeded
@@ -199,32 +200,32 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 	meta := keyMeta(k)
 	switch reason := answerReason(ctx, err); reason {
 	case reasonQuotaExceeded:
-		var quota *quotaExceeded
-		errors.As(err, &quota)
+		var exceeded *quota.Exceeded
+		errors.As(err, &exceeded)
 		var violations []*errdetails.QuotaFailure_Violation
 		var what []string
-		if quota.maxConsumers > 0 {
-			meta["identity"], meta["max_consumers"] = quota.identity, strconv.FormatInt(quota.maxConsumers, 10)
+		if exceeded.MaxConsumers > 0 {
+			meta["identity"], meta["max_consumers"] = exceeded.Identity, strconv.FormatInt(exceeded.MaxConsumers, 10)
 			d := fmt.Sprintf("identity %q already has %d consumers with a quota (of %s and others) followed on this replica, the most it may, so this one's usage cannot be checked; one idle for %d quota refreshes makes room",
-				quota.identity, quota.maxConsumers, quota.source, QuotaIdleRefreshes)
-			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + quota.consumer, Description: d})
+				exceeded.Identity, exceeded.MaxConsumers, exceeded.Source, quota.IdleRefreshes)
+			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + exceeded.Consumer, Description: d})
 			what = append(what, d)
 		}
-		if quota.maxRecords > 0 {
-			meta["max_records"], meta["records"] = strconv.FormatInt(quota.maxRecords, 10), strconv.FormatInt(quota.records, 10)
-			d := fmt.Sprintf("at most %d live records (max_records of %s); %d known", quota.maxRecords, quota.source, quota.records)
-			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + quota.consumer, Description: d})
+		if exceeded.MaxRecords > 0 {
+			meta["max_records"], meta["records"] = strconv.FormatInt(exceeded.MaxRecords, 10), strconv.FormatInt(exceeded.Records, 10)
+			d := fmt.Sprintf("at most %d live records (max_records of %s); %d known", exceeded.MaxRecords, exceeded.Source, exceeded.Records)
+			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + exceeded.Consumer, Description: d})
 			what = append(what, d)
 		}
-		if quota.maxBytes > 0 {
-			meta["max_bytes"], meta["bytes"] = strconv.FormatInt(quota.maxBytes, 10), strconv.FormatInt(quota.bytes, 10)
-			d := fmt.Sprintf("at most %d bytes of live records (max_bytes of %s); %d known", quota.maxBytes, quota.source, quota.bytes)
-			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + quota.consumer, Description: d})
+		if exceeded.MaxBytes > 0 {
+			meta["max_bytes"], meta["bytes"] = strconv.FormatInt(exceeded.MaxBytes, 10), strconv.FormatInt(exceeded.Bytes, 10)
+			d := fmt.Sprintf("at most %d bytes of live records (max_bytes of %s); %d known", exceeded.MaxBytes, exceeded.Source, exceeded.Bytes)
+			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + exceeded.Consumer, Description: d})
 			what = append(what, d)
 		}
 		return newStatus(reason,
 			fmt.Sprintf("consumer %q is at its quota: %s; new keys are refused until its records expire, Claims of its live keys still work",
-				quota.consumer, strings.Join(what, "; ")), meta,
+				exceeded.Consumer, strings.Join(what, "; ")), meta,
 			&errdetails.QuotaFailure{Violations: violations})
 	case reasonLeaseTotalExceeded:
 		var total *leaseTotalExceeded

@@ -13,6 +13,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
+	"github.com/idemreg/idemreg/server/internal/quota"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -37,7 +38,7 @@ func TestClassify(t *testing.T) {
 		{"parked", storage.ErrParked, reasonParked, "", "ok"},
 		{"lease total exceeded", storage.ErrLeaseTotalExceeded, reasonLeaseTotalExceeded, "", "ok"},
 		{"lease total exceeded, with its bound", &leaseTotalExceeded{}, reasonLeaseTotalExceeded, "", "ok"},
-		{"quota exceeded", &quotaExceeded{consumer: "c", maxRecords: 1, records: 1}, reasonQuotaExceeded, "", "ok"},
+		{"quota exceeded", &quota.Exceeded{Consumer: "c", MaxRecords: 1, Records: 1}, reasonQuotaExceeded, "", "ok"},
 		{"not found", fmt.Errorf("pebble lookup: %w", storage.ErrNotFound), reasonNotFound, "", "ok"},
 		{"store unavailable", fmt.Errorf("%w: postgres claim: %w", storage.ErrUnavailable, errors.New("SQLSTATE 53100")), reasonStoreUnavailable, "unavailable", "failed"},
 		{"deadline", fmt.Errorf("postgres claim: %w", context.DeadlineExceeded), reasonDeadlineExceeded, "deadline", ""},

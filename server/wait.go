@@ -9,6 +9,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/internal/quota"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -181,10 +182,10 @@ func waitEnd(ctx context.Context, d time.Duration) time.Time {
 // claim decides p, waiting up to wait while the key is in progress; r,
 // what its admission reserved of the consumer's quota, is settled by
 // every decision.
-func (s *Service) claim(ctx context.Context, p storage.ClaimParams, wait time.Duration, r *reservation) (storage.ClaimResult, error) {
+func (s *Service) claim(ctx context.Context, p storage.ClaimParams, wait time.Duration, r *quota.Reservation) (storage.ClaimResult, error) {
 	if wait <= 0 {
 		res, err := s.store.Claim(ctx, p)
-		s.quotas.claimed(r, res, err)
+		s.quotas.Claimed(r, res, err)
 		return res, err
 	}
 	start := time.Now()
@@ -214,17 +215,17 @@ func (s *Service) joinWait(ctx context.Context, k storage.Key) decision {
 	return decision{w: w, refused: refused}
 }
 
-func (s *Service) decideJoined(ctx context.Context, p storage.ClaimParams, r *reservation) decision {
+func (s *Service) decideJoined(ctx context.Context, p storage.ClaimParams, r *quota.Reservation) decision {
 	d := s.joinWait(ctx, p.Key)
 	d.res, d.err = s.store.Claim(ctx, p)
-	s.quotas.claimed(r, d.res, d.err)
+	s.quotas.Claimed(r, d.res, d.err)
 	return d
 }
 
 // waitClaim is claim's loop from the first decision d (whose answer r
 // already settled); ended says how a wait ended, empty when the first
 // decision needed none.
-func (s *Service) waitClaim(ctx context.Context, p storage.ClaimParams, end time.Time, d decision, r *reservation) (res storage.ClaimResult, err error, ended string) {
+func (s *Service) waitClaim(ctx context.Context, p storage.ClaimParams, end time.Time, d decision, r *quota.Reservation) (res storage.ClaimResult, err error, ended string) {
 	share := waitShare(ctx)
 	for round := 0; ; round++ {
 		if round > 0 {

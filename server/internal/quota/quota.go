@@ -1,20 +1,5 @@
-package server
-
-import (
-	"context"
-	"errors"
-	"fmt"
-	"log/slog"
-	"sync"
-	"sync/atomic"
-	"time"
-
-	"github.com/idemreg/idemreg/server/access"
-	"github.com/idemreg/idemreg/server/policy"
-	"github.com/idemreg/idemreg/storage"
-)
-
-// Quotas.
+// Package quota keeps the consumers' quotas (max_records, max_bytes of
+// their policies) as far as one replica knows them.
 //
 // A consumer whose policy sets max_records or max_bytes may keep that many
 // live records, or records of that many bytes (storage.RecordBytes), as far
@@ -59,35 +44,49 @@ import (
 // on it. max_bytes is checked at Claim time only: the Complete that stores
 // a large result is never refused, so a consumer may pass max_bytes by the
 // results of the records it holds in progress.
+package quota
 
-// DefaultQuotaRefresh is how often a replica counts the usage of the
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemreg/idemreg/server/policy"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// DefaultRefresh is how often a replica counts the usage of the
 // consumers with a quota.
-const DefaultQuotaRefresh = 30 * time.Second
+const DefaultRefresh = 30 * time.Second
 
-// DefaultMaxQuotaConsumersPerIdentity bounds the consumers with a quota
+// DefaultMaxConsumersPerIdentity bounds the consumers with a quota
 // one replica follows for one identity (Config.MaxQuotaConsumersPerIdentity):
 // their usage is counted in one statement per refresh, so the bound keeps
 // that statement, and the memory of the usage, in proportion to the
 // identities of the config file. Only an identity that invents consumer
 // names under a prefix reaches it, and then only its own new consumers are
 // refused.
-const DefaultMaxQuotaConsumersPerIdentity = 10000
+const DefaultMaxConsumersPerIdentity = 10000
 
-// QuotaIdleRefreshes is how many refreshes a followed consumer may go
+// IdleRefreshes is how many refreshes a followed consumer may go
 // without a Claim admitted through this replica before the next refresh
 // forgets it: what an identity's invented consumers hold of its share ends
 // with their Claims, and a forgotten consumer is counted again when seen.
-const QuotaIdleRefreshes = 10
+const IdleRefreshes = 10
 
-// quotas follows the usage of the consumers with a quota.
-type quotas struct {
+// Quotas follows the usage of the consumers with a quota.
+type Quotas struct {
 	// counter is nil when the store cannot count: quotas are then not
 	// enforced, with a warning.
 	counter storage.UsageCounter
-	// policies is the set in force, for dropping consumers whose quota a
-	// reload removed.
-	policies func() *policy.Set
-	logger   *slog.Logger
+	// policyFor is a consumer's policy in force, for dropping consumers
+	// whose quota a reload removed.
+	policyFor func(consumer string) policy.Policy
+	logger    *slog.Logger
 	// perIdentity bounds the consumers followed for each identity.
 	perIdentity int64
 
@@ -139,48 +138,42 @@ type usage struct {
 func (u *usage) records() int64 { return u.baseRecords.Load() + u.addedRecords.Load() }
 func (u *usage) bytes() int64   { return u.baseBytes.Load() + u.addedBytes.Load() }
 
-// reservation is what one admitted Claim holds of its consumer's quota
+// Reservation is what one admitted Claim holds of its consumer's quota
 // until the store answers it: one record and the Claim's bytes, or nothing
 // for a Claim of a live key admitted at the quota.
-type reservation struct {
+type Reservation struct {
 	u              *usage
 	records, bytes int64
 }
 
-// newQuotas follows usage with counter, nil when the store cannot count,
-// at most perIdentity consumers for each identity.
-func newQuotas(counter storage.UsageCounter, policies func() *policy.Set, perIdentity int, logger *slog.Logger) *quotas {
-	return &quotas{counter: counter, policies: policies, perIdentity: int64(perIdentity), logger: logger, wake: make(chan struct{}, 1)}
+// New follows usage with counter (nil when the store cannot count) under
+// the policies policyFor gives, at most perIdentity consumers for each
+// identity.
+func New(counter storage.UsageCounter, policyFor func(consumer string) policy.Policy, perIdentity int, logger *slog.Logger) *Quotas {
+	return &Quotas{counter: counter, policyFor: policyFor, perIdentity: int64(perIdentity), logger: logger, wake: make(chan struct{}, 1)}
 }
 
-// quotaExceeded: a Claim of a new key for a consumer at or over a quota,
-// or for one this replica cannot follow (maxConsumers set).
-type quotaExceeded struct {
-	consumer, source    string
-	maxRecords, records int64 // maxRecords zero when not exceeded
-	maxBytes, bytes     int64 // maxBytes zero when not exceeded
-	// identity already has maxConsumers consumers followed, when set.
-	identity     string
-	maxConsumers int64
+// Exceeded is the refusal of a Claim of a new key for a consumer at or
+// over a quota, or for one this replica cannot follow (MaxConsumers set).
+type Exceeded struct {
+	// Consumer is the consumer refused, Source where its policy comes from.
+	Consumer, Source string
+	// MaxRecords is zero when max_records is not what was reached.
+	MaxRecords, Records int64
+	// MaxBytes is zero when max_bytes is not what was reached.
+	MaxBytes, Bytes int64
+	// Identity already has MaxConsumers consumers followed, when set.
+	Identity     string
+	MaxConsumers int64
 }
 
-func (e *quotaExceeded) Error() string {
-	return fmt.Sprintf("consumer %q is at its quota", e.consumer)
+func (e *Exceeded) Error() string {
+	return fmt.Sprintf("consumer %q is at its quota", e.Consumer)
 }
 
 // errNotFollowed: the identity already has its share of followed
 // consumers.
 var errNotFollowed = errors.New("the identity has its share of consumers followed")
-
-// identityName is the identity charged for what the request of ctx
-// makes the replica hold: the anonymous one for a caller of an open server
-// (or a call that came through no interceptor).
-func identityName(ctx context.Context) string {
-	if id, ok := IdentityFrom(ctx); ok && id != nil {
-		return id.Name
-	}
-	return access.Anonymous.Name
-}
 
 // claimBytes are the bytes of the record a Claim of p creates, as
 // storage.RecordBytes counts them.
@@ -188,26 +181,26 @@ func claimBytes(p storage.ClaimParams) int64 {
 	return int64(len(p.Consumer) + len(p.Key.Key) + len(p.Fingerprint) + len(p.Holder) + len(p.RequestID))
 }
 
-// admit decides whether a Claim of p may go to the store under pol, and
-// reserves what it may create. The reservation must be given to claimed
+// Admit decides whether a Claim of p, by the identity named owner (the one
+// charged for following a consumer it is the first to Claim), may go to
+// the store under pol, and reserves what it may create. The reservation must be given to claimed
 // once the store answered (or the Claim was given up); nil when the
 // consumer has no quota.
-func (q *quotas) admit(ctx context.Context, store storage.Store, pol policy.Policy, p storage.ClaimParams) (*reservation, error) {
+func (q *Quotas) Admit(ctx context.Context, store Lookuper, owner string, pol policy.Policy, p storage.ClaimParams) (*Reservation, error) {
 	if !pol.HasQuota() {
 		return nil, nil
 	}
 	if q.counter == nil {
 		if !q.warnedNoCounter.Swap(true) {
-			q.logger.WarnContext(ctx, "quotas not enforced: the store cannot count usage", "consumer", echo(p.Consumer))
+			q.logger.WarnContext(ctx, "quotas not enforced: the store cannot count usage", "consumer", p.Consumer) // validated before Admit
 		}
 		return nil, nil
 	}
-	owner := identityName(ctx)
 	for {
 		u, err := q.follow(ctx, p.Consumer, owner)
 		if err != nil {
 			// Fail closed: a consumer not followed is at its quota.
-			return nil, q.atQuota(ctx, store, p.Key, &quotaExceeded{consumer: p.Consumer, source: pol.Source, identity: owner, maxConsumers: q.perIdentity})
+			return nil, q.atQuota(ctx, store, p.Key, &Exceeded{Consumer: p.Consumer, Source: pol.Source, Identity: owner, MaxConsumers: q.perIdentity})
 		}
 		u.mu.Lock()
 		if u.forgotten {
@@ -217,15 +210,15 @@ func (q *quotas) admit(ctx context.Context, store storage.Store, pol policy.Poli
 		if epoch := q.epoch.Load(); u.seen.Load() != epoch {
 			u.seen.Store(epoch)
 		}
-		e := &quotaExceeded{consumer: p.Consumer, source: pol.Source}
+		e := &Exceeded{Consumer: p.Consumer, Source: pol.Source}
 		if r := u.records() + u.reservedRecords; pol.MaxRecords > 0 && r >= pol.MaxRecords {
-			e.maxRecords, e.records = pol.MaxRecords, r
+			e.MaxRecords, e.Records = pol.MaxRecords, r
 		}
 		if b := u.bytes() + u.reservedBytes; pol.MaxBytes > 0 && b >= pol.MaxBytes {
-			e.maxBytes, e.bytes = pol.MaxBytes, b
+			e.MaxBytes, e.Bytes = pol.MaxBytes, b
 		}
-		if e.maxRecords == 0 && e.maxBytes == 0 {
-			r := &reservation{u: u, records: 1, bytes: claimBytes(p)}
+		if e.MaxRecords == 0 && e.MaxBytes == 0 {
+			r := &Reservation{u: u, records: 1, bytes: claimBytes(p)}
 			u.reservedRecords += r.records
 			u.reservedBytes += r.bytes
 			u.mu.Unlock()
@@ -235,13 +228,13 @@ func (q *quotas) admit(ctx context.Context, store storage.Store, pol policy.Poli
 		if err := q.atQuota(ctx, store, p.Key, e); err != nil {
 			return nil, err
 		}
-		return &reservation{u: u}, nil
+		return &Reservation{u: u}, nil
 	}
 }
 
 // atQuota lets a Claim of a consumer at its quota go on with a key that
 // has a live record, which adds none; it returns e for a new key.
-func (q *quotas) atQuota(ctx context.Context, store storage.Store, k storage.Key, e *quotaExceeded) error {
+func (q *Quotas) atQuota(ctx context.Context, store Lookuper, k storage.Key, e *Exceeded) error {
 	switch _, err := store.Lookup(ctx, k); {
 	case err == nil:
 		return nil
@@ -255,7 +248,7 @@ func (q *quotas) atQuota(ctx context.Context, store storage.Store, k storage.Key
 // follow returns the usage of consumer, following it from now on, charged
 // to owner when it was not followed yet; errNotFollowed when owner has
 // its share of followed consumers.
-func (q *quotas) follow(ctx context.Context, consumer, owner string) (*usage, error) {
+func (q *Quotas) follow(ctx context.Context, consumer, owner string) (*usage, error) {
 	if v, ok := q.consumers.Load(consumer); ok {
 		return v.(*usage), nil
 	}
@@ -264,7 +257,7 @@ func (q *quotas) follow(ctx context.Context, consumer, owner string) (*usage, er
 		n.Add(-1)
 		if _, warned := q.warnedFull.LoadOrStore(owner, struct{}{}); !warned {
 			q.logger.WarnContext(ctx, "quota: new keys refused for consumers beyond the identity's share of consumers followed",
-				"identity", owner, "max", q.perIdentity, "consumer", echo(consumer))
+				"identity", owner, "max", q.perIdentity, "consumer", consumer)
 		}
 		return nil, errNotFollowed
 	}
@@ -278,7 +271,7 @@ func (q *quotas) follow(ctx context.Context, consumer, owner string) (*usage, er
 	return v.(*usage), nil
 }
 
-func (q *quotas) followedBy(owner string) *atomic.Int64 {
+func (q *Quotas) followedBy(owner string) *atomic.Int64 {
 	v, ok := q.followed.Load(owner)
 	if !ok {
 		v, _ = q.followed.LoadOrStore(owner, new(atomic.Int64))
@@ -289,7 +282,7 @@ func (q *quotas) followedBy(owner string) *atomic.Int64 {
 // forget stops following u unless a Claim holds a reservation on it (keep
 // set): it is then kept until a later refresh. It reports whether u was
 // forgotten.
-func (q *quotas) forget(u *usage, keep bool) bool {
+func (q *Quotas) forget(u *usage, keep bool) bool {
 	u.mu.Lock()
 	if keep && (u.reservedRecords != 0 || u.reservedBytes != 0) {
 		u.mu.Unlock()
@@ -303,12 +296,12 @@ func (q *quotas) forget(u *usage, keep bool) bool {
 	return true
 }
 
-// claimed is called with the store's answer to a Claim admitted with r
+// Claimed is called with the store's answer to a Claim admitted with r
 // (each decision of a waiting Claim, or the error that gave it up): it
 // adds the record the Claim created, if it did, gives back what r
 // reserved, and asks for a count of a consumer seen for the first time,
 // now that its Claim is in the store.
-func (q *quotas) claimed(r *reservation, res storage.ClaimResult, err error) {
+func (q *Quotas) Claimed(r *Reservation, res storage.ClaimResult, err error) {
 	if r == nil {
 		return
 	}
@@ -341,32 +334,31 @@ func (q *quotas) claimed(r *reservation, res storage.ClaimResult, err error) {
 	}
 }
 
-// completed adds a stored result to its consumer's usage, if followed.
-func (q *quotas) completed(p storage.CompleteParams) {
+// Completed adds a stored result to its consumer's usage, if followed.
+func (q *Quotas) Completed(p storage.CompleteParams) {
 	if v, ok := q.consumers.Load(p.Consumer); ok {
 		v.(*usage).addedBytes.Add(int64(len(p.Result)))
 	}
 }
 
-// refresh counts the usage of the consumers followed, and stops following
+// Refresh counts the usage of the consumers followed, and stops following
 // those whose policy has no quota any more and those idle for
-// QuotaIdleRefreshes refreshes. On a store failure every consumer keeps the
+// IdleRefreshes refreshes. On a store failure every consumer keeps the
 // usage it had, and the failure is logged.
-func (q *quotas) refresh(ctx context.Context) error {
+func (q *Quotas) Refresh(ctx context.Context) error {
 	if q.counter == nil {
 		return nil
 	}
 	q.refreshMu.Lock()
 	defer q.refreshMu.Unlock()
 	epoch := q.epoch.Add(1)
-	set := q.policies()
 	var names []string
 	q.consumers.Range(func(_, v any) bool {
 		u := v.(*usage)
 		switch {
-		case !set.For(u.name).HasQuota():
+		case !q.policyFor(u.name).HasQuota():
 			q.forget(u, false)
-		case epoch-u.seen.Load() > QuotaIdleRefreshes && q.forget(u, true):
+		case epoch-u.seen.Load() > IdleRefreshes && q.forget(u, true):
 		default:
 			names = append(names, u.name)
 		}
@@ -376,7 +368,7 @@ func (q *quotas) refresh(ctx context.Context) error {
 }
 
 // refreshFresh counts the consumers seen first since the last call.
-func (q *quotas) refreshFresh(ctx context.Context) error {
+func (q *Quotas) refreshFresh(ctx context.Context) error {
 	q.freshMu.Lock()
 	names := q.fresh
 	q.fresh = nil
@@ -387,7 +379,7 @@ func (q *quotas) refreshFresh(ctx context.Context) error {
 }
 
 // count sets the usage of names from the store's count; refreshMu held.
-func (q *quotas) count(ctx context.Context, names []string) error {
+func (q *Quotas) count(ctx context.Context, names []string) error {
 	if len(names) == 0 {
 		q.refreshed.Add(1)
 		return nil
@@ -426,9 +418,9 @@ func (q *quotas) count(ctx context.Context, names []string) error {
 	return nil
 }
 
-// run refreshes every interval, and when a consumer is first seen, until
+// Run refreshes every interval, and when a consumer is first seen, until
 // ctx ends.
-func (q *quotas) run(ctx context.Context, interval time.Duration) {
+func (q *Quotas) Run(ctx context.Context, interval time.Duration) {
 	if q.counter == nil {
 		return
 	}
@@ -442,7 +434,7 @@ func (q *quotas) run(ctx context.Context, interval time.Duration) {
 			return
 		case <-t.C:
 			rctx, cancel := context.WithTimeout(ctx, interval)
-			_ = q.refresh(rctx) // logged; the usage last known stays
+			_ = q.Refresh(rctx) // logged; the usage last known stays
 			cancel()
 		case <-q.wake:
 			rctx, cancel := context.WithTimeout(ctx, interval)
@@ -451,3 +443,31 @@ func (q *quotas) run(ctx context.Context, interval time.Duration) {
 		}
 	}
 }
+
+// Lookuper is what Admit needs of the store: whether a key has a live
+// record (storage.Store's Lookup).
+type Lookuper interface {
+	Lookup(ctx context.Context, k storage.Key) (storage.Record, error)
+}
+
+// Stats reports the refreshes so far, done and failed, and whether the
+// refresh loop runs.
+func (q *Quotas) Stats() (done, failed int64, running bool) {
+	return q.refreshed.Load(), q.failed.Load(), q.running.Load()
+}
+
+// Usage is what this replica knows of consumer's usage; ok is false when
+// it does not follow the consumer.
+func (q *Quotas) Usage(consumer string) (records, bytes int64, ok bool) {
+	v, ok := q.consumers.Load(consumer)
+	if !ok {
+		return 0, 0, false
+	}
+	u := v.(*usage)
+	return u.records(), u.bytes(), true
+}
+
+// WithoutWake keeps the refresh loop from counting a consumer as soon as
+// it is first seen, so that counts come from Refresh calls alone (tests).
+// Call it before Run.
+func (q *Quotas) WithoutWake() { q.wake = nil }
