@@ -98,7 +98,7 @@ func (a *AdminService) InvalidateRecord(ctx context.Context, req *idemregv1.Inva
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "InvalidateRecord", k, err)
 	}
-	a.svc.waiters.notify(k) // the lease ended: a waiter takes over
+	a.svc.waiters.Notify(k) // the lease ended: a waiter takes over
 	rec, err := toRecord(got, true)
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "InvalidateRecord", k, err)
@@ -144,7 +144,7 @@ func (a *AdminService) ResolveRecord(ctx context.Context, req *idemregv1.Resolve
 		return nil, a.svc.toStatus(ctx, "ResolveRecord", p.Key, err)
 	}
 	// Released, a waiter takes over; completed, it replays the result.
-	a.svc.waiters.notify(p.Key)
+	a.svc.waiters.Notify(p.Key)
 	rec, err := toRecord(got, true)
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "ResolveRecord", p.Key, err)

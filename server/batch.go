@@ -5,7 +5,6 @@ import (
 	"sync"
 	"time"
 
-	"go.opentelemetry.io/otel/attribute"
 	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -13,6 +12,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/waiting"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -130,8 +130,11 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		i    int
 		p    storage.ClaimParams
 		wait time.Duration
-		d    decision
 		r    *quota.Reservation
+		c    waiting.Claim
+		j    waiting.Joined
+		res  storage.ClaimResult
+		err  error
 	}
 	var todo []*pending
 	// A key named more than once does not wait: a later item on it is
@@ -174,31 +177,28 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		for j, t := range todo {
 			ps[j] = t.p
 			if t.wait > 0 { // registered before the decision, as in claim
-				t.d = s.joinWait(ctx, t.p.Key)
+				t.c = s.waitingClaim(ctx, t.p, t.wait, t.r)
+				t.j = s.waiters.Join(t.c)
 			}
 		}
 		for j, a := range storage.ClaimBatch(ctx, s.store, ps) {
-			todo[j].d.res, todo[j].d.err = a.Result, a.Err
+			todo[j].res, todo[j].err = a.Result, a.Err
 			s.quotas.Claimed(todo[j].r, a.Result, a.Err)
 		}
 		var wg sync.WaitGroup
 		for _, t := range todo {
 			if t.wait > 0 {
 				wg.Go(func() {
-					start, end := time.Now(), waitEnd(ctx, t.wait)
-					var ended string
-					t.d.res, t.d.err, ended = s.waitClaim(ctx, t.p, end, t.d, t.r)
-					if ended != "" {
-						d := attrs(attribute.String("ended", ended))
-						s.metrics.waits.Add(ctx, 1, d)
-						s.metrics.waitDuration.Record(ctx, time.Since(start).Seconds(), d)
-					}
+					start := time.Now()
+					var o waiting.Outcome
+					t.res, t.err, o = s.waiters.Wait(ctx, t.c, t.j, t.res, t.err)
+					s.waited(ctx, t.c, start, o)
 				})
 			}
 		}
 		wg.Wait()
 		for _, t := range todo {
-			res, err := s.claimResponse(ctx, "BatchClaim", key.Key, t.p, t.d.res, t.d.err)
+			res, err := s.claimResponse(ctx, "BatchClaim", key.Key, t.p, t.res, t.err)
 			if err != nil {
 				fail(t.i, err)
 				continue
@@ -247,7 +247,7 @@ func (s *Service) BatchComplete(ctx context.Context, req *idemregv1.BatchComplet
 			continue
 		}
 		s.quotas.Completed(p)
-		s.waiters.notify(p.Key)
+		s.waiters.Notify(p.Key)
 		rec, err := toRecord(a.Record, true)
 		if err != nil {
 			fail(i, s.toStatus(ctx, "BatchComplete", p.Key, err))

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/waiting"
 )
 
 // MeterName is the instrumentation scope of the registry's instruments.
@@ -49,14 +50,14 @@ const (
 // How a waiting Claim ended, the values of the "ended" attribute of
 // idemreg.waits and idemreg.wait.duration.
 const (
-	WaitCompleted = "completed" // the record was completed: the result is replayed
-	WaitAcquired  = "acquired"  // the lease ended or was released: the caller took over
-	WaitParked    = "parked"    // the record was parked: OUTCOME_PARKED
-	WaitElapsed   = "elapsed"   // wait passed with the key still in progress
-	WaitCanceled  = "canceled"  // the caller's context ended
-	WaitFull      = "full"      // the replica had MaxWaiters waiting: answered at once
-	WaitDrained   = "drained"   // the server was shutting down
-	WaitError     = "error"     // the store failed (or the fingerprint did not match)
+	WaitCompleted = waiting.Completed // the record was completed: the result is replayed
+	WaitAcquired  = waiting.Acquired  // the lease ended or was released: the caller took over
+	WaitParked    = waiting.Parked    // the record was parked: OUTCOME_PARKED
+	WaitElapsed   = waiting.Elapsed   // wait passed with the key still in progress
+	WaitCanceled  = waiting.Canceled  // the caller's context ended
+	WaitFull      = waiting.Full      // the replica had MaxWaiters waiting: answered at once
+	WaitDrained   = waiting.Drained   // the server was shutting down
+	WaitError     = waiting.Error     // the store failed (or the fingerprint did not match)
 )
 
 // Claim outcomes, the values of the "outcome" attribute of idemreg.claims.

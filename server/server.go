@@ -410,7 +410,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 // Waiting reports how many Claims wait for a key in progress now: decided
 // once with the key in progress and asleep until it changes, so that a
 // change made after Waiting counted a Claim is one it waits for.
-func (s *Server) Waiting() int { return s.svc.waiters.waiting() }
+func (s *Server) Waiting() int { return s.svc.waiters.Waiting() }
 
 // GRPCServer returns the underlying server, to register more services.
 func (s *Server) GRPCServer() *grpc.Server { return s.grpc }
@@ -436,7 +436,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	case <-ctx.Done():
 	}
 	s.health.Shutdown()   // every service NOT_SERVING, so load balancers drain us first
-	s.svc.waiters.drain() // waiting Claims answer now, as they are
+	s.svc.waiters.Drain() // waiting Claims answer now, as they are
 	if s.cfg.DrainDelay > 0 {
 		s.cfg.Logger.Info("not serving, waiting for load balancers", "drain_delay", s.cfg.DrainDelay)
 		select {

@@ -15,6 +15,7 @@ import (
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/waiting"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -29,7 +30,7 @@ type Service struct {
 	// policies give each consumer its lease and retention bounds.
 	policies *policy.Source
 	secrets  *claimsecret.Secrets
-	waiters  *waitHub
+	waiters  *waiting.Hub
 	recheck  time.Duration // DefaultWaitRecheck
 	// quotas follow the usage of the consumers with a quota (quota.go).
 	quotas  *quota.Quotas
@@ -106,7 +107,7 @@ func newService(store storeChain, limits Limits, policies *policy.Source, logger
 	}
 	maxWaiters := cmp.Or(b.maxWaiters, DefaultMaxWaiters)
 	s := &Service{store: store, limits: limits, policies: policies, secrets: secrets,
-		waiters: newWaitHub(maxWaiters, b.waitersPerIdentity(maxWaiters)), recheck: cmp.Or(b.recheck, DefaultWaitRecheck),
+		waiters: waiting.NewHub(maxWaiters, b.waitersPerIdentity(maxWaiters)), recheck: cmp.Or(b.recheck, DefaultWaitRecheck),
 		metrics: m, logger: logger}
 	s.quotas = quota.New(store.usageCounter(), func(c string) policy.Policy { return s.policies.Current().For(c) },
 		cmp.Or(b.maxQuotaConsumersPerIdentity, DefaultMaxQuotaConsumersPerIdentity), logger)
@@ -178,7 +179,7 @@ func (s *Service) Complete(ctx context.Context, req *idemregv1.CompleteRequest) 
 		return nil, err
 	}
 	s.quotas.Completed(p)
-	s.waiters.notify(p.Key)
+	s.waiters.Notify(p.Key)
 	return &idemregv1.CompleteResponse{Record: rec}, nil
 }
 
@@ -192,7 +193,7 @@ func (s *Service) Release(ctx context.Context, req *idemregv1.ReleaseRequest) (*
 	if err != nil {
 		return nil, err
 	}
-	s.waiters.notify(p.Key)
+	s.waiters.Notify(p.Key)
 	return &idemregv1.ReleaseResponse{Record: rec}, nil
 }
 
@@ -229,7 +230,7 @@ func (s *Service) Park(ctx context.Context, req *idemregv1.ParkRequest) (*idemre
 		return nil, err
 	}
 	// Claims waiting for the key answer OUTCOME_PARKED now.
-	s.waiters.notify(p.Key)
+	s.waiters.Notify(p.Key)
 	return &idemregv1.ParkResponse{Record: rec}, nil
 }
 

@@ -22,12 +22,22 @@ const (
 // call into a bare DEADLINE_EXCEEDED; toStatus tells the two apart by
 // whether the request's own context has ended.
 func storeContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	d, ok := ctx.Deadline()
+	d, ok := storeDeadline(ctx)
 	if !ok {
 		return context.WithCancel(ctx)
 	}
-	margin := min(max(time.Until(d)/10, minDeadlineMargin), maxDeadlineMargin)
-	return context.WithDeadline(ctx, d.Add(-margin))
+	return context.WithDeadline(ctx, d)
+}
+
+// storeDeadline is the request's deadline less the margin kept back from
+// the store (a tenth of the time left, between the bounds above); false
+// when the request has none.
+func storeDeadline(ctx context.Context) (time.Time, bool) {
+	d, ok := ctx.Deadline()
+	if !ok {
+		return time.Time{}, false
+	}
+	return d.Add(-min(max(time.Until(d)/10, minDeadlineMargin), maxDeadlineMargin)), true
 }
 
 // marginStore is the chain's outermost decorator (storechain.go): it runs
