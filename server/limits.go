@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/idemreg/idemreg/server/policy"
+	"github.com/idemreg/idemreg/storage"
 )
 
 // Limits are the bounds a request must respect and the defaults it gets.
@@ -54,7 +55,7 @@ const (
 
 // Fixed limits of the API, documented in the proto.
 const (
-	MaxConsumerBytes    = 128
+	MaxConsumerBytes    = storage.MaxConsumerBytes
 	MaxKeyBytes         = 256
 	MaxFingerprintBytes = 64
 	MaxHolderBytes      = 128

@@ -35,11 +35,6 @@ func (v violations) err() error {
 	return invalidArgument(v)
 }
 
-func consumerByteOK(c byte) bool {
-	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
-		c == '.' || c == '_' || c == ':' || c == '/' || c == '-'
-}
-
 // key validates the (consumer, kind, key) triple shared by every request.
 func (v *violations) key(consumer string, kind idemregv1.Kind, key string) storage.Key {
 	if consumer == "" {
@@ -63,17 +58,11 @@ func (v *violations) key(consumer string, kind idemregv1.Kind, key string) stora
 }
 
 // consumerPrefix checks that s is a consumer name or the start of one:
-// empty, or within the bounds and the charset of consumer names.
+// empty, or within the bounds and the charset of consumer names
+// (storage.CheckConsumer).
 func (v *violations) consumerPrefix(field, s string) {
-	if len(s) > MaxConsumerBytes {
-		v.add(field, "must be at most %d bytes, got %d", MaxConsumerBytes, len(s))
-		return
-	}
-	for i := 0; i < len(s); i++ {
-		if !consumerByteOK(s[i]) {
-			v.add(field, "must contain only [A-Za-z0-9._:/-], found %q at byte %d", s[i], i)
-			return
-		}
+	if err := storage.CheckConsumer(s); err != nil {
+		v.add(field, "%s", err)
 	}
 }
 

@@ -21,6 +21,8 @@ import (
 	"net"
 	"slices"
 	"strings"
+
+	"github.com/idemreg/idemreg/storage"
 )
 
 // Identity is a caller the config file names.
@@ -202,20 +204,9 @@ func parsePatterns(list []string, where string) (Patterns, error) {
 	return p, nil
 }
 
-// maxConsumerBytes mirrors the server's validation of consumer names, so a
-// pattern no request can match is refused.
-const maxConsumerBytes = 128
-
 func checkConsumer(s string) error {
-	if len(s) > maxConsumerBytes {
-		return fmt.Errorf("%q: at most %d bytes, got %d", s, maxConsumerBytes, len(s))
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
-			c == '.' || c == '_' || c == ':' || c == '/' || c == '-') {
-			return fmt.Errorf("%q: consumers contain only [A-Za-z0-9._:/-] (a prefix ends in \"*\"), found %q at byte %d", s, c, i)
-		}
+	if err := storage.CheckConsumer(s); err != nil {
+		return fmt.Errorf("%q: %w (a prefix ends in \"*\")", s, err)
 	}
 	return nil
 }

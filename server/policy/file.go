@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/idemreg/idemreg/storage"
 	"go.yaml.in/yaml/v3"
 )
 
@@ -210,20 +211,9 @@ func Load(path string, base Policy) (*Set, error) {
 	return set, nil
 }
 
-// maxConsumerBytes and consumerByteOK mirror the server's validation of
-// consumer names, so that a name or prefix no request can match is refused.
-const maxConsumerBytes = 128
-
 func checkConsumer(s string) error {
-	if len(s) > maxConsumerBytes {
-		return fmt.Errorf("must be at most %d bytes, got %d", maxConsumerBytes, len(s))
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
-			c == '.' || c == '_' || c == ':' || c == '/' || c == '-') {
-			return fmt.Errorf("%q: consumers contain only [A-Za-z0-9._:/-], found %q at byte %d", s, c, i)
-		}
+	if err := storage.CheckConsumer(s); err != nil {
+		return fmt.Errorf("%q: %w", s, err)
 	}
 	return nil
 }
