@@ -1,0 +1,116 @@
+package server
+
+import (
+	"context"
+	"strings"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/policy"
+)
+
+type identityKey struct{}
+
+// configKey holds the request's *configSnapshot.
+type configKey struct{}
+
+// configSnapshot is the config a request is admitted and served under,
+// read once when it arrives: its identity, rate limits and policy all come
+// from one file, whatever reloads happen while it runs.
+type configSnapshot struct {
+	access *access.Set
+	policy *policy.Set
+}
+
+func (s *Server) snapshot() *configSnapshot {
+	if s.cfg.File != nil {
+		c := s.cfg.File.Current()
+		return &configSnapshot{access: c.Access, policy: c.Policy}
+	}
+	return &configSnapshot{access: s.cfg.Access.Current(), policy: s.policies.Current()}
+}
+
+// accessFor returns the access set of the request of ctx.
+func (s *Server) accessFor(ctx context.Context) *access.Set {
+	if snap, ok := ctx.Value(configKey{}).(*configSnapshot); ok {
+		return snap.access
+	}
+	return s.cfg.Access.Current()
+}
+
+// IdentityFrom returns the identity the call was authenticated as.
+func IdentityFrom(ctx context.Context) (*access.Identity, bool) {
+	id, ok := ctx.Value(identityKey{}).(*access.Identity)
+	return id, ok
+}
+
+// public reports whether a method is open to every caller: health, for
+// probes and load balancers, and reflection, which describes the API but
+// reads no record (DisableReflection turns it off).
+func public(_ context.Context, c interceptors.CallMeta) bool {
+	return c.Service == healthpb.Health_ServiceDesc.ServiceName ||
+		strings.HasPrefix(c.Service, "grpc.reflection.")
+}
+
+// authenticate finds the caller's identity. A bearer token, when sent,
+// decides it (an unknown one is refused even with a good certificate);
+// otherwise the client certificate does, if the TLS handshake verified it
+// against --tls-client-ca. An unverified certificate is never trusted.
+func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
+	snap := s.snapshot()
+	id, err := identify(ctx, snap.access)
+	if err != nil {
+		s.metrics.denied.Add(ctx, 1, codeAttr(codes.Unauthenticated))
+		return nil, err
+	}
+	noteIdentity(ctx, id.Name)
+	return context.WithValue(context.WithValue(ctx, identityKey{}, id), configKey{}, snap), nil
+}
+
+func identify(ctx context.Context, set *access.Set) (*access.Identity, error) {
+	if !set.Enforced() {
+		return access.Anonymous, nil
+	}
+	if len(metadata.ValueFromIncomingContext(ctx, "authorization")) > 0 {
+		token, err := auth.AuthFromMD(ctx, "bearer")
+		if err != nil {
+			return nil, unauthenticated("the authorization header is not \"bearer <token>\"")
+		}
+		if id, ok := set.ByToken(token); ok {
+			return id, nil
+		}
+		return nil, unauthenticated("unknown bearer token")
+	}
+	p, ok := peer.FromContext(ctx)
+	if ok {
+		if tlsInfo, ok := p.AuthInfo.(credentials.TLSInfo); ok && len(tlsInfo.State.VerifiedChains) > 0 {
+			if id, ok := set.ByCertificate(tlsInfo.State.VerifiedChains[0][0]); ok {
+				return id, nil
+			}
+			return nil, unauthenticated("the client certificate matches no identity of the config file")
+		}
+	}
+	return nil, unauthenticated("no credentials: present a client certificate or an \"authorization: bearer <token>\" header")
+}
+
+func unauthenticated(msg string) error {
+	return newStatus(idemregv1.ErrorReason_ERROR_REASON_UNAUTHENTICATED, msg, nil)
+}
+
+// identityName is the identity charged for what the request of ctx
+// makes the replica hold: the anonymous one for a caller of an open server
+// (or a call that came through no interceptor).
+func identityName(ctx context.Context) string {
+	if id, ok := IdentityFrom(ctx); ok && id != nil {
+		return id.Name
+	}
+	return access.Anonymous.Name
+}
