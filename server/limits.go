@@ -1,8 +1,3 @@
-// Package server implements the idemreg.v1.RegistryService on top of a
-// storage.Store: it validates requests against Limits, applies defaults,
-// encodes results, and translates storage errors to gRPC statuses (once, in
-// status.go). server.go builds the grpc.Server with its middleware chain,
-// health and reflection.
 package server
 
 import (

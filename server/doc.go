@@ -1,0 +1,41 @@
+// Package server serves idemreg.v1.RegistryService and AdminService on a
+// storage.Store: it admits each request (authentication, authorisation,
+// limits), validates it against Limits and the consumer's policy, decides it
+// through the store, and translates what the store answered into a gRPC
+// status, once (status.go).
+//
+// The files of this package are the path of a request; what runs below the
+// handlers lives in server/internal/*, packages that cannot reach back up
+// (docs/design.md draws the layers). One Claim, in order:
+//
+//   - server.go: New builds the grpc.Server (its Config, the interceptor
+//     chain below, health and reflection), Serve runs it and drains it;
+//   - pending.go: the listener's tap refuses a call beyond MaxPendingCalls
+//     before gRPC reads it;
+//   - codec.go: the request is decoded; one that does not decode is kept
+//     and refused at step 5, after authentication;
+//   - otelgrpc's stats handler opens the span and measures the call, and
+//     accesslog.go's writes the line per finished call;
+//   - the unary chain (server.go, unaryInterceptors): recovery; deadline.go
+//     (the request's budget); authn.go (the caller's identity from a bearer
+//     token or a client certificate); codec.go's refusal of the malformed;
+//     authz.go (may the identity use the consumer?); bounds.go (calls in
+//     progress per identity); ratelimit.go (the identity's and the
+//     consumer's token buckets). For a batch, authz.go and ratelimit.go
+//     judge each item (batchitems.go) instead of refusing the call;
+//   - service.go: the RegistryService handlers. Claim validates
+//     (validate.go, echo.go for what it echoes back), reads the claim key
+//     (server/internal/claimsecret), admits the Claim under the consumer's
+//     quota (server/internal/quota), decides it through the store chain
+//     (storechain.go: the deadline margin of storedeadline.go, the in-flight
+//     bounds and measures of observe.go), waiting for a key in progress when
+//     asked (wait.go, server/internal/waiting), and answers with the
+//     record (convert.go) and the claim secret;
+//   - batch.go: BatchClaim and BatchComplete, the same per item;
+//   - admin.go: the AdminService (listing.go for ListRecords, its page
+//     tokens in server/internal/pagetoken);
+//   - status.go: every error of the store, the context or the server's own
+//     refusals becomes one status with its reason and details;
+//   - readiness.go, parked.go, metrics.go: health, the parked records gauge
+//     and the instruments the steps above record to.
+package server
