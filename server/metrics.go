@@ -186,6 +186,8 @@ func storeErrorType(reason idemregv1.ErrorReason) string {
 		return "canceled"
 	case reasonStoreUnavailable:
 		return "unavailable"
+	case reasonCapacityExhausted:
+		return "exhausted"
 	default:
 		return "internal"
 	}

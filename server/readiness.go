@@ -22,7 +22,12 @@ import (
 // a broken connection, a statement refused): the registry's answers
 // (fenced, mismatch, not found) count as successes, and what a caller
 // decides (a cancelled call, its deadline, which it can make as short as it
-// likes) and calls refused before the store (overload) do not count.
+// likes) and calls refused before the store (overload) do not count. Nor
+// do refusals for a short resource (CAPACITY_EXHAUSTED: a disk below its
+// reserve): the store still serves reads and the Completes of held keys,
+// which an unready replica would no longer be sent. A store that failed
+// for good (storage.Failing) turns the server NOT_SERVING at once
+// (Server.Serve), without waiting for a window.
 //
 // An unready replica gets few new calls, so its window empties and the
 // probe and ping alone decide again: where only writes fail, it turns

@@ -415,8 +415,16 @@ func (s *Server) Waiting() int { return s.svc.waiters.Waiting() }
 // GRPCServer returns the underlying server, to register more services.
 func (s *Server) GRPCServer() *grpc.Server { return s.grpc }
 
+// ErrStoreFailed is what Serve returns after the store failed for good
+// (storage.Failing), wrapping the store's cause: the process should exit
+// so that its supervisor starts a new one, which recovers the store from
+// what it synced.
+var ErrStoreFailed = errors.New("the store failed; exiting so that a new process recovers it")
+
 // Serve serves on lis until ctx ends, then reports NOT_SERVING, drains
-// in-flight calls for up to ShutdownTimeout and stops.
+// in-flight calls for up to ShutdownTimeout and stops. When the store
+// fails for good (storage.Failing) it does the same at once, calls
+// answering UNAVAILABLE meanwhile, and returns ErrStoreFailed.
 func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	defer close(s.done)
 	ctx, cancel := context.WithCancel(ctx)
@@ -430,10 +438,24 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	lis = s.limitConnections("grpc", lis)
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(lis) }()
+	var failed <-chan struct{}
+	fails, _ := s.store.(storage.Failing)
+	if fails != nil {
+		failed = fails.Failed()
+	}
+	var storeErr error
 	select {
 	case err := <-served:
 		return err
 	case <-ctx.Done():
+	case <-failed:
+		// Health first, before anything that can take time: callers
+		// already get UNAVAILABLE from the store, and load balancers
+		// and probes must stop sending here at once.
+		s.health.Shutdown()
+		storeErr = fmt.Errorf("%w: %w", ErrStoreFailed, fails.Failure())
+		s.cfg.Logger.Error("store failed: not serving, stopping so that the process exits and its supervisor restarts it",
+			"error", fails.Failure(), "drain_delay", s.cfg.DrainDelay)
 	}
 	s.health.Shutdown()   // every service NOT_SERVING, so load balancers drain us first
 	s.svc.waiters.Drain() // waiting Claims answer now, as they are
@@ -455,9 +477,9 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 		s.grpc.Stop()
 	}
 	if err := <-served; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-		return err
+		return errors.Join(storeErr, err)
 	}
-	return nil
+	return storeErr
 }
 
 // ServeHealth serves the health service alone, in plaintext, on lis, until

@@ -66,11 +66,25 @@ const (
 	ReasonTooManyStreams   = idemregv1.ReasonTooManyStreams
 	ReasonTooManyCalls     = idemregv1.ReasonTooManyCalls
 	ReasonMalformedRequest = idemregv1.ReasonMalformedRequest
+	// CAPACITY_EXHAUSTED (code RESOURCE_EXHAUSTED, metadata resource, with
+	// RetryInfo): the store or the server is short of disk, memory,
+	// connections or file descriptors (storage.ExhaustedError).
+	ReasonCapacityExhausted = idemregv1.ReasonCapacityExhausted
 )
 
 // unavailableRetryAfter is the RetryInfo delay suggested when the store is
 // unavailable.
 const unavailableRetryAfter = time.Second
+
+// exhaustedRetryAfter is the RetryInfo delay suggested when the store is
+// short of a resource: a disk fills and frees over minutes (the sweeper,
+// compactions, an operator), so retrying at once only adds load.
+// connectionsRetryAfter is the delay for the database's connections,
+// which free up in seconds.
+const (
+	exhaustedRetryAfter   = 30 * time.Second
+	connectionsRetryAfter = 2 * time.Second
+)
 
 // overloadedRetryAfter is the RetryInfo delay suggested when the store has
 // the most operations in flight: short, since the slots free up quickly.
@@ -123,6 +137,7 @@ const (
 	reasonDeadlineExceeded    = idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED
 	reasonCanceled            = idemregv1.ErrorReason_ERROR_REASON_CANCELED
 	reasonOverloaded          = idemregv1.ErrorReason_ERROR_REASON_OVERLOADED
+	reasonCapacityExhausted   = idemregv1.ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED
 	reasonInternal            = idemregv1.ErrorReason_ERROR_REASON_INTERNAL
 )
 
@@ -159,6 +174,10 @@ func classify(err error) idemregv1.ErrorReason {
 		return reasonCanceled
 	case errors.Is(err, errOverloaded): // shareExceeded too
 		return reasonOverloaded
+	case errors.Is(err, storage.ErrExhausted):
+		// Before ErrUnavailable: an exhaustion is not an outage, and
+		// the caller is told which resource ran short.
+		return reasonCapacityExhausted
 	case errors.Is(err, storage.ErrUnavailable):
 		return reasonStoreUnavailable
 	default:
@@ -254,7 +273,24 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 			"the record is parked: it must not be done again until an operator resolves it", meta)
 	case reasonNotFound:
 		return newStatus(reason, "no live record for the key (absent or expired)", meta)
+	case reasonCapacityExhausted:
+		resource, delay := string(storage.ResourceDisk), exhaustedRetryAfter
+		var ex *storage.ExhaustedError
+		if errors.As(err, &ex) {
+			resource = string(ex.Resource)
+			if ex.Resource == storage.ResourceConnections {
+				delay = connectionsRetryAfter
+			}
+		}
+		meta["resource"] = resource
+		s.logger.WarnContext(ctx, "store capacity exhausted", "method", method, "consumer", echo(k.Consumer), "resource", resource, "error", err)
+		return newStatus(reason, exhaustedMessage(resource), meta, retryInfo(delay))
 	case reasonStoreUnavailable:
+		if errors.Is(err, storage.ErrFailed) {
+			s.logger.WarnContext(ctx, "store failed", "method", method, "consumer", echo(k.Consumer), "error", err)
+			return newStatus(reason, "the store failed and the server is restarting; retry later, on another replica if there is one", meta,
+				retryInfo(unavailableRetryAfter))
+		}
 		if errors.Is(err, context.DeadlineExceeded) {
 			s.logger.WarnContext(ctx, "store did not answer before the request's deadline", "method", method, "consumer", echo(k.Consumer), "error", err)
 			return newStatus(reason, "the store did not answer in time; retry later", meta,
@@ -285,4 +321,22 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 		s.logger.ErrorContext(ctx, "internal error", "method", method, "consumer", echo(k.Consumer), "error", err)
 		return newStatus(reasonInternal, "internal error", meta)
 	}
+}
+
+// exhaustedMessage is what a caller refused for a short resource is told:
+// what still works, so that a holder finishes its keys rather than giving
+// up.
+func exhaustedMessage(resource string) string {
+	switch storage.Resource(resource) {
+	case storage.ResourceDisk:
+		return "the store is short of disk space: Claims that would start an attempt and large results are refused until space is freed; " +
+			"Completes, Releases and Extends of held keys, and reads, still work; retry later"
+	case storage.ResourceConnections:
+		return "the store's database refuses more connections; retry later"
+	case storage.ResourceMemory:
+		return "the store (or the server) is short of memory; retry later"
+	case storage.ResourceFileDescriptors:
+		return "the server is at its limit of open files; retry later"
+	}
+	return "the store is short of " + resource + "; retry later"
 }

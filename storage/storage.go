@@ -217,9 +217,78 @@ var (
 	// ErrFingerprintMismatch: the key is live with another fingerprint.
 	ErrFingerprintMismatch = errors.New("fingerprint mismatch")
 	// ErrUnavailable: the store could not answer (down, or conflicts
-	// outlasted the retries). Safe to retry.
+	// outlasted the retries, or it failed for good: see Failing). Safe to
+	// retry.
 	ErrUnavailable = errors.New("store unavailable")
+	// ErrExhausted: the store is short of a resource of its machine or
+	// database and refused a call that would need more of it; nothing was
+	// written. The error is an *ExhaustedError naming the resource. Safe
+	// to retry once the resource is back, not at once.
+	ErrExhausted = errors.New("store resources exhausted")
 )
+
+// Resource names what an *ExhaustedError ran short of.
+type Resource string
+
+// The resources a store (or the server in front of it) can run short of.
+const (
+	// ResourceDisk: the embedded store's file system is below its reserve,
+	// or the database's disk is full (SQLSTATE 53100).
+	ResourceDisk Resource = "disk"
+	// ResourceMemory: the database is out of memory (53200), or the
+	// server's heap is near its limit.
+	ResourceMemory Resource = "memory"
+	// ResourceConnections: the database refuses more connections (53300).
+	ResourceConnections Resource = "connections"
+	// ResourceFileDescriptors: the process is at its limit of open files.
+	ResourceFileDescriptors Resource = "file_descriptors"
+)
+
+// ExhaustedError is ErrExhausted with what ran short and why. Err, when
+// set, is the driver's error, for logs.
+type ExhaustedError struct {
+	Resource Resource
+	// Detail says what was refused and what is left, for logs (never
+	// sent to callers).
+	Detail string
+	Err    error
+}
+
+func (e *ExhaustedError) Error() string {
+	msg := ErrExhausted.Error() + ": " + string(e.Resource)
+	if e.Detail != "" {
+		msg += ": " + e.Detail
+	}
+	if e.Err != nil {
+		msg += ": " + e.Err.Error()
+	}
+	return msg
+}
+
+// Unwrap returns ErrExhausted and the cause.
+func (e *ExhaustedError) Unwrap() []error {
+	if e.Err == nil {
+		return []error{ErrExhausted}
+	}
+	return []error{ErrExhausted, e.Err}
+}
+
+// Failing is implemented by stores that can fail for good within a
+// process: the embedded store after Pebble's fatal commit error, whose
+// write-ahead log is then in a state the process cannot trust. From then
+// on every call answers ErrUnavailable (wrapping ErrFailed) without
+// touching the store, and only a new process recovers it, from what was
+// synced: everything acknowledged.
+type Failing interface {
+	// Failed is closed when the store has failed.
+	Failed() <-chan struct{}
+	// Failure is why, nil until Failed is closed.
+	Failure() error
+}
+
+// ErrFailed is wrapped (with ErrUnavailable) in the answers of a store
+// that failed for good (Failing).
+var ErrFailed = errors.New("the store failed and needs a restart")
 
 // Batcher is implemented by stores that decide many calls at once, in
 // fewer round trips or writes than one per call. Each item is decided

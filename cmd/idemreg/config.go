@@ -26,8 +26,11 @@ type config struct {
 	Listen      string
 	DatabaseURL string
 	DataDir     string
-	LogLevel    slog.Level
-	LogFormat   string
+	// DataDirReserve is the embedded store's reserve of free space
+	// (pebble.WithDiskReserve): 0 its default, negative none.
+	DataDirReserve int64
+	LogLevel       slog.Level
+	LogFormat      string
 	// PolicyFile is the config file (--config); empty means the limits'
 	// defaults and bounds for every consumer, and no identities.
 	PolicyFile string
@@ -126,6 +129,7 @@ func (c *config) bindCommon(fs *flag.FlagSet) {
 func (c *config) bindServe(fs *flag.FlagSet) {
 	c.bindCommon(fs)
 	fs.StringVar(&c.Listen, "listen", c.Listen, "gRPC listen address")
+	fs.Int64Var(&c.DataDirReserve, "data-dir-reserve", c.DataDirReserve, "free bytes the embedded store keeps on its file system: below it Claims that would start an attempt are refused (RESOURCE_EXHAUSTED, CAPACITY_EXHAUSTED), below half of it results over 64 KiB too; 0: 256 MiB or a quarter of the file system, whichever is less; negative: none")
 	fs.StringVar(&c.PolicyFile, "config", c.PolicyFile, "config file (YAML or JSON): retention policy (defaults and per-consumer lease and retention bounds, over the flags below), identities and rate limits; reloaded on SIGHUP")
 	fs.StringVar(&c.TLS.CertFile, "tls-cert", c.TLS.CertFile, "PEM certificate chain of the server; with --tls-key, serve TLS (files are re-read when they change)")
 	fs.StringVar(&c.TLS.KeyFile, "tls-key", c.TLS.KeyFile, "PEM private key of --tls-cert")

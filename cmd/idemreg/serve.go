@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -11,6 +12,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"go.opentelemetry.io/otel/metric"
 
@@ -111,6 +113,17 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	defer stopConsole()
 	logger.Info("serving", "listen", lis.Addr().String())
 	if err := srv.Serve(ctx, lis); err != nil {
+		if errors.Is(err, server.ErrStoreFailed) {
+			// Exit for the supervisor to restart serve: a new process
+			// recovers the store from what it synced. The deferred stops
+			// run first, but none may keep the process from exiting (a
+			// write of the sweeper's may be stuck in the failed store).
+			time.AfterFunc(storeFailedExitTimeout, func() {
+				fmt.Fprintln(stderr, "idemreg:", err, "(cleanup did not finish; exiting)")
+				os.Exit(exitStoreFailed)
+			})
+			return &exitError{code: exitStoreFailed, err: err}
+		}
 		return err
 	}
 	logger.Info("stopped")
@@ -248,6 +261,14 @@ func rowLevelTTL(ctx context.Context, store storage.Store) (bool, error) {
 	return s.RowLevelTTL(ctx)
 }
 
+// exitStoreFailed is serve's exit status when its store failed for good
+// (server.ErrStoreFailed) or its data directory's file system is full at
+// start: EX_TEMPFAIL, a failure a restart may cure once the cause is gone.
+const exitStoreFailed = 75
+
+// storeFailedExitTimeout bounds the cleanup after the store failed.
+const storeFailedExitTimeout = 5 * time.Second
+
 // openStore opens the SQL store when a database URL is given, the embedded
 // store in the data directory otherwise; the SQL store's instruments are
 // made by meters (nil: the global provider).
@@ -263,7 +284,12 @@ func openStore(ctx context.Context, cfg *config, logger *slog.Logger, meters met
 		return s, nil
 	}
 	logger.Info("opening embedded store", "data_dir", cfg.DataDir)
-	s, err := pebble.Open(cfg.DataDir, pebble.WithLogger(logger))
+	s, err := pebble.Open(cfg.DataDir, pebble.WithLogger(logger), pebble.WithMeterProvider(meters),
+		pebble.WithDiskReserve(cfg.DataDirReserve))
+	if errors.Is(err, syscall.ENOSPC) {
+		return nil, &exitError{code: exitStoreFailed, err: fmt.Errorf(
+			"the file system of --data-dir %s is full, so the embedded store cannot open (nothing acknowledged is lost): free space or grow the file system, then start again: %w", cfg.DataDir, err)}
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -24,6 +24,12 @@ func (s *Store) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []stor
 				}
 			}
 			res, write, err := storage.DecideClaim(now, cur, ps[i])
+			if err == nil && write && res.Outcome == storage.OutcomeAcquired {
+				// As in Claim: no new attempt below the reserve.
+				if err = s.disk.refuseAttempt(); err != nil {
+					res, write = storage.ClaimResult{}, false
+				}
+			}
 			out[i] = storage.ClaimAnswer{Result: res, Err: err}
 			if err != nil || !write {
 				return nil, nil
@@ -47,6 +53,11 @@ func (s *Store) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) 
 	err := s.decideMany(ctx, len(ps), func(i int) storage.Key { return ps[i].Key },
 		func(i int, now time.Time, cur *storage.Record) (*storage.Record, error) {
 			rec, write, err := storage.DecideComplete(now, cur, ps[i])
+			if err == nil && write {
+				if err = s.disk.refuseResult(len(ps[i].Result)); err != nil {
+					rec, write = storage.Record{}, false
+				}
+			}
 			out[i] = storage.CompleteAnswer{Record: rec, Err: err}
 			if err != nil || !write {
 				return nil, nil
@@ -138,8 +149,5 @@ func (s *Store) decideMany(ctx context.Context, n int, keyOf func(int) storage.K
 	if writes == 0 {
 		return nil
 	}
-	if err := b.Commit(pebble.Sync); err != nil {
-		return unavailable("commit", err)
-	}
-	return nil
+	return s.commit(b, pebble.Sync)
 }

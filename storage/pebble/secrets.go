@@ -60,8 +60,8 @@ func (s *Store) RotateClaimKey(ctx context.Context, p storage.RotateClaimKeyPara
 			kept = append(kept, k)
 		}
 	}
-	if err := s.db.Set(metaClaimKeys, encodeClaimKeys(kept), pebble.Sync); err != nil {
-		return storage.ClaimKeyRing{}, unavailable("write claim keys", err)
+	if err := s.set(metaClaimKeys, encodeClaimKeys(kept), "write claim keys"); err != nil {
+		return storage.ClaimKeyRing{}, err
 	}
 	return ringAt(kept, now), nil
 }
@@ -86,8 +86,8 @@ func (s *Store) claimKeys() ([]storage.ClaimKey, error) {
 		return nil, err
 	}
 	keys := []storage.ClaimKey{{Generation: 1, Key: legacy, ActiveFrom: s.clock()}}
-	if err := s.db.Set(metaClaimKeys, encodeClaimKeys(keys), pebble.Sync); err != nil {
-		return nil, unavailable("write claim keys", err)
+	if err := s.set(metaClaimKeys, encodeClaimKeys(keys), "write claim keys"); err != nil {
+		return nil, err
 	}
 	return keys, nil
 }
@@ -108,8 +108,8 @@ func (s *Store) legacyClaimKey() ([]byte, error) {
 	}
 	key := make([]byte, storage.ClaimKeySize)
 	_, _ = rand.Read(key) // never fails (crypto/rand)
-	if err := s.db.Set(metaClaimKey, key, pebble.Sync); err != nil {
-		return nil, unavailable("write claim key", err)
+	if err := s.set(metaClaimKey, key, "write claim key"); err != nil {
+		return nil, err
 	}
 	return key, nil
 }

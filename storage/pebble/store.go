@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"github.com/cockroachdb/pebble/v2"
 	"github.com/cockroachdb/pebble/v2/bloom"
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemreg/idemreg/storage"
 )
@@ -36,6 +38,10 @@ type config struct {
 	inMemory  bool
 	cacheSize int64
 	fs        vfs.FS
+	meters    metric.MeterProvider
+	// diskReserve and diskInterval: WithDiskReserve, WithDiskCheckInterval.
+	diskReserve  int64
+	diskInterval time.Duration
 }
 
 // DefaultCacheSize is the default size of pebble's block cache. Claims of
@@ -57,6 +63,17 @@ func WithInMemory() Option { return func(c *config) { c.inMemory = true } }
 // WithCacheSize sets the size in bytes of the block cache. The default is
 // DefaultCacheSize.
 func WithCacheSize(bytes int64) Option { return func(c *config) { c.cacheSize = bytes } }
+
+// WithDiskReserve sets the free space of the data directory's file system
+// below which the store refuses Claims that would start an attempt (and,
+// below half of it, results over LargeResultBytes) with a
+// *storage.ExhaustedError; see DefaultDiskReserve for why it is what it
+// is. Zero means DefaultDiskReserve, a negative value no reserve.
+func WithDiskReserve(bytes int64) Option { return func(c *config) { c.diskReserve = bytes } }
+
+// WithDiskCheckInterval sets how often the free space is measured
+// (DefaultDiskCheckInterval when zero).
+func WithDiskCheckInterval(d time.Duration) Option { return func(c *config) { c.diskInterval = d } }
 
 // withFS runs the store on fs, without the directory lock; tests use it to
 // simulate a power loss with a crashable in-memory file system.
@@ -95,6 +112,14 @@ type Store struct {
 	// afterScan, when set by a test, runs between a sweep's index scan and
 	// its re-check under the key locks.
 	afterScan func()
+
+	// disk keeps the data directory's free space (disk.go); nil when
+	// nothing is refused for it.
+	disk *diskWatch
+	// failure is set by pebble's fatal error (disk.go).
+	failure *failure
+	// stop ends the disk watch and the instruments' registration.
+	stop func()
 }
 
 var (
@@ -111,6 +136,10 @@ func Open(dir string, opts ...Option) (*Store, error) {
 	for _, o := range opts {
 		o(&cfg)
 	}
+	if cfg.diskInterval <= 0 {
+		cfg.diskInterval = DefaultDiskCheckInterval
+	}
+	fail := newFailure(cfg.logger)
 	var dirLock io.Closer = noopCloser{}
 	fs := cfg.fs
 	switch {
@@ -127,16 +156,35 @@ func Open(dir string, opts ...Option) (*Store, error) {
 		}
 		dirLock, fs = l, vfs.Default
 	}
+	// Sized to the file system: on a small one a memtable of 32 MiB, and
+	// the WAL pebble preallocates for it (110%), would take most of it.
+	memTable := uint64(32 << 20)
+	var fsTotal int64
+	if fs == vfs.Default {
+		u, err := fs.GetDiskUsage(dir)
+		if err != nil {
+			_ = dirLock.Close()
+			return nil, fmt.Errorf("pebble: measure free space of %s: %w", dir, err)
+		}
+		fsTotal = int64(min(u.TotalBytes, 1<<62))
+		memTable = min(memTable, max(4<<20, u.TotalBytes/32))
+	}
+	if cfg.diskReserve == 0 {
+		cfg.diskReserve = DefaultDiskReserve
+		if fsTotal > 0 {
+			cfg.diskReserve = min(cfg.diskReserve, fsTotal/4)
+		}
+	}
 	popts := &pebble.Options{
 		FS:                 fs,
 		FormatMajorVersion: pebble.FormatNewest,
-		Logger:             pebbleLogger{cfg.logger},
+		Logger:             pebbleLogger{cfg.logger, fail},
 		EventListener:      eventListener(cfg.logger),
 		CacheSize:          cfg.cacheSize,
 		// Larger memtables than the default 4 MiB mean fewer flushes and
 		// compactions competing with callers for the CPU. Pebble starts
 		// small and grows them, so a small store does not pay for them.
-		MemTableSize: 32 << 20,
+		MemTableSize: memTable,
 	}
 	// Every Claim of a new key is a Get that finds nothing; without a
 	// filter it reads a block of every level that may hold the key.
@@ -146,12 +194,33 @@ func Open(dir string, opts ...Option) (*Store, error) {
 		_ = dirLock.Close()
 		return nil, fmt.Errorf("pebble: open %s: %w", dir, err)
 	}
-	s := &Store{db: db, dir: dir, now: cfg.now, log: cfg.logger, dirLock: dirLock, seed: maphash.MakeSeed()}
+	s := &Store{db: db, dir: dir, now: cfg.now, log: cfg.logger, dirLock: dirLock, seed: maphash.MakeSeed(), failure: fail, stop: func() {}}
+	if fs == vfs.Default && cfg.diskReserve > 0 {
+		s.disk = &diskWatch{dir: dir, fs: fs, reserve: cfg.diskReserve, log: cfg.logger,
+			size: func() uint64 { return db.Metrics().DiskSpaceUsage() }}
+		if err := s.disk.measure(); err != nil {
+			_ = db.Close()
+			_ = dirLock.Close()
+			return nil, err
+		}
+	}
 	if err := s.init(); err != nil {
 		_ = db.Close()
 		_ = dirLock.Close()
 		return nil, err
 	}
+	reg, err := s.instrument(cfg.meters)
+	if err != nil {
+		_ = db.Close()
+		_ = dirLock.Close()
+		return nil, fmt.Errorf("pebble: instruments: %w", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var watch sync.WaitGroup
+	if s.disk != nil {
+		watch.Go(func() { s.disk.run(ctx, cfg.diskInterval) })
+	}
+	s.stop = func() { cancel(); watch.Wait(); _ = reg.Unregister() }
 	return s, nil
 }
 
@@ -183,7 +252,7 @@ func (s *Store) init() error {
 		if !empty {
 			return fmt.Errorf("pebble: %s holds a pebble database that is not an idemreg store", s.dir)
 		}
-		if err := s.db.Set(metaFormat, []byte{layoutVersion}, pebble.Sync); err != nil {
+		if err := s.guard(func() error { return s.db.Set(metaFormat, []byte{layoutVersion}, pebble.Sync) }); err != nil {
 			return fmt.Errorf("pebble: stamp layout version: %w", err)
 		}
 	default:
@@ -240,7 +309,7 @@ func (s *Store) migrateV1() error {
 			return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
 		}
 		if parked++; parked%migrateBatch == 0 {
-			if err := b.Commit(pebble.NoSync); err != nil {
+			if err := s.guard(func() error { return b.Commit(pebble.NoSync) }); err != nil {
 				return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
 			}
 			_ = b.Close()
@@ -255,7 +324,7 @@ func (s *Store) migrateV1() error {
 	}
 	// Synced: the WAL is written in order, so the earlier, unsynced
 	// batches are durable with this one.
-	if err := b.Commit(pebble.Sync); err != nil {
+	if err := s.guard(func() error { return b.Commit(pebble.Sync) }); err != nil {
 		return fmt.Errorf("pebble: migrate %s: %w", s.dir, err)
 	}
 	s.log.Info("pebble layout migrated", "dir", s.dir, "from", layoutVersionV1, "to", layoutVersion, "parked", parked, "undecodable", undecodable)
@@ -281,6 +350,9 @@ func (s *Store) empty() (bool, error) {
 func (s *Store) begin(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("%w: %w", storage.ErrUnavailable, err)
+	}
+	if s.failure.failed() {
+		return s.failure.answer()
 	}
 	s.closeMu.RLock()
 	if s.closed {
@@ -309,7 +381,12 @@ func (s *Store) lockKey(recordKey []byte) *sync.Mutex {
 	return m
 }
 
+// unavailable is the answer to a failure of pebble: ErrUnavailable, or
+// ErrExhausted when a resource ran short (exhausted).
 func unavailable(what string, err error) error {
+	if ex := exhausted(what, err); ex != nil {
+		return ex
+	}
 	return fmt.Errorf("%w: pebble: %s: %w", storage.ErrUnavailable, what, err)
 }
 
@@ -346,10 +423,21 @@ func (s *Store) write(recordKey []byte, prev, next *storage.Record) error {
 	if err := addWrite(b, recordKey, prev, next); err != nil {
 		return err
 	}
-	if err := b.Commit(pebble.Sync); err != nil {
-		return unavailable("commit", err)
+	return s.commit(b, pebble.Sync)
+}
+
+// set writes one meta key, synced.
+func (s *Store) set(key, value []byte, what string) error {
+	err := s.guard(func() error { return s.db.Set(key, value, pebble.Sync) })
+	switch {
+	case err == nil:
+		s.disk.wrote(len(key) + len(value))
+		return nil
+	case errors.Is(err, storage.ErrFailed):
+		return err
+	default:
+		return unavailable(what, err)
 	}
-	return nil
 }
 
 // addWrite adds to b the write of next in place of prev: the record, the
@@ -442,6 +530,13 @@ func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (res storage.C
 		if err != nil || !write {
 			return err
 		}
+		if res.Outcome == storage.OutcomeAcquired {
+			// A new key or a takeover: new work, and the record of a
+			// new key, which is the growth the reserve refuses.
+			if err := s.disk.refuseAttempt(); err != nil {
+				return err
+			}
+		}
 		normalize(&res.Record)
 		return s.write(key, prev, &res.Record)
 	})
@@ -475,7 +570,13 @@ func (s *Store) update(ctx context.Context, k storage.Key, decide func(now time.
 // Complete decides by storage.DecideComplete under the key's lock.
 func (s *Store) Complete(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
 	return s.update(ctx, p.Key, func(now time.Time, cur *storage.Record) (storage.Record, bool, error) {
-		return storage.DecideComplete(now, cur, p)
+		rec, write, err := storage.DecideComplete(now, cur, p)
+		if err == nil && write {
+			if err := s.disk.refuseResult(len(p.Result)); err != nil {
+				return storage.Record{}, false, err
+			}
+		}
+		return rec, write, err
 	})
 }
 
@@ -522,6 +623,16 @@ func (s *Store) Ping(ctx context.Context) error {
 // Close waits for calls in flight, closes pebble and releases the directory
 // lock. Calls after Close fail with storage.ErrUnavailable.
 func (s *Store) Close() error {
+	s.stop()
+	if s.failure.failed() {
+		// Pebble cannot be closed after its fatal error (its commit
+		// pipeline may hold callers for good, and closing would wait for
+		// them): the process is about to exit, which releases the rest.
+		if err := s.dirLock.Close(); err != nil {
+			return fmt.Errorf("pebble: release lock: %w", err)
+		}
+		return nil
+	}
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
 	if s.closed {
@@ -542,8 +653,12 @@ type noopCloser struct{}
 
 func (noopCloser) Close() error { return nil }
 
-// pebbleLogger sends pebble's messages to slog.
-type pebbleLogger struct{ l *slog.Logger }
+// pebbleLogger sends pebble's messages to slog, and its fatal errors to
+// the store's failure.
+type pebbleLogger struct {
+	l    *slog.Logger
+	fail *failure
+}
 
 func (p pebbleLogger) Infof(format string, args ...any) {
 	p.l.Info("pebble", "detail", fmt.Sprintf(format, args...))
@@ -554,11 +669,25 @@ func (p pebbleLogger) Errorf(format string, args ...any) {
 }
 
 // Fatalf must not return: pebble calls it when its state can no longer be
-// trusted (a failed commit leaves the WAL in an unknown state).
+// trusted (a failed commit leaves the WAL in an unknown state). The store
+// fails for good (disk.go's failure). On a goroutine that is answering a
+// call (inside guard) it panics for guard to recover, so that the caller
+// gets UNAVAILABLE; on one of pebble's own (a flush's MANIFEST write) it
+// parks that goroutine for good rather than crash the process before the
+// server has turned NOT_SERVING and said why: the server stops and exits
+// on the store's failure (server.ErrStoreFailed).
 func (p pebbleLogger) Fatalf(format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	p.l.Error("pebble fatal error", "detail", msg)
-	panic("pebble: " + msg)
+	err := errors.New(msg)
+	if !strings.HasPrefix(msg, "pebble") {
+		err = errors.New("pebble: " + msg)
+	}
+	p.fail.fail(err)
+	if inGuard() {
+		panic(fatalPanic{err})
+	}
+	select {}
 }
 
 func eventListener(l *slog.Logger) *pebble.EventListener {

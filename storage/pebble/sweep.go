@@ -105,8 +105,8 @@ func (s *Store) SweepExpired(ctx context.Context, limit int) (storage.SweepResul
 		// claim of a key deleted here must see it.
 		s.floor.Store(floor)
 	}
-	if err := b.Commit(pebble.Sync); err != nil {
-		return storage.SweepResult{Now: now}, unavailable("commit", err)
+	if err := s.commit(b, pebble.Sync); err != nil {
+		return storage.SweepResult{Now: now}, err
 	}
 	return res, nil
 }

@@ -119,6 +119,17 @@ const (
 	// period. Nothing was read or changed; it says nothing of the record.
 	// Metadata: consumer, kind, key.
 	ErrorReason_ERROR_REASON_CLAIM_SECRET_INVALID ErrorReason = 20
+	// "CAPACITY_EXHAUSTED", code RESOURCE_EXHAUSTED: the store, or the
+	// server, is short of a resource of its machine or database and refused
+	// what would need more of it; nothing was written. Metadata: resource,
+	// one of "disk" (the embedded store's file system is below its reserve:
+	// Claims that would start an attempt and large results are refused,
+	// while Completes, Releases and Extends of held keys and all reads go
+	// on; or the database reports its disk full), "memory" (the database's,
+	// or the server's heap near its limit), "connections" (the database
+	// refuses more), "file_descriptors" (the process is at its limit).
+	// RetryInfo: retrying at once does not help.
+	ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED ErrorReason = 21
 )
 
 // Enum value maps for ErrorReason.
@@ -145,6 +156,7 @@ var (
 		18: "ERROR_REASON_TOO_MANY_CALLS",
 		19: "ERROR_REASON_TOO_MANY_STREAMS",
 		20: "ERROR_REASON_CLAIM_SECRET_INVALID",
+		21: "ERROR_REASON_CAPACITY_EXHAUSTED",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED":          0,
@@ -168,6 +180,7 @@ var (
 		"ERROR_REASON_TOO_MANY_CALLS":       18,
 		"ERROR_REASON_TOO_MANY_STREAMS":     19,
 		"ERROR_REASON_CLAIM_SECRET_INVALID": 20,
+		"ERROR_REASON_CAPACITY_EXHAUSTED":   21,
 	}
 )
 
@@ -203,7 +216,7 @@ var File_idemreg_v1_error_reason_proto protoreflect.FileDescriptor
 const file_idemreg_v1_error_reason_proto_rawDesc = "" +
 	"\n" +
 	"\x1didemreg/v1/error_reason.proto\x12\n" +
-	"idemreg.v1*\xc2\x05\n" +
+	"idemreg.v1*\xe7\x05\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12%\n" +
 	"!ERROR_REASON_FINGERPRINT_MISMATCH\x10\x01\x12\x1b\n" +
@@ -226,7 +239,8 @@ const file_idemreg_v1_error_reason_proto_rawDesc = "" +
 	"\x17ERROR_REASON_OVERLOADED\x10\x11\x12\x1f\n" +
 	"\x1bERROR_REASON_TOO_MANY_CALLS\x10\x12\x12!\n" +
 	"\x1dERROR_REASON_TOO_MANY_STREAMS\x10\x13\x12%\n" +
-	"!ERROR_REASON_CLAIM_SECRET_INVALID\x10\x14B7Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1b\beditionsp\xe8\a"
+	"!ERROR_REASON_CLAIM_SECRET_INVALID\x10\x14\x12#\n" +
+	"\x1fERROR_REASON_CAPACITY_EXHAUSTED\x10\x15B7Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1b\beditionsp\xe8\a"
 
 var (
 	file_idemreg_v1_error_reason_proto_rawDescOnce sync.Once

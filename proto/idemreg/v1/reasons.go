@@ -51,7 +51,8 @@ func (r ErrorReason) Code() codes.Code {
 		ErrorReason_ERROR_REASON_LEASE_TOTAL_EXCEEDED, ErrorReason_ERROR_REASON_CLAIM_SECRET_INVALID:
 		return codes.FailedPrecondition
 	case ErrorReason_ERROR_REASON_QUOTA_EXCEEDED, ErrorReason_ERROR_REASON_RATE_LIMITED,
-		ErrorReason_ERROR_REASON_TOO_MANY_CALLS, ErrorReason_ERROR_REASON_TOO_MANY_STREAMS:
+		ErrorReason_ERROR_REASON_TOO_MANY_CALLS, ErrorReason_ERROR_REASON_TOO_MANY_STREAMS,
+		ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED:
 		return codes.ResourceExhausted
 	case ErrorReason_ERROR_REASON_NOT_FOUND:
 		return codes.NotFound

@@ -25,6 +25,7 @@ const (
 	ReasonTooManyCalls        = "TOO_MANY_CALLS"       // ERROR_REASON_TOO_MANY_CALLS
 	ReasonTooManyStreams      = "TOO_MANY_STREAMS"     // ERROR_REASON_TOO_MANY_STREAMS
 	ReasonClaimSecretInvalid  = "CLAIM_SECRET_INVALID" // ERROR_REASON_CLAIM_SECRET_INVALID
+	ReasonCapacityExhausted   = "CAPACITY_EXHAUSTED"   // ERROR_REASON_CAPACITY_EXHAUSTED
 )
 
 // Reasons lists every reason above, in the enum's order.
@@ -49,4 +50,5 @@ var Reasons = []string{
 	ReasonTooManyCalls,
 	ReasonTooManyStreams,
 	ReasonClaimSecretInvalid,
+	ReasonCapacityExhausted,
 }

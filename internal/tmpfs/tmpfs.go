@@ -1,0 +1,91 @@
+// Package tmpfs mounts a small real file system for tests that fill a
+// disk: a tmpfs of a given size, which a test can grow (remount) to give
+// space back. Mounting needs root (CAP_SYS_ADMIN) on Linux; elsewhere, and
+// for other users, Mount skips the test with a loud message, except in CI
+// (CI set), where it fails, so that the tests that need it cannot go quiet
+// there.
+package tmpfs
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// FS is a mounted tmpfs.
+type FS struct {
+	// Dir is where it is mounted.
+	Dir string
+}
+
+// Mount mounts a tmpfs of size bytes on a new directory under the test's
+// temporary directory and unmounts it when the test ends.
+func Mount(t testing.TB, size int64) *FS {
+	t.Helper()
+	if err := canMount(); err != nil {
+		msg := fmt.Sprintf("SKIPPED, NOT RUN: this test fills a real file system (a tmpfs it mounts) and cannot mount one: %v. Run it as root on Linux (sudo go test ...)", err)
+		if os.Getenv("CI") != "" {
+			t.Fatal(msg + "; CI (CI set) must run it")
+		}
+		t.Skip(msg)
+	}
+	dir := filepath.Join(t.TempDir(), "tmpfs")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := mount(dir, size, false); err != nil {
+		t.Fatalf("mount a tmpfs of %d bytes on %s: %v", size, dir, err)
+	}
+	t.Cleanup(func() {
+		if err := unmount(dir); err != nil {
+			t.Errorf("unmount %s: %v", dir, err)
+		}
+	})
+	return &FS{Dir: dir}
+}
+
+// Resize changes the file system's size, keeping its files: a larger size
+// gives space back to a full file system.
+func (f *FS) Resize(t testing.TB, size int64) {
+	t.Helper()
+	if err := mount(f.Dir, size, true); err != nil {
+		t.Fatalf("remount %s with %d bytes: %v", f.Dir, size, err)
+	}
+}
+
+// Chown gives the file system's root to uid and gid (a PostgreSQL
+// tablespace must belong to the server's user).
+func (f *FS) Chown(t testing.TB, uid, gid int) {
+	t.Helper()
+	if err := os.Chown(f.Dir, uid, gid); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Fill writes a file of zeros named name until the file system is full
+// and returns its path: what another writer on a shared file system does.
+func (f *FS) Fill(t testing.TB, name string) string {
+	t.Helper()
+	path := filepath.Join(f.Dir, name)
+	file, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer file.Close()
+	chunk := make([]byte, 64<<10)
+	for {
+		if _, err := file.Write(chunk); err != nil {
+			break // ENOSPC: full
+		}
+	}
+	// The last partial blocks, byte by byte in smaller writes.
+	for _, n := range []int{4096, 512, 1} {
+		for {
+			if _, err := file.Write(chunk[:n]); err != nil {
+				break
+			}
+		}
+	}
+	return path
+}
