@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/idemreg/idemreg/server/internal/reason"
 	rpccode "google.golang.org/genproto/googleapis/rpc/code"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -138,7 +139,7 @@ func (a accessLogger) finished(ctx context.Context, cl *callLog, err error) {
 		slog.Float64("grpc.time_ms", float64(time.Since(cl.start).Microseconds())/1000))
 	if cl.consumer != "" {
 		// Not validated yet when the call was refused before the handler.
-		attrs = append(attrs, slog.String("consumer", echo(cl.consumer)))
+		attrs = append(attrs, slog.String("consumer", reason.Echo(cl.consumer)))
 	}
 	if cl.identity != "" {
 		attrs = append(attrs, slog.String("identity", cl.identity))
@@ -147,7 +148,7 @@ func (a accessLogger) finished(ctx context.Context, cl *callLog, err error) {
 		attrs = append(attrs, slog.String("peer.address", p.Addr.String()))
 	}
 	if err != nil {
-		attrs = append(attrs, slog.String("grpc.error", bounded(status.Convert(err).Message(), MaxStatusMessageBytes)))
+		attrs = append(attrs, slog.String("grpc.error", reason.Bounded(status.Convert(err).Message(), MaxStatusMessageBytes)))
 	}
 	if sampledOut > 0 {
 		attrs = append(attrs, slog.Int64("log.sampled_out", sampledOut))

@@ -11,6 +11,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/pagetoken"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -299,7 +300,7 @@ func (a *AdminService) CountParked(ctx context.Context, req *idemregv1.CountPark
 			out.Parked[consumer] = n
 		}
 	}
-	a.audit(ctx, "count_parked", []slog.Attr{slog.String("consumer_prefix", echo(prefix))}, "", err, slog.Int("consumers", len(out.Parked)))
+	a.audit(ctx, "count_parked", []slog.Attr{slog.String("consumer_prefix", reason.Echo(prefix))}, "", err, slog.Int("consumers", len(out.Parked)))
 	if err != nil {
 		return nil, a.svc.toStatus(ctx, "CountParked", storage.Key{Consumer: prefix}, err)
 	}
@@ -316,7 +317,7 @@ func (a *AdminService) CountParked(ctx context.Context, req *idemregv1.CountPark
 func administrable(ctx context.Context, consumer string, prefix bool) (func(string) bool, error) {
 	id, ok := IdentityFrom(ctx)
 	if !ok {
-		return nil, newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
+		return nil, reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 	if !prefix {
 		return nil, nil // the interceptor checked the one consumer
@@ -328,11 +329,11 @@ func administrable(ctx context.Context, consumer string, prefix bool) (func(stri
 }
 
 func keyAttrs(k storage.Key) []slog.Attr {
-	return []slog.Attr{slog.String("consumer", echo(k.Consumer)), slog.String("kind", kindName(k.Kind)), slog.String("key", echo(k.Key))}
+	return []slog.Attr{slog.String("consumer", reason.Echo(k.Consumer)), slog.String("kind", kindName(k.Kind)), slog.String("key", reason.Echo(k.Key))}
 }
 
 func listAttrs(p storage.ListParams) []slog.Attr {
-	out := []slog.Attr{slog.String("consumer", echo(p.Consumer)), slog.Bool("consumer_prefix", p.Prefix)}
+	out := []slog.Attr{slog.String("consumer", reason.Echo(p.Consumer)), slog.Bool("consumer_prefix", p.Prefix)}
 	if p.State != 0 {
 		out = append(out, slog.String("state", idemregv1.State(p.State).String()))
 	}
@@ -355,11 +356,11 @@ var readOnlyActions = map[string]bool{"inspect": true, "list": true, "count_park
 // audit logs one admin action as an audit event (who: the identity; what:
 // the action and its target; when: the line's time; why: the reason) and
 // counts it by action and result: ok, or the reason the caller is answered
-// with (answerReason).
-func (a *AdminService) audit(ctx context.Context, action string, target []slog.Attr, reason string, err error, extra ...slog.Attr) {
+// with (reason.Answer).
+func (a *AdminService) audit(ctx context.Context, action string, target []slog.Attr, why string, err error, extra ...slog.Attr) {
 	result := "ok"
 	if err != nil {
-		result = answerReason(ctx, err).Reason()
+		result = reason.Answer(ctx, err).Reason()
 	}
 	identity := ""
 	if id, ok := IdentityFrom(ctx); ok {
@@ -368,8 +369,8 @@ func (a *AdminService) audit(ctx context.Context, action string, target []slog.A
 	a.m.adminActions.Add(ctx, 1, attrs(attribute.String("action", action), attribute.String("result", result)))
 	fields := append([]slog.Attr{slog.String("action", action), slog.String("identity", identity)}, target...)
 	fields = append(fields, slog.String("result", result))
-	if reason != "" {
-		fields = append(fields, slog.String("reason", echo(reason)))
+	if why != "" {
+		fields = append(fields, slog.String("reason", reason.Echo(why)))
 	}
 	level := slog.LevelWarn // a change an operator made by hand
 	if readOnlyActions[action] {

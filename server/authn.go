@@ -14,6 +14,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/server/policy"
 )
 
@@ -102,7 +103,7 @@ func identify(ctx context.Context, set *access.Set) (*access.Identity, error) {
 }
 
 func unauthenticated(msg string) error {
-	return newStatus(idemregv1.ErrorReason_ERROR_REASON_UNAUTHENTICATED, msg, nil)
+	return reason.Status(idemregv1.ErrorReason_ERROR_REASON_UNAUTHENTICATED, msg, nil)
 }
 
 // identityName is the identity charged for what the request of ctx

@@ -10,6 +10,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/internal/reason"
 )
 
 // authorize checks, before the handler reads anything, that the caller may
@@ -20,7 +21,7 @@ import (
 func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
 	id, ok := IdentityFrom(ctx)
 	if !ok {
-		return nil, newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
+		return nil, reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 	service, _, _ := strings.Cut(strings.TrimPrefix(info.FullMethod, "/"), "/")
 	if consumers, ok := batchConsumers(req); ok && service == idemregv1.RegistryService_ServiceDesc.ServiceName {
@@ -41,7 +42,7 @@ func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerI
 		// identity may administer (administrable). One that may administer
 		// none of them is refused here, as for a single consumer.
 		if _, some := id.MayAdministerUnder(prefix); !some {
-			return nil, s.denied(ctx, id, prefix, "identity "+quote(id.Name)+" may administer no consumer whose name starts with "+quote(echo(prefix)))
+			return nil, s.denied(ctx, id, prefix, "identity "+quote(id.Name)+" may administer no consumer whose name starts with "+quote(reason.Echo(prefix)))
 		}
 		return next(ctx, req)
 	}
@@ -79,9 +80,9 @@ func adminPrefix(req any) (string, bool) {
 func (s *Server) denied(ctx context.Context, id *access.Identity, consumer, msg string) error {
 	s.metrics.denied.Add(ctx, 1, codeAttr(codes.PermissionDenied))
 	if msg == "" {
-		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(echo(consumer))
+		msg = "identity " + quote(id.Name) + " may not use consumer " + quote(reason.Echo(consumer))
 	}
-	return newStatus(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, msg,
+	return reason.Status(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, msg,
 		map[string]string{"identity": id.Name, "consumer": consumer})
 }
 

@@ -12,6 +12,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/server/internal/waiting"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -31,20 +32,20 @@ func statusOf(err error) *status.Status {
 	if st, ok := status.FromError(err); ok {
 		return st
 	}
-	return status.Convert(newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil))
+	return status.Convert(reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil))
 }
 
 // itemStatus is an item's error as its answer carries it. A batch's answer
 // is one message, and one item's status that does not encode (a string
 // field of invalid UTF-8) would fail all of it: the caller would be told
 // INTERNAL for items the store had committed, without their tokens or
-// records. newStatus bounds and escapes what it quotes; this is the net
+// records. reason.Status bounds and escapes what it quotes; this is the net
 // for a status it did not build: that item alone is INTERNAL.
 func (s *Service) itemStatus(ctx context.Context, method string, err error) *spb.Status {
 	p := statusOf(err).Proto()
 	if _, merr := proto.Marshal(p); merr != nil {
 		s.logger.ErrorContext(ctx, "batch item status does not encode", "method", method, "code", codeName(codes.Code(p.GetCode())), "error", merr)
-		return statusOf(newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)).Proto()
+		return statusOf(reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)).Proto()
 	}
 	return p
 }

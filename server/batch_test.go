@@ -121,7 +121,7 @@ func TestBatchClaimAnswersLikeClaim(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, "r0", string(r0.GetRecord().GetResult().GetResponse().GetData()))
 		_, err = completeResult(res[1])
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 		r7, err := completeResult(res[2])
 		require.NoError(t, err)
 		require.Equal(t, "r7", string(r7.GetRecord().GetResult().GetResponse().GetData()))
@@ -129,9 +129,9 @@ func TestBatchClaimAnswersLikeClaim(t *testing.T) {
 		require.NoError(t, err, "the same Complete twice: the second sees the first's effect")
 		require.Equal(t, "r7", string(again.GetRecord().GetResult().GetResponse().GetData()), "the first result stays")
 		_, err = completeResult(res[4])
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 		_, err = completeResult(res[5])
-		st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"result"}, violatedFields(st))
 		looked, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: batchReqs[1].Consumer, Kind: batchReqs[1].Kind, Key: batchReqs[1].Key})
 		require.NoError(t, err)
@@ -144,7 +144,7 @@ func TestBatchBounds(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, h *harness) {
 		ctx, c := t.Context(), h.client
 		_, err := c.BatchClaim(ctx, &idemregv1.BatchClaimRequest{})
-		st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"requests"}, violatedFields(st))
 
 		many := make([]*idemregv1.ClaimRequest, server.MaxBatchItems+1)
@@ -152,10 +152,10 @@ func TestBatchBounds(t *testing.T) {
 			many[i] = claimReq(fmt.Sprintf("k-%d", i), "")
 		}
 		_, err = c.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: many})
-		st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"requests"}, violatedFields(st))
 		_, err = c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: many[0].Consumer, Kind: many[0].Kind, Key: many[0].Key})
-		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 
 		// 5 results of 900 KiB: over the total size.
 		data := strings.Repeat("d", 900<<10)
@@ -164,7 +164,7 @@ func TestBatchBounds(t *testing.T) {
 			big[i] = &idemregv1.CompleteRequest{Consumer: many[0].Consumer, Kind: many[0].Kind, Key: fmt.Sprint(i), Token: 1, ClaimSecret: forged, Result: response(data)}
 		}
 		_, err = c.BatchComplete(ctx, &idemregv1.BatchCompleteRequest{Requests: big})
-		st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"requests"}, violatedFields(st))
 
 		// The largest batch passes.
@@ -214,13 +214,13 @@ rate_limits:
 		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, r.GetOutcome())
 	}
 	_, err = claimResult(got[1])
-	st := requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+	st := requireStatus(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 	require.Equal(t, `identity "team" may not use consumer "other.a"`, st.Message(), "the unary call's answer")
 	_, err = claimResult(got[4])
-	requireStatus(t, err, codes.ResourceExhausted, server.ReasonRateLimited)
+	requireStatus(t, err, codes.ResourceExhausted, idemregv1.ReasonRateLimited)
 	require.Equal(t, "consumer:team.limited", detail[*errdetails.QuotaFailure](t, err).GetViolations()[0].GetSubject())
 	_, err = claimResult(got[5])
-	st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 	require.Equal(t, []string{"key"}, violatedFields(st))
 
 	// The refused item wrote nothing: the other team finds its key free.

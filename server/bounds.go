@@ -15,6 +15,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/internal/reason"
 )
 
 // Bounds are what anyone who can open a connection may make the server
@@ -265,8 +266,8 @@ func (p *publicStreams) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamS
 	case p.slots <- struct{}{}:
 	default:
 		p.refused(ss.Context())
-		return newStatus(idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_STREAMS, "too many streams without credentials are open; retry later", nil,
-			retryInfo(unavailableRetryAfter))
+		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_STREAMS, "too many streams without credentials are open; retry later", nil,
+			reason.RetryInfo(unavailableRetryAfter))
 	}
 	defer func() { <-p.slots }()
 	return handler(srv, ss)
@@ -292,14 +293,14 @@ func (c *identityCalls) intercept(ctx context.Context, req any, _ *grpc.UnarySer
 	defer n.Add(-1)
 	if n.Add(1) > c.max {
 		c.m.boundRefused.Add(ctx, 1, attrs(attribute.String("bound", "identity_calls"), attribute.String("identity", id.Name)))
-		return nil, newStatus(idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_CALLS,
+		return nil, reason.Status(idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_CALLS,
 			"identity "+quote(id.Name)+" has too many calls in progress; retry later",
 			map[string]string{"identity": id.Name},
 			&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
 				Subject:     "identity:" + id.Name,
 				Description: fmt.Sprintf("%d calls in progress", c.max),
 			}}},
-			retryInfo(overloadedRetryAfter))
+			reason.RetryInfo(overloadedRetryAfter))
 	}
 	return next(ctx, req)
 }

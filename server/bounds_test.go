@@ -402,7 +402,7 @@ func TestPublicStreamBound(t *testing.T) {
 	require.NoError(t, watch(ctx1))
 	require.NoError(t, watch(t.Context()))
 	err := watch(t.Context())
-	requireStatus(t, err, codes.ResourceExhausted, server.ReasonTooManyStreams)
+	requireStatus(t, err, codes.ResourceExhausted, idemregv1.ReasonTooManyStreams)
 
 	sums := collectSums(t, reader)
 	require.EqualValues(t, 1, sums[server.MetricBoundRefused+" bound=public_streams"], "%v", sums)
@@ -482,7 +482,7 @@ identities:
 		_, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-1"})
 		return err
 	}
-	requireStatus(t, lookup(t.Context(), billingToken, "billing.worker"), codes.NotFound, server.ReasonNotFound)
+	requireStatus(t, lookup(t.Context(), billingToken, "billing.worker"), codes.NotFound, idemregv1.ReasonNotFound)
 
 	locker, err := pgx.Connect(t.Context(), dbURL)
 	require.NoError(t, err)
@@ -517,7 +517,7 @@ identities:
 		defer cancel()
 		return lookup(ctx, token, consumer)
 	}
-	st := requireStatus(t, short(billingToken, "billing.worker"), codes.ResourceExhausted, server.ReasonTooManyCalls)
+	st := requireStatus(t, short(billingToken, "billing.worker"), codes.ResourceExhausted, idemregv1.ReasonTooManyCalls)
 	require.Contains(t, st.Message(), `"billing"`)
 	sums := collectSums(t, reader)
 	require.EqualValues(t, 1, sums[server.MetricBoundRefused+" bound=identity_calls identity=billing"], "%v", sums)
@@ -526,10 +526,10 @@ identities:
 
 	require.NoError(t, tx.Commit(t.Context()))
 	for range 2 {
-		requireStatus(t, <-held, codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, <-held, codes.NotFound, idemregv1.ReasonNotFound)
 	}
 	for range 3 {
-		requireStatus(t, lookup(t.Context(), billingToken, "billing.worker"), codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, lookup(t.Context(), billingToken, "billing.worker"), codes.NotFound, idemregv1.ReasonNotFound)
 	}
 }
 

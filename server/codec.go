@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/protoadapt"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/reason"
 )
 
 // Malformed requests. gRPC decodes a request before any interceptor runs,
@@ -70,14 +71,14 @@ func (r *rawRequest) decode(m any) error {
 	case protoadapt.MessageV1:
 		msg = protoadapt.MessageV2Of(m)
 	default:
-		return newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
+		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 	buf := r.data.MaterializeToBuffer(mem.DefaultBufferPool())
 	defer buf.Free()
 	if err := proto.Unmarshal(buf.ReadOnlyData(), msg); err != nil {
 		proto.Reset(msg)
 		name := string(msg.ProtoReflect().Descriptor().FullName())
-		return newStatus(idemregv1.ErrorReason_ERROR_REASON_MALFORMED_REQUEST,
+		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_MALFORMED_REQUEST,
 			"the request is not a valid encoding of "+name+": "+err.Error(),
 			map[string]string{"message": name})
 	}

@@ -91,7 +91,7 @@ func FuzzRequestCodec(f *testing.F) {
 			}
 		}
 		require.NotNil(t, info)
-		require.Equal(t, ReasonMalformedRequest, info.GetReason())
+		require.Equal(t, idemregv1.ReasonMalformedRequest, info.GetReason())
 		require.Equal(t, string(got.ProtoReflect().Descriptor().FullName()), info.GetMetadata()["message"])
 		require.Zero(t, proto.Size(got), "nothing half-decoded is left")
 	})

@@ -72,27 +72,27 @@ identities:
 		{"Lookup, truncated field", func(ctx context.Context) error {
 			_, err := c.Lookup(ctx, malformed(&idemregv1.LookupRequest{}, truncatedField))
 			return err
-		}, authenticated, "Lookup", codes.InvalidArgument, server.ReasonMalformedRequest, "idemreg.v1.LookupRequest", "billing"},
+		}, authenticated, "Lookup", codes.InvalidArgument, idemregv1.ReasonMalformedRequest, "idemreg.v1.LookupRequest", "billing"},
 		{"Complete, truncated varint after valid fields", func(ctx context.Context) error {
 			_, err := c.Complete(ctx, malformed(&idemregv1.CompleteRequest{Consumer: "billing.worker", Key: "k"}, truncatedVarint))
 			return err
-		}, authenticated, "Complete", codes.InvalidArgument, server.ReasonMalformedRequest, "idemreg.v1.CompleteRequest", "billing"},
+		}, authenticated, "Complete", codes.InvalidArgument, idemregv1.ReasonMalformedRequest, "idemreg.v1.CompleteRequest", "billing"},
 		{"Claim, field zero", func(ctx context.Context) error {
 			_, err := c.Claim(ctx, malformed(&idemregv1.ClaimRequest{}, fieldZero))
 			return err
-		}, authenticated, "Claim", codes.InvalidArgument, server.ReasonMalformedRequest, "idemreg.v1.ClaimRequest", "billing"},
+		}, authenticated, "Claim", codes.InvalidArgument, idemregv1.ReasonMalformedRequest, "idemreg.v1.ClaimRequest", "billing"},
 		{"InspectRecord", func(ctx context.Context) error {
 			_, err := admin.InspectRecord(ctx, malformed(&idemregv1.InspectRecordRequest{}, truncatedField))
 			return err
-		}, authenticated, "InspectRecord", codes.InvalidArgument, server.ReasonMalformedRequest, "idemreg.v1.InspectRecordRequest", "billing"},
+		}, authenticated, "InspectRecord", codes.InvalidArgument, idemregv1.ReasonMalformedRequest, "idemreg.v1.InspectRecordRequest", "billing"},
 		{"health, public", func(ctx context.Context) error {
 			_, err := healthpb.NewHealthClient(conn).Check(ctx, malformed(&healthpb.HealthCheckRequest{}, truncatedField))
 			return err
-		}, t.Context(), "Check", codes.InvalidArgument, server.ReasonMalformedRequest, "grpc.health.v1.HealthCheckRequest", ""},
+		}, t.Context(), "Check", codes.InvalidArgument, idemregv1.ReasonMalformedRequest, "grpc.health.v1.HealthCheckRequest", ""},
 		{"unknown caller: authentication first", func(ctx context.Context) error {
 			_, err := c.Lookup(ctx, malformed(&idemregv1.LookupRequest{}, truncatedField))
 			return err
-		}, t.Context(), "Lookup", codes.Unauthenticated, server.ReasonUnauthenticated, "", ""},
+		}, t.Context(), "Lookup", codes.Unauthenticated, idemregv1.ReasonUnauthenticated, "", ""},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -121,7 +121,7 @@ identities:
 	require.NoError(t, err)
 	require.NoError(t, stream.Send(malformed(&reflectionpb.ServerReflectionRequest{}, truncatedField)))
 	_, err = stream.Recv()
-	requireStatus(t, err, codes.InvalidArgument, server.ReasonMalformedRequest)
+	requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonMalformedRequest)
 
 	// otelgrpc leaves health checks out (server.go); the other five
 	// malformed calls are counted. The server records a call after its
@@ -172,7 +172,7 @@ func TestMalformedOnHealthListener(t *testing.T) {
 	})
 	hc := healthpb.NewHealthClient(servertest.Dial(t, hlis.Addr().String()))
 	_, err = hc.Check(t.Context(), malformed(&healthpb.HealthCheckRequest{}, truncatedField))
-	requireStatus(t, err, codes.InvalidArgument, server.ReasonMalformedRequest)
+	requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonMalformedRequest)
 	_, err = hc.Check(t.Context(), &healthpb.HealthCheckRequest{Service: server.LivenessService})
 	require.NoError(t, err, "still serving")
 }

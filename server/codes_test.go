@@ -38,13 +38,13 @@ identities:
 	_, err := c.Claim(ctx, claimReq("codes-1", "fp-1"))
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("codes-1", "fp-2"))
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+	requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonFingerprintMismatch)
 	_, err = c.Claim(t.Context(), claimReq("codes-2", "fp-1"))
-	requireStatus(t, err, codes.Unauthenticated, server.ReasonUnauthenticated)
+	requireStatus(t, err, codes.Unauthenticated, idemregv1.ReasonUnauthenticated)
 	other := claimReq("codes-3", "fp-1")
 	other.Consumer = "orders.inbox"
 	_, err = c.Claim(ctx, other)
-	requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+	requireStatus(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 
 	want := []string{"FAILED_PRECONDITION", "OK", "PERMISSION_DENIED", "UNAUTHENTICATED"}
 	logged := map[string]bool{}

@@ -4,9 +4,7 @@ import (
 	"context"
 	"time"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
-	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // Defaults of the request budget.
@@ -37,9 +35,4 @@ func (s *Server) deadline(ctx context.Context, req any, _ *grpc.UnaryServerInfo,
 	ctx, cancel := context.WithTimeout(ctx, budget)
 	defer cancel()
 	return next(ctx, req)
-}
-
-// retryInfo suggests a delay before retrying, at least a millisecond.
-func retryInfo(d time.Duration) *errdetails.RetryInfo {
-	return &errdetails.RetryInfo{RetryDelay: durationpb.New(max(d, time.Millisecond).Round(time.Millisecond))}
 }

@@ -24,7 +24,7 @@
 //     consumer's token buckets). For a batch, authz.go and ratelimit.go
 //     judge each item (batchitems.go) instead of refusing the call;
 //   - service.go: the RegistryService handlers. Claim validates
-//     (validate.go, echo.go for what it echoes back), reads the claim key
+//     (validate.go), reads the claim key
 //     (server/internal/claimsecret), admits the Claim under the consumer's
 //     quota (server/internal/quota), decides it through the store chain
 //     (storechain.go: the deadline margin of storedeadline.go, the in-flight
@@ -35,7 +35,9 @@
 //   - admin.go: the AdminService (listing.go for ListRecords, its page
 //     tokens in server/internal/pagetoken);
 //   - status.go: every error of the store, the context or the server's own
-//     refusals becomes one status with its reason and details;
+//     refusals becomes one status with its reason and details, by the one
+//     classification of server/internal/reason (which also bounds what a
+//     status or a log line echoes of a request);
 //   - readiness.go, parked.go, metrics.go: health, the parked records gauge
 //     and the instruments the steps above record to.
 package server

@@ -57,11 +57,11 @@ rate_limits:
 		code     codes.Code
 		reason   string
 	}{
-		{"unauthenticated", func(ctx context.Context) context.Context { return ctx }, huge("orders."), codes.Unauthenticated, server.ReasonUnauthenticated},
-		{"authenticated but refused", authenticated, huge("orders."), codes.PermissionDenied, server.ReasonPermissionDenied},
+		{"unauthenticated", func(ctx context.Context) context.Context { return ctx }, huge("orders."), codes.Unauthenticated, idemregv1.ReasonUnauthenticated},
+		{"authenticated but refused", authenticated, huge("orders."), codes.PermissionDenied, idemregv1.ReasonPermissionDenied},
 		// The first call of the bucket reaches validation, the second the limit.
-		{"granted, invalid", authenticated, huge("billing."), codes.InvalidArgument, server.ReasonInvalidArgument},
-		{"granted, rate limited", authenticated, huge("billing."), codes.ResourceExhausted, server.ReasonRateLimited},
+		{"granted, invalid", authenticated, huge("billing."), codes.InvalidArgument, idemregv1.ReasonInvalidArgument},
+		{"granted, rate limited", authenticated, huge("billing."), codes.ResourceExhausted, idemregv1.ReasonRateLimited},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

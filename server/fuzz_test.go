@@ -410,8 +410,8 @@ func requireInvalidArgument(t testing.TB, st *status.Status, want []string) {
 		}
 	}
 	require.NotNil(t, info, "ErrorInfo")
-	require.Equal(t, server.ReasonInvalidArgument, info.GetReason())
-	require.Equal(t, server.ErrorDomain, info.GetDomain())
+	require.Equal(t, idemregv1.ReasonInvalidArgument, info.GetReason())
+	require.Equal(t, idemregv1.ErrorDomain, info.GetDomain())
 	slices.Sort(fields)
 	require.Equal(t, want, slices.Compact(fields), "field violations")
 }

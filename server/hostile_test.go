@@ -108,7 +108,7 @@ func TestHostileRequests(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			st := requireStatus(t, tc.call(), codes.InvalidArgument, server.ReasonInvalidArgument)
+			st := requireStatus(t, tc.call(), codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 			require.ElementsMatch(t, tc.fields, violatedFields(st))
 			require.Less(t, len(st.Message()), 1024, "the message does not echo a huge field")
 		})
@@ -141,7 +141,7 @@ func TestHostileMessages(t *testing.T) {
 	broken := &idemregv1.LookupRequest{}
 	broken.ProtoReflect().SetUnknown([]byte{0x1a, 100, 'a', 'b'})
 	_, err = c.Lookup(ctx, broken)
-	requireStatus(t, err, codes.InvalidArgument, server.ReasonMalformedRequest)
+	requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonMalformedRequest)
 
 	_, err = c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: "hostile.test", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "after"})
 	require.NoError(t, err, "still serving")
@@ -164,9 +164,9 @@ func TestDeadlineAlreadyPast(t *testing.T) {
 	svc, err := server.NewService(store, server.DefaultLimits(), nil)
 	require.NoError(t, err)
 	_, err = svc.Claim(ctx, req)
-	requireStatus(t, err, codes.DeadlineExceeded, server.ReasonDeadlineExceeded)
+	requireStatus(t, err, codes.DeadlineExceeded, idemregv1.ReasonDeadlineExceeded)
 	_, err = svc.Complete(ctx, &idemregv1.CompleteRequest{Consumer: req.Consumer, Kind: req.Kind, Key: req.Key, Token: 1, ClaimSecret: forged, Result: response("r")})
-	requireStatus(t, err, codes.DeadlineExceeded, server.ReasonDeadlineExceeded)
+	requireStatus(t, err, codes.DeadlineExceeded, idemregv1.ReasonDeadlineExceeded)
 
 	_, err = c.Lookup(t.Context(), &idemregv1.LookupRequest{Consumer: req.Consumer, Kind: req.Kind, Key: req.Key})
 	require.Equal(t, codes.NotFound, status.Code(err), "an expired request claimed nothing")

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -110,3 +111,11 @@ func (l Limits) Policy() policy.Policy {
 		MaxLeaseTotal:      l.MaxLeaseTotal,
 	}
 }
+
+// Bounds on what a request can make the server write in a log line or a
+// status (server/internal/reason; docs/operations.md, "Log and error
+// bounds").
+const (
+	MaxEchoedFieldBytes   = reason.MaxEchoedFieldBytes
+	MaxStatusMessageBytes = reason.MaxStatusMessageBytes
+)

@@ -175,18 +175,18 @@ func identityAttr(name string) metric.MeasurementOption {
 }
 
 // storeErrorType is the error.type of a store call that failed with
-// reason (classify): the value of idemreg.store.errors' error.type and of
+// reason (reason.Classify): the value of idemreg.store.errors' error.type and of
 // idemreg.store.duration's outcome. Only failures have one: the registry's
 // answers (isAnswer) are not failures of the store.
 func storeErrorType(reason idemregv1.ErrorReason) string {
 	switch reason {
-	case reasonDeadlineExceeded:
+	case idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED:
 		return "deadline"
-	case reasonCanceled:
+	case idemregv1.ErrorReason_ERROR_REASON_CANCELED:
 		return "canceled"
-	case reasonStoreUnavailable:
+	case idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE:
 		return "unavailable"
-	case reasonCapacityExhausted:
+	case idemregv1.ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED:
 		return "exhausted"
 	default:
 		return "internal"

@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -11,13 +10,23 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/storage"
 )
 
 // errOverloaded: the store already has the most operations in flight that
 // the server allows. toStatus answers it with UNAVAILABLE, reason OVERLOADED.
-var errOverloaded = errors.New("too many store operations in flight")
+var errOverloaded error = overloaded{}
+
+type overloaded struct{}
+
+func (overloaded) Error() string { return "too many store operations in flight" }
+
+func (overloaded) Reason() idemregv1.ErrorReason {
+	return idemregv1.ErrorReason_ERROR_REASON_OVERLOADED
+}
 
 // shareExceeded: the caller's identity already has its share of the
 // operations in flight. It is an errOverloaded, answered the same way, with
@@ -32,6 +41,10 @@ func (e *shareExceeded) Error() string {
 }
 
 func (e *shareExceeded) Unwrap() error { return errOverloaded }
+
+func (e *shareExceeded) Reason() idemregv1.ErrorReason {
+	return idemregv1.ErrorReason_ERROR_REASON_OVERLOADED
+}
 
 // identityShares bound the store operations in flight of each identity to
 // a share of the server's, so that one tenant's flood (or its slow keys)
@@ -169,16 +182,16 @@ func (o *observedStore) do(ctx context.Context, op *opMeasures, call func() erro
 		o.shares.give(id.Name)
 	}
 	o.outcomes.record(err)
-	reason := classify(err)
-	if err != nil && !isAnswer(reason) {
-		outcome := storeErrorType(reason)
+	r := reason.Classify(err)
+	if err != nil && !reason.IsAnswer(r) {
+		outcome := storeErrorType(r)
 		opAttr := attribute.String("op", op.name)
 		o.m.storeErrors.Add(ctx, 1, attrs(opAttr, attribute.String("error.type", outcome)))
 		o.m.storeDuration.Record(ctx, elapsed, attrs(opAttr, attribute.String("outcome", outcome)))
 	} else {
 		o.m.storeDuration.Record(ctx, elapsed, op.ok)
 	}
-	if reason == reasonLeaseLost {
+	if r == idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST {
 		o.m.leaseLost.Add(ctx, 1, op.method)
 	}
 	return err
@@ -196,7 +209,7 @@ func (o *observedStore) Claim(ctx context.Context, p storage.ClaimParams) (res s
 func (o *observedStore) countClaim(ctx context.Context, res storage.ClaimResult, err error) {
 	var outcome string
 	switch {
-	case classify(err) == reasonFingerprintMismatch:
+	case reason.Classify(err) == idemregv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH:
 		outcome = ClaimMismatch
 	case err != nil:
 		return
@@ -224,7 +237,7 @@ func (o *observedStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams
 		ran = true
 		out = o.next.ClaimBatch(ctx, ps)
 		for _, a := range out {
-			if a.Err != nil && !isAnswer(classify(a.Err)) {
+			if a.Err != nil && !reason.IsAnswer(reason.Classify(a.Err)) {
 				return a.Err // the store failed: measured, and counted for readiness
 			}
 		}
@@ -251,7 +264,7 @@ func (o *observedStore) CompleteBatch(ctx context.Context, ps []storage.Complete
 		ran = true
 		out = o.next.CompleteBatch(ctx, ps)
 		for _, a := range out {
-			if a.Err != nil && !isAnswer(classify(a.Err)) {
+			if a.Err != nil && !reason.IsAnswer(reason.Classify(a.Err)) {
 				return a.Err // the store failed: measured, and counted for readiness
 			}
 		}
@@ -269,7 +282,7 @@ func (o *observedStore) CompleteBatch(ctx context.Context, ps []storage.Complete
 		switch {
 		case a.Err == nil:
 			o.m.completes.Add(ctx, 1)
-		case classify(a.Err) == reasonLeaseLost:
+		case reason.Classify(a.Err) == idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST:
 			o.m.leaseLost.Add(ctx, 1, opComplete.method)
 		}
 	}

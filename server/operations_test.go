@@ -108,7 +108,7 @@ func TestLogsAtWarn(t *testing.T) {
 	_, err := c.Claim(ctx, claimReq("warn-1", "fp-1"))
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("warn-1", "fp-2"))
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+	requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonFingerprintMismatch)
 	calls := buf.waitLines(t, "finished call", 1)
 	require.Len(t, calls, 1)
 	require.Equal(t, "FAILED_PRECONDITION", calls[0]["grpc.code"])
@@ -143,10 +143,10 @@ rate_limits:
 		return err
 	}
 	for range 2 {
-		requireStatus(t, lookup("limited.a"), codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, lookup("limited.a"), codes.NotFound, idemregv1.ReasonNotFound)
 	}
 	err := lookup("limited.a")
-	st := requireStatus(t, err, codes.ResourceExhausted, server.ReasonRateLimited)
+	st := requireStatus(t, err, codes.ResourceExhausted, idemregv1.ReasonRateLimited)
 	require.Contains(t, st.Message(), `consumer "limited.a" is over its rate limit of 0.5 requests per second, burst 2 (rate_limits "limited.*")`)
 	qf := detail[*errdetails.QuotaFailure](t, err)
 	require.Equal(t, "consumer:limited.a", qf.GetViolations()[0].GetSubject())
@@ -154,8 +154,8 @@ rate_limits:
 	require.Greater(t, delay, time.Second)
 	require.LessOrEqual(t, delay, 2*time.Second)
 
-	requireStatus(t, lookup("limited.b"), codes.NotFound, server.ReasonNotFound)
-	requireStatus(t, lookup("unlimited"), codes.NotFound, server.ReasonNotFound)
+	requireStatus(t, lookup("limited.b"), codes.NotFound, idemregv1.ReasonNotFound)
+	requireStatus(t, lookup("unlimited"), codes.NotFound, idemregv1.ReasonNotFound)
 }
 
 // gateStore holds every Claim until its context ends or the gate opens.
@@ -189,7 +189,7 @@ func TestOverloadFailsFast(t *testing.T) {
 	}
 	start := time.Now()
 	err := claim("third")
-	st := requireStatus(t, err, codes.Unavailable, server.ReasonOverloaded)
+	st := requireStatus(t, err, codes.Unavailable, idemregv1.ReasonOverloaded)
 	require.NotContains(t, st.Message(), "pebble")
 	require.Positive(t, detail[*errdetails.RetryInfo](t, err).GetRetryDelay().AsDuration())
 	require.Less(t, time.Since(start), 2*time.Second, "refused at once, not after a deadline")
@@ -241,9 +241,9 @@ func TestLogs(t *testing.T) {
 	claimed, err := c.Claim(ctx, claimReq("log-1", fingerprint))
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("log-1", "fp-OTHER-SECRET"))
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+	requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonFingerprintMismatch)
 	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken() + 1, ClaimSecret: claimed.GetClaimSecret(), Result: response(result)})
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+	requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "log-1", Token: claimed.GetToken(), ClaimSecret: claimed.GetClaimSecret(), Result: response(result)})
 	require.NoError(t, err)
 	_, err = c.Claim(ctx, claimReq("log-1", fingerprint))
@@ -299,7 +299,7 @@ func TestAdminService(t *testing.T) {
 		}
 
 		_, err := admin.InspectRecord(ctx, key("adm-1"))
-		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 		first, err := c.Claim(ctx, claimReq("adm-1", "fp-1"))
 		require.NoError(t, err)
 		insp, err := admin.InspectRecord(ctx, key("adm-1"))
@@ -309,16 +309,16 @@ func TestAdminService(t *testing.T) {
 		require.Equal(t, "fp-1", string(insp.GetRecord().GetFingerprint()))
 
 		_, err = invalidate("adm-1", first.GetToken(), "")
-		st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"reason"}, violatedFields(st))
 		_, err = invalidate("adm-1", first.GetToken()+1, "stuck worker")
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 		inv, err := invalidate("adm-1", first.GetToken(), "stuck worker")
 		require.NoError(t, err)
 		require.Greater(t, inv.GetRecord().GetToken(), first.GetToken())
 
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "adm-1", Token: first.GetToken(), ClaimSecret: first.GetClaimSecret(), Result: response("late")})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 		again, err := c.Claim(ctx, claimReq("adm-1", "fp-2"))
 		require.NoError(t, err)
 		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, again.GetOutcome())
@@ -330,7 +330,7 @@ func TestAdminService(t *testing.T) {
 		require.NoError(t, err, "expired, not swept: still visible to an operator")
 		require.False(t, insp.GetLive())
 		_, err = invalidate("adm-1", 0, "too late")
-		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 	})
 }
 

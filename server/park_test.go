@@ -71,18 +71,18 @@ func TestParking(t *testing.T) {
 			require.NoError(t, err)
 			requireParkedAnswer(t, again, storage.ParkReasonMaxAttempts)
 			_, err = c.Claim(ctx, claimReq("pay-1", "other"))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonFingerprintMismatch)
 
 			// The last holder may not complete, release or extend it.
 			_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1",
 				Token: second.GetToken(), ClaimSecret: second.GetClaimSecret(), Result: response("late")})
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonParked)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonParked)
 			_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1",
 				Token: second.GetToken(), ClaimSecret: second.GetClaimSecret()})
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonParked)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonParked)
 			_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1",
 				Token: second.GetToken(), ClaimSecret: second.GetClaimSecret()})
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonParked)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonParked)
 
 			// BatchClaim items answer it too.
 			batch, err := c.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: []*idemregv1.ClaimRequest{claimReq("pay-1", "fp"), claimReq("pay-2", "fp")}})
@@ -93,9 +93,9 @@ func TestParking(t *testing.T) {
 			// Park by the holder: fenced by the token and its claim secret.
 			own := batch.GetResults()[1].GetResponse()
 			_, err = c.Park(ctx, parkReq("pay-2", own.GetToken(), forged, "sent, no answer"))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 			_, err = c.Park(ctx, parkReq("pay-2", own.GetToken()-1, own.GetClaimSecret(), "sent, no answer"))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 			res, err := c.Park(ctx, parkReq("pay-2", own.GetToken(), own.GetClaimSecret(), "sent, no answer"))
 			require.NoError(t, err)
 			require.Equal(t, idemregv1.State_STATE_PARKED, res.GetRecord().GetState())
@@ -118,9 +118,9 @@ func TestParking(t *testing.T) {
 				Token: done.GetToken(), ClaimSecret: done.GetClaimSecret(), Result: response("r")})
 			require.NoError(t, err)
 			_, err = c.Park(ctx, parkReq("pay-3", done.GetToken(), done.GetClaimSecret(), "too late"))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonAlreadyCompleted)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonAlreadyCompleted)
 			_, err = c.Park(ctx, parkReq("pay-4", done.GetToken(), done.GetClaimSecret(), "no such key"))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid) // the secret is not for pay-4
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid) // the secret is not for pay-4
 
 			// Another consumer has no max_attempts: takeovers go on.
 			other := claimReq("pay-1", "fp")
@@ -152,12 +152,12 @@ func TestParkValidation(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := c.Park(ctx, tc.req)
-			st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+			st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 			require.Equal(t, tc.fields, violatedFields(st))
 		})
 	}
 	_, err := c.Park(ctx, parkReq("k", 1, forged, strings.Repeat("é", server.MaxParkReasonBytes/2)))
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid) // valid: 512 bytes
+	requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid) // valid: 512 bytes
 }
 
 func TestParkMetrics(t *testing.T) {
@@ -175,7 +175,7 @@ func TestParkMetrics(t *testing.T) {
 	}
 	_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "m-1",
 		Token: first.GetToken(), ClaimSecret: first.GetClaimSecret(), Result: response("late")})
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonParked)
+	requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonParked)
 
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(ctx, &rm))

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/tap"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/reason"
 )
 
 // pendingCalls bounds the calls of one listener whose request message has
@@ -42,8 +43,8 @@ func (p *pendingCalls) tap(ctx context.Context, _ *tap.Info) (context.Context, e
 	case p.slots <- struct{}{}:
 	default:
 		p.refused(ctx)
-		return nil, newStatus(idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_STREAMS,
-			"too many calls are waiting for their request message; retry later", nil, retryInfo(unavailableRetryAfter))
+		return nil, reason.Status(idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_STREAMS,
+			"too many calls are waiting for their request message; retry later", nil, reason.RetryInfo(unavailableRetryAfter))
 	}
 	release := sync.OnceFunc(func() { <-p.slots })
 	// The transport cancels the call's context when the call ends, however

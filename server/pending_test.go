@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 )
 
@@ -94,12 +95,12 @@ func TestHeldCallsBounded(t *testing.T) {
 	require.Equal(t, share, held, "the gRPC listener holds its share of pending calls")
 	require.Equal(t, conns*streams-share, refused)
 	require.NoError(t, check(t, healthAddr), "a flood of the gRPC port leaves the health port its share")
-	requireStatus(t, check(t, grpcAddr), codes.ResourceExhausted, server.ReasonTooManyStreams)
+	requireStatus(t, check(t, grpcAddr), codes.ResourceExhausted, idemregv1.ReasonTooManyStreams)
 
 	_, held, refused = flood(healthAddr)
 	require.Equal(t, share, held, "the health listener holds its share of pending calls")
 	require.Equal(t, conns*streams-share, refused)
-	requireStatus(t, check(t, healthAddr), codes.ResourceExhausted, server.ReasonTooManyStreams)
+	requireStatus(t, check(t, healthAddr), codes.ResourceExhausted, idemregv1.ReasonTooManyStreams)
 
 	require.NoError(t, grpcPeers[0].conn.Close())
 	require.Eventually(t, func() bool { return check(t, grpcAddr) == nil }, 10*time.Second, 10*time.Millisecond,

@@ -69,7 +69,7 @@ func TestQuotaConsumersPerIdentity(t *testing.T) {
 				require.NoError(t, err)
 				for _, r := range res.GetResults() {
 					if _, err := claimResult(r); err != nil {
-						requireStatus(t, err, codes.ResourceExhausted, server.ReasonQuotaExceeded)
+						requireStatus(t, err, codes.ResourceExhausted, idemregv1.ReasonQuotaExceeded)
 						refused++
 						continue
 					}
@@ -154,7 +154,7 @@ func TestQuotaOvershootAcrossReplicas(t *testing.T) {
 	require.LessOrEqual(t, records, int64(2*100), "each replica stores at most the quota")
 	for _, c := range clients {
 		_, err := c.Claim(ctx, quotaClaim("quota.flood", "after"))
-		requireStatus(t, err, codes.ResourceExhausted, server.ReasonQuotaExceeded)
+		requireStatus(t, err, codes.ResourceExhausted, idemregv1.ReasonQuotaExceeded)
 	}
 }
 
@@ -193,7 +193,7 @@ func raceNewKeys(t *testing.T, clients []idemregv1.RegistryServiceClient, consum
 			for _, r := range res.GetResults() {
 				got, err := claimResult(r)
 				if err != nil {
-					if r := statusReason(err); r != server.ReasonQuotaExceeded {
+					if r := statusReason(err); r != idemregv1.ReasonQuotaExceeded {
 						t.Errorf("batch %d: an item failed with %v", i, err)
 					}
 					continue

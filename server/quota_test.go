@@ -88,7 +88,7 @@ func requireAcquired(t *testing.T, c idemregv1.RegistryServiceClient, consumer, 
 // QuotaFailure violation.
 func requireQuotaExceeded(t *testing.T, err error, consumer string) *errdetails.QuotaFailure_Violation {
 	t.Helper()
-	requireStatus(t, err, codes.ResourceExhausted, server.ReasonQuotaExceeded)
+	requireStatus(t, err, codes.ResourceExhausted, idemregv1.ReasonQuotaExceeded)
 	var qf *errdetails.QuotaFailure
 	for _, d := range status.Convert(err).Details() {
 		if v, ok := d.(*errdetails.QuotaFailure); ok {

@@ -11,6 +11,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/internal/reason"
 )
 
 // rateLimit applies the rate limits of the config file: the identity's
@@ -54,8 +55,8 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 		if l, limited := set.IdentityRateLimit(name); limited && id != access.Anonymous {
 			if ok, wait := s.limiter.Allow("identity:"+name, l); !ok {
 				s.metrics.rateLimited.Add(ctx, 1, identityAttr(name))
-				return rateLimited("identity "+quote(echo(name))+" is over its rate limit of "+l.String(),
-					"identity:"+echo(name), l, wait, map[string]string{"identity": name, "consumer": consumer})
+				return rateLimited("identity "+quote(reason.Echo(name))+" is over its rate limit of "+l.String(),
+					"identity:"+reason.Echo(name), l, wait, map[string]string{"identity": name, "consumer": consumer})
 			}
 		}
 	}
@@ -65,14 +66,14 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 	}
 	if ok, wait := s.limiter.Allow("consumer:"+consumer, l); !ok {
 		s.metrics.rateLimited.Add(ctx, 1, identityAttr(name))
-		return rateLimited("consumer "+quote(echo(consumer))+" is over its rate limit of "+l.String(),
-			"consumer:"+echo(consumer), l, wait, map[string]string{"consumer": consumer})
+		return rateLimited("consumer "+quote(reason.Echo(consumer))+" is over its rate limit of "+l.String(),
+			"consumer:"+reason.Echo(consumer), l, wait, map[string]string{"consumer": consumer})
 	}
 	return nil
 }
 
 func rateLimited(msg, subject string, l access.Limit, wait time.Duration, meta map[string]string) error {
-	return newStatus(idemregv1.ErrorReason_ERROR_REASON_RATE_LIMITED, msg, meta,
+	return reason.Status(idemregv1.ErrorReason_ERROR_REASON_RATE_LIMITED, msg, meta,
 		&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{Subject: subject, Description: l.String()}}},
-		retryInfo(wait))
+		reason.RetryInfo(wait))
 }

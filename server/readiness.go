@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"sync/atomic"
 
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -95,7 +97,7 @@ func (r Readiness) Validate() error {
 type callOutcomes struct{ ok, failed atomic.Int64 }
 
 // record counts one store call's outcome, if it says anything about the
-// store (classify): STORE_UNAVAILABLE is the store failing; the caller's
+// store (reason.Classify): STORE_UNAVAILABLE is the store failing; the caller's
 // context ending (DEADLINE_EXCEEDED, CANCELED) and the server refusing the
 // call (OVERLOADED) say nothing about it.
 func (c *callOutcomes) record(err error) {
@@ -103,10 +105,10 @@ func (c *callOutcomes) record(err error) {
 		c.ok.Add(1)
 		return
 	}
-	switch reason := classify(err); {
-	case isAnswer(reason):
+	switch r := reason.Classify(err); {
+	case reason.IsAnswer(r):
 		c.ok.Add(1)
-	case reason == reasonStoreUnavailable:
+	case r == idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE:
 		c.failed.Add(1)
 	}
 }

@@ -58,7 +58,7 @@ func TestReadinessFollowsRealQueries(t *testing.T) {
 			n++
 			_, err := rc.Claim(t.Context(), claimReq(fmt.Sprintf("k-%d", n), "fp"))
 			if err != nil {
-				requireStatus(t, err, codes.Unavailable, server.ReasonStoreUnavailable)
+				requireStatus(t, err, codes.Unavailable, idemregv1.ReasonStoreUnavailable)
 				failed++
 			}
 		}
@@ -75,7 +75,7 @@ func TestReadinessFollowsRealQueries(t *testing.T) {
 		require.Eventually(t, func() bool { return claims() == 10 && status() == healthpb.HealthCheckResponse_NOT_SERVING }, waitFor, tick,
 			"every Claim fails: readiness must say so")
 		_, err := rc.Lookup(t.Context(), &idemregv1.LookupRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "k-1"})
-		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 
 		exec(`DROP TRIGGER refuse_writes ON idemreg_records`)
 		require.Eventually(t, func() bool { return claims() == 0 && status() == healthpb.HealthCheckResponse_SERVING }, waitFor, tick,

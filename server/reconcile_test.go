@@ -91,9 +91,9 @@ func TestResolveRecord(t *testing.T) {
 			require.True(t, took.GetEndedAt().AsTime().Equal(first.GetRecord().GetLeaseExpiresAt().AsTime()), "ended when its lease ended")
 
 			_, err = admin.ResolveRecord(ctx, completing(resolveReq("pay-1", first.GetToken(), "checked the provider"), response("x")))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 			_, err = admin.ResolveRecord(ctx, releasing(resolveReq("pay-none", second.GetToken(), "checked the provider")))
-			requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+			requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 
 			done, err := admin.ResolveRecord(ctx, completing(resolveReq("pay-1", second.GetToken(), "charged once, ticket OPS-7"), response("settled by hand")))
 			require.NoError(t, err)
@@ -108,9 +108,9 @@ func TestResolveRecord(t *testing.T) {
 			require.True(t, proto.Equal(response("settled by hand"), replay.GetRecord().GetResult()))
 			_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: payments, Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1",
 				Token: second.GetToken(), ClaimSecret: second.GetClaimSecret(), Result: response("late")})
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 			_, err = admin.ResolveRecord(ctx, releasing(resolveReq("pay-1", done.GetRecord().GetToken(), "again")))
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonAlreadyCompleted)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonAlreadyCompleted)
 
 			insp, err = admin.InspectRecord(ctx, inspectReq(payments, "pay-1"))
 			require.NoError(t, err)
@@ -132,7 +132,7 @@ func TestResolveRecord(t *testing.T) {
 			require.Zero(t, rel.GetRecord().GetAttempt())
 			_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: payments, Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-2",
 				Token: parkedBy.GetToken(), ClaimSecret: parkedBy.GetClaimSecret()})
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 			again, err := c.Claim(ctx, claimReq("pay-2", "fp"))
 			require.NoError(t, err)
 			require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, again.GetOutcome())
@@ -201,12 +201,12 @@ func TestResolveValidation(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := admin.ResolveRecord(t.Context(), tc.req)
-			st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+			st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 			require.Equal(t, tc.fields, violatedFields(st))
 		})
 	}
 	_, err := admin.ResolveRecord(t.Context(), releasing(resolveReq("k", 1, strings.Repeat("é", server.MaxReasonBytes/2))))
-	requireStatus(t, err, codes.NotFound, server.ReasonNotFound) // valid: 256 bytes
+	requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound) // valid: 256 bytes
 }
 
 // TestResolveRaces: of two operators resolving with the same token, one
@@ -242,7 +242,7 @@ func TestResolveRaces(t *testing.T) {
 			if errRelease != nil {
 				lost, winner = errRelease, "operator B"
 			}
-			requireStatus(t, lost, codes.FailedPrecondition, server.ReasonLeaseLost)
+			requireStatus(t, lost, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 			insp, err := admin.InspectRecord(ctx, inspectReq(payments, key))
 			require.NoError(t, err)
 			require.Len(t, insp.GetHistory(), 1, "one resolution happened")
@@ -278,7 +278,7 @@ func TestResolveRaces(t *testing.T) {
 			}
 			switch {
 			case errResolve != nil: // the Claim took over first
-				requireStatus(t, errResolve, codes.FailedPrecondition, server.ReasonLeaseLost)
+				requireStatus(t, errResolve, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 				require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, claimed.GetOutcome())
 				require.EqualValues(t, 2, claimed.GetRecord().GetAttempt())
 				require.Equal(t, idemregv1.AttemptEnd_ATTEMPT_END_TAKEN_OVER, endOf[held.GetToken()])
@@ -476,7 +476,7 @@ func TestListRecords(t *testing.T) {
 		} {
 			t.Run("page token "+tc.name, func(t *testing.T) {
 				_, err := admin.ListRecords(ctx, tc.req)
-				st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+				st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 				require.Equal(t, []string{"page_token"}, violatedFields(st))
 			})
 		}
@@ -505,7 +505,7 @@ func TestListValidation(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := admin.ListRecords(t.Context(), tc.req)
-			st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+			st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 			require.Equal(t, tc.fields, violatedFields(st))
 		})
 	}
@@ -519,7 +519,7 @@ func TestListValidation(t *testing.T) {
 		require.Empty(t, res.GetNextPageToken())
 	}
 	_, err := admin.CountParked(t.Context(), &idemregv1.CountParkedRequest{ConsumerPrefix: "a b"})
-	st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 	require.Equal(t, []string{"consumer_prefix"}, violatedFields(st))
 }
 
@@ -580,7 +580,7 @@ identities:
 			before := spy.calls.Load()
 			got, err := list(tc.token, tc.req)
 			if tc.want == nil {
-				requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+				requireStatus(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 				require.Equal(t, before, spy.calls.Load(), "refused before the store was called")
 				return
 			}
@@ -620,17 +620,17 @@ identities:
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"orders.inbox": 1}, got, "not orders.inbox2")
 	_, err = count("ops-token", "orders.")
-	requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+	requireStatus(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 	_, err = count("worker-token", "")
-	requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+	requireStatus(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 
 	resolve := func(token, consumer string) error {
 		_, err := admin.ResolveRecord(bearer(t.Context(), token), &idemregv1.ResolveRecordRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION,
 			Key: "k", Token: held[consumer].GetToken(), Reason: "resolved", Resolution: &idemregv1.ResolveRecordRequest_Release{Release: true}})
 		return err
 	}
-	requireStatus(t, resolve("ops-token", "orders.inbox"), codes.PermissionDenied, server.ReasonPermissionDenied)
-	requireStatus(t, resolve("worker-token", "orders.inbox"), codes.PermissionDenied, server.ReasonPermissionDenied)
+	requireStatus(t, resolve("ops-token", "orders.inbox"), codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
+	requireStatus(t, resolve("worker-token", "orders.inbox"), codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 	require.NoError(t, resolve("inbox-token", "orders.inbox"))
 }
 
@@ -652,11 +652,11 @@ func TestAdminAudit(t *testing.T) {
 	_, err = admin.ResolveRecord(ctx, releasing(resolveReq("audit-1", one.GetToken(), "handler fixed, OPS-9")))
 	require.NoError(t, err)
 	_, err = admin.ResolveRecord(ctx, releasing(resolveReq("audit-1", one.GetToken(), "too late")))
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+	requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 	_, err = admin.ResolveRecord(ctx, completing(resolveReq("audit-2", two.GetToken(), "charged, OPS-10"), response("SECRET-data")))
 	require.NoError(t, err)
 	_, err = admin.ResolveRecord(ctx, completing(resolveReq("audit-2", two.GetToken()+1, "again"), response("x")))
-	requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+	requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 	_, err = admin.ListRecords(ctx, &idemregv1.ListRecordsRequest{Consumer: "billing.", ConsumerPrefix: true, State: idemregv1.State_STATE_COMPLETED})
 	require.NoError(t, err)
 	_, err = admin.CountParked(ctx, &idemregv1.CountParkedRequest{ConsumerPrefix: "billing."})
@@ -680,7 +680,7 @@ func TestAdminAudit(t *testing.T) {
 	require.Equal(t, "handler fixed, OPS-9", released["reason"])
 	require.Equal(t, "audit-1", released["key"])
 	require.Equal(t, "ok", released["result"])
-	require.Equal(t, server.ReasonLeaseLost, lost["result"])
+	require.Equal(t, idemregv1.ReasonLeaseLost, lost["result"])
 	require.NotContains(t, lost, "attempt")
 	require.Equal(t, "completed", completed["resolution"])
 	require.Equal(t, "response", completed["result_outcome"])
@@ -711,7 +711,7 @@ func TestAdminAudit(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, map[string]int64{"resolve ok": 2, "resolve " + server.ReasonLeaseLost: 2, "list ok": 1, "count_parked ok": 1}, actions)
+	require.Equal(t, map[string]int64{"resolve ok": 2, "resolve " + idemregv1.ReasonLeaseLost: 2, "list ok": 1, "count_parked ok": 1}, actions)
 }
 
 // parkedGauge reads idemreg.parked_records by consumer; nil when it has

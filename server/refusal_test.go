@@ -70,18 +70,18 @@ func TestBatchItemRefusalNeverHidesCommittedItems(t *testing.T) {
 		reason         string
 		metaConsumer   string
 	}{
-		{"ungranted, invalid UTF-8", "other.\xff\xfe", codes.PermissionDenied, server.ReasonPermissionDenied, `other.\xff\xfe`},
-		{"ungranted, control characters", "other.\x00\n", codes.PermissionDenied, server.ReasonPermissionDenied, `other.\x00\n`},
+		{"ungranted, invalid UTF-8", "other.\xff\xfe", codes.PermissionDenied, idemregv1.ReasonPermissionDenied, `other.\xff\xfe`},
+		{"ungranted, control characters", "other.\x00\n", codes.PermissionDenied, idemregv1.ReasonPermissionDenied, `other.\x00\n`},
 		// Granted by the prefix, refused by the consumer's rate limit on
 		// its second call: the limit quotes the consumer too.
-		{"rate limited, invalid UTF-8", "team.limited\xc3\x28", codes.ResourceExhausted, server.ReasonRateLimited, `team.limited\xc3(`},
+		{"rate limited, invalid UTF-8", "team.limited\xc3\x28", codes.ResourceExhausted, idemregv1.ReasonRateLimited, `team.limited\xc3(`},
 	}
 	lines := 0
 	for i, b := range bad {
 		t.Run(b.name, func(t *testing.T) {
 			if b.code == codes.ResourceExhausted { // spend the burst
 				_, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: b.consumer, Kind: op, Key: "k"})
-				requireEncodableRefusal(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+				requireEncodableRefusal(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 				lines++
 			}
 			// BatchClaim: the good item is acquired and its token and
@@ -202,11 +202,11 @@ func TestRefusalFloodLogsSampled(t *testing.T) {
 	const flood = 200
 	for range flood {
 		_, err := c.Lookup(team, &idemregv1.LookupRequest{Consumer: "other.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
-		requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+		requireStatus(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 	}
 	for range 3 {
 		_, err := c.Lookup(other, &idemregv1.LookupRequest{Consumer: "team.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
-		requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+		requireStatus(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 	}
 	_, err := c.Claim(team, &idemregv1.ClaimRequest{Consumer: "team.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
 	require.NoError(t, err)

@@ -34,7 +34,7 @@ func resolvingJSON(r *idemregv1.ResolveRecordRequest, typ, json string) *idemreg
 // violation is the description of the BadRequest violation of field.
 func violation(t *testing.T, err error, field string) string {
 	t.Helper()
-	st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 	require.Equal(t, []string{field}, violatedFields(st))
 	for _, d := range st.Details() {
 		if br, ok := d.(*errdetails.BadRequest); ok {

@@ -164,10 +164,10 @@ func testRotation(t *testing.T, clock *storagetest.Clock, a, b replica, rotator 
 	clock.Advance(2 * time.Hour)
 	for name, r := range map[string]replica{"A": a, "B": b} {
 		err := complete(r, "held-past-grace", lateA)
-		st := requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+		st := requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 		require.NotContains(t, st.Message(), "another holder", name)
 		_, err = list(r, oldTokenA)
-		st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Contains(t, fmt.Sprint(st.Details()), "no longer accepts", name)
 		// Generation 2 still works.
 		_, err = list(r, newTokenA)

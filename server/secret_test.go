@@ -81,13 +81,13 @@ func TestClaimSecretCannotBeDerived(t *testing.T) {
 				for _, s := range secrets {
 					_, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 						Token: tok, ClaimSecret: s, Result: response("intruder")})
-					requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+					requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 					_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 						Token: tok, ClaimSecret: s})
-					requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+					requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 					_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 						Token: tok, ClaimSecret: s})
-					requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+					requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 					tries++
 				}
 			}
@@ -117,12 +117,12 @@ func TestClaimSecretCannotBeDerived(t *testing.T) {
 		// The stale holder with its own token and secret: truly lost.
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 			Token: holder.GetToken(), ClaimSecret: holder.GetClaimSecret(), Result: response("stale holder")})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 
 		// The first holder's secret does not carry over to the new token.
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 			Token: takeover.GetToken(), ClaimSecret: holder.GetClaimSecret(), Result: response("stale holder")})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 
 		// Nothing the attacks did is visible: the current holder completes.
 		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
@@ -139,7 +139,7 @@ func TestClaimSecretCannotBeDerived(t *testing.T) {
 		require.Empty(t, replay.GetClaimSecret())
 		_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: claim.Consumer, Kind: claim.Kind, Key: key,
 			Token: replay.GetRecord().GetToken(), ClaimSecret: forged})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 	})
 }
 
@@ -154,13 +154,13 @@ func TestClaimSecretIsRequired(t *testing.T) {
 		k := claimReq("op-1", "")
 		for _, secret := range [][]byte{nil, cl.GetClaimSecret()[:server.ClaimSecretSize-1], append(cl.GetClaimSecret(), 0)} {
 			_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: k.Consumer, Kind: k.Kind, Key: k.Key, Token: cl.GetToken(), ClaimSecret: secret, Result: response("r")})
-			st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+			st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 			require.Equal(t, []string{"claim_secret"}, violatedFields(st))
 			_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: k.Consumer, Kind: k.Kind, Key: k.Key, Token: cl.GetToken(), ClaimSecret: secret})
-			st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+			st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 			require.Equal(t, []string{"claim_secret"}, violatedFields(st))
 			_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: k.Consumer, Kind: k.Kind, Key: k.Key, Token: cl.GetToken(), ClaimSecret: secret})
-			st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+			st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 			require.Equal(t, []string{"claim_secret"}, violatedFields(st))
 		}
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: k.Consumer, Kind: k.Kind, Key: k.Key, Token: cl.GetToken(), ClaimSecret: cl.GetClaimSecret(), Result: response("r")})

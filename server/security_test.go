@@ -223,7 +223,7 @@ identities:
 							t.Run(caller.name+"/"+victim.name+"/"+call.name+"/"+key, func(t *testing.T) {
 								before := spy.calls.Load()
 								err := call.call(ctx, conns[caller.name], victim.consumer, key, tokens[victim.name])
-								st := requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+								st := requireStatus(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 								require.Equal(t, `identity "`+caller.name+`" may not use consumer "`+victim.consumer+`"`, st.Message(),
 									"the same answer for a key that exists and one that does not")
 								require.Equal(t, before, spy.calls.Load(), "refused before the store was called")
@@ -250,7 +250,7 @@ identities:
 			// A certificate from the same CA that names no identity.
 			_, err := idemregv1.NewRegistryServiceClient(dial(t, addr, ca.clientTLS(&strangerCert))).Lookup(ctx,
 				&idemregv1.LookupRequest{Consumer: "billing.worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "shared-key"})
-			requireStatus(t, err, codes.Unauthenticated, server.ReasonUnauthenticated)
+			requireStatus(t, err, codes.Unauthenticated, idemregv1.ReasonUnauthenticated)
 
 			// Without a client certificate, the handshake itself fails.
 			_, err = idemregv1.NewRegistryServiceClient(dial(t, addr, ca.clientTLS(nil))).Lookup(ctx,
@@ -301,15 +301,15 @@ identities:
 	require.NoError(t, claim(with("bearer "+billingToken), "billing.refunds"), "a prefix grant; the scheme is case-insensitive")
 	require.NoError(t, claim(with("Bearer "+ordersToken), "orders.inbox"))
 	before := spy.calls.Load()
-	requireStatus(t, claim(with("Bearer "+ordersToken), "billing.worker"), codes.PermissionDenied, server.ReasonPermissionDenied)
-	requireStatus(t, claim(with("Bearer "+billingToken), "orders.inbox"), codes.PermissionDenied, server.ReasonPermissionDenied)
-	requireStatus(t, claim(t.Context(), "orders.inbox"), codes.Unauthenticated, server.ReasonUnauthenticated)
-	requireStatus(t, claim(with("Bearer wrong-token"), "orders.inbox"), codes.Unauthenticated, server.ReasonUnauthenticated)
-	requireStatus(t, claim(with("Bearer "+access.HashToken(ordersToken)), "orders.inbox"), codes.Unauthenticated, server.ReasonUnauthenticated)
-	requireStatus(t, claim(with("Basic b3JkZXJzOng="), "orders.inbox"), codes.Unauthenticated, server.ReasonUnauthenticated)
+	requireStatus(t, claim(with("Bearer "+ordersToken), "billing.worker"), codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
+	requireStatus(t, claim(with("Bearer "+billingToken), "orders.inbox"), codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
+	requireStatus(t, claim(t.Context(), "orders.inbox"), codes.Unauthenticated, idemregv1.ReasonUnauthenticated)
+	requireStatus(t, claim(with("Bearer wrong-token"), "orders.inbox"), codes.Unauthenticated, idemregv1.ReasonUnauthenticated)
+	requireStatus(t, claim(with("Bearer "+access.HashToken(ordersToken)), "orders.inbox"), codes.Unauthenticated, idemregv1.ReasonUnauthenticated)
+	requireStatus(t, claim(with("Basic b3JkZXJzOng="), "orders.inbox"), codes.Unauthenticated, idemregv1.ReasonUnauthenticated)
 	_, err = idemregv1.NewAdminServiceClient(conn).InspectRecord(with("Bearer "+billingToken),
 		&idemregv1.InspectRecordRequest{Consumer: "billing.worker", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-1"})
-	requireStatus(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+	requireStatus(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 	require.Equal(t, before, spy.calls.Load(), "no refused call reached the store")
 
 	// Health and reflection need no credentials.

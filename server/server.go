@@ -33,6 +33,7 @@ import (
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
@@ -631,7 +632,7 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 	return []grpc.StreamServerInterceptor{
 		recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
-			return newStatus(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, "streaming methods are not open to identities", nil)
+			return reason.Status(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, "streaming methods are not open to identities", nil)
 		}, protected),
 		// What is left is public: bounded in number, since no credential
 		// stands behind it.
@@ -642,7 +643,7 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 func panicHandler(logger *slog.Logger) recovery.RecoveryHandlerFuncContext {
 	return func(ctx context.Context, p any) error {
 		logger.ErrorContext(ctx, "panic recovered", "panic", p, "stack", string(debug.Stack()))
-		return newStatus(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
+		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 }
 

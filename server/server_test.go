@@ -105,7 +105,7 @@ func requireStatus(t *testing.T, err error, code codes.Code, reason string) *sta
 		}
 	}
 	require.NotNil(t, info, "status carries no ErrorInfo")
-	require.Equal(t, server.ErrorDomain, info.GetDomain())
+	require.Equal(t, idemregv1.ErrorDomain, info.GetDomain())
 	require.Equal(t, reason, info.GetReason())
 	return st
 }
@@ -137,12 +137,12 @@ func TestSemanticsTable(t *testing.T) {
 
 		// in progress, different fingerprint → FINGERPRINT_MISMATCH
 		_, err = c.Claim(ctx, claimReq("pay-1", "fp-2"))
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonFingerprintMismatch)
 
 		// in progress, lease expired → takeover with a new token, attempt 2
 		h.clock.Advance(11 * time.Second)
 		_, err = c.Claim(ctx, claimReq("pay-1", "fp-2"))
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonFingerprintMismatch)
 		second, err := c.Claim(ctx, claimReq("pay-1", "fp-1"))
 		require.NoError(t, err)
 		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, second.GetOutcome())
@@ -151,7 +151,7 @@ func TestSemanticsTable(t *testing.T) {
 
 		// the stale holder cannot complete; the new one can
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1", Token: first.GetToken(), ClaimSecret: first.GetClaimSecret(), Result: response("stale")})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1", Token: second.GetToken(), ClaimSecret: second.GetClaimSecret(), Result: response("charged")})
 		require.NoError(t, err)
 		require.Equal(t, idemregv1.State_STATE_COMPLETED, done.GetRecord().GetState())
@@ -166,12 +166,12 @@ func TestSemanticsTable(t *testing.T) {
 
 		// completed, different fingerprint → FINGERPRINT_MISMATCH
 		_, err = c.Claim(ctx, claimReq("pay-1", "fp-2"))
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonFingerprintMismatch)
 
 		// expired → ACQUIRED again, attempt 1, any fingerprint
 		h.clock.Advance(25 * time.Hour)
 		_, err = c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "pay-1"})
-		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 		third, err := c.Claim(ctx, claimReq("pay-1", "fp-2"))
 		require.NoError(t, err)
 		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, third.GetOutcome())
@@ -225,11 +225,11 @@ func TestFencedCalls(t *testing.T) {
 		// the record exists: the answer says the secret is not the
 		// claim's, never that another holder took over.
 		_, err := c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, ClaimSecret: forged})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, ClaimSecret: forged})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: 5, ClaimSecret: forged, Result: response("x")})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 
 		// A real claim's holder finds its record gone once it expired.
 		gone := &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: "msg-0", Lease: durationpb.New(time.Second), Retention: durationpb.New(time.Hour)}
@@ -237,11 +237,11 @@ func TestFencedCalls(t *testing.T) {
 		require.NoError(t, err)
 		h.clock.Advance(2 * time.Hour)
 		_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-0", Token: old.GetToken(), ClaimSecret: old.GetClaimSecret()})
-		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-0", Token: old.GetToken(), ClaimSecret: old.GetClaimSecret()})
-		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-0", Token: old.GetToken(), ClaimSecret: old.GetClaimSecret(), Result: response("x")})
-		requireStatus(t, err, codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 
 		got, err := c.Claim(ctx, claim)
 		require.NoError(t, err)
@@ -265,7 +265,7 @@ func TestFencedCalls(t *testing.T) {
 		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, again.GetOutcome(), "a released key is acquired at once")
 
 		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: got.GetToken(), ClaimSecret: got.GetClaimSecret()})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseLost)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseLost)
 
 		failure := &idemregv1.Result{Outcome: &idemregv1.Result_Failure{Failure: &idemregv1.Failure{Code: int32(codes.FailedPrecondition), Message: "card declined"}}}
 		done, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken(), ClaimSecret: again.GetClaimSecret(), Result: failure})
@@ -276,9 +276,9 @@ func TestFencedCalls(t *testing.T) {
 		require.Equal(t, done.GetRecord().GetCompletedAt().AsTime(), repeat.GetRecord().GetCompletedAt().AsTime())
 
 		_, err = c.Release(ctx, &idemregv1.ReleaseRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken(), ClaimSecret: again.GetClaimSecret()})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonAlreadyCompleted)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonAlreadyCompleted)
 		_, err = c.Extend(ctx, &idemregv1.ExtendRequest{Consumer: consumer, Kind: kind, Key: "msg-1", Token: again.GetToken(), ClaimSecret: again.GetClaimSecret()})
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonAlreadyCompleted)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonAlreadyCompleted)
 
 		replay, err := c.Claim(ctx, claim)
 		require.NoError(t, err)
@@ -324,7 +324,7 @@ func TestValidation(t *testing.T) {
 		for _, tc := range cases {
 			t.Run(tc.name, func(t *testing.T) {
 				_, err := c.Claim(ctx, tc.req)
-				st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+				st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 				require.Contains(t, violatedFields(st), tc.field)
 			})
 		}
@@ -342,16 +342,16 @@ func TestValidation(t *testing.T) {
 
 		// Several bad fields are all reported.
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Kind: idemregv1.Kind_KIND_MESSAGE})
-		st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.ElementsMatch(t, []string{"consumer", "key", "token", "claim_secret", "result"}, violatedFields(st))
 
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k", Token: 1, ClaimSecret: forged,
 			Result: &idemregv1.Result{Outcome: &idemregv1.Result_Failure{Failure: &idemregv1.Failure{Code: 0}}}})
-		st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"result.failure.code"}, violatedFields(st))
 
 		_, err = c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: "a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "\xff"})
-		st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"key"}, violatedFields(st))
 
 		// Nothing stored changed.
@@ -394,7 +394,7 @@ func TestResultSizeLimit(t *testing.T) {
 
 		cl = claim("too-big")
 		_, err = c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "too-big", Token: cl.GetToken(), ClaimSecret: cl.GetClaimSecret(), Result: response(data + "xx")})
-		st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"result"}, violatedFields(st))
 		got, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "too-big"})
 		require.NoError(t, err)
@@ -446,7 +446,7 @@ func TestStoreDown(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	defer cancel()
 	_, err = idemregv1.NewRegistryServiceClient(conn).Claim(ctx, claimReq("k", ""))
-	st := requireStatus(t, err, codes.Unavailable, server.ReasonStoreUnavailable)
+	st := requireStatus(t, err, codes.Unavailable, idemregv1.ReasonStoreUnavailable)
 	require.NotContains(t, st.Message(), "dial")
 	require.NotContains(t, st.Message(), addr)
 	var retry *errdetails.RetryInfo
@@ -524,14 +524,14 @@ consumers:
 	require.NoError(t, err)
 	require.Equal(t, 8*day, retentionOf(res.GetRecord()))
 	_, err = c.Claim(ctx, msg("orders.inbox", "m-3", 8*day-time.Second))
-	st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 	require.Equal(t, []string{"retention"}, violatedFields(st))
 	require.Contains(t, st.Message(), `must be at least 8d (message_retention.min of prefix "orders."), got 191h59m59s`)
 	_, err = c.Claim(ctx, msg("payments.inbox", "m-3", 31*day))
-	st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 	require.Contains(t, st.Message(), `must be at most 30d (message_retention.max of the server defaults)`)
 	_, err = c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "op-1", Retention: durationpb.New(3 * day)})
-	st = requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+	st = requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 	require.Contains(t, st.Message(), `must be at most 2d (operation_retention.max of consumer "billing.payment-worker")`)
 	res, err = c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-1", Retention: durationpb.New(3 * day)})
 	require.NoError(t, err, "the bound is the kind's own")

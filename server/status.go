@@ -9,13 +9,12 @@ import (
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
-	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -31,46 +30,6 @@ type leaseTotalExceeded struct {
 func (e *leaseTotalExceeded) Error() string { return storage.ErrLeaseTotalExceeded.Error() }
 
 func (e *leaseTotalExceeded) Unwrap() error { return storage.ErrLeaseTotalExceeded }
-
-// ErrorDomain is the ErrorInfo domain of every idemreg error.
-const ErrorDomain = idemregv1.ErrorDomain
-
-// Reasons carried in ErrorInfo.Reason; the proto documents each.
-const (
-	ReasonInvalidArgument     = idemregv1.ReasonInvalidArgument
-	ReasonFingerprintMismatch = idemregv1.ReasonFingerprintMismatch
-	ReasonLeaseLost           = idemregv1.ReasonLeaseLost
-	// CLAIM_SECRET_INVALID (code FAILED_PRECONDITION): the claim_secret
-	// verifies under no claim key generation the server accepts.
-	ReasonClaimSecretInvalid = idemregv1.ReasonClaimSecretInvalid
-	ReasonAlreadyCompleted   = idemregv1.ReasonAlreadyCompleted
-	// PARKED (code FAILED_PRECONDITION): Complete, Release or Extend of a
-	// parked record.
-	ReasonParked             = idemregv1.ReasonParked
-	ReasonLeaseTotalExceeded = idemregv1.ReasonLeaseTotalExceeded
-	// QUOTA_EXCEEDED (code RESOURCE_EXHAUSTED, with QuotaFailure): a Claim
-	// of a new key for a consumer at its max_records or max_bytes (quota.go).
-	ReasonQuotaExceeded    = idemregv1.ReasonQuotaExceeded
-	ReasonNotFound         = idemregv1.ReasonNotFound
-	ReasonStoreUnavailable = idemregv1.ReasonStoreUnavailable
-	ReasonDeadlineExceeded = idemregv1.ReasonDeadlineExceeded
-	ReasonCanceled         = idemregv1.ReasonCanceled
-	ReasonInternal         = idemregv1.ReasonInternal
-	// The middleware's own answers (auth.go, deadline.go, observe.go,
-	// bounds.go); MALFORMED_REQUEST (code INVALID_ARGUMENT): the request is
-	// not a valid protobuf encoding of its message (codec.go).
-	ReasonUnauthenticated  = idemregv1.ReasonUnauthenticated
-	ReasonPermissionDenied = idemregv1.ReasonPermissionDenied
-	ReasonRateLimited      = idemregv1.ReasonRateLimited
-	ReasonOverloaded       = idemregv1.ReasonOverloaded
-	ReasonTooManyStreams   = idemregv1.ReasonTooManyStreams
-	ReasonTooManyCalls     = idemregv1.ReasonTooManyCalls
-	ReasonMalformedRequest = idemregv1.ReasonMalformedRequest
-	// CAPACITY_EXHAUSTED (code RESOURCE_EXHAUSTED, metadata resource, with
-	// RetryInfo): the store or the server is short of disk, memory,
-	// connections or file descriptors (storage.ExhaustedError).
-	ReasonCapacityExhausted = idemregv1.ReasonCapacityExhausted
-)
 
 // unavailableRetryAfter is the RetryInfo delay suggested when the store is
 // unavailable.
@@ -90,32 +49,8 @@ const (
 // the most operations in flight: short, since the slots free up quickly.
 const overloadedRetryAfter = 100 * time.Millisecond
 
-// newStatus builds the status of a refusal: the code is the reason's
-// (ErrorReason.Code), so that a reason never comes with another. Its message
-// and metadata values are cut to the bounds of echo.go and escaped here,
-// once, so that no caller can make a status larger than they are, or one
-// that does not encode, whatever it quotes.
-func newStatus(reason idemregv1.ErrorReason, msg string, meta map[string]string, extra ...protoadapt.MessageV1) error {
-	for k, v := range meta {
-		meta[k] = echo(v)
-	}
-	st := status.New(reason.Code(), bounded(msg, MaxStatusMessageBytes))
-	details := append([]protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: reason.Reason(), Domain: ErrorDomain, Metadata: meta}}, extra...)
-	withDetails, err := st.WithDetails(details...)
-	if err != nil {
-		// A detail that does not encode (a text not bounded above): the
-		// ErrorInfo is what clients decide by, so it goes alone rather
-		// than the status going without it.
-		withDetails, err = st.WithDetails(&errdetails.ErrorInfo{Reason: reason.Reason(), Domain: ErrorDomain})
-	}
-	if err == nil {
-		st = withDetails
-	}
-	return st.Err()
-}
-
 func invalidArgument(v violations) error {
-	return newStatus(idemregv1.ErrorReason_ERROR_REASON_INVALID_ARGUMENT, "invalid request: "+v[0].Field+": "+v[0].Description,
+	return reason.Status(idemregv1.ErrorReason_ERROR_REASON_INVALID_ARGUMENT, "invalid request: "+v[0].Field+": "+v[0].Description,
 		nil, &errdetails.BadRequest{FieldViolations: v})
 }
 
@@ -123,102 +58,14 @@ func keyMeta(k storage.Key) map[string]string {
 	return map[string]string{"consumer": k.Consumer, "kind": kindName(k.Kind), "key": k.Key}
 }
 
-// The reasons the service meets its errors with, by their enum names.
-const (
-	reasonFingerprintMismatch = idemregv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH
-	reasonLeaseLost           = idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST
-	reasonClaimSecretInvalid  = idemregv1.ErrorReason_ERROR_REASON_CLAIM_SECRET_INVALID
-	reasonAlreadyCompleted    = idemregv1.ErrorReason_ERROR_REASON_ALREADY_COMPLETED
-	reasonParked              = idemregv1.ErrorReason_ERROR_REASON_PARKED
-	reasonLeaseTotalExceeded  = idemregv1.ErrorReason_ERROR_REASON_LEASE_TOTAL_EXCEEDED
-	reasonQuotaExceeded       = idemregv1.ErrorReason_ERROR_REASON_QUOTA_EXCEEDED
-	reasonNotFound            = idemregv1.ErrorReason_ERROR_REASON_NOT_FOUND
-	reasonStoreUnavailable    = idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE
-	reasonDeadlineExceeded    = idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED
-	reasonCanceled            = idemregv1.ErrorReason_ERROR_REASON_CANCELED
-	reasonOverloaded          = idemregv1.ErrorReason_ERROR_REASON_OVERLOADED
-	reasonCapacityExhausted   = idemregv1.ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED
-	reasonInternal            = idemregv1.ErrorReason_ERROR_REASON_INTERNAL
-)
-
-// classify is the one classification of the errors the service meets
-// (the store's sentinels, the context's errors, the server's own
-// refusals): the reason each is answered with, ERROR_REASON_UNSPECIFIED for
-// nil. The status (toStatus), the store's metrics (storeErrorType, the
-// claim outcomes), readiness (callOutcomes.record) and the admin audit all
-// go by it, so that they cannot disagree about what an error is.
-func classify(err error) idemregv1.ErrorReason {
-	var exceeded *quota.Exceeded
-	switch {
-	case err == nil:
-		return idemregv1.ErrorReason_ERROR_REASON_UNSPECIFIED
-	case errors.As(err, &exceeded):
-		return reasonQuotaExceeded
-	case errors.Is(err, storage.ErrLeaseTotalExceeded):
-		return reasonLeaseTotalExceeded
-	case errors.Is(err, storage.ErrFingerprintMismatch):
-		return reasonFingerprintMismatch
-	case errors.Is(err, storage.ErrLeaseLost):
-		return reasonLeaseLost
-	case errors.Is(err, claimsecret.ErrUnknown):
-		return reasonClaimSecretInvalid
-	case errors.Is(err, storage.ErrAlreadyCompleted):
-		return reasonAlreadyCompleted
-	case errors.Is(err, storage.ErrParked):
-		return reasonParked
-	case errors.Is(err, storage.ErrNotFound):
-		return reasonNotFound
-	case errors.Is(err, context.DeadlineExceeded):
-		return reasonDeadlineExceeded
-	case errors.Is(err, context.Canceled):
-		return reasonCanceled
-	case errors.Is(err, errOverloaded): // shareExceeded too
-		return reasonOverloaded
-	case errors.Is(err, storage.ErrExhausted):
-		// Before ErrUnavailable: an exhaustion is not an outage, and
-		// the caller is told which resource ran short.
-		return reasonCapacityExhausted
-	case errors.Is(err, storage.ErrUnavailable):
-		return reasonStoreUnavailable
-	default:
-		return reasonInternal
-	}
-}
-
-// isAnswer reports whether reason is one of the registry's answers (the
-// store, or the quota before it, decided the call) rather than a failure.
-func isAnswer(reason idemregv1.ErrorReason) bool {
-	switch reason {
-	case reasonFingerprintMismatch, reasonLeaseLost, reasonAlreadyCompleted, reasonParked,
-		reasonLeaseTotalExceeded, reasonQuotaExceeded, reasonNotFound, reasonClaimSecretInvalid:
-		return true
-	}
-	return false
-}
-
-// answerReason is the reason the caller of a request (ctx) is answered
-// with for err: classify's, but for a deadline that ran out while the
-// request still runs. That is the store's share of the request's time
-// (storeContext) running out, so the caller, who still waits, is told
-// the store did not answer: STORE_UNAVAILABLE, with a RetryInfo, rather
-// than a DEADLINE_EXCEEDED it did not cause. toStatus and the admin audit
-// go by it.
-func answerReason(ctx context.Context, err error) idemregv1.ErrorReason {
-	r := classify(err)
-	if r == reasonDeadlineExceeded && ctx.Err() == nil {
-		return reasonStoreUnavailable
-	}
-	return r
-}
-
 // toStatus translates an error from the store into the status the client
-// sees, by its reason (answerReason). It is the only place where storage
+// sees, by its reason (reason.Answer). It is the only place where storage
 // errors meet gRPC codes. Causes of internal and unavailable errors are
 // logged, never sent.
 func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, err error) error {
 	meta := keyMeta(k)
-	switch reason := answerReason(ctx, err); reason {
-	case reasonQuotaExceeded:
+	switch r := reason.Answer(ctx, err); r {
+	case idemregv1.ErrorReason_ERROR_REASON_QUOTA_EXCEEDED:
 		var exceeded *quota.Exceeded
 		errors.As(err, &exceeded)
 		var violations []*errdetails.QuotaFailure_Violation
@@ -242,38 +89,38 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + exceeded.Consumer, Description: d})
 			what = append(what, d)
 		}
-		return newStatus(reason,
+		return reason.Status(r,
 			fmt.Sprintf("consumer %q is at its quota: %s; new keys are refused until its records expire, Claims of its live keys still work",
 				exceeded.Consumer, strings.Join(what, "; ")), meta,
 			&errdetails.QuotaFailure{Violations: violations})
-	case reasonLeaseTotalExceeded:
+	case idemregv1.ErrorReason_ERROR_REASON_LEASE_TOTAL_EXCEEDED:
 		var total *leaseTotalExceeded
 		if !errors.As(err, &total) {
 			// The service gives every Extend's the bound; this one came
 			// from elsewhere without it.
-			return newStatus(reason, "one attempt may not hold the key any longer (max_lease_total); the lease in force is unchanged", meta)
+			return reason.Status(r, "one attempt may not hold the key any longer (max_lease_total); the lease in force is unchanged", meta)
 		}
 		meta["max_lease_total"] = total.max.String()
 		meta["lease_not_after"] = total.notAfter.UTC().Format(time.RFC3339Nano)
-		return newStatus(reason,
+		return reason.Status(r,
 			fmt.Sprintf("one attempt may hold the key for at most %s (max_lease_total of %s), so no lease of this attempt may end after %s; the lease in force is unchanged",
 				policy.FormatDuration(total.max), total.source, meta["lease_not_after"]), meta)
-	case reasonFingerprintMismatch:
-		return newStatus(reason,
+	case idemregv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH:
+		return reason.Status(r,
 			"the key is live with a different fingerprint: the same key was used with different parameters", meta)
-	case reasonLeaseLost:
-		return newStatus(reason,
+	case idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST:
+		return reason.Status(r,
 			"the token is not the record's current token: another holder took over the key", meta)
-	case reasonClaimSecretInvalid:
-		return newStatus(reason, claimsecret.ErrUnknown.Error(), meta)
-	case reasonAlreadyCompleted:
-		return newStatus(reason, "the record is already completed", meta)
-	case reasonParked:
-		return newStatus(reason,
+	case idemregv1.ErrorReason_ERROR_REASON_CLAIM_SECRET_INVALID:
+		return reason.Status(r, claimsecret.ErrUnknown.Error(), meta)
+	case idemregv1.ErrorReason_ERROR_REASON_ALREADY_COMPLETED:
+		return reason.Status(r, "the record is already completed", meta)
+	case idemregv1.ErrorReason_ERROR_REASON_PARKED:
+		return reason.Status(r,
 			"the record is parked: it must not be done again until an operator resolves it", meta)
-	case reasonNotFound:
-		return newStatus(reason, "no live record for the key (absent or expired)", meta)
-	case reasonCapacityExhausted:
+	case idemregv1.ErrorReason_ERROR_REASON_NOT_FOUND:
+		return reason.Status(r, "no live record for the key (absent or expired)", meta)
+	case idemregv1.ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED:
 		resource, delay := string(storage.ResourceDisk), exhaustedRetryAfter
 		var ex *storage.ExhaustedError
 		if errors.As(err, &ex) {
@@ -283,43 +130,43 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 			}
 		}
 		meta["resource"] = resource
-		s.logger.WarnContext(ctx, "store capacity exhausted", "method", method, "consumer", echo(k.Consumer), "resource", resource, "error", err)
-		return newStatus(reason, exhaustedMessage(resource), meta, retryInfo(delay))
-	case reasonStoreUnavailable:
+		s.logger.WarnContext(ctx, "store capacity exhausted", "method", method, "consumer", reason.Echo(k.Consumer), "resource", resource, "error", err)
+		return reason.Status(r, exhaustedMessage(resource), meta, reason.RetryInfo(delay))
+	case idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE:
 		if errors.Is(err, storage.ErrFailed) {
-			s.logger.WarnContext(ctx, "store failed", "method", method, "consumer", echo(k.Consumer), "error", err)
-			return newStatus(reason, "the store failed and the server is restarting; retry later, on another replica if there is one", meta,
-				retryInfo(unavailableRetryAfter))
+			s.logger.WarnContext(ctx, "store failed", "method", method, "consumer", reason.Echo(k.Consumer), "error", err)
+			return reason.Status(r, "the store failed and the server is restarting; retry later, on another replica if there is one", meta,
+				reason.RetryInfo(unavailableRetryAfter))
 		}
 		if errors.Is(err, context.DeadlineExceeded) {
-			s.logger.WarnContext(ctx, "store did not answer before the request's deadline", "method", method, "consumer", echo(k.Consumer), "error", err)
-			return newStatus(reason, "the store did not answer in time; retry later", meta,
+			s.logger.WarnContext(ctx, "store did not answer before the request's deadline", "method", method, "consumer", reason.Echo(k.Consumer), "error", err)
+			return reason.Status(r, "the store did not answer in time; retry later", meta,
 				&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
 		}
-		s.logger.WarnContext(ctx, "store unavailable", "method", method, "consumer", echo(k.Consumer), "error", err)
-		return newStatus(reason, "the store is unavailable; retry later", meta,
+		s.logger.WarnContext(ctx, "store unavailable", "method", method, "consumer", reason.Echo(k.Consumer), "error", err)
+		return reason.Status(r, "the store is unavailable; retry later", meta,
 			&errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryAfter)})
-	case reasonDeadlineExceeded:
-		return newStatus(reason, "the deadline ran out before the store answered", meta)
-	case reasonCanceled:
-		return newStatus(reason, "the request was cancelled", meta)
-	case reasonOverloaded:
+	case idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED:
+		return reason.Status(r, "the deadline ran out before the store answered", meta)
+	case idemregv1.ErrorReason_ERROR_REASON_CANCELED:
+		return reason.Status(r, "the request was cancelled", meta)
+	case idemregv1.ErrorReason_ERROR_REASON_OVERLOADED:
 		var share *shareExceeded
 		if errors.As(err, &share) {
 			meta["identity"] = share.identity
-			return newStatus(reason,
+			return reason.Status(r,
 				fmt.Sprintf("identity %q already has %d store operations in flight, its share of the server's; retry later", share.identity, share.share), meta,
 				&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
 					Subject:     "identity:" + share.identity,
 					Description: fmt.Sprintf("at most %d store operations in flight per identity", share.share),
 				}}},
-				retryInfo(overloadedRetryAfter))
+				reason.RetryInfo(overloadedRetryAfter))
 		}
-		return newStatus(reason, "the server has too many store operations in flight; retry later", meta,
-			retryInfo(overloadedRetryAfter))
+		return reason.Status(r, "the server has too many store operations in flight; retry later", meta,
+			reason.RetryInfo(overloadedRetryAfter))
 	default:
-		s.logger.ErrorContext(ctx, "internal error", "method", method, "consumer", echo(k.Consumer), "error", err)
-		return newStatus(reasonInternal, "internal error", meta)
+		s.logger.ErrorContext(ctx, "internal error", "method", method, "consumer", reason.Echo(k.Consumer), "error", err)
+		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", meta)
 	}
 }
 

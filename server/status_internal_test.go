@@ -14,6 +14,7 @@ import (
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -31,30 +32,30 @@ func TestClassify(t *testing.T) {
 		errorType string // idemreg.store.errors; "" for an answer
 		readiness string // "ok", "failed" or "" (not counted)
 	}{
-		{"fingerprint mismatch", storage.ErrFingerprintMismatch, reasonFingerprintMismatch, "", "ok"},
-		{"lease lost", fmt.Errorf("postgres complete: %w", storage.ErrLeaseLost), reasonLeaseLost, "", "ok"},
-		{"claim secret invalid", claimsecret.ErrUnknown, reasonClaimSecretInvalid, "", "ok"},
-		{"already completed", storage.ErrAlreadyCompleted, reasonAlreadyCompleted, "", "ok"},
-		{"parked", storage.ErrParked, reasonParked, "", "ok"},
-		{"lease total exceeded", storage.ErrLeaseTotalExceeded, reasonLeaseTotalExceeded, "", "ok"},
-		{"lease total exceeded, with its bound", &leaseTotalExceeded{}, reasonLeaseTotalExceeded, "", "ok"},
-		{"quota exceeded", &quota.Exceeded{Consumer: "c", MaxRecords: 1, Records: 1}, reasonQuotaExceeded, "", "ok"},
-		{"not found", fmt.Errorf("pebble lookup: %w", storage.ErrNotFound), reasonNotFound, "", "ok"},
-		{"store unavailable", fmt.Errorf("%w: postgres claim: %w", storage.ErrUnavailable, errors.New("SQLSTATE 53100")), reasonStoreUnavailable, "unavailable", "failed"},
-		{"deadline", fmt.Errorf("postgres claim: %w", context.DeadlineExceeded), reasonDeadlineExceeded, "deadline", ""},
-		{"deadline mid-statement", fmt.Errorf("%w: %w", storage.ErrUnavailable, context.DeadlineExceeded), reasonDeadlineExceeded, "deadline", ""},
-		{"cancelled", fmt.Errorf("%w: %w", context.Canceled, storage.ErrUnavailable), reasonCanceled, "canceled", ""},
-		{"overloaded", errOverloaded, reasonOverloaded, "internal", ""},
-		{"an identity's share", &shareExceeded{identity: "billing", share: 2}, reasonOverloaded, "internal", ""},
-		{"anything else", errors.New("decoding stored result"), reasonInternal, "internal", ""},
+		{"fingerprint mismatch", storage.ErrFingerprintMismatch, idemregv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH, "", "ok"},
+		{"lease lost", fmt.Errorf("postgres complete: %w", storage.ErrLeaseLost), idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST, "", "ok"},
+		{"claim secret invalid", claimsecret.ErrUnknown, idemregv1.ErrorReason_ERROR_REASON_CLAIM_SECRET_INVALID, "", "ok"},
+		{"already completed", storage.ErrAlreadyCompleted, idemregv1.ErrorReason_ERROR_REASON_ALREADY_COMPLETED, "", "ok"},
+		{"parked", storage.ErrParked, idemregv1.ErrorReason_ERROR_REASON_PARKED, "", "ok"},
+		{"lease total exceeded", storage.ErrLeaseTotalExceeded, idemregv1.ErrorReason_ERROR_REASON_LEASE_TOTAL_EXCEEDED, "", "ok"},
+		{"lease total exceeded, with its bound", &leaseTotalExceeded{}, idemregv1.ErrorReason_ERROR_REASON_LEASE_TOTAL_EXCEEDED, "", "ok"},
+		{"quota exceeded", &quota.Exceeded{Consumer: "c", MaxRecords: 1, Records: 1}, idemregv1.ErrorReason_ERROR_REASON_QUOTA_EXCEEDED, "", "ok"},
+		{"not found", fmt.Errorf("pebble lookup: %w", storage.ErrNotFound), idemregv1.ErrorReason_ERROR_REASON_NOT_FOUND, "", "ok"},
+		{"store unavailable", fmt.Errorf("%w: postgres claim: %w", storage.ErrUnavailable, errors.New("SQLSTATE 53100")), idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE, "unavailable", "failed"},
+		{"deadline", fmt.Errorf("postgres claim: %w", context.DeadlineExceeded), idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED, "deadline", ""},
+		{"deadline mid-statement", fmt.Errorf("%w: %w", storage.ErrUnavailable, context.DeadlineExceeded), idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED, "deadline", ""},
+		{"cancelled", fmt.Errorf("%w: %w", context.Canceled, storage.ErrUnavailable), idemregv1.ErrorReason_ERROR_REASON_CANCELED, "canceled", ""},
+		{"overloaded", errOverloaded, idemregv1.ErrorReason_ERROR_REASON_OVERLOADED, "internal", ""},
+		{"an identity's share", &shareExceeded{identity: "billing", share: 2}, idemregv1.ErrorReason_ERROR_REASON_OVERLOADED, "internal", ""},
+		{"anything else", errors.New("decoding stored result"), idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			reason := classify(tc.err)
-			require.Equal(t, tc.reason, reason)
+			got := reason.Classify(tc.err)
+			require.Equal(t, tc.reason, got)
 
 			errorType := ""
-			if !isAnswer(reason) {
-				errorType = storeErrorType(reason)
+			if !reason.IsAnswer(got) {
+				errorType = storeErrorType(got)
 			}
 			require.Equal(t, tc.errorType, errorType, "the store's error.type")
 
@@ -64,13 +65,13 @@ func TestClassify(t *testing.T) {
 			require.Equal(t, tc.readiness, readiness, "readiness")
 
 			// The request has ended: its answer is the error's reason.
-			require.Equal(t, reason, answerReason(ended, tc.err))
+			require.Equal(t, got, reason.Answer(ended, tc.err))
 			svc := &Service{logger: slog.New(slog.DiscardHandler)}
 			st := status.Convert(svc.toStatus(ended, "Claim", storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: "k"}, tc.err))
-			require.Equal(t, reason.Code(), st.Code())
+			require.Equal(t, got.Code(), st.Code())
 			info, ok := st.Details()[0].(*errdetails.ErrorInfo)
 			require.True(t, ok)
-			require.Equal(t, reason.Reason(), info.GetReason())
+			require.Equal(t, got.Reason(), info.GetReason())
 			require.Equal(t, "idemreg.dev", info.GetDomain(), "a service name (AIP-193)")
 		})
 	}
@@ -81,8 +82,8 @@ func TestClassify(t *testing.T) {
 // told STORE_UNAVAILABLE; every other reason is classify's.
 func TestAnswerReasonOfARunningRequest(t *testing.T) {
 	running := t.Context()
-	require.Equal(t, reasonStoreUnavailable, answerReason(running, fmt.Errorf("postgres claim: %w", context.DeadlineExceeded)))
-	require.Equal(t, reasonCanceled, answerReason(running, context.Canceled))
-	require.Equal(t, reasonLeaseLost, answerReason(running, storage.ErrLeaseLost))
-	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_UNSPECIFIED, answerReason(running, nil))
+	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE, reason.Answer(running, fmt.Errorf("postgres claim: %w", context.DeadlineExceeded)))
+	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_CANCELED, reason.Answer(running, context.Canceled))
+	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST, reason.Answer(running, storage.ErrLeaseLost))
+	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_UNSPECIFIED, reason.Answer(running, nil))
 }

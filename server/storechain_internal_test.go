@@ -9,6 +9,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/metric/noop"
 
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -225,5 +227,5 @@ func TestStoreChainCapabilities(t *testing.T) {
 	require.Nil(t, chain.usageCounter())
 	_, err := chain.Inspect(t.Context(), storage.Key{})
 	require.True(t, errors.Is(err, errors.ErrUnsupported), "a capability the backend lacks answers an error, not a panic: %v", err)
-	require.Equal(t, reasonInternal, classify(err))
+	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_INTERNAL, reason.Classify(err))
 }

@@ -106,7 +106,7 @@ func TestSilentStoreAnswersUnavailableBeforeTheDeadline(t *testing.T) {
 					retry = true
 				}
 			}
-			require.Equal(t, server.ReasonStoreUnavailable, reason)
+			require.Equal(t, idemregv1.ReasonStoreUnavailable, reason)
 			require.True(t, retry, "RetryInfo")
 		})
 	}

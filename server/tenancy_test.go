@@ -57,15 +57,15 @@ rate_limits:
 		return err
 	}
 	for _, consumer := range []string{"team.a", "team.b", "team.c"} {
-		requireStatus(t, lookup("team-token", consumer), codes.NotFound, server.ReasonNotFound)
+		requireStatus(t, lookup("team-token", consumer), codes.NotFound, idemregv1.ReasonNotFound)
 	}
 	err := lookup("team-token", "team.invented-4")
-	st := requireStatus(t, err, codes.ResourceExhausted, server.ReasonRateLimited)
+	st := requireStatus(t, err, codes.ResourceExhausted, idemregv1.ReasonRateLimited)
 	require.Contains(t, st.Message(), `identity "team" is over its rate limit of 0.001 requests per second, burst 3 (rate_limits identities "*")`)
 	require.Equal(t, "identity:team", detail[*errdetails.QuotaFailure](t, err).GetViolations()[0].GetSubject())
 	require.Positive(t, detail[*errdetails.RetryInfo](t, err).GetRetryDelay().AsDuration())
 
-	requireStatus(t, lookup("other-token", "other.a"), codes.NotFound, server.ReasonNotFound)
+	requireStatus(t, lookup("other-token", "other.a"), codes.NotFound, idemregv1.ReasonNotFound)
 }
 
 // TestIdentityRateLimitRules: a rule naming an identity beats "*", and
@@ -132,7 +132,7 @@ identities:
 			break
 		}
 	}
-	requireStatus(t, limited, codes.ResourceExhausted, server.ReasonRateLimited)
+	requireStatus(t, limited, codes.ResourceExhausted, idemregv1.ReasonRateLimited)
 	require.Equal(t, "identity:runaway", detail[*errdetails.QuotaFailure](t, limited).GetViolations()[0].GetSubject())
 	require.Contains(t, status.Convert(limited).Message(), "the default of each identity")
 
@@ -206,7 +206,7 @@ identities:
 	require.Equal(t, maxInFlight/2, lockWaiters(), "the flooding identity holds its share, no more")
 	require.Len(t, refused, maxInFlight/2)
 	for _, err := range refused {
-		st := requireStatus(t, err, codes.Unavailable, server.ReasonOverloaded)
+		st := requireStatus(t, err, codes.Unavailable, idemregv1.ReasonOverloaded)
 		require.Contains(t, st.Message(), `identity "flood" already has 2 store operations in flight, its share`)
 		require.Equal(t, "identity:flood", detail[*errdetails.QuotaFailure](t, err).GetViolations()[0].GetSubject())
 		require.Positive(t, detail[*errdetails.RetryInfo](t, err).GetRetryDelay().AsDuration())
@@ -273,7 +273,7 @@ consumers:
 			require.NoError(t, err)
 			clock.Advance(20 * time.Second)
 			_, err = extend(40 * time.Second) // to 65 s
-			st := requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseTotalExceeded)
+			st := requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseTotalExceeded)
 			require.Contains(t, st.Message(), `one attempt may hold the key for at most 1m0s (max_lease_total of consumer "short.worker"), so no lease of this attempt may end after `)
 			require.Contains(t, st.Message(), "; the lease in force is unchanged")
 			var info *errdetails.ErrorInfo
@@ -301,7 +301,7 @@ consumers:
 			_, extend = key("billing.worker")
 			clock.Advance(server.DefaultMaxLeaseTotal - 30*time.Minute)
 			_, err = extend(time.Hour)
-			requireStatus(t, err, codes.FailedPrecondition, server.ReasonLeaseTotalExceeded)
+			requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonLeaseTotalExceeded)
 			_, err = extend(20 * time.Minute)
 			require.NoError(t, err)
 

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"time"
-	"unicode"
 	"unicode/utf8"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -14,6 +13,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
+	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
@@ -23,7 +23,7 @@ import (
 type violations []*errdetails.BadRequest_FieldViolation
 
 func (v *violations) add(field, format string, args ...any) {
-	*v = append(*v, &errdetails.BadRequest_FieldViolation{Field: field, Description: bounded(fmt.Sprintf(format, args...), MaxStatusMessageBytes)})
+	*v = append(*v, &errdetails.BadRequest_FieldViolation{Field: field, Description: reason.Bounded(fmt.Sprintf(format, args...), MaxStatusMessageBytes)})
 }
 
 // err returns the INVALID_ARGUMENT status for the collected violations, or
@@ -152,33 +152,10 @@ func (v *violations) printable(field, s string) {
 		v.add(field, "must be valid UTF-8")
 		return
 	}
-	if i := unprintable(s); i >= 0 {
+	if i := reason.Unprintable(s); i >= 0 {
 		r, _ := utf8.DecodeRuneInString(s[i:])
 		v.add(field, "must be printable, found U+%04X at byte %d", r, i)
 	}
-}
-
-// unprintable returns the index of the first byte of s that is not
-// printable text (invalid UTF-8, or a rune unicode.IsPrint refuses), or -1
-// when there is none. It is the one text check: the validation of every
-// stored text field (printable) and what echo and bounded let through
-// unescaped.
-func unprintable(s string) int {
-	for i := 0; i < len(s); {
-		if c := s[i]; c < utf8.RuneSelf {
-			if c < 0x20 || c == 0x7F {
-				return i
-			}
-			i++
-			continue
-		}
-		r, size := utf8.DecodeRuneInString(s[i:])
-		if r == utf8.RuneError && size == 1 || !unicode.IsPrint(r) {
-			return i
-		}
-		i += size
-	}
-	return -1
 }
 
 // duration validates an optional duration against the bounds b of a

@@ -150,11 +150,11 @@ func TestWaitElapses(t *testing.T) {
 		other := waiting("k", 20*time.Second)
 		other.Fingerprint = []byte("other")
 		_, err = h.c.Claim(t.Context(), other)
-		requireStatus(t, err, codes.FailedPrecondition, server.ReasonFingerprintMismatch)
+		requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonFingerprintMismatch)
 
 		// More than the maximum is refused.
 		_, err = h.c.Claim(t.Context(), waiting("k", server.MaxWait+time.Second))
-		st := requireStatus(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		st := requireStatus(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"wait"}, violatedFields(st))
 	})
 }

@@ -74,7 +74,7 @@ func forgedClaimSecrets(t *testing.T, s *suite) {
 		"another key's token":    {other.GetToken(), other.GetClaimSecret()},
 	} {
 		for _, err := range forge(ctx, "f-0", f.token, f.secret) {
-			requireRefused(t, err, codes.FailedPrecondition, server.ReasonClaimSecretInvalid)
+			requireRefused(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
 		}
 		requireHeld(t, s, ctx, consumer, "f-0")
 		t.Logf("%s: refused, nothing stored", name)
@@ -162,10 +162,10 @@ func forgedPageTokens(t *testing.T, s *suite) {
 	} {
 		_, err := tc.admin.ListRecords(tc.ctx, tc.req)
 		if tc.code == codes.PermissionDenied {
-			requireRefused(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+			requireRefused(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 			continue
 		}
-		requireRefused(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		requireRefused(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{"page_token"}, badFields(err), tc.name)
 	}
 }
@@ -212,12 +212,12 @@ func crossTenant(t *testing.T, s *suite) {
 				require.NoError(t, err, "%s: the batch is answered item by item", name)
 				continue
 			}
-			st := requireRefused(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+			st := requireRefused(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 			require.NotContains(t, st.Message(), "absent", "%s: the refusal does not say whether the key exists", name)
 		}
 		for _, ctx := range []context.Context{t.Context(), bearer(t.Context(), "not-a-token-of-the-file")} {
 			for _, err := range calls(ctx, key) {
-				requireRefused(t, err, codes.Unauthenticated, server.ReasonUnauthenticated)
+				requireRefused(t, err, codes.Unauthenticated, idemregv1.ReasonUnauthenticated)
 			}
 		}
 	}
@@ -273,7 +273,7 @@ func batchItemRefusal(t *testing.T, s *suite) {
 		require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, got.GetOutcome())
 		require.Len(t, got.GetClaimSecret(), server.ClaimSecretSize, "the good item's secret reaches the caller")
 		_, err = claimResult(res.GetResults()[1])
-		requireRefused(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+		requireRefused(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 		require.Equal(t, bad.quoted, errorInfo(err).GetMetadata()["consumer"], "quoted escaped")
 
 		cres, err := s.alpha.BatchComplete(ctx, &idemregv1.BatchCompleteRequest{Requests: []*idemregv1.CompleteRequest{
@@ -284,10 +284,10 @@ func batchItemRefusal(t *testing.T, s *suite) {
 		require.NoError(t, err)
 		require.Equal(t, idemregv1.State_STATE_COMPLETED, done.GetRecord().GetState())
 		_, err = completeResult(cres.GetResults()[1])
-		requireRefused(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+		requireRefused(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 
 		_, err = s.alpha.Lookup(ctx, &idemregv1.LookupRequest{Consumer: bad.consumer, Kind: op, Key: "k"})
-		requireRefused(t, err, codes.PermissionDenied, server.ReasonPermissionDenied)
+		requireRefused(t, err, codes.PermissionDenied, idemregv1.ReasonPermissionDenied)
 		looked, err := s.alpha.Lookup(ctx, &idemregv1.LookupRequest{Consumer: "alpha.f4", Kind: op, Key: good})
 		require.NoError(t, err)
 		require.Equal(t, "done", string(looked.GetRecord().GetResult().GetResponse().GetData()))
@@ -333,12 +333,12 @@ func controlCharactersInResults(t *testing.T, s *suite) {
 	} {
 		req := &idemregv1.CompleteRequest{Consumer: consumer, Kind: op, Key: "k", Token: h.GetToken(), ClaimSecret: h.GetClaimSecret(), Result: tc.result}
 		_, err := s.beta.Complete(ctx, req)
-		requireRefused(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		requireRefused(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		require.Equal(t, []string{tc.field}, badFields(err))
 		res, err := s.beta.BatchComplete(ctx, &idemregv1.BatchCompleteRequest{Requests: []*idemregv1.CompleteRequest{req}})
 		require.NoError(t, err)
 		_, err = completeResult(res.GetResults()[0])
-		requireRefused(t, err, codes.InvalidArgument, server.ReasonInvalidArgument)
+		requireRefused(t, err, codes.InvalidArgument, idemregv1.ReasonInvalidArgument)
 		requireHeld(t, s, ctx, consumer, "k")
 	}
 	_, err = s.beta.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: op, Key: "k", Token: h.GetToken(), ClaimSecret: h.GetClaimSecret(), Result: failure("declined")})
@@ -420,7 +420,7 @@ func inventedConsumers(t *testing.T, s *suite) {
 		}
 		for _, r := range res.GetResults() {
 			if _, err := claimResult(r); err != nil {
-				if status.Code(err) != codes.ResourceExhausted || errorInfo(err).GetReason() != server.ReasonQuotaExceeded {
+				if status.Code(err) != codes.ResourceExhausted || errorInfo(err).GetReason() != idemregv1.ReasonQuotaExceeded {
 					return acquired, refused, fmt.Errorf("an invented consumer answered %v", err)
 				}
 				refused++
@@ -443,7 +443,7 @@ func inventedConsumers(t *testing.T, s *suite) {
 			admitted++
 			continue
 		}
-		requireRefused(t, err, codes.ResourceExhausted, server.ReasonQuotaExceeded)
+		requireRefused(t, err, codes.ResourceExhausted, idemregv1.ReasonQuotaExceeded)
 	}
 	// A count that reads while a Claim commits may count it twice until the
 	// next refresh (operations.md, "How soft it is"): it errs toward
@@ -470,7 +470,7 @@ func inventedConsumers(t *testing.T, s *suite) {
 	})
 	t.Logf("%d more consumers invented under measurement", invented.Load())
 	_, err = s.beta.Claim(bctx, claim("beta.q.new", "after"))
-	requireRefused(t, err, codes.ResourceExhausted, server.ReasonQuotaExceeded)
+	requireRefused(t, err, codes.ResourceExhausted, idemregv1.ReasonQuotaExceeded)
 }
 
 // waitFlood (issue 25, finding 3): tenant alpha holds as many keys as the
@@ -575,7 +575,7 @@ func concurrentBatchQuota(t *testing.T, s *suite) {
 					switch {
 					case err == nil:
 						acquired.Add(1)
-					case status.Code(err) == codes.ResourceExhausted && errorInfo(err).GetReason() == server.ReasonQuotaExceeded:
+					case status.Code(err) == codes.ResourceExhausted && errorInfo(err).GetReason() == idemregv1.ReasonQuotaExceeded:
 						refused.Add(1)
 					default:
 						t.Errorf("batch %d: an item answered %v", b, err)

@@ -31,7 +31,6 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
-	"errors"
 	"log/slog"
 	"strconv"
 	"strings"
@@ -56,7 +55,18 @@ const DefaultRefresh = 30 * time.Second
 // claim key the server accepts for the token it came with. It is not
 // LEASE_LOST: nothing says another holder took over (a stale holder's own
 // secret does verify, and the store then answers LEASE_LOST).
-var ErrUnknown = errors.New("claim_secret was not issued for this token under any claim key the registry accepts: not a secret of this registry, or one whose key generation was retired after a rotation's grace period")
+var ErrUnknown error = unknownError{}
+
+type unknownError struct{}
+
+func (unknownError) Error() string {
+	return "claim_secret was not issued for this token under any claim key the registry accepts: not a secret of this registry, or one whose key generation was retired after a rotation's grace period"
+}
+
+// Reason is the reason it is answered with (server/internal/reason).
+func (unknownError) Reason() idemregv1.ErrorReason {
+	return idemregv1.ErrorReason_ERROR_REASON_CLAIM_SECRET_INVALID
+}
 
 // Secrets derives and checks claim secrets under the claim keys, read
 // from the store on first use and again every refresh.

@@ -55,6 +55,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -165,6 +166,11 @@ type Exceeded struct {
 	// Identity already has MaxConsumers consumers followed, when set.
 	Identity     string
 	MaxConsumers int64
+}
+
+// Reason is the reason it is answered with (server/internal/reason).
+func (e *Exceeded) Reason() idemregv1.ErrorReason {
+	return idemregv1.ErrorReason_ERROR_REASON_QUOTA_EXCEEDED
 }
 
 func (e *Exceeded) Error() string {

@@ -1,4 +1,4 @@
-package server
+package reason
 
 import (
 	"strconv"
@@ -28,7 +28,7 @@ func TestBounded(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			require.Equal(t, tc.want, bounded(tc.in, tc.n))
+			require.Equal(t, tc.want, Bounded(tc.in, tc.n))
 		})
 	}
 }
@@ -46,12 +46,12 @@ func FuzzBounded(f *testing.F) {
 		if n < 0 || n > 1<<16 {
 			return
 		}
-		got := bounded(s, n)
+		got := Bounded(s, n)
 		require.True(t, utf8.ValidString(got), "%q", got)
-		require.Equal(t, -1, unprintable(got), "%q", got)
+		require.Equal(t, -1, Unprintable(got), "%q", got)
 		prefix, marker, cut := strings.Cut(got, "…(+")
 		require.LessOrEqual(t, len(prefix), n)
-		if unprintable(s) >= 0 {
+		if Unprintable(s) >= 0 {
 			return
 		}
 		if len(s) <= n {
@@ -62,6 +62,6 @@ func FuzzBounded(f *testing.F) {
 		require.True(t, strings.HasPrefix(s, prefix))
 		require.GreaterOrEqual(t, len(prefix), n-(utf8.UTFMax-1))
 		require.Equal(t, strconv.Itoa(len(s)-len(prefix))+" bytes)", marker)
-		require.Equal(t, got, bounded(got, len(got)), "bounded again, unchanged")
+		require.Equal(t, got, Bounded(got, len(got)), "bounded again, unchanged")
 	})
 }

@@ -1,4 +1,4 @@
-package server
+package reason
 
 import (
 	"strconv"
@@ -13,8 +13,8 @@ import (
 // the handler validates), so a caller who sends a consumer of 1 MB must not
 // get a log line or a status of 1 MB, and one who sends invalid UTF-8 must
 // not get it back raw: every request field that is logged or echoed goes
-// through echo, and every status message and BadRequest description
-// through bounded (newStatus, violations.add). The bounds are documented in
+// through Echo, and every status message and BadRequest description
+// through Bounded (Status, and the server's violations). The bounds are documented in
 // docs/operations.md ("Log and error bounds").
 const (
 	// MaxEchoedFieldBytes is the most bytes of one request field that a
@@ -27,11 +27,11 @@ const (
 	MaxStatusMessageBytes = 1024
 )
 
-// echo returns a request field as a log line, a status message or an
+// Echo returns a request field as a log line, a status message or an
 // ErrorInfo metadata value may quote it.
-func echo(s string) string { return bounded(s, MaxEchoedFieldBytes) }
+func Echo(s string) string { return Bounded(s, MaxEchoedFieldBytes) }
 
-// bounded returns s as text the server may send and log: printable UTF-8
+// Bounded returns s as text the server may send and log: printable UTF-8
 // of at most n bytes, plus a marker saying how many bytes of s were cut,
 // "…(+N bytes)" (the marker is not counted in n). A byte of invalid UTF-8
 // and a rune that is not printable (the check of every stored text field,
@@ -45,8 +45,8 @@ func echo(s string) string { return bounded(s, MaxEchoedFieldBytes) }
 // control character would rewrite a log line. The result is printable, so
 // bounded of it is itself (when short enough): a message built from echoed
 // fields can be bounded again without escaping twice.
-func bounded(s string, n int) string {
-	if len(s) <= n && unprintable(s) < 0 {
+func Bounded(s string, n int) string {
+	if len(s) <= n && Unprintable(s) < 0 {
 		return s
 	}
 	var b strings.Builder
@@ -76,4 +76,27 @@ func bounded(s string, n int) string {
 		b.WriteString("…(+" + strconv.Itoa(len(s)-i) + " bytes)")
 	}
 	return b.String()
+}
+
+// Unprintable returns the index of the first byte of s that is not
+// printable text (invalid UTF-8, or a rune unicode.IsPrint refuses), or -1
+// when there is none. It is the one text check: the validation of every
+// stored text field (the server's validation) and what Echo and Bounded let through
+// unescaped.
+func Unprintable(s string) int {
+	for i := 0; i < len(s); {
+		if c := s[i]; c < utf8.RuneSelf {
+			if c < 0x20 || c == 0x7F {
+				return i
+			}
+			i++
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && size == 1 || !unicode.IsPrint(r) {
+			return i
+		}
+		i += size
+	}
+	return -1
 }
