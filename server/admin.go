@@ -50,7 +50,7 @@ type AdminService struct {
 // newAdminService returns the AdminService beside svc, on its store chain,
 // checking resolutions' responses against types.
 func newAdminService(svc *Service, types *resulttype.Types) *AdminService {
-	return &AdminService{svc: svc, store: svc.store.admin(), m: svc.metrics, types: types}
+	return &AdminService{svc: svc, store: svc.store.Admin(), m: svc.metrics, types: types}
 }
 
 // errNoAdmin answers every call when the store cannot administer records.

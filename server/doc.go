@@ -24,13 +24,13 @@
 //     consumer's token buckets). For a batch, authz.go and ratelimit.go
 //     judge each item (batchitems.go) instead of refusing the call;
 //   - service.go: the RegistryService handlers. Claim validates
-//     (validate.go), reads the claim key
-//     (server/internal/claimsecret), admits the Claim under the consumer's
-//     quota (server/internal/quota), decides it through the store chain
-//     (storechain.go: the deadline margin of storedeadline.go, the in-flight
-//     bounds and measures of observe.go), waiting for a key in progress when
-//     asked (wait.go, server/internal/waiting), and answers with the
-//     record (convert.go) and the claim secret;
+//     (validate.go), reads the claim key (server/internal/claimsecret),
+//     admits the Claim under the consumer's quota (server/internal/quota),
+//     decides it through the store chain (server/internal/storechain: the
+//     deadline margin, the in-flight bounds and the store's measures in one
+//     place), waiting for a key in progress when asked (wait.go,
+//     server/internal/waiting), and answers with the record (convert.go)
+//     and the claim secret;
 //   - batch.go: BatchClaim and BatchComplete, the same per item;
 //   - admin.go: the AdminService (listing.go for ListRecords, its page
 //     tokens in server/internal/pagetoken);

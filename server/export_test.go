@@ -6,6 +6,7 @@ import (
 	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -42,7 +43,7 @@ func NewAdminService(store storage.Store, limits Limits) (*AdminService, error) 
 	if err != nil {
 		return nil, err
 	}
-	chain, err := newStoreChain(store, chainConfig{maxInFlight: DefaultMaxInFlight, perIdentity: DefaultMaxInFlight, metrics: m, outcomes: &callOutcomes{}})
+	chain, err := storechain.New(store, storechain.Config{MaxInFlight: DefaultMaxInFlight, PerIdentity: DefaultMaxInFlight, Meter: m.meter})
 	if err != nil {
 		return nil, err
 	}

@@ -9,7 +9,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc/codes"
 
-	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/internal/waiting"
 )
 
@@ -20,16 +20,16 @@ const MeterName = "github.com/idemreg/idemreg/server"
 // exporter writes them with underscores and unit suffixes
 // (idemreg_claims_total, idemreg_store_duration_seconds).
 const (
-	MetricClaims        = "idemreg.claims"
-	MetricCompletes     = "idemreg.completes"
-	MetricReleases      = "idemreg.releases"
-	MetricExtends       = "idemreg.extends"
-	MetricParks         = "idemreg.parks"
-	MetricLeaseLost     = "idemreg.lease_lost"
-	MetricStoreDuration = "idemreg.store.duration"
-	MetricStoreErrors   = "idemreg.store.errors"
-	MetricStoreInFlight = "idemreg.store.in_flight"
-	MetricOverloaded    = "idemreg.overloaded"
+	MetricClaims        = storechain.MetricClaims
+	MetricCompletes     = storechain.MetricCompletes
+	MetricReleases      = storechain.MetricReleases
+	MetricExtends       = storechain.MetricExtends
+	MetricParks         = storechain.MetricParks
+	MetricLeaseLost     = storechain.MetricLeaseLost
+	MetricStoreDuration = storechain.MetricStoreDuration
+	MetricStoreErrors   = storechain.MetricStoreErrors
+	MetricStoreInFlight = storechain.MetricStoreInFlight
+	MetricOverloaded    = storechain.MetricOverloaded
 	MetricRateLimited   = "idemreg.rate_limited"
 	MetricDenied        = "idemreg.auth.denied"
 	// MetricLogSampled counts the access log lines of refused calls that
@@ -40,7 +40,7 @@ const (
 	MetricAdminActions  = "idemreg.admin.actions"
 	MetricBoundRefused  = "idemreg.bounds.refused"
 	MetricConnections   = "idemreg.connections"
-	MetricBatchSize     = "idemreg.batch.size"
+	MetricBatchSize     = storechain.MetricBatchSize
 	MetricWaits         = "idemreg.waits"
 	MetricWaitDuration  = "idemreg.wait.duration"
 	MetricWaitsRefused  = "idemreg.waits.refused"
@@ -62,27 +62,25 @@ const (
 
 // Claim outcomes, the values of the "outcome" attribute of idemreg.claims.
 const (
-	ClaimAcquired   = "acquired"    // a new key, or one whose record had expired: attempt 1
-	ClaimRepeat     = "repeat"      // a repeat of the Claim that holds the lease (same request_id)
-	ClaimTakeover   = "takeover"    // a key released, invalidated or whose lease ran out: attempt > 1
-	ClaimInProgress = "in_progress" // another holder's lease is live
-	ClaimReplay     = "replay"      // completed: the stored result is replayed
-	ClaimMismatch   = "mismatch"    // FINGERPRINT_MISMATCH
-	ClaimParked     = "parked"      // the record is parked (or this Claim parked it at max_attempts)
+	ClaimAcquired   = storechain.ClaimAcquired
+	ClaimRepeat     = storechain.ClaimRepeat
+	ClaimTakeover   = storechain.ClaimTakeover
+	ClaimInProgress = storechain.ClaimInProgress
+	ClaimReplay     = storechain.ClaimReplay
+	ClaimMismatch   = storechain.ClaimMismatch
+	ClaimParked     = storechain.ClaimParked
 )
 
+// metrics are the instruments of the request path; the store chain's
+// (claims by outcome, store durations and errors, in flight, overload,
+// batch sizes) are server/internal/storechain's, in the same scope.
 type metrics struct {
-	claims, completes, releases, extends, parks  metric.Int64Counter
-	leaseLost                                    metric.Int64Counter
-	storeErrors, overloaded, rateLimited, denied metric.Int64Counter
-	adminActions, boundRefused, waits            metric.Int64Counter
-	logSampled                                   metric.Int64Counter
-	waitsRefused                                 metric.Int64Counter
-	storeDuration, waitDuration                  metric.Float64Histogram
-	batchSize                                    metric.Int64Histogram
-	inFlight, connections                        metric.Int64ObservableUpDownCounter
-	parkedRecords                                metric.Int64ObservableGauge
-	meter                                        metric.Meter
+	rateLimited, denied, adminActions, boundRefused metric.Int64Counter
+	waits, waitsRefused, logSampled                 metric.Int64Counter
+	waitDuration                                    metric.Float64Histogram
+	connections                                     metric.Int64ObservableUpDownCounter
+	parkedRecords                                   metric.Int64ObservableGauge
+	meter                                           metric.Meter
 }
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
@@ -96,14 +94,6 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		errs = append(errs, err)
 		*dst = c
 	}
-	counter(&out.claims, MetricClaims, "{claim}", "Claims answered, by outcome: acquired, takeover, repeat, in_progress, replay, mismatch, parked.")
-	counter(&out.completes, MetricCompletes, "{call}", "Successful Completes (a repeat with the same token counts again).")
-	counter(&out.releases, MetricReleases, "{call}", "Successful Releases.")
-	counter(&out.extends, MetricExtends, "{call}", "Successful Extends.")
-	counter(&out.parks, MetricParks, "{call}", "Successful Parks (a repeat with the same token counts again).")
-	counter(&out.leaseLost, MetricLeaseLost, "{call}", "Completes, Releases and Extends refused with LEASE_LOST (a stale token), by method.")
-	counter(&out.storeErrors, MetricStoreErrors, "{error}", "Failed store calls, by op and error.type: unavailable, deadline, canceled, internal.")
-	counter(&out.overloaded, MetricOverloaded, "{call}", "Calls refused with OVERLOADED because the store already had the most operations in flight (bound=server) or the caller's identity had its share of them (bound=identity).")
 	counter(&out.rateLimited, MetricRateLimited, "{call}", "Calls refused with RATE_LIMITED, by identity.")
 	counter(&out.denied, MetricDenied, "{call}", "Calls refused with UNAUTHENTICATED or PERMISSION_DENIED, by code.")
 	counter(&out.logSampled, MetricLogSampled, "{line}", "Access log lines of refused calls left out by sampling, by code.")
@@ -115,17 +105,6 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),
 		metric.WithDescription("How long Claims waited for a key in progress, by how they ended."),
 		metric.WithExplicitBucketBoundaries(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-	errs = append(errs, err)
-	out.batchSize, err = m.Int64Histogram(MetricBatchSize, metric.WithUnit("{item}"),
-		metric.WithDescription("Items of BatchClaim and BatchComplete calls that reached the store, by method."),
-		metric.WithExplicitBucketBoundaries(1, 2, 5, 10, 25, 50, 100, 250, 500))
-	errs = append(errs, err)
-	out.storeDuration, err = m.Float64Histogram(MetricStoreDuration, metric.WithUnit("s"),
-		metric.WithDescription("Duration of store calls (retries included), by op and outcome: ok, or the error type."),
-		metric.WithExplicitBucketBoundaries(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-	errs = append(errs, err)
-	out.inFlight, err = m.Int64ObservableUpDownCounter(MetricStoreInFlight, metric.WithUnit("{call}"),
-		metric.WithDescription("Store operations in flight."))
 	errs = append(errs, err)
 	out.connections, err = m.Int64ObservableUpDownCounter(MetricConnections, metric.WithUnit("{connection}"),
 		metric.WithDescription("Connections open, by listener (grpc, health); each is bounded by MaxConnections."))
@@ -172,23 +151,4 @@ func identityAttr(name string) metric.MeasurementOption {
 	}
 	o, _ := identityAttrs.LoadOrStore(name, attrs(attribute.String("identity", name)))
 	return o.(metric.MeasurementOption)
-}
-
-// storeErrorType is the error.type of a store call that failed with
-// reason (reason.Classify): the value of idemreg.store.errors' error.type and of
-// idemreg.store.duration's outcome. Only failures have one: the registry's
-// answers (isAnswer) are not failures of the store.
-func storeErrorType(reason idemregv1.ErrorReason) string {
-	switch reason {
-	case idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED:
-		return "deadline"
-	case idemregv1.ErrorReason_ERROR_REASON_CANCELED:
-		return "canceled"
-	case idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE:
-		return "unavailable"
-	case idemregv1.ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED:
-		return "exhausted"
-	default:
-		return "internal"
-	}
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -30,7 +31,7 @@ func TestReadinessCountsOnlyStoreFailures(t *testing.T) {
 		{name: "caller's deadline", err: fmt.Errorf("postgres claim: %w", context.DeadlineExceeded)},
 		{name: "caller's deadline mid-statement", err: fmt.Errorf("%w: %w", storage.ErrUnavailable, context.DeadlineExceeded)},
 		{name: "caller cancelled", err: fmt.Errorf("postgres claim: %w: %w", context.Canceled, storage.ErrUnavailable)},
-		{name: "overloaded before the store", err: errOverloaded},
+		{name: "overloaded before the store", err: storechain.ErrOverloaded},
 		{name: "internal", err: fmt.Errorf("something else")},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

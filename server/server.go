@@ -34,6 +34,7 @@ import (
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
 	"github.com/idemreg/idemreg/server/internal/reason"
+	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
@@ -273,7 +274,7 @@ type Server struct {
 	cfg Config
 	// store is the backend, for health and the parked gauge, which are
 	// not a request's calls; the services call it through their store
-	// chain (storechain.go).
+	// chain (server/internal/storechain).
 	store   storage.Store
 	svc     *Service
 	grpc    *grpc.Server
@@ -327,7 +328,8 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		return nil, err
 	}
 	outcomes := &callOutcomes{}
-	chain, err := newStoreChain(store, chainConfig{maxInFlight: cfg.MaxInFlight, perIdentity: cfg.MaxInFlightPerIdentity, metrics: m, outcomes: outcomes})
+	chain, err := storechain.New(store, storechain.Config{MaxInFlight: cfg.MaxInFlight, PerIdentity: cfg.MaxInFlightPerIdentity,
+		Meter: m.meter, Identity: waitShare, Outcome: outcomes.record})
 	if err != nil {
 		return nil, err
 	}
@@ -604,10 +606,10 @@ func (s *Server) checkHealth(ctx context.Context) {
 //     batch on its own (batch.go).
 //
 // Below the handlers of both services, the store is wrapped in one chain
-// (storechain.go): a record operation gets the request's deadline less a
-// margin (storedeadline.go), is bounded in flight (UNAVAILABLE, OVERLOADED,
+// (server/internal/storechain): a record operation gets the request's
+// deadline less a margin, is bounded in flight (UNAVAILABLE, OVERLOADED,
 // beyond MaxInFlight, or beyond MaxInFlightPerIdentity for one identity) and
-// measured (observe.go).
+// measured, in one place.
 func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 	logger := s.cfg.Logger
 	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })

@@ -15,6 +15,7 @@ import (
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/internal/waiting"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
@@ -23,9 +24,9 @@ import (
 // Service implements idemregv1.RegistryServiceServer on a storage.Store.
 type Service struct {
 	idemregv1.UnimplementedRegistryServiceServer
-	// store is the chain of decorators around the backend (storechain.go),
+	// store is the chain around the backend (server/internal/storechain),
 	// which the AdminService shares.
-	store  storeChain
+	store  *storechain.Chain
 	limits Limits
 	// policies give each consumer its lease and retention bounds.
 	policies *policy.Source
@@ -39,7 +40,7 @@ type Service struct {
 }
 
 // NewService returns the registry service on store, wrapped in the chain
-// New builds (storechain.go) with the default bounds and no metrics; every
+// New builds (server/internal/storechain) with the default bounds and no metrics; every
 // consumer gets the lease and retention bounds of limits. It fails when
 // limits contradict each other.
 func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Service, error) {
@@ -47,7 +48,7 @@ func NewService(store storage.Store, limits Limits, logger *slog.Logger) (*Servi
 	if err != nil {
 		return nil, err
 	}
-	chain, err := newStoreChain(store, chainConfig{maxInFlight: DefaultMaxInFlight, perIdentity: DefaultMaxInFlight, metrics: m, outcomes: &callOutcomes{}})
+	chain, err := storechain.New(store, storechain.Config{MaxInFlight: DefaultMaxInFlight, PerIdentity: DefaultMaxInFlight, Meter: m.meter})
 	if err != nil {
 		return nil, err
 	}
@@ -83,7 +84,7 @@ func (b serviceBounds) waitersPerIdentity(maxWaiters int) int {
 
 // newService builds the service on the store chain. policies, when set,
 // give each consumer its bounds in place of those of limits.
-func newService(store storeChain, limits Limits, policies *policy.Source, logger *slog.Logger, m *metrics, b serviceBounds) (*Service, error) {
+func newService(store *storechain.Chain, limits Limits, policies *policy.Source, logger *slog.Logger, m *metrics, b serviceBounds) (*Service, error) {
 	if err := limits.Validate(); err != nil {
 		return nil, err
 	}
@@ -101,15 +102,15 @@ func newService(store storeChain, limits Limits, policies *policy.Source, logger
 	if now == nil {
 		now = time.Now
 	}
-	secrets, perProcess := claimsecret.New(store.claimKeys(), now, cmp.Or(b.claimKeyRefresh, claimsecret.DefaultRefresh), logger)
+	secrets, perProcess := claimsecret.New(store.ClaimKeys(), now, cmp.Or(b.claimKeyRefresh, claimsecret.DefaultRefresh), logger)
 	if perProcess {
-		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", store.backend))
+		logger.Warn("server: the store keeps no claim key; claim secrets are valid in this process only", "store", fmt.Sprintf("%T", store.Backend()))
 	}
 	maxWaiters := cmp.Or(b.maxWaiters, DefaultMaxWaiters)
 	s := &Service{store: store, limits: limits, policies: policies, secrets: secrets,
 		waiters: waiting.NewHub(maxWaiters, b.waitersPerIdentity(maxWaiters)), recheck: cmp.Or(b.recheck, DefaultWaitRecheck),
 		metrics: m, logger: logger}
-	s.quotas = quota.New(store.usageCounter(), func(c string) policy.Policy { return s.policies.Current().For(c) },
+	s.quotas = quota.New(store.UsageCounter(), func(c string) policy.Policy { return s.policies.Current().For(c) },
 		cmp.Or(b.maxQuotaConsumersPerIdentity, DefaultMaxQuotaConsumersPerIdentity), logger)
 	return s, nil
 }

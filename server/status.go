@@ -15,6 +15,7 @@ import (
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
 	"github.com/idemreg/idemreg/server/internal/reason"
+	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -151,14 +152,14 @@ func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, er
 	case idemregv1.ErrorReason_ERROR_REASON_CANCELED:
 		return reason.Status(r, "the request was cancelled", meta)
 	case idemregv1.ErrorReason_ERROR_REASON_OVERLOADED:
-		var share *shareExceeded
+		var share *storechain.ShareExceeded
 		if errors.As(err, &share) {
-			meta["identity"] = share.identity
+			meta["identity"] = share.Identity
 			return reason.Status(r,
-				fmt.Sprintf("identity %q already has %d store operations in flight, its share of the server's; retry later", share.identity, share.share), meta,
+				fmt.Sprintf("identity %q already has %d store operations in flight, its share of the server's; retry later", share.Identity, share.Share), meta,
 				&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
-					Subject:     "identity:" + share.identity,
-					Description: fmt.Sprintf("at most %d store operations in flight per identity", share.share),
+					Subject:     "identity:" + share.Identity,
+					Description: fmt.Sprintf("at most %d store operations in flight per identity", share.Share),
 				}}},
 				reason.RetryInfo(overloadedRetryAfter))
 		}

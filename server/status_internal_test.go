@@ -15,6 +15,7 @@ import (
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
 	"github.com/idemreg/idemreg/server/internal/reason"
+	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -45,8 +46,8 @@ func TestClassify(t *testing.T) {
 		{"deadline", fmt.Errorf("postgres claim: %w", context.DeadlineExceeded), idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED, "deadline", ""},
 		{"deadline mid-statement", fmt.Errorf("%w: %w", storage.ErrUnavailable, context.DeadlineExceeded), idemregv1.ErrorReason_ERROR_REASON_DEADLINE_EXCEEDED, "deadline", ""},
 		{"cancelled", fmt.Errorf("%w: %w", context.Canceled, storage.ErrUnavailable), idemregv1.ErrorReason_ERROR_REASON_CANCELED, "canceled", ""},
-		{"overloaded", errOverloaded, idemregv1.ErrorReason_ERROR_REASON_OVERLOADED, "internal", ""},
-		{"an identity's share", &shareExceeded{identity: "billing", share: 2}, idemregv1.ErrorReason_ERROR_REASON_OVERLOADED, "internal", ""},
+		{"overloaded", storechain.ErrOverloaded, idemregv1.ErrorReason_ERROR_REASON_OVERLOADED, "internal", ""},
+		{"an identity's share", &storechain.ShareExceeded{Identity: "billing", Share: 2}, idemregv1.ErrorReason_ERROR_REASON_OVERLOADED, "internal", ""},
 		{"anything else", errors.New("decoding stored result"), idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -55,7 +56,7 @@ func TestClassify(t *testing.T) {
 
 			errorType := ""
 			if !reason.IsAnswer(got) {
-				errorType = storeErrorType(got)
+				errorType = storechain.ErrorType(got)
 			}
 			require.Equal(t, tc.errorType, errorType, "the store's error.type")
 

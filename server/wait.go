@@ -8,6 +8,7 @@ import (
 
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/internal/waiting"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -47,7 +48,7 @@ func waitShare(ctx context.Context) string {
 // so that the answer reaches the caller before the deadline does.
 func waitEnd(ctx context.Context, d time.Duration) time.Time {
 	end := time.Now().Add(d)
-	if dl, ok := storeDeadline(ctx); ok && dl.Before(end) {
+	if dl, ok := storechain.Deadline(ctx); ok && dl.Before(end) {
 		end = dl
 	}
 	return end

@@ -1,8 +1,10 @@
-package server
+package storechain_test
 
 import (
 	"context"
 	"errors"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -11,6 +13,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/reason"
+	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -120,54 +123,36 @@ func (s *capableStore) ConsumerUsage(ctx context.Context, _ []string) (map[strin
 	return nil, nil
 }
 
-func testChain(t *testing.T, backend storage.Store) (storeChain, *callOutcomes) {
-	t.Helper()
-	m, err := newMetrics(noop.NewMeterProvider())
-	require.NoError(t, err)
-	outcomes := &callOutcomes{}
-	chain, err := newStoreChain(backend, chainConfig{maxInFlight: 4, perIdentity: 4, metrics: m, outcomes: outcomes})
-	require.NoError(t, err)
-	return chain, outcomes
+// outcomes counts what the chain told readiness.
+type outcomes struct{ ok, failed atomic.Int64 }
+
+func (o *outcomes) record(err error) {
+	if err == nil {
+		o.ok.Add(1)
+	} else {
+		o.failed.Add(1)
+	}
 }
 
-// TestStoreChainOrder: the deadline margin outermost, then the in-flight
-// bounds and measures, then the backend.
-func TestStoreChainOrder(t *testing.T) {
-	backend := &capableStore{deadlines: map[string]time.Time{}}
-	chain, _ := testChain(t, backend)
-	var got []string
-	var s storage.Store = chain.proxyStore
-	for {
-		p, ok := s.(proxyStore)
-		if !ok {
-			break
-		}
-		switch p.(type) {
-		case marginStore:
-			got = append(got, "margin")
-		case *observedStore:
-			got = append(got, "observed")
-		case backendStore:
-			got = append(got, "backend")
-		default:
-			t.Fatalf("unknown decorator %T", p)
-		}
-		s = p.Unwrap()
-	}
-	require.Equal(t, []string{"margin", "observed", "backend"}, got)
-	require.Same(t, backend, s, "the chain ends at the backend")
+func testChain(t *testing.T, backend storage.Store) (*storechain.Chain, *outcomes) {
+	t.Helper()
+	out := &outcomes{}
+	chain, err := storechain.New(backend, storechain.Config{MaxInFlight: 4, PerIdentity: 4,
+		Meter: noop.NewMeterProvider().Meter("test"), Outcome: out.record})
+	require.NoError(t, err)
+	return chain, out
 }
 
 // TestStoreChainDecorates: every record operation, the admin's as the
-// registry's, goes through every decorator (it gets a deadline before
-// the request's and readiness counts it); the rest reaches the backend
+// registry's, goes through the chain (it gets a deadline before the
+// request's and readiness counts it); the rest reaches the backend
 // untouched. The optional capabilities pass through to the backend.
 func TestStoreChainDecorates(t *testing.T) {
 	backend := &capableStore{deadlines: map[string]time.Time{}}
 	chain, outcomes := testChain(t, backend)
-	require.NotNil(t, chain.admin())
-	require.NotNil(t, chain.claimKeys())
-	require.NotNil(t, chain.usageCounter())
+	require.NotNil(t, chain.Admin())
+	require.NotNil(t, chain.ClaimKeys())
+	require.NotNil(t, chain.UsageCounter())
 
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
@@ -186,18 +171,18 @@ func TestStoreChainDecorates(t *testing.T) {
 		{"Lookup", func() error { _, err := chain.Lookup(ctx, k); return err }, true},
 		{"ClaimBatch", func() error { storage.ClaimBatch(ctx, chain, []storage.ClaimParams{{Key: k}}); return nil }, true},
 		{"CompleteBatch", func() error { storage.CompleteBatch(ctx, chain, []storage.CompleteParams{{Key: k}}); return nil }, true},
-		{"Inspect", func() error { _, err := chain.admin().Inspect(ctx, k); return err }, true},
-		{"Invalidate", func() error { _, err := chain.admin().Invalidate(ctx, storage.InvalidateParams{Key: k}); return err }, true},
-		{"Resolve", func() error { _, err := chain.admin().Resolve(ctx, storage.ResolveParams{Key: k}); return err }, true},
-		{"List", func() error { _, err := chain.admin().List(ctx, storage.ListParams{Consumer: "c"}); return err }, true},
-		{"CountParked", func() error { _, err := chain.admin().CountParked(ctx, ""); return err }, true},
+		{"Inspect", func() error { _, err := chain.Admin().Inspect(ctx, k); return err }, true},
+		{"Invalidate", func() error { _, err := chain.Admin().Invalidate(ctx, storage.InvalidateParams{Key: k}); return err }, true},
+		{"Resolve", func() error { _, err := chain.Admin().Resolve(ctx, storage.ResolveParams{Key: k}); return err }, true},
+		{"List", func() error { _, err := chain.Admin().List(ctx, storage.ListParams{Consumer: "c"}); return err }, true},
+		{"CountParked", func() error { _, err := chain.Admin().CountParked(ctx, ""); return err }, true},
 		{"Ping", func() error { return chain.Ping(ctx) }, false},
-		{"ClaimKeyRing", func() error { _, err := chain.claimKeys().ClaimKeyRing(ctx); return err }, false},
+		{"ClaimKeyRing", func() error { _, err := chain.ClaimKeys().ClaimKeyRing(ctx); return err }, false},
 		{"RotateClaimKey", func() error {
-			_, err := chain.claimKeys().RotateClaimKey(ctx, storage.RotateClaimKeyParams{})
+			_, err := chain.ClaimKeys().RotateClaimKey(ctx, storage.RotateClaimKeyParams{})
 			return err
 		}, false},
-		{"ConsumerUsage", func() error { _, err := chain.usageCounter().ConsumerUsage(ctx, []string{"c"}); return err }, false},
+		{"ConsumerUsage", func() error { _, err := chain.UsageCounter().ConsumerUsage(ctx, []string{"c"}); return err }, false},
 		{"SweepExpired", func() error { _, err := chain.SweepExpired(ctx, 1); return err }, false},
 		{"OldestExpiry", func() error { _, _, _, err := chain.OldestExpiry(ctx); return err }, false},
 	} {
@@ -218,14 +203,59 @@ func TestStoreChainDecorates(t *testing.T) {
 }
 
 // TestStoreChainCapabilities: the chain has a capability when the backend
-// has it, whatever its decorators implement.
+// has it, whatever the chain itself implements.
 func TestStoreChainCapabilities(t *testing.T) {
 	bare := struct{ storage.Store }{&capableStore{deadlines: map[string]time.Time{}}}
 	chain, _ := testChain(t, bare)
-	require.Nil(t, chain.admin())
-	require.Nil(t, chain.claimKeys())
-	require.Nil(t, chain.usageCounter())
+	require.Nil(t, chain.Admin())
+	require.Nil(t, chain.ClaimKeys())
+	require.Nil(t, chain.UsageCounter())
 	_, err := chain.Inspect(t.Context(), storage.Key{})
 	require.True(t, errors.Is(err, errors.ErrUnsupported), "a capability the backend lacks answers an error, not a panic: %v", err)
 	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_INTERNAL, reason.Classify(err))
+}
+
+// blockingStore holds every Claim until release is closed.
+type blockingStore struct {
+	capableStore
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (s *blockingStore) Claim(ctx context.Context, _ storage.ClaimParams) (storage.ClaimResult, error) {
+	s.entered <- struct{}{}
+	<-s.release
+	return storage.ClaimResult{}, nil
+}
+
+type identityKey struct{}
+
+// TestInFlightBounds: beyond an identity's share, and beyond the server's
+// bound, a record operation is refused at once, with the error that names
+// the bound, and without reaching the store; the slots come back when the
+// calls end.
+func TestInFlightBounds(t *testing.T) {
+	backend := &blockingStore{capableStore: capableStore{deadlines: map[string]time.Time{}},
+		entered: make(chan struct{}, 8), release: make(chan struct{})}
+	chain, err := storechain.New(backend, storechain.Config{MaxInFlight: 2, PerIdentity: 1,
+		Meter:    noop.NewMeterProvider().Meter("test"),
+		Identity: func(ctx context.Context) string { s, _ := ctx.Value(identityKey{}).(string); return s }})
+	require.NoError(t, err)
+	as := func(id string) context.Context { return context.WithValue(t.Context(), identityKey{}, id) }
+	var wg sync.WaitGroup
+	claim := func(ctx context.Context) error { _, err := chain.Claim(ctx, storage.ClaimParams{}); return err }
+	wg.Go(func() { require.NoError(t, claim(as("a"))) })
+	<-backend.entered
+	var share *storechain.ShareExceeded
+	require.ErrorAs(t, claim(as("a")), &share, "a's share is one")
+	require.Equal(t, storechain.ShareExceeded{Identity: "a", Share: 1}, *share)
+	require.ErrorIs(t, share, storechain.ErrOverloaded)
+	wg.Go(func() { require.NoError(t, claim(as("b"))) })
+	<-backend.entered
+	err = claim(as(""))
+	require.ErrorIs(t, err, storechain.ErrOverloaded, "the server's bound of two")
+	require.False(t, errors.As(err, &share), "not an identity's share")
+	close(backend.release)
+	wg.Wait()
+	require.NoError(t, claim(as("a")), "the slots came back")
 }

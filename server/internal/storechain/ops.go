@@ -1,0 +1,221 @@
+package storechain
+
+import (
+	"context"
+	"time"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/reason"
+	"github.com/idemreg/idemreg/storage"
+)
+
+// Claim implements storage.Store through do, and counts the Claim by
+// outcome (idemreg.claims); Complete, Release, Extend and Park count their
+// successes likewise.
+func (c *Chain) Claim(ctx context.Context, p storage.ClaimParams) (res storage.ClaimResult, err error) {
+	err = c.do(ctx, opClaim, func(ctx context.Context) error {
+		res, err = c.b.Claim(ctx, p)
+		return err
+	})
+	c.countClaim(ctx, res, err)
+	return res, err
+}
+
+func (c *Chain) countClaim(ctx context.Context, res storage.ClaimResult, err error) {
+	var outcome string
+	switch {
+	case reason.Classify(err) == idemregv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH:
+		outcome = ClaimMismatch
+	case err != nil:
+		return
+	case res.Repeated:
+		outcome = ClaimRepeat
+	case res.Outcome == storage.OutcomeAcquired && res.Record.Attempt > 1:
+		outcome = ClaimTakeover
+	case res.Outcome == storage.OutcomeAcquired:
+		outcome = ClaimAcquired
+	case res.Outcome == storage.OutcomeInProgress:
+		outcome = ClaimInProgress
+	case res.Outcome == storage.OutcomeCompleted:
+		outcome = ClaimReplay
+	case res.Outcome == storage.OutcomeParked:
+		outcome = ClaimParked
+	}
+	c.m.claims.Add(ctx, 1, claimOutcomes[outcome])
+}
+
+// ClaimBatch implements storage.Batcher: a batch is one operation in
+// flight, and each item counts as a Claim.
+func (c *Chain) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) (out []storage.ClaimAnswer) {
+	ran := false
+	err := c.do(ctx, opClaimBatch, func(ctx context.Context) error {
+		ran = true
+		out = c.b.ClaimBatch(ctx, ps)
+		for _, a := range out {
+			if a.Err != nil && !reason.IsAnswer(reason.Classify(a.Err)) {
+				return a.Err // the store failed: measured, and counted for readiness
+			}
+		}
+		return nil
+	})
+	if !ran { // refused before the store: every item's answer
+		out = make([]storage.ClaimAnswer, len(ps))
+		for i := range out {
+			out[i].Err = err
+		}
+		return out
+	}
+	c.m.batchSize.Record(ctx, int64(len(ps)), opClaimBatch.method)
+	for _, a := range out {
+		c.countClaim(ctx, a.Result, a.Err)
+	}
+	return out
+}
+
+// CompleteBatch implements storage.Batcher like ClaimBatch.
+func (c *Chain) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) (out []storage.CompleteAnswer) {
+	ran := false
+	err := c.do(ctx, opCompleteBatch, func(ctx context.Context) error {
+		ran = true
+		out = c.b.CompleteBatch(ctx, ps)
+		for _, a := range out {
+			if a.Err != nil && !reason.IsAnswer(reason.Classify(a.Err)) {
+				return a.Err // the store failed: measured, and counted for readiness
+			}
+		}
+		return nil
+	})
+	if !ran { // refused before the store: every item's answer
+		out = make([]storage.CompleteAnswer, len(ps))
+		for i := range out {
+			out[i].Err = err
+		}
+		return out
+	}
+	c.m.batchSize.Record(ctx, int64(len(ps)), opCompleteBatch.method)
+	for _, a := range out {
+		switch {
+		case a.Err == nil:
+			c.m.completes.Add(ctx, 1)
+		case reason.Classify(a.Err) == idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST:
+			c.m.leaseLost.Add(ctx, 1, opComplete.method)
+		}
+	}
+	return out
+}
+
+func (c *Chain) Complete(ctx context.Context, p storage.CompleteParams) (rec storage.Record, err error) {
+	err = c.do(ctx, opComplete, func(ctx context.Context) error {
+		rec, err = c.b.Complete(ctx, p)
+		return err
+	})
+	if err == nil {
+		c.m.completes.Add(ctx, 1)
+	}
+	return rec, err
+}
+
+func (c *Chain) Release(ctx context.Context, p storage.ReleaseParams) (rec storage.Record, err error) {
+	err = c.do(ctx, opRelease, func(ctx context.Context) error {
+		rec, err = c.b.Release(ctx, p)
+		return err
+	})
+	if err == nil {
+		c.m.releases.Add(ctx, 1)
+	}
+	return rec, err
+}
+
+func (c *Chain) Extend(ctx context.Context, p storage.ExtendParams) (rec storage.Record, err error) {
+	err = c.do(ctx, opExtend, func(ctx context.Context) error {
+		rec, err = c.b.Extend(ctx, p)
+		return err
+	})
+	if err == nil {
+		c.m.extends.Add(ctx, 1)
+	}
+	return rec, err
+}
+
+func (c *Chain) Park(ctx context.Context, p storage.ParkParams) (rec storage.Record, err error) {
+	err = c.do(ctx, opPark, func(ctx context.Context) error {
+		rec, err = c.b.Park(ctx, p)
+		return err
+	})
+	if err == nil {
+		c.m.parks.Add(ctx, 1)
+	}
+	return rec, err
+}
+
+func (c *Chain) Lookup(ctx context.Context, k storage.Key) (rec storage.Record, err error) {
+	err = c.do(ctx, opLookup, func(ctx context.Context) error {
+		rec, err = c.b.Lookup(ctx, k)
+		return err
+	})
+	return rec, err
+}
+
+func (c *Chain) Inspect(ctx context.Context, k storage.Key) (res storage.InspectResult, err error) {
+	err = c.do(ctx, opInspect, func(ctx context.Context) error {
+		res, err = c.b.Inspect(ctx, k)
+		return err
+	})
+	return res, err
+}
+
+func (c *Chain) Invalidate(ctx context.Context, p storage.InvalidateParams) (rec storage.Record, err error) {
+	err = c.do(ctx, opInvalidate, func(ctx context.Context) error {
+		rec, err = c.b.Invalidate(ctx, p)
+		return err
+	})
+	return rec, err
+}
+
+func (c *Chain) Resolve(ctx context.Context, p storage.ResolveParams) (rec storage.Record, err error) {
+	err = c.do(ctx, opResolve, func(ctx context.Context) error {
+		rec, err = c.b.Resolve(ctx, p)
+		return err
+	})
+	return rec, err
+}
+
+func (c *Chain) List(ctx context.Context, p storage.ListParams) (res storage.ListResult, err error) {
+	err = c.do(ctx, opList, func(ctx context.Context) error {
+		res, err = c.b.List(ctx, p)
+		return err
+	})
+	return res, err
+}
+
+func (c *Chain) CountParked(ctx context.Context, prefix string) (counts map[string]int64, err error) {
+	err = c.do(ctx, opCountParked, func(ctx context.Context) error {
+		counts, err = c.b.CountParked(ctx, prefix)
+		return err
+	})
+	return counts, err
+}
+
+// Passed through.
+
+func (c *Chain) Ping(ctx context.Context) error { return c.b.Ping(ctx) }
+func (c *Chain) Close() error                   { return c.b.Close() }
+func (c *Chain) ClaimKeyRing(ctx context.Context) (storage.ClaimKeyRing, error) {
+	return c.b.ClaimKeyRing(ctx)
+}
+
+func (c *Chain) RotateClaimKey(ctx context.Context, p storage.RotateClaimKeyParams) (storage.ClaimKeyRing, error) {
+	return c.b.RotateClaimKey(ctx, p)
+}
+
+func (c *Chain) ConsumerUsage(ctx context.Context, consumers []string) (map[string]storage.Usage, error) {
+	return c.b.ConsumerUsage(ctx, consumers)
+}
+
+func (c *Chain) SweepExpired(ctx context.Context, limit int) (storage.SweepResult, error) {
+	return c.b.SweepExpired(ctx, limit)
+}
+
+func (c *Chain) OldestExpiry(ctx context.Context) (oldest, now time.Time, ok bool, err error) {
+	return c.b.OldestExpiry(ctx)
+}
