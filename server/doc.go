@@ -8,15 +8,16 @@
 // handlers lives in server/internal/*, packages that cannot reach back up
 // (docs/design.md draws the layers). One Claim, in order:
 //
-//   - server.go: New builds the grpc.Server (its Config, the interceptor
-//     chain below, health and reflection), Serve runs it and drains it;
+//   - config.go: Config, its defaults and its validation; server.go: New
+//     builds the grpc.Server (the interceptor chain below, health and
+//     reflection), Serve runs it and drains it;
 //   - pending.go: the listener's tap refuses a call beyond MaxPendingCalls
 //     before gRPC reads it;
 //   - codec.go: the request is decoded; one that does not decode is kept
 //     and refused at step 5, after authentication;
 //   - otelgrpc's stats handler opens the span and measures the call, and
 //     accesslog.go's writes the line per finished call;
-//   - the unary chain (server.go, unaryInterceptors): recovery; deadline.go
+//   - the unary chain (chain.go, in order): recovery; deadline.go
 //     (the request's budget); authn.go (the caller's identity from a bearer
 //     token or a client certificate); codec.go's refusal of the malformed;
 //     authz.go (may the identity use the consumer?); bounds.go (calls in
@@ -38,6 +39,6 @@
 //     refusals becomes one status with its reason and details, by the one
 //     classification of server/internal/reason (which also bounds what a
 //     status or a log line echoes of a request);
-//   - readiness.go, parked.go, metrics.go: health, the parked records gauge
-//     and the instruments the steps above record to.
+//   - health.go, parked.go, metrics.go: health and readiness, the parked
+//     records gauge, and the instruments the steps above record to.
 package server

@@ -1,14 +1,114 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/storage"
 )
+
+// healthServices are the names the health service reports readiness on:
+// the whole server ("") and the registry's services.
+var healthServices = []string{"", idemregv1.RegistryService_ServiceDesc.ServiceName, idemregv1.AdminService_ServiceDesc.ServiceName}
+
+// LivenessService is the health service name that reports SERVING while the
+// process runs, whatever the store does: a liveness probe that failed with
+// the database would restart every replica at once and fix nothing.
+const LivenessService = "liveness"
+
+// ServeHealth serves the health service alone, in plaintext, on lis, until
+// Serve returns: for Kubernetes' gRPC probes, which cannot speak TLS, and
+// other probes that should not need credentials. It reports the same
+// statuses as the health service of the main listener, under the same
+// bounds (its connections are counted apart, its Watch streams with those
+// of the main listener).
+func (s *Server) ServeHealth(lis net.Listener) error {
+	// The same codec as the main listener, so that a malformed check is
+	// INVALID_ARGUMENT there too (codec.go).
+	opts := append(s.cfg.Bounds.serverOptions(newPendingCalls(s.cfg.Bounds.MaxPendingCalls/2, s.metrics)),
+		grpc.ForceServerCodecV2(newRequestCodec()),
+		grpc.UnaryInterceptor(refuseMalformed),
+		grpc.ChainStreamInterceptor(s.public.intercept),
+		// A health request is a service name.
+		grpc.MaxRecvMsgSize(healthMaxRecvMsgSize),
+		grpc.KeepaliveParams(s.cfg.Keepalive),
+		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))
+	g := grpc.NewServer(opts...)
+	healthpb.RegisterHealthServer(decodingRegistrar{g}, s.health)
+	lis = s.limitConnections("health", lis)
+	go func() { <-s.done; g.Stop() }()
+	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return err
+	}
+	return nil
+}
+
+// healthMaxRecvMsgSize bounds a request on the health listener: a
+// HealthCheckRequest is one service name.
+const healthMaxRecvMsgSize = 4 << 10
+
+func (s *Server) watchHealth(ctx context.Context) {
+	t := time.NewTicker(s.cfg.HealthInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			s.checkHealth(ctx)
+		}
+	}
+}
+
+// checkHealth pings the store, reads the probe record and counts the
+// interval's store calls (below), and sets the serving status
+// accordingly.
+func (s *Server) checkHealth(ctx context.Context) {
+	pctx, cancel := context.WithTimeout(ctx, s.cfg.PingTimeout)
+	err := s.store.Ping(pctx)
+	cancel()
+	if err == nil {
+		pctx, cancel = context.WithTimeout(ctx, s.cfg.PingTimeout)
+		_, err = s.store.Lookup(pctx, readinessProbeKey)
+		cancel()
+		if errors.Is(err, storage.ErrNotFound) {
+			err = nil
+		}
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	calls, failing := s.window.add(s.outcomes)
+	st := healthpb.HealthCheckResponse_SERVING
+	if err != nil || failing {
+		st = healthpb.HealthCheckResponse_NOT_SERVING
+	}
+	if st == s.serving {
+		return
+	}
+	s.serving = st
+	switch {
+	case err != nil:
+		s.cfg.Logger.Warn("health changed", "status", st.String(), "error", err)
+	case failing:
+		s.cfg.Logger.Warn("health changed", "status", st.String(), "reason", "store calls failing",
+			"failed_calls", calls.failed, "calls", calls.ok+calls.failed, "window_intervals", s.cfg.Readiness.Window)
+	default:
+		s.cfg.Logger.Info("health changed", "status", st.String())
+	}
+	for _, name := range healthServices {
+		s.health.SetServingStatus(name, st)
+	}
+}
 
 // Readiness decides when the health service reports NOT_SERVING besides a
 // failed ping: a store can answer `SELECT 1` while every real query fails

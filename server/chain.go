@@ -1,0 +1,87 @@
+package server
+
+import (
+	"context"
+	"log/slog"
+	"runtime/debug"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/selector"
+	"google.golang.org/grpc"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/reason"
+)
+
+// The middleware chain, outermost first. Before it, otelgrpc's stats
+// handler opens the call's span and measures it (every call, health checks
+// left out of traces).
+//  1. access log (accesslog.go): notes the consumer for the line per
+//     finished call (method, code, duration, consumer, identity — never
+//     payloads, results, fingerprints or tokens) that its stats handler
+//     writes when gRPC has sent the status;
+//  2. recovery: a panic, here or below, becomes INTERNAL and is logged
+//     with its stack;
+//  3. deadline: a request without a deadline gets RequestTimeout, a longer
+//     one is clamped to MaxRequestTimeout;
+//  4. authentication (go-grpc-middleware auth, skipped for health and
+//     reflection by selector): the caller's identity from a bearer token
+//     or a verified client certificate, or UNAUTHENTICATED;
+//  5. a request that did not decode is refused (codec.go): INVALID_ARGUMENT,
+//     reason MALFORMED_REQUEST;
+//  6. authorization (same selector): the identity may use the request's
+//     consumer (RegistryService) or administer it (AdminService; for a
+//     request by consumer prefix, at least one consumer under it, and the
+//     handler shows only those), or PERMISSION_DENIED — before the handler
+//     has read anything;
+//  7. calls per identity (bounds.go): an identity with MaxCallsPerIdentity
+//     calls in progress gets RESOURCE_EXHAUSTED, TOO_MANY_CALLS;
+//  8. rate limit: the identity's token bucket, then the consumer's, or
+//     RESOURCE_EXHAUSTED with QuotaFailure and RetryInfo; each item of a
+//     batch on its own (batch.go).
+//
+// Below the handlers of both services, the store is wrapped in one chain
+// (server/internal/storechain): a record operation gets the request's
+// deadline less a margin, is bounded in flight (UNAVAILABLE, OVERLOADED,
+// beyond MaxInFlight, or beyond MaxInFlightPerIdentity for one identity) and
+// measured, in one place.
+func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
+	logger := s.cfg.Logger
+	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
+	return []grpc.UnaryServerInterceptor{
+		s.accessLog.unary,
+		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
+		s.deadline,
+		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
+		refuseMalformed,
+		selector.UnaryServerInterceptor(s.authorize, protected),
+		selector.UnaryServerInterceptor(s.identityCalls.intercept, protected),
+		s.rateLimit,
+	}
+}
+
+// streamInterceptors: every streaming method is public (health's Watch,
+// reflection); any other is refused, since authorization needs the
+// request's consumer.
+func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
+	logger := s.cfg.Logger
+	protected := selector.MatchFunc(func(ctx context.Context, c interceptors.CallMeta) bool { return !public(ctx, c) })
+	return []grpc.StreamServerInterceptor{
+		recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
+		selector.StreamServerInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, _ grpc.StreamHandler) error {
+			return reason.Status(idemregv1.ErrorReason_ERROR_REASON_PERMISSION_DENIED, "streaming methods are not open to identities", nil)
+		}, protected),
+		// What is left is public: bounded in number, since no credential
+		// stands behind it.
+		s.public.intercept,
+	}
+}
+
+func panicHandler(logger *slog.Logger) recovery.RecoveryHandlerFuncContext {
+	return func(ctx context.Context, p any) error {
+		logger.ErrorContext(ctx, "panic recovered", "panic", p, "stack", string(debug.Stack()))
+		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
+	}
+}
