@@ -10,8 +10,10 @@ import (
 	"google.golang.org/grpc/status"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/pagetoken"
 	"github.com/idemreg/idemreg/server/internal/reason"
+	"github.com/idemreg/idemreg/server/internal/waiting"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -37,7 +39,12 @@ const (
 // it did (audit), never with a record's fingerprint, token or result.
 type AdminService struct {
 	idemregv1.UnimplementedAdminServiceServer
-	svc *Service // for toStatus, the limits, the waiters and the logger
+	statuses
+	limits Limits
+	// secrets seal and open the page tokens of ListRecords.
+	secrets *claimsecret.Secrets
+	// waiters are woken when an operator ends a key's lease or result.
+	waiters *waiting.Hub
 	// store is the service's store chain as a storage.Admin, nil when the
 	// store cannot administer records.
 	store storage.Admin
@@ -50,7 +57,8 @@ type AdminService struct {
 // newAdminService returns the AdminService beside svc, on its store chain,
 // checking resolutions' responses against types.
 func newAdminService(svc *Service, types *resulttype.Types) *AdminService {
-	return &AdminService{svc: svc, store: svc.store.Admin(), m: svc.metrics, types: types}
+	return &AdminService{statuses: svc.statuses, limits: svc.limits, secrets: svc.secrets, waiters: svc.waiters,
+		store: svc.store.Admin(), m: svc.metrics, types: types}
 }
 
 // errNoAdmin answers every call when the store cannot administer records.
@@ -69,11 +77,11 @@ func (a *AdminService) InspectRecord(ctx context.Context, req *idemregv1.Inspect
 	got, err := a.store.Inspect(ctx, k)
 	a.audit(ctx, "inspect", keyAttrs(k), "", err, slog.Bool("live", err == nil && got.Record.Live(got.Now)))
 	if err != nil {
-		return nil, a.svc.toStatus(ctx, "InspectRecord", k, err)
+		return nil, a.toStatus(ctx, "InspectRecord", k, err)
 	}
 	rec, err := toRecord(got.Record, true)
 	if err != nil {
-		return nil, a.svc.toStatus(ctx, "InspectRecord", k, err)
+		return nil, a.toStatus(ctx, "InspectRecord", k, err)
 	}
 	return &idemregv1.InspectRecordResponse{Record: rec, StoreTime: timestamp(got.Now), Live: got.Record.Live(got.Now),
 		History: toAttempts(got.Record.History)}, nil
@@ -97,12 +105,12 @@ func (a *AdminService) InvalidateRecord(ctx context.Context, req *idemregv1.Inva
 	got, err := a.store.Invalidate(ctx, storage.InvalidateParams{Key: k, Token: req.GetToken(), Reason: reason})
 	a.audit(ctx, "invalidate", keyAttrs(k), reason, err, slog.Bool("expected_token", req.GetToken() != 0), slog.Int64("attempt", got.Attempt))
 	if err != nil {
-		return nil, a.svc.toStatus(ctx, "InvalidateRecord", k, err)
+		return nil, a.toStatus(ctx, "InvalidateRecord", k, err)
 	}
-	a.svc.waiters.Notify(k) // the lease ended: a waiter takes over
+	a.waiters.Notify(k) // the lease ended: a waiter takes over
 	rec, err := toRecord(got, true)
 	if err != nil {
-		return nil, a.svc.toStatus(ctx, "InvalidateRecord", k, err)
+		return nil, a.toStatus(ctx, "InvalidateRecord", k, err)
 	}
 	return &idemregv1.InvalidateRecordResponse{Record: rec}, nil
 }
@@ -142,13 +150,13 @@ func (a *AdminService) ResolveRecord(ctx context.Context, req *idemregv1.Resolve
 	}
 	a.audit(ctx, "resolve", keyAttrs(p.Key), p.Reason, err, fields...)
 	if err != nil {
-		return nil, a.svc.toStatus(ctx, "ResolveRecord", p.Key, err)
+		return nil, a.toStatus(ctx, "ResolveRecord", p.Key, err)
 	}
 	// Released, a waiter takes over; completed, it replays the result.
-	a.svc.waiters.Notify(p.Key)
+	a.waiters.Notify(p.Key)
 	rec, err := toRecord(got, true)
 	if err != nil {
-		return nil, a.svc.toStatus(ctx, "ResolveRecord", p.Key, err)
+		return nil, a.toStatus(ctx, "ResolveRecord", p.Key, err)
 	}
 	return &idemregv1.ResolveRecordResponse{Record: rec, ResponseChecked: checked}, nil
 }
@@ -205,12 +213,12 @@ func (a *AdminService) validateResolve(r *idemregv1.ResolveRecordRequest) (p sto
 		if resp := res.Result.GetResponse(); resp != nil {
 			checked = v.decodes("result.response", resp.GetType(), resp.GetData(), a.types)
 		}
-		p.Result = v.result("result", res.Result, a.svc.limits.MaxResultBytes)
+		p.Result = v.result("result", res.Result, a.limits.MaxResultBytes)
 	case *idemregv1.ResolveRecordRequest_ResponseJson:
 		p.Complete = true
 		checked = true
 		resp := v.fromJSON("response_json", res.ResponseJson, a.types)
-		p.Result = v.result("response_json", &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: resp}}, a.svc.limits.MaxResultBytes)
+		p.Result = v.result("response_json", &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: resp}}, a.limits.MaxResultBytes)
 	}
 	return p, checked, v.err()
 }
@@ -228,16 +236,16 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 	if err != nil {
 		return nil, err
 	}
-	issuer, err := a.svc.secrets.Issuer(ctx)
+	issuer, err := a.secrets.Issuer(ctx)
 	if err != nil {
-		return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
+		return nil, a.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 	}
 	if t := req.GetPageToken(); t != "" {
 		var v violations
 		if gen, ok := pagetoken.Generation(t); !ok {
 			v.add("page_token", "%s", pagetoken.ErrGarbled)
-		} else if opener, err := a.svc.secrets.Sealer(ctx, gen); err != nil {
-			return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
+		} else if opener, err := a.secrets.Sealer(ctx, gen); err != nil {
+			return nil, a.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 		} else if opener == nil {
 			v.add("page_token", "was sealed under a claim key generation this registry no longer accepts (the key was rotated): list again from the first page, without a page token")
 		} else {
@@ -270,7 +278,7 @@ func (a *AdminService) ListRecords(ctx context.Context, req *idemregv1.ListRecor
 	a.audit(ctx, "list", listAttrs(p), "", err, slog.Int("page_size", p.Limit), slog.Int("records", len(out.Records)),
 		slog.Bool("more", err == nil && page.Next != nil))
 	if err != nil {
-		return nil, a.svc.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
+		return nil, a.toStatus(ctx, "ListRecords", storage.Key{Consumer: p.Consumer}, err)
 	}
 	if page.Next != nil {
 		out.NextPageToken = pagetoken.Encode(issuer.Sealer, issuer.Generation, filters, *page.Next)
@@ -302,7 +310,7 @@ func (a *AdminService) CountParked(ctx context.Context, req *idemregv1.CountPark
 	}
 	a.audit(ctx, "count_parked", []slog.Attr{slog.String("consumer_prefix", reason.Echo(prefix))}, "", err, slog.Int("consumers", len(out.Parked)))
 	if err != nil {
-		return nil, a.svc.toStatus(ctx, "CountParked", storage.Key{Consumer: prefix}, err)
+		return nil, a.toStatus(ctx, "CountParked", storage.Key{Consumer: prefix}, err)
 	}
 	return out, nil
 }
@@ -376,5 +384,5 @@ func (a *AdminService) audit(ctx context.Context, action string, target []slog.A
 	if readOnlyActions[action] {
 		level = slog.LevelInfo
 	}
-	a.svc.logger.LogAttrs(ctx, level, "admin action", append(fields, extra...)...)
+	a.logger.LogAttrs(ctx, level, "admin action", append(fields, extra...)...)
 }

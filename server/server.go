@@ -162,7 +162,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 // Waiting reports how many Claims wait for a key in progress now: decided
 // once with the key in progress and asleep until it changes, so that a
 // change made after Waiting counted a Claim is one it waits for.
-func (s *Server) Waiting() int { return s.svc.waiters.Waiting() }
+func (s *Server) Waiting() int { return s.svc.waiting() }
 
 // GRPCServer returns the underlying server, to register more services.
 func (s *Server) GRPCServer() *grpc.Server { return s.grpc }
@@ -184,7 +184,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	defer func() { cancel(); loops.Wait() }() // no loop outlives Serve
 	s.checkHealth(ctx)
 	go s.watchHealth(ctx)
-	loops.Go(func() { s.svc.quotas.Run(ctx, s.cfg.QuotaRefresh) })
+	loops.Go(func() { s.svc.run(ctx, s.cfg.QuotaRefresh) })
 	loops.Go(func() { s.parked.run(ctx, s.cfg.ParkedCountInterval) })
 
 	lis = s.limitConnections("grpc", lis)
@@ -210,7 +210,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 			"error", fails.Failure(), "drain_delay", s.cfg.DrainDelay)
 	}
 	s.health.Shutdown()   // every service NOT_SERVING, so load balancers drain us first
-	s.svc.waiters.Drain() // waiting Claims answer now, as they are
+	s.svc.drain() // waiting Claims answer now, as they are
 	if s.cfg.DrainDelay > 0 {
 		s.cfg.Logger.Info("not serving, waiting for load balancers", "drain_delay", s.cfg.DrainDelay)
 		select {

@@ -24,6 +24,7 @@ import (
 // Service implements idemregv1.RegistryServiceServer on a storage.Store.
 type Service struct {
 	idemregv1.UnimplementedRegistryServiceServer
+	statuses
 	// store is the chain around the backend (server/internal/storechain),
 	// which the AdminService shares.
 	store  *storechain.Chain
@@ -36,7 +37,6 @@ type Service struct {
 	// quotas follow the usage of the consumers with a quota (quota.go).
 	quotas  *quota.Quotas
 	metrics *metrics
-	logger  *slog.Logger
 }
 
 // NewService returns the registry service on store, wrapped in the chain
@@ -109,7 +109,7 @@ func newService(store *storechain.Chain, limits Limits, policies *policy.Source,
 	maxWaiters := cmp.Or(b.maxWaiters, DefaultMaxWaiters)
 	s := &Service{store: store, limits: limits, policies: policies, secrets: secrets,
 		waiters: waiting.NewHub(maxWaiters, b.waitersPerIdentity(maxWaiters)), recheck: cmp.Or(b.recheck, DefaultWaitRecheck),
-		metrics: m, logger: logger}
+		metrics: m, statuses: statuses{logger: logger}}
 	s.quotas = quota.New(store.UsageCounter(), func(c string) policy.Policy { return s.policies.Current().For(c) },
 		cmp.Or(b.maxQuotaConsumersPerIdentity, DefaultMaxQuotaConsumersPerIdentity), logger)
 	return s, nil
@@ -269,3 +269,13 @@ func (s *Service) fenced(ctx context.Context, method string, k storage.Key, toke
 	}
 	return rec, nil
 }
+
+// run runs the service's loops (the quotas' refresh every quotaRefresh)
+// until ctx ends.
+func (s *Service) run(ctx context.Context, quotaRefresh time.Duration) { s.quotas.Run(ctx, quotaRefresh) }
+
+// waiting reports how many Claims wait asleep for their key.
+func (s *Service) waiting() int { return s.waiters.Waiting() }
+
+// drain ends every wait, now and to come: waiting Claims answer as they are.
+func (s *Service) drain() { s.waiters.Drain() }

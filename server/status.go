@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"time"
@@ -59,11 +60,15 @@ func keyMeta(k storage.Key) map[string]string {
 	return map[string]string{"consumer": k.Consumer, "kind": kindName(k.Kind), "key": k.Key}
 }
 
+// statuses translate errors into statuses; both services have them, with
+// the logger the causes of failures go to.
+type statuses struct{ logger *slog.Logger }
+
 // toStatus translates an error from the store into the status the client
 // sees, by its reason (reason.Answer). It is the only place where storage
 // errors meet gRPC codes. Causes of internal and unavailable errors are
 // logged, never sent.
-func (s *Service) toStatus(ctx context.Context, method string, k storage.Key, err error) error {
+func (s statuses) toStatus(ctx context.Context, method string, k storage.Key, err error) error {
 	meta := keyMeta(k)
 	switch r := reason.Answer(ctx, err); r {
 	case idemregv1.ErrorReason_ERROR_REASON_QUOTA_EXCEEDED:

@@ -67,7 +67,7 @@ func TestClassify(t *testing.T) {
 
 			// The request has ended: its answer is the error's reason.
 			require.Equal(t, got, reason.Answer(ended, tc.err))
-			svc := &Service{logger: slog.New(slog.DiscardHandler)}
+			svc := &Service{statuses: statuses{logger: slog.New(slog.DiscardHandler)}}
 			st := status.Convert(svc.toStatus(ended, "Claim", storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: "k"}, tc.err))
 			require.Equal(t, got.Code(), st.Code())
 			info, ok := st.Details()[0].(*errdetails.ErrorInfo)
