@@ -11,6 +11,7 @@ import (
 	"time"
 	"unicode"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
@@ -55,7 +56,7 @@ type config struct {
 	ConsoleListen      string
 	ConsoleAllowRemote bool
 	// HTTP bounds the metrics, console and pprof listeners.
-	HTTP httpBounds
+	HTTP httpserve.Bounds
 	// DescriptorSet is a binary FileDescriptorSet of the message types,
 	// beside the linked ones, whose responses an operator's resolution is
 	// checked against and may give as JSON; empty: the linked ones only.
@@ -78,7 +79,7 @@ func defaultConfig() config {
 		LogLevel:  slog.LevelInfo,
 		LogFormat: "json",
 
-		HTTP:           defaultHTTPBounds(),
+		HTTP:           httpserve.DefaultBounds(),
 		SQLBatchSize:   postgres.DefaultBatchSize,
 		SQLBatchWindow: postgres.DefaultBatchWindow,
 		SQLBatchSlots:  postgres.DefaultBatchInFlight,
@@ -298,7 +299,7 @@ func (c *config) Validate() error {
 	if t.CertFile == "" && !c.Plaintext && c.Listen != "" && !access.Loopback(c.Listen) {
 		errs = append(errs, fmt.Errorf("--listen %s is not a loopback address: serve TLS (--tls-cert, --tls-key) or pass --plaintext explicitly", c.Listen))
 	}
-	if err := c.HTTP.validate(); err != nil {
+	if err := c.HTTP.Validate(); err != nil {
 		errs = append(errs, err)
 	}
 	errs = append(errs, c.commandLineBounds()...)

@@ -11,8 +11,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
+	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -58,7 +59,7 @@ func startConsole(ctx context.Context, cfg *config, src *access.Source, types *r
 		_ = conn.Close()
 		return nil, err
 	}
-	stopHTTP, bound, err := serveHTTP("console", addr, h, cfg.HTTP, logger)
+	stopHTTP, bound, err := httpserve.Serve("console", addr, h, cfg.HTTP, logger)
 	if err != nil {
 		_ = conn.Close()
 		return nil, err

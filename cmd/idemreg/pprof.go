@@ -7,6 +7,7 @@ import (
 	"net/http/pprof"
 	"strings"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
@@ -16,7 +17,7 @@ import (
 // loopback unless --pprof-allow-remote. /debug/pprof/cmdline shows args,
 // the command line, with its secrets redacted: pprof's own handler prints
 // os.Args, --database-url's password included.
-func startPprof(addr string, args []string, bounds httpBounds, logger *slog.Logger) (stop func(), err error) {
+func startPprof(addr string, args []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
 	if addr == "" {
 		return func() {}, nil
 	}
@@ -26,7 +27,7 @@ func startPprof(addr string, args []string, bounds httpBounds, logger *slog.Logg
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	stop, bound, err := serveHTTP("pprof", addr, mux, bounds, logger)
+	stop, bound, err := httpserve.Serve("pprof", addr, mux, bounds, logger)
 	if err != nil {
 		return nil, err
 	}

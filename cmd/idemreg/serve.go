@@ -16,6 +16,7 @@ import (
 
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
@@ -67,7 +68,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if cfg.MetricsListen != "" {
 		mux := http.NewServeMux()
 		mux.Handle("GET /metrics", tel.Metrics())
-		stop, addr, err := serveHTTP("metrics", cfg.MetricsListen, mux, cfg.HTTP, logger)
+		stop, addr, err := httpserve.Serve("metrics", cfg.MetricsListen, mux, cfg.HTTP, logger)
 		if err != nil {
 			return err
 		}

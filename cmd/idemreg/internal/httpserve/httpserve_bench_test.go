@@ -1,4 +1,4 @@
-package main
+package httpserve
 
 import (
 	"log/slog"
@@ -24,12 +24,12 @@ import (
 //
 //	go test ./cmd/idemreg/ -run '^$' -bench BenchmarkHTTPIdleConnections -benchtime 1x
 func BenchmarkHTTPIdleConnections(b *testing.B) {
-	uncapped := defaultHTTPBounds()
+	uncapped := DefaultBounds()
 	uncapped.MaxConnections = 1 << 30
 	for _, tc := range []struct {
 		name   string
-		bounds httpBounds
-	}{{"default", defaultHTTPBounds()}, {"uncapped", uncapped}} {
+		bounds Bounds
+	}{{"default", DefaultBounds()}, {"uncapped", uncapped}} {
 		b.Run(tc.name, func(b *testing.B) {
 			for range b.N {
 				idleConnectionsProbe(b, tc.bounds, 5000)
@@ -38,8 +38,8 @@ func BenchmarkHTTPIdleConnections(b *testing.B) {
 	}
 }
 
-func idleConnectionsProbe(b *testing.B, bounds httpBounds, n int) {
-	stop, addr, err := serveHTTP("probe", "127.0.0.1:0", http.NotFoundHandler(), bounds, slog.New(slog.DiscardHandler))
+func idleConnectionsProbe(b *testing.B, bounds Bounds, n int) {
+	stop, addr, err := Serve("probe", "127.0.0.1:0", http.NotFoundHandler(), bounds, slog.New(slog.DiscardHandler))
 	require.NoError(b, err)
 	defer stop()
 	before := processMemory()

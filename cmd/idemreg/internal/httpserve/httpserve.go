@@ -1,4 +1,7 @@
-package main
+// Package httpserve serves the binary's HTTP listeners (metrics, console,
+// pprof) under bounds: anyone who reaches them can connect before any
+// sign-in, so each caps its connections, its timeouts and its headers.
+package httpserve
 
 import (
 	"context"
@@ -12,11 +15,11 @@ import (
 	"time"
 )
 
-// httpBounds bound each of serve's HTTP listeners (metrics, console,
+// Bounds bound each of serve's HTTP listeners (metrics, console,
 // pprof), which anyone who reaches them can connect to before any
 // sign-in: unbounded, 5,000 idle connections took a replica from 44 to
 // 138 MB, and a form's body sent a byte at a time was never cut.
-type httpBounds struct {
+type Bounds struct {
 	// MaxConnections bounds the connections each listener holds open; one
 	// beyond it is closed as soon as it is accepted.
 	MaxConnections int
@@ -31,12 +34,12 @@ type httpBounds struct {
 	MaxHeaderBytes int
 }
 
-// Defaults of httpBounds: a Prometheus server, a few operators' browsers
+// DefaultBounds are the defaults of Bounds: a Prometheus server, a few operators' browsers
 // and a profiler need a handful of connections each; a scrape or a page
 // takes milliseconds to send; a page's gRPC calls take at most the
 // console's call timeout (10 s) each, and a CPU profile 30 s by default.
-func defaultHTTPBounds() httpBounds {
-	return httpBounds{
+func DefaultBounds() Bounds {
+	return Bounds{
 		MaxConnections:    64,
 		ReadHeaderTimeout: 5 * time.Second,
 		ReadTimeout:       10 * time.Second,
@@ -46,7 +49,8 @@ func defaultHTTPBounds() httpBounds {
 	}
 }
 
-func (b httpBounds) validate() error {
+// Validate refuses a bound that is not positive, naming serve's flags.
+func (b Bounds) Validate() error {
 	if b.MaxConnections <= 0 || b.ReadHeaderTimeout <= 0 || b.ReadTimeout <= 0 || b.WriteTimeout <= 0 || b.IdleTimeout <= 0 || b.MaxHeaderBytes <= 0 {
 		return fmt.Errorf("--http-max-connections (%d), --http-read-header-timeout (%v), --http-read-timeout (%v), --http-write-timeout (%v), --http-idle-timeout (%v) and --http-max-header-bytes (%d) must be positive",
 			b.MaxConnections, b.ReadHeaderTimeout, b.ReadTimeout, b.WriteTimeout, b.IdleTimeout, b.MaxHeaderBytes)
@@ -54,9 +58,9 @@ func (b httpBounds) validate() error {
 	return nil
 }
 
-// serveHTTP serves h on addr, under bounds, until the returned function is
+// Serve serves h on addr, under bounds, until the returned function is
 // called; name says which listener in errors and logs.
-func serveHTTP(name, addr string, h http.Handler, bounds httpBounds, logger *slog.Logger) (stop func(), bound net.Addr, err error) {
+func Serve(name, addr string, h http.Handler, bounds Bounds, logger *slog.Logger) (stop func(), bound net.Addr, err error) {
 	lis, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, nil, fmt.Errorf("%s: listening on %s: %w", name, addr, err)
