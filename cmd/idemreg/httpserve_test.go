@@ -18,7 +18,7 @@ import (
 	"github.com/idemreg/idemreg/server/access"
 )
 
-// TestServeHTTPBounds (issue 25, finding 7): serve's HTTP listeners hold
+// TestServeHTTPBounds: serve's HTTP listeners hold
 // at most --http-max-connections each, and close one beyond it at once; a
 // slot comes back when a connection closes; a form whose body is sent a
 // byte at a time is cut at --http-read-timeout. On main 5,000 idle
@@ -82,10 +82,15 @@ func TestServeHTTPBounds(t *testing.T) {
 
 	t.Run("slow body", func(t *testing.T) {
 		const size = 100
-		c, err := net.Dial("tcp", consoleAddr)
-		require.NoError(t, err)
+		// The console listens a moment after the metrics do.
+		var c net.Conn
+		require.Eventually(t, func() bool {
+			var err error
+			c, err = net.Dial("tcp", consoleAddr)
+			return err == nil
+		}, 10*time.Second, 20*time.Millisecond)
 		defer c.Close()
-		_, err = fmt.Fprintf(c, "POST /signin HTTP/1.1\r\nHost: %s\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: %d\r\n\r\n", consoleAddr, size)
+		_, err := fmt.Fprintf(c, "POST /signin HTTP/1.1\r\nHost: %s\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: %d\r\n\r\n", consoleAddr, size)
 		require.NoError(t, err)
 		sent := make(chan int, 1)
 		go func() {
