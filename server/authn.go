@@ -32,11 +32,8 @@ type configSnapshot struct {
 }
 
 func (s *Server) snapshot() *configSnapshot {
-	if s.cfg.File != nil {
-		c := s.cfg.File.Current()
-		return &configSnapshot{access: c.Access, policy: c.Policy}
-	}
-	return &configSnapshot{access: s.cfg.Access.Current(), policy: s.policies.Current()}
+	c := s.cfg.File.Current()
+	return &configSnapshot{access: c.Access, policy: c.Policy}
 }
 
 // accessFor returns the access set of the request of ctx.
@@ -44,7 +41,7 @@ func (s *Server) accessFor(ctx context.Context) *access.Set {
 	if snap, ok := ctx.Value(configKey{}).(*configSnapshot); ok {
 		return snap.access
 	}
-	return s.cfg.Access.Current()
+	return s.cfg.File.Current().Access
 }
 
 // IdentityFrom returns the identity the call was authenticated as.

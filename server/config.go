@@ -25,11 +25,11 @@ import (
 type Config struct {
 	// Limits bound requests; zero means DefaultLimits().
 	Limits Limits
-	// Policy, when set, gives each consumer its lease and retention
-	// bounds in place of those of Limits (which should be its base: see
-	// Limits.Policy), and is consulted on every request, so a reload takes
-	// effect at once. Nil means every consumer gets those of Limits.
-	Policy *policy.Source
+	// Policy, when set and File is not, gives each consumer its lease and
+	// retention bounds in place of those of Limits (which should be its
+	// base: see Limits.Policy). Nil means every consumer gets those of
+	// Limits.
+	Policy *policy.Set
 	// Logger receives structured logs; nil discards them.
 	Logger *slog.Logger
 	// HealthInterval is how often the store is pinged and probed to drive
@@ -46,16 +46,19 @@ type Config struct {
 	// grpcurl works out of the box).
 	DisableReflection bool
 
-	// File, when set, is the config file whose parts are the Policy and
-	// the Access (which it replaces): each request then reads both from
-	// one snapshot, taken when it arrives, so a reload while it runs
-	// cannot give it the identities of one file and the policy of another.
+	// File, when set, is the config file whose parts are the policy and
+	// the access set (in place of Policy and Access), consulted on every
+	// request so that a reload takes effect at once: each request reads
+	// both from one snapshot, taken when it arrives, so a reload while it
+	// runs cannot give it the identities of one file and the policy of
+	// another. It is the one source of both (configfile.Static holds fixed
+	// sets).
 	File *configfile.Source
-	// Access decides who may call and how often: identities, their
-	// consumers and the rate limits (server/access), consulted on every
-	// request so a reload takes effect at once. Nil means an open set:
-	// every caller is anonymous and may use every consumer, unlimited.
-	Access *access.Source
+	// Access, when set and File is not, decides who may call and how often:
+	// identities, their consumers and the rate limits (server/access). Nil
+	// means an open set: every caller is anonymous and may use every
+	// consumer, unlimited.
+	Access *access.Set
 	// TLS, when set, is the server's TLS configuration; with ClientAuth set
 	// to RequireAndVerifyClientCert it is mTLS, and verified certificates
 	// identify callers. Nil serves plaintext.
@@ -200,9 +203,6 @@ func (c *Config) setDefaults() {
 	}
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = 10 * time.Second
-	}
-	if c.Access == nil {
-		c.Access = access.Static(access.Open())
 	}
 	if c.RequestTimeout <= 0 {
 		c.RequestTimeout = DefaultRequestTimeout

@@ -21,13 +21,13 @@ import (
 
 // parkingPolicy gives billing.payment-worker (the consumer of claimReq)
 // max_attempts 2 and every other consumer none.
-func parkingPolicy(t *testing.T) *policy.Source {
+func parkingPolicy(t *testing.T) *policy.Set {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "policy.yaml")
 	require.NoError(t, os.WriteFile(path, []byte("consumers:\n  - name: billing.payment-worker\n    max_attempts: 2\n"), 0o600))
-	src, err := policy.Open(path, server.DefaultLimits().Policy())
+	set, err := policy.Load(path, server.DefaultLimits().Policy())
 	require.NoError(t, err)
-	return src
+	return set
 }
 
 func parkReq(key string, token int64, secret []byte, reason string) *idemregv1.ParkRequest {

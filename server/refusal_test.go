@@ -23,7 +23,7 @@ import (
 
 // refusalFile grants the identity team the consumers team.*, limits them
 // to a burst of one call each, and names a second identity.
-func refusalFile(t testing.TB) *access.Source {
+func refusalFile(t testing.TB) *access.Set {
 	return accessFile(t, `
 identities:
   - {name: team, token_hashes: ["`+access.HashToken("team-token")+`"], consumers: ["team.*"]}

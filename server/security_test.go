@@ -100,13 +100,13 @@ func dial(t *testing.T, addr string, tlsCfg *tls.Config, opts ...grpc.DialOption
 	return conn
 }
 
-func accessFile(t testing.TB, doc string) *access.Source {
+func accessFile(t testing.TB, doc string) *access.Set {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "idemreg.yaml")
 	require.NoError(t, os.WriteFile(path, []byte(doc), 0o600))
-	src, err := access.OpenFile(path)
+	set, err := access.Load(path)
 	require.NoError(t, err)
-	return src
+	return set
 }
 
 func memStore(t testing.TB) storage.Store {

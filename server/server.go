@@ -20,6 +20,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
@@ -41,8 +42,6 @@ type Server struct {
 	limiter *access.Limiter
 	// accessLog writes a line per finished call (accesslog.go).
 	accessLog accessLogger
-	// policies is the service's, for the requests' snapshots.
-	policies *policy.Source
 	// done is closed when Serve returns; ServeHealth stops then.
 	done chan struct{}
 	// serving is the last status set; only Serve's health loop touches it.
@@ -68,10 +67,21 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("server: %w", err)
 	}
-	if cfg.File != nil {
-		cfg.Access, cfg.Policy = cfg.File.Access(), cfg.File.Policy()
-	}
 	cfg.setDefaults()
+	if cfg.File == nil {
+		static := &configfile.Config{Access: cfg.Access, Policy: cfg.Policy}
+		if static.Access == nil {
+			static.Access = access.Open()
+		}
+		if static.Policy == nil {
+			set, err := policy.NewSet(cfg.Limits.Policy())
+			if err != nil {
+				return nil, fmt.Errorf("server: %w", err)
+			}
+			static.Policy = set
+		}
+		cfg.File = configfile.Static(static)
+	}
 	m, err := newMetrics(cfg.MeterProvider)
 	if err != nil {
 		return nil, err
@@ -82,7 +92,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	svc, err := newService(chain, cfg.Limits, cfg.Policy, cfg.Logger, m, serviceBounds{
+	svc, err := newService(chain, cfg.Limits, func() *policy.Set { return cfg.File.Current().Policy }, cfg.Logger, m, serviceBounds{
 		maxWaiters: cfg.MaxWaiters, maxWaitersPerIdentity: cfg.MaxWaitersPerIdentity, recheck: cfg.WaitRecheck,
 		maxQuotaConsumersPerIdentity: cfg.MaxQuotaConsumersPerIdentity,
 		claimKeyRefresh:              cfg.ClaimKeyRefresh, now: cfg.Now,
@@ -91,7 +101,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{
-		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), policies: svc.policies, done: make(chan struct{}),
+		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
 		accessLog:     accessLogger{logger: cfg.Logger, m: m},
 		public:        newPublicStreams(cfg.Bounds.MaxPublicStreams, m),
 		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
@@ -209,8 +219,8 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 		s.cfg.Logger.Error("store failed: not serving, stopping so that the process exits and its supervisor restarts it",
 			"error", fails.Failure(), "drain_delay", s.cfg.DrainDelay)
 	}
-	s.health.Shutdown()   // every service NOT_SERVING, so load balancers drain us first
-	s.svc.drain() // waiting Claims answer now, as they are
+	s.health.Shutdown() // every service NOT_SERVING, so load balancers drain us first
+	s.svc.drain()       // waiting Claims answer now, as they are
 	if s.cfg.DrainDelay > 0 {
 		s.cfg.Logger.Info("not serving, waiting for load balancers", "drain_delay", s.cfg.DrainDelay)
 		select {

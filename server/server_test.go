@@ -22,7 +22,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
-	"github.com/idemreg/idemreg/server/policy"
+	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/servertest"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
@@ -474,12 +474,12 @@ consumers:
   - name: billing.payment-worker
     operation_retention: {max: 2d}
 `)
-	src, err := policy.Open(path, server.DefaultLimits().Policy())
+	src, err := configfile.Open(path, server.DefaultLimits().Policy())
 	require.NoError(t, err)
 	store, err := pebble.Open("", pebble.WithInMemory())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })
-	c := idemregv1.NewRegistryServiceClient(start(t, store, server.Config{Policy: src}))
+	c := idemregv1.NewRegistryServiceClient(start(t, store, server.Config{File: src}))
 	ctx := t.Context()
 
 	retentionOf := func(r *idemregv1.Record) time.Duration {

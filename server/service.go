@@ -29,8 +29,9 @@ type Service struct {
 	// which the AdminService shares.
 	store  *storechain.Chain
 	limits Limits
-	// policies give each consumer its lease and retention bounds.
-	policies *policy.Source
+	// policies are the set in force, which gives each consumer its lease
+	// and retention bounds.
+	policies func() *policy.Set
 	secrets  *claimsecret.Secrets
 	waiters  *waiting.Hub
 	recheck  time.Duration // DefaultWaitRecheck
@@ -84,7 +85,7 @@ func (b serviceBounds) waitersPerIdentity(maxWaiters int) int {
 
 // newService builds the service on the store chain. policies, when set,
 // give each consumer its bounds in place of those of limits.
-func newService(store *storechain.Chain, limits Limits, policies *policy.Source, logger *slog.Logger, m *metrics, b serviceBounds) (*Service, error) {
+func newService(store *storechain.Chain, limits Limits, policies func() *policy.Set, logger *slog.Logger, m *metrics, b serviceBounds) (*Service, error) {
 	if err := limits.Validate(); err != nil {
 		return nil, err
 	}
@@ -96,7 +97,7 @@ func newService(store *storechain.Chain, limits Limits, policies *policy.Source,
 		if err != nil {
 			return nil, err
 		}
-		policies = policy.Static(set)
+		policies = func() *policy.Set { return set }
 	}
 	now := b.now
 	if now == nil {
@@ -110,7 +111,7 @@ func newService(store *storechain.Chain, limits Limits, policies *policy.Source,
 	s := &Service{store: store, limits: limits, policies: policies, secrets: secrets,
 		waiters: waiting.NewHub(maxWaiters, b.waitersPerIdentity(maxWaiters)), recheck: cmp.Or(b.recheck, DefaultWaitRecheck),
 		metrics: m, statuses: statuses{logger: logger}}
-	s.quotas = quota.New(store.UsageCounter(), func(c string) policy.Policy { return s.policies.Current().For(c) },
+	s.quotas = quota.New(store.UsageCounter(), func(c string) policy.Policy { return s.policies().For(c) },
 		cmp.Or(b.maxQuotaConsumersPerIdentity, DefaultMaxQuotaConsumersPerIdentity), logger)
 	return s, nil
 }
@@ -123,7 +124,7 @@ func (s *Service) policyFor(ctx context.Context, consumer string) policy.Policy 
 	if snap, ok := ctx.Value(configKey{}).(*configSnapshot); ok {
 		return snap.policy.For(consumer)
 	}
-	return s.policies.Current().For(consumer)
+	return s.policies().For(consumer)
 }
 
 // Claim implements RegistryServiceServer.
@@ -272,7 +273,9 @@ func (s *Service) fenced(ctx context.Context, method string, k storage.Key, toke
 
 // run runs the service's loops (the quotas' refresh every quotaRefresh)
 // until ctx ends.
-func (s *Service) run(ctx context.Context, quotaRefresh time.Duration) { s.quotas.Run(ctx, quotaRefresh) }
+func (s *Service) run(ctx context.Context, quotaRefresh time.Duration) {
+	s.quotas.Run(ctx, quotaRefresh)
+}
 
 // waiting reports how many Claims wait asleep for their key.
 func (s *Service) waiting() int { return s.waiters.Waiting() }

@@ -25,7 +25,6 @@ import (
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
-	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 	"github.com/idemreg/idemreg/storage/storagetest"
@@ -237,10 +236,10 @@ consumers:
   - name: unbounded.worker
     max_lease_total: 0s
 `), 0o600))
-			src, err := policy.Open(path, server.DefaultLimits().Policy())
+			src, err := configfile.Open(path, server.DefaultLimits().Policy())
 			require.NoError(t, err)
 			clock := &storagetest.Clock{}
-			conn := start(t, b.open(t, clock), server.Config{Policy: src})
+			conn := start(t, b.open(t, clock), server.Config{File: src})
 			c := idemregv1.NewRegistryServiceClient(conn)
 			key := func(consumer string) (*idemregv1.ClaimRequest, func(lease time.Duration) (*idemregv1.ExtendResponse, error)) {
 				req := &idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: "job", Lease: durationpb.New(10 * time.Second),

@@ -38,12 +38,12 @@ identities:
   - {name: worker, token_hashes: ["`+access.HashToken("worker-token")+`"], consumers: ["billing.*"]}
   - {name: oncall, token_hashes: ["`+access.HashToken("oncall-token")+`"], admin: ["billing.*"]}
 `), 0o600))
-	src, err := access.OpenFile(path)
+	set, err := access.Load(path)
 	require.NoError(t, err)
 	store, err := pebble.Open("", pebble.WithInMemory())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })
-	cfg.Access = src
+	cfg.Access = set
 	addr, _ := servertest.Serve(t, store, cfg)
 	ctx := metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer worker-token")
 	return addr, idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr)), ctx

@@ -24,7 +24,7 @@ import (
 // signed-in operator's bearer token: it has no authority of its own. Its
 // status panel reads the sweeper's lag from store, when store can sweep;
 // its resolve form knows the server's response types.
-func startConsole(ctx context.Context, cfg *config, src *access.Source, types *resulttype.Types, grpcAddr net.Addr, store storage.Store, logger *slog.Logger) (stop func(), err error) {
+func startConsole(ctx context.Context, cfg *config, current func() *access.Set, types *resulttype.Types, grpcAddr net.Addr, store storage.Store, logger *slog.Logger) (stop func(), err error) {
 	addr := cfg.ConsoleListen
 	if addr == "" {
 		return func() {}, nil
@@ -34,13 +34,13 @@ func startConsole(ctx context.Context, cfg *config, src *access.Source, types *r
 		// mTLS, and the console would have to forward the operator's.
 		return nil, errors.New("--console-listen does not work with --tls-cert yet: the console reaches the AdminService over a plaintext loopback connection")
 	}
-	set := src.Current()
+	set := current()
 	var signIn func(string) (string, error)
 	switch {
 	case set.Enforced() && !set.HasTokens():
 		return nil, errors.New("--console-listen: the identities of --config all authenticate by client certificate, which the console cannot forward yet; give the operators' identities token_hashes (idemreg new-token)")
 	case set.Enforced():
-		signIn = console.SignInWith(src)
+		signIn = console.SignInWith(current)
 	}
 	sweepLag, err := consoleSweepLag(ctx, store)
 	if err != nil {

@@ -22,6 +22,7 @@ import (
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
@@ -52,8 +53,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	}
 	stopReload := reloadOnSIGHUP(file, logger)
 	defer stopReload()
-	callers, err := checkAccess(cfg, file, logger)
-	if err != nil {
+	if err := checkAccess(cfg, file.Current().Access, logger); err != nil {
 		return err
 	}
 	types, err := resulttype.Load(cfg.DescriptorSet)
@@ -83,7 +83,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	defer store.Close()
 
 	srvCfg := cfg.Server
-	srvCfg.Logger, srvCfg.Access, srvCfg.File, srvCfg.ResultTypes = logger, callers, file, types
+	srvCfg.Logger, srvCfg.File, srvCfg.ResultTypes = logger, file, types
 	srvCfg.MeterProvider, srvCfg.TracerProvider = tel.Meters, tel.Tracers
 	if cfg.TLS.CertFile != "" {
 		if srvCfg.TLS, err = server.TLSConfig(cfg.TLS, logger); err != nil {
@@ -106,7 +106,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.Listen, err)
 	}
-	stopConsole, err := startConsole(ctx, cfg, callers, types, lis.Addr(), store, logger)
+	stopConsole, err := startConsole(ctx, cfg, func() *access.Set { return file.Current().Access }, types, lis.Addr(), store, logger)
 	if err != nil {
 		_ = lis.Close()
 		return err
@@ -131,15 +131,10 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	return nil
 }
 
-// checkAccess returns who may call (the identities and rate limits of
-// --config; everyone when there is none) after checking that serve is not
-// opened wider than asked for.
-func checkAccess(cfg *config, file *configfile.Source, logger *slog.Logger) (*access.Source, error) {
-	src := access.Static(access.Open())
-	if file != nil {
-		src = file.Access()
-	}
-	set := src.Current()
+// checkAccess checks that who may call (set: the identities and rate
+// limits of --config; everyone when there is none) does not open serve
+// wider than asked for.
+func checkAccess(cfg *config, set *access.Set, logger *slog.Logger) error {
 	switch {
 	case set.Enforced():
 		logger.Info("authentication on", "identities", set.Identities(), "mtls", cfg.TLS.ClientCAFile != "")
@@ -148,12 +143,12 @@ func checkAccess(cfg *config, file *configfile.Source, logger *slog.Logger) (*ac
 	case cfg.AllowUnauthenticated:
 		logger.Warn("authentication off: every caller may use every consumer (--allow-unauthenticated)")
 	default:
-		return nil, fmt.Errorf("--listen %s is not a loopback address and --config names no identities, so every caller could use every consumer: add identities, or pass --allow-unauthenticated explicitly", cfg.Listen)
+		return fmt.Errorf("--listen %s is not a loopback address and --config names no identities, so every caller could use every consumer: add identities, or pass --allow-unauthenticated explicitly", cfg.Listen)
 	}
 	if set.HasTokens() && cfg.TLS.CertFile == "" && !access.Loopback(cfg.Listen) {
 		logger.Warn("bearer tokens travel in plaintext: serve TLS unless a mesh encrypts the traffic")
 	}
-	return src, nil
+	return nil
 }
 
 // serveHealth serves the health service alone on --health-listen.
@@ -174,10 +169,15 @@ func serveHealth(srv *server.Server, addr string, logger *slog.Logger) error {
 	return nil
 }
 
-// loadConfig loads the config file, if any, over the limits of the flags.
+// loadConfig loads the config file over the limits of the flags, or,
+// without one, holds the flags' limits and an open access set.
 func loadConfig(cfg *config, logger *slog.Logger) (*configfile.Source, error) {
 	if cfg.PolicyFile == "" {
-		return nil, nil
+		set, err := policy.NewSet(cfg.Server.Limits.Policy())
+		if err != nil {
+			return nil, err
+		}
+		return configfile.Static(&configfile.Config{Policy: set, Access: access.Open()}), nil
 	}
 	src, err := configfile.Open(cfg.PolicyFile, cfg.Server.Limits.Policy())
 	if err != nil {
@@ -211,7 +211,7 @@ func reloadOnSIGHUP(src *configfile.Source, logger *slog.Logger) (stop func()) {
 // reloadConfig is one reload: a file that is invalid in any part is logged
 // with the reason, and the whole config in force stays.
 func reloadConfig(src *configfile.Source, logger *slog.Logger) {
-	if src == nil {
+	if src.Path() == "" {
 		logger.Warn("SIGHUP ignored: no config file (--config) to reload")
 		return
 	}

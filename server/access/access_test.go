@@ -4,8 +4,6 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"net/url"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -172,35 +170,6 @@ func TestParseErrors(t *testing.T) {
 			require.NotContains(t, err.Error(), "my-secret-token", "a pasted token is never echoed")
 		})
 	}
-}
-
-func TestReload(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "idemreg.yaml")
-	write := func(doc string) { require.NoError(t, os.WriteFile(path, []byte(doc), 0o600)) }
-	write("identities:\n  - {name: a, token_hashes: ['" + access.HashToken("t1") + "'], consumers: [x]}\n")
-	src, err := access.OpenFile(path)
-	require.NoError(t, err)
-	_, ok := src.Current().ByToken("t1")
-	require.True(t, ok)
-
-	write("identities:\n  - {name: a, token_hashes: ['" + access.HashToken("t2") + "'], consumers: [x]}\n")
-	_, err = src.Reload()
-	require.NoError(t, err)
-	_, ok = src.Current().ByToken("t1")
-	require.False(t, ok, "a rotated token stops working at the reload")
-	_, ok = src.Current().ByToken("t2")
-	require.True(t, ok)
-
-	write("identities: []\n")
-	_, err = src.Reload()
-	require.ErrorIs(t, err, access.ErrModeChange, "a reload cannot open the server")
-	require.True(t, src.Current().Enforced())
-
-	write("identities: [{name: a}]\n")
-	_, err = src.Reload()
-	require.ErrorContains(t, err, "no credential")
-	_, ok = src.Current().ByToken("t2")
-	require.True(t, ok, "an invalid file changes nothing")
 }
 
 func TestLimiter(t *testing.T) {

@@ -10,8 +10,6 @@ import (
 	"os"
 	"regexp"
 	"strings"
-	"sync"
-	"sync/atomic"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -244,68 +242,7 @@ func Load(path string) (*Set, error) {
 	return s, nil
 }
 
-// Source is the set in force, read from a file and replaced by Reload. It
-// is safe for concurrent use: Current never blocks.
-type Source struct {
-	path string
-	cur  atomic.Pointer[Set]
-	// view, when set, gives the set in force in place of cur (View).
-	view func() *Set
-	mu   sync.Mutex // serialises reloads
-}
-
-// OpenFile loads the config file at path and returns the source holding it.
-func OpenFile(path string) (*Source, error) {
-	s, err := Load(path)
-	if err != nil {
-		return nil, err
-	}
-	src := &Source{path: path}
-	src.cur.Store(s)
-	return src, nil
-}
-
-// Static returns a source that always holds set.
-func Static(set *Set) *Source {
-	src := &Source{}
-	src.cur.Store(set)
-	return src
-}
-
-// View returns a source whose set in force is what current returns: the
-// access part of a config file whose parts are replaced together
-// (server/configfile). It has nothing to reload.
-func View(current func() *Set) *Source { return &Source{view: current} }
-
-// Current returns the set in force.
-func (s *Source) Current() *Set {
-	if s.view != nil {
-		return s.view()
-	}
-	return s.cur.Load()
-}
-
-// ErrModeChange is returned by Reload when the file would turn
-// authentication on or off: that takes a restart, so that a bad edit cannot
-// open a server to every caller.
+// ErrModeChange is what a reload of a config file (server/configfile)
+// answers when the file would turn authentication on or off: that takes a
+// restart, so that a bad edit cannot open a server to every caller.
 var ErrModeChange = errors.New("a reload cannot turn authentication on or off (identities added to or removed from an empty list); restart the server")
-
-// Reload reads the file again. When it is valid, its set replaces the one in
-// force and is returned; otherwise the error says why and the set in force
-// stays. A static source has nothing to reload and returns its set.
-func (s *Source) Reload() (*Set, error) {
-	if s.path == "" {
-		return s.Current(), nil
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	set, err := Load(s.path)
-	if err != nil {
-		return nil, err
-	}
-	if set.Enforced() != s.Current().Enforced() {
-		return nil, fmt.Errorf("config file %s: %w", s.path, ErrModeChange)
-	}
-	s.cur.Store(set)
-	return set, nil
-}

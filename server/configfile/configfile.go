@@ -76,8 +76,8 @@ func Load(path string, base policy.Policy) (*Config, error) {
 }
 
 // Source is the config in force, read from a file and replaced whole by
-// Reload. It is safe for concurrent use; Policy and Access give the
-// sources the server reads each part from.
+// Reload: the one source of the server's policy and access sets, so that a
+// request reads both from one snapshot. It is safe for concurrent use.
 type Source struct {
 	path string
 	base policy.Policy
@@ -97,27 +97,28 @@ func Open(path string, base policy.Policy) (*Source, error) {
 	return s, nil
 }
 
-// Path is the file the source reloads from.
+// Path is the file the source reloads from; empty for a static source.
 func (s *Source) Path() string { return s.path }
 
 // Current returns the config in force.
 func (s *Source) Current() *Config { return s.cur.Load() }
 
-// Policy returns the source of the policy part in force.
-func (s *Source) Policy() *policy.Source {
-	return policy.View(func() *policy.Set { return s.cur.Load().Policy })
-}
-
-// Access returns the source of the access part in force.
-func (s *Source) Access() *access.Source {
-	return access.View(func() *access.Set { return s.cur.Load().Access })
+// Static returns a source that always holds c: no file, nothing to
+// reload (tests, and a server given its sets in its Config).
+func Static(c *Config) *Source {
+	s := &Source{}
+	s.cur.Store(c)
+	return s
 }
 
 // Reload reads the file again. When both parts are valid, and the file does
 // not turn authentication on or off, the file replaces the config in force
 // in one swap and is returned; otherwise the error says why and nothing
-// changes.
+// changes. A static source has nothing to reload and returns its config.
 func (s *Source) Reload() (*Config, error) {
+	if s.path == "" {
+		return s.Current(), nil
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	c, err := Load(s.path, s.base)

@@ -54,7 +54,7 @@ func TestParse(t *testing.T) {
 }
 
 // TestReloadWholeOrNothing: a reload replaces both parts in one swap, or
-// neither; the views the server reads follow the swap.
+// neither.
 func TestReloadWholeOrNothing(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "idemreg.yaml")
 	write := func(doc string) { require.NoError(t, os.WriteFile(path, []byte(doc), 0o600)) }
@@ -62,9 +62,8 @@ func TestReloadWholeOrNothing(t *testing.T) {
 	write("consumers:\n  - {name: a.b, lease: {default: 1m}}\n" + identity)
 	src, err := configfile.Open(path, base)
 	require.NoError(t, err)
-	pol, acc := src.Policy(), src.Access()
 	first := src.Current()
-	require.Equal(t, time.Minute, pol.Current().For("a.b").Lease.Default)
+	require.Equal(t, time.Minute, src.Current().Policy.For("a.b").Lease.Default)
 
 	cases := []struct {
 		name, doc, wantErr string
@@ -80,18 +79,96 @@ func TestReloadWholeOrNothing(t *testing.T) {
 			_, err := src.Reload()
 			require.ErrorContains(t, err, tc.wantErr)
 			require.Same(t, first, src.Current())
-			require.Same(t, first.Policy, pol.Current())
-			require.Same(t, first.Access, acc.Current())
+			require.Same(t, first.Policy, src.Current().Policy)
+			require.Same(t, first.Access, src.Current().Access)
 		})
 	}
 
 	write("consumers:\n  - {name: a.b, lease: {default: 2m}}\n" + identity + "rate_limits:\n  - {consumers: [a.b], rate: 5}\n")
 	got, err := src.Reload()
 	require.NoError(t, err)
-	require.Same(t, got.Policy, pol.Current())
-	require.Same(t, got.Access, acc.Current())
-	require.Equal(t, 2*time.Minute, pol.Current().For("a.b").Lease.Default)
-	l, ok := acc.Current().RateLimit("a.b")
+	require.Same(t, got, src.Current())
+	require.Equal(t, 2*time.Minute, src.Current().Policy.For("a.b").Lease.Default)
+	l, ok := src.Current().Access.RateLimit("a.b")
 	require.True(t, ok)
 	require.Equal(t, 5.0, l.Rate)
+}
+
+// TestReloadAccess: a reload replaces the identities (a rotated token
+// stops working), never turns authentication on or off, and an invalid
+// file changes nothing.
+func TestReloadAccess(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idemreg.yaml")
+	write := func(doc string) { require.NoError(t, os.WriteFile(path, []byte(doc), 0o600)) }
+	write("identities:\n  - {name: a, token_hashes: ['" + access.HashToken("t1") + "'], consumers: [x]}\n")
+	src, err := configfile.Open(path, base)
+	require.NoError(t, err)
+	_, ok := src.Current().Access.ByToken("t1")
+	require.True(t, ok)
+
+	write("identities:\n  - {name: a, token_hashes: ['" + access.HashToken("t2") + "'], consumers: [x]}\n")
+	_, err = src.Reload()
+	require.NoError(t, err)
+	_, ok = src.Current().Access.ByToken("t1")
+	require.False(t, ok, "a rotated token stops working at the reload")
+	_, ok = src.Current().Access.ByToken("t2")
+	require.True(t, ok)
+
+	write("identities: []\n")
+	_, err = src.Reload()
+	require.ErrorIs(t, err, access.ErrModeChange, "a reload cannot open the server")
+	require.True(t, src.Current().Access.Enforced())
+
+	write("identities: [{name: a}]\n")
+	_, err = src.Reload()
+	require.ErrorContains(t, err, "no credential")
+	_, ok = src.Current().Access.ByToken("t2")
+	require.True(t, ok, "an invalid file changes nothing")
+}
+
+// TestReloadPolicy: an invalid policy leaves the one in force, a valid
+// one replaces it, a missing file is an error, not an empty policy.
+func TestReloadPolicy(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "policy.yaml")
+	write := func(s string) { require.NoError(t, os.WriteFile(path, []byte(s), 0o600)) }
+	write("consumers:\n  - prefix: a.\n    lease: {default: 1m}\n")
+	src, err := configfile.Open(path, base)
+	require.NoError(t, err)
+	require.Equal(t, path, src.Path())
+	first := src.Current().Policy
+	require.Equal(t, time.Minute, first.For("a.x").Lease.Default)
+
+	write("consumers:\n  - prefix: a.\n    lease: {default: 2h}\n") // above the max
+	_, err = src.Reload()
+	require.ErrorContains(t, err, "lease.default 2h0m0s is above lease.max 1h0m0s")
+	require.ErrorContains(t, err, path, "the error names the file")
+	require.Same(t, first, src.Current().Policy, "an invalid file leaves the policy in force")
+
+	write("consumers:\n  - prefix: a.\n    lease: {default: 5m}\n")
+	c, err := src.Reload()
+	require.NoError(t, err)
+	set := c.Policy
+	require.Same(t, set, src.Current().Policy)
+	require.Equal(t, 5*time.Minute, src.Current().Policy.For("a.x").Lease.Default)
+
+	require.NoError(t, os.Remove(path))
+	_, err = src.Reload()
+	require.Error(t, err, "a missing file is an error, not an empty policy")
+	require.Same(t, set, src.Current().Policy)
+
+	_, err = configfile.Open(path, base)
+	require.Error(t, err)
+}
+
+// TestStatic: a static source holds its config and has nothing to reload.
+func TestStatic(t *testing.T) {
+	set, err := policy.NewSet(base)
+	require.NoError(t, err)
+	c := &configfile.Config{Policy: set, Access: access.Open()}
+	src := configfile.Static(c)
+	require.Empty(t, src.Path())
+	got, err := src.Reload()
+	require.NoError(t, err)
+	require.Same(t, c, got)
+	require.Same(t, c, src.Current())
 }

@@ -1,8 +1,6 @@
 package policy_test
 
 import (
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -252,37 +250,6 @@ func TestParseDuration(t *testing.T) {
 	require.Equal(t, "36h0m0s", policy.FormatDuration(36*time.Hour))
 }
 
-func TestSourceReload(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "policy.yaml")
-	write := func(s string) { require.NoError(t, os.WriteFile(path, []byte(s), 0o600)) }
-	write("consumers:\n  - prefix: a.\n    lease: {default: 1m}\n")
-	src, err := policy.Open(path, base())
-	require.NoError(t, err)
-	require.Equal(t, path, src.Path())
-	first := src.Current()
-	require.Equal(t, time.Minute, first.For("a.x").Lease.Default)
-
-	write("consumers:\n  - prefix: a.\n    lease: {default: 2h}\n") // above the max
-	_, err = src.Reload()
-	require.ErrorContains(t, err, "lease.default 2h0m0s is above lease.max 1h0m0s")
-	require.ErrorContains(t, err, path, "the error names the file")
-	require.Same(t, first, src.Current(), "an invalid file leaves the policy in force")
-
-	write("consumers:\n  - prefix: a.\n    lease: {default: 5m}\n")
-	set, err := src.Reload()
-	require.NoError(t, err)
-	require.Same(t, set, src.Current())
-	require.Equal(t, 5*time.Minute, src.Current().For("a.x").Lease.Default)
-
-	require.NoError(t, os.Remove(path))
-	_, err = src.Reload()
-	require.Error(t, err, "a missing file is an error, not an empty policy")
-	require.Same(t, set, src.Current())
-
-	_, err = policy.Open(path, base())
-	require.Error(t, err)
-}
-
 func TestNewSet(t *testing.T) {
 	set, err := policy.NewSet(base())
 	require.NoError(t, err)
@@ -291,10 +258,6 @@ func TestNewSet(t *testing.T) {
 	bad.Lease.Default = 2 * time.Hour
 	_, err = policy.NewSet(bad)
 	require.ErrorContains(t, err, "lease.default")
-	src := policy.Static(set)
-	got, err := src.Reload()
-	require.NoError(t, err)
-	require.Same(t, set, got)
 }
 
 // FuzzParse checks that no file makes Parse panic, and that every set it

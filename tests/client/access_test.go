@@ -37,7 +37,7 @@ rate_limits:
 	store, err := pebble.Open(t.TempDir(), pebble.WithInMemory())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })
-	c := client.New(servertest.Start(t, store, server.Config{Access: access.Static(set)}))
+	c := client.New(servertest.Start(t, store, server.Config{Access: set}))
 
 	key := func(consumer string) client.ClaimParams {
 		return client.ClaimParams{Key: client.Key{Consumer: consumer, Kind: client.KindOperation, Key: "k-1"}}

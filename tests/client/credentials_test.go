@@ -46,7 +46,7 @@ identities:
 	store, err := pebble.Open(t.TempDir(), pebble.WithInMemory())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })
-	addr, _ := servertest.Serve(t, store, server.Config{Access: access.Static(set), TLS: tlsCfg})
+	addr, _ := servertest.Serve(t, store, server.Config{Access: set, TLS: tlsCfg})
 	return addr
 }
 

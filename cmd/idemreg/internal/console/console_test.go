@@ -115,7 +115,7 @@ func setup(t *testing.T, withIdentities bool, opts ...func(*console.Config)) *en
 		o(&given)
 	}
 	addr, _ := servertest.Serve(t, store, server.Config{
-		Access:      access.Static(set),
+		Access:      set,
 		Logger:      slog.New(slog.NewJSONHandler(logs, nil)),
 		ResultTypes: given.Types,
 	})
@@ -124,7 +124,7 @@ func setup(t *testing.T, withIdentities bool, opts ...func(*console.Config)) *en
 	consoleLogs := &syncBuffer{}
 	cfg := console.Config{Conn: conn, SweepLag: console.SweepLagFrom(store), Logger: slog.New(slog.NewJSONHandler(consoleLogs, nil))}
 	if withIdentities {
-		cfg.SignIn = console.SignInWith(access.Static(set))
+		cfg.SignIn = console.SignInWith(func() *access.Set { return set })
 	}
 	for _, o := range opts {
 		o(&cfg)

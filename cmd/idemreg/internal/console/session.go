@@ -150,13 +150,14 @@ var (
 	ErrNoAdminGrant = errors.New("console: the identity administers no consumer")
 )
 
-// SignInWith is the Config.SignIn of a server whose identities are src's:
+// SignInWith is the Config.SignIn of a server whose identities are those
+// current returns (the config file's in force):
 // a token of an identity that may administer at least one consumer. An
 // identity without an admin grant could see nothing in the console, and
 // would only take sessions from those who can.
-func SignInWith(src *access.Source) func(token string) (string, error) {
+func SignInWith(current func() *access.Set) func(token string) (string, error) {
 	return func(token string) (string, error) {
-		id, ok := src.Current().ByToken(token)
+		id, ok := current().ByToken(token)
 		switch {
 		case !ok:
 			return "", ErrUnknownToken
