@@ -36,7 +36,7 @@ import (
 // is answered INTERNAL by gRPC after every interceptor has seen a success,
 // and the line must say what the caller got. The unary interceptor only
 // notes the request's consumer.
-
+//
 // callLog is what the interceptors tell the access log about the call.
 type callLog struct {
 	method   string
@@ -166,7 +166,7 @@ func (a accessLogger) finished(ctx context.Context, cl *callLog, err error) {
 // idemreg.access_log.sampled_out counts them; the refusals themselves are
 // all counted by the metrics (rpc.server.call.duration by code,
 // idemreg.auth.denied, idemreg.rate_limited, ...).
-
+//
 // DefaultRefusalLogRate is the default number of access log lines a second
 // written for each identity and refusal code.
 const DefaultRefusalLogRate = 10

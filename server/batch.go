@@ -26,7 +26,7 @@ import (
 // would have answered, errors with the same details. The items that pass go
 // to the store together (storage.Batcher): one statement or one synced
 // write for all of them.
-
+//
 // statusOf is an item's error as the unary call would have returned it.
 func statusOf(err error) *status.Status {
 	if st, ok := status.FromError(err); ok {

@@ -25,7 +25,7 @@ import (
 // after authentication (an unknown caller learns nothing more than
 // UNAUTHENTICATED), logged by the access log and counted by otelgrpc under
 // its code like every refused call.
-
+//
 // requestCodec is the server's codec: the proto codec, except that a
 // rawRequest receives the bytes of a message undecoded.
 type requestCodec struct{ proto encoding.CodecV2 }

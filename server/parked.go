@@ -25,7 +25,7 @@ import (
 // with max, not sum. Collecting the metrics reads the last count and never
 // calls the store. When a count fails, the last one stays (logged), so
 // that an alert on parked records does not flap with the store.
-
+//
 // DefaultParkedCountInterval is how often the server counts the parked
 // records for the gauge.
 const DefaultParkedCountInterval = time.Minute
