@@ -154,7 +154,24 @@ func batch(params ...param) string {
 // clock is the statement's clock: the database's, plus the offset tests
 // inject (parameter n, µs).
 func clock(n int) string {
-	return fmt.Sprintf("clock AS (\n    SELECT now() + %s AS now\n)", micros(fmt.Sprintf("CAST($%d AS BIGINT)", n)))
+	return fmt.Sprintf("clock AS (\n    SELECT %s AS now\n)", clockExpr(n))
+}
+
+// clockExpr is the clock as an expression: now() is the transaction's
+// start, the same wherever the statement reads it.
+func clockExpr(n int) string {
+	return "(now() + " + micros(fmt.Sprintf("CAST($%d AS BIGINT)", n)) + ")"
+}
+
+// inlineClock is a statement written over the clock CTE (clock(n), joined
+// as c) with the clock read inline instead: the same value, and a plan
+// without the CTE and the joins on it, which every execution initialises
+// (executor start-up was a fifth of a Claim's database CPU;
+// docs/benchmarks.md, "Small batches").
+func inlineClock(sql string, n int) string {
+	sql = strings.Replace(sql, "WITH "+clock(n)+",\n", "WITH ", 1)
+	sql = strings.ReplaceAll(sql, " CROSS JOIN clock c", "")
+	return strings.ReplaceAll(sql, "c.now", clockExpr(n))
 }
 
 // recordColumns is the column list every statement returns, in scan order.
@@ -189,7 +206,7 @@ var (
 // row. The pre-image is cur. Rows are locked in the input's order, which
 // the batcher sorts by key, so concurrent batches rarely deadlock.
 func claimStatement(input string) string {
-	return `
+	return inlineClock(`
 WITH ` + clock(8) + `,
 i AS ` + input + `,
 cur AS (
@@ -224,7 +241,7 @@ FROM w JOIN i ON ` + sameKey("w", "i") + ` CROSS JOIN clock c
 UNION ALL
 SELECT cur.ord, false, c.now, ` + recordColumnsOf("cur") + `
 FROM cur CROSS JOIN clock c
-WHERE NOT EXISTS (SELECT 1 FROM w WHERE ` + sameKey("w", "cur") + `)`
+WHERE NOT EXISTS (SELECT 1 FROM w WHERE ` + sameKey("w", "cur") + `)`, 8)
 }
 
 // claimAnswersWithoutWrite is the negation of DecideClaim's write
@@ -296,7 +313,7 @@ var claimParks = "(" + live("r", "excluded.created_at") + " AND " + attemptsExha
 // preImage is the columns of the pre-image (recordColumnsOf("r") where a
 // repeat must see the stored result).
 func fencedStatement(offset int, input, set, where, preImage string) string {
-	return `
+	return inlineClock(`
 WITH ` + clock(offset) + `,
 i AS ` + input + `,
 w AS (
@@ -312,7 +329,7 @@ FROM w JOIN i ON ` + sameKey("w", "i") + ` CROSS JOIN clock c
 UNION ALL
 SELECT i.ord, false, c.now, ` + preImage + `
 FROM i JOIN idemreg_records r ON ` + sameKey("r", "i") + ` CROSS JOIN clock c
-WHERE NOT EXISTS (SELECT 1 FROM w WHERE ` + sameKey("w", "i") + `)`
+WHERE NOT EXISTS (SELECT 1 FROM w WHERE ` + sameKey("w", "i") + `)`, offset)
 }
 
 // Complete: $1 consumer, $2 kind, $3 key, $4 token, $5 result (arrays for
