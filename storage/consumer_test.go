@@ -14,10 +14,10 @@ func TestCheckConsumer(t *testing.T) {
 		assert.NoError(t, storage.CheckConsumer(ok), "%q", ok)
 	}
 	for bad, says := range map[string]string{
-		"bill ing":   `found ' ' at byte 4`,
-		"é":          "at byte 0",
-		"a*":         `found '*' at byte 1`,
-		"nul\x00":    `found '\x00' at byte 3`,
+		"bill ing": `found ' ' at byte 4`,
+		"é":        "at byte 0",
+		"a*":       `found '*' at byte 1`,
+		"nul\x00":  `found '\x00' at byte 3`,
 		strings.Repeat("x", storage.MaxConsumerBytes+1): "at most 128 bytes, got 129",
 	} {
 		err := storage.CheckConsumer(bad)
