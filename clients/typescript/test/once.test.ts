@@ -22,6 +22,7 @@ import {
   isReason,
   type Attempt,
 } from "../src/index.js";
+import { createConnectTransport, createGrpcWebTransport } from "@connectrpc/connect-node";
 import { createNodeTransport } from "../src/node.js";
 import { startRegistry, type Registry } from "./registry.js";
 
@@ -269,4 +270,33 @@ describe("typed errors from ErrorInfo", () => {
     assert.throws(() => createNodeTransport({ baseUrl: "https://x", token: "t\n" }), /printable/);
     createNodeTransport({ baseUrl: "http://127.0.0.1:1", token: "t", allowInsecureToken: true });
   });
+});
+
+// The protocols a browser speaks (Connect, gRPC-Web, over HTTP/1.1), which
+// the registry answers on its gRPC port beside gRPC: connect-node's
+// transports for them stand in for connect-web's, which take the same
+// options.
+describe("Connect and gRPC-Web transports (HTTP/1.1)", () => {
+  for (const [name, make] of [
+    ["Connect, JSON", () => createConnectTransport({ baseUrl: reg.baseUrl, httpVersion: "1.1" })],
+    ["Connect, binary", () => createConnectTransport({ baseUrl: reg.baseUrl, httpVersion: "1.1", useBinaryFormat: true })],
+    ["gRPC-Web", () => createGrpcWebTransport({ baseUrl: reg.baseUrl, httpVersion: "1.1" })],
+  ] as const) {
+    test(`${name}: once runs, replays, and errors keep their ErrorInfo`, async () => {
+      const c = new RegistryClient(make());
+      const k = key();
+      let runs = 0;
+      const first = await c.once(k, async () => ++runs, { fingerprint: new Uint8Array([1]) });
+      const again = await c.once(k, async () => ++runs, { fingerprint: new Uint8Array([1]) });
+      assert.equal(first.ran, true);
+      assert.equal(again.replayed, true);
+      assert.equal(again.value, 1);
+      const err = await c.once(k, async () => ++runs, { fingerprint: new Uint8Array([2]) }).then(
+        () => assert.fail("no error"),
+        (e) => e,
+      );
+      assert.ok(isReason(err, ErrorReason.FINGERPRINT_MISMATCH), String(err));
+      assert.equal(runs, 1);
+    });
+  }
 });
