@@ -82,7 +82,8 @@ func postJSON(t *testing.T, hc *http.Client, base, method, body string, header .
 func TestHTTPAPI(t *testing.T) {
 	bin := buildBinary(t)
 	dir := t.TempDir()
-	p := startServe(t, bin, dir, nil, "--data-dir", filepath.Join(dir, "data"))
+	metricsAddr := freeAddr(t)
+	p := startServe(t, bin, dir, nil, "--data-dir", filepath.Join(dir, "data"), "--metrics-listen", metricsAddr)
 	p.waitLog(t, "serving")
 	base, hc := "http://"+p.addr, &http.Client{}
 
@@ -148,6 +149,23 @@ func TestHTTPAPI(t *testing.T) {
 	require.Equal(t, idemregv1.State_STATE_COMPLETED, lookup.GetRecord().GetState())
 	require.Contains(t, strings.ToLower(string(body[5+n:])), "grpc-status: 0")
 
+	// The access log and the metrics have the HTTP calls, as gRPC calls.
+	for {
+		line := p.waitLog(t, "finished call")
+		if line["grpc.method"] == "Complete" {
+			require.Equal(t, "OK", line["grpc.code"])
+			require.Equal(t, "anonymous", line["identity"])
+			break
+		}
+	}
+	res, err = http.Get("http://" + metricsAddr + "/metrics")
+	require.NoError(t, err)
+	metrics, err := io.ReadAll(res.Body)
+	require.NoError(t, err)
+	_ = res.Body.Close()
+	require.Contains(t, string(metrics), `rpc_method="idemreg.v1.RegistryService/Complete",rpc_response_status_code="OK"`)
+	require.Contains(t, string(metrics), `rpc_method="idemreg.v1.RegistryService/Claim",rpc_response_status_code="FAILED_PRECONDITION"`)
+
 	// gRPC on the same port, as before.
 	conn, err := grpc.NewClient(p.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
@@ -156,9 +174,6 @@ func TestHTTPAPI(t *testing.T) {
 		&idemregv1.LookupRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "charge:order-42"})
 	require.NoError(t, err)
 	require.Equal(t, idemregv1.State_STATE_COMPLETED, got.GetRecord().GetState())
-
-	// The access log has the HTTP calls, as gRPC calls.
-	p.waitLog(t, "finished call")
 }
 
 // TestHTTPAPIOverTLS: with TLS, an HTTPS client (which offers http/1.1)
