@@ -21,13 +21,15 @@ import (
 // call, over loopback, from parallel callers on one connection:
 //
 //   - native: grpc.Server.Serve on the listener, as without the HTTP API;
+//
 //   - split: the same, behind splitPort (what serve does): the connection
 //     is told apart when it opens, then runs on grpc-go's transport;
+//
 //   - servehttp: every connection through net/http's HTTP/2 server (h2c)
 //     and grpc.Server.ServeHTTP, which is what a handler in front of all
 //     calls (vanguard or connect-go serving gRPC too) would make of it.
 //
-//	go test -run '^$' -bench GRPCTransport -benchmem -count 3 ./cmd/idemreg/
+//     go test -run '^$' -bench GRPCTransport -benchmem -count 3 ./cmd/idemreg/
 func BenchmarkGRPCTransport(b *testing.B) {
 	serve := map[string]func(b *testing.B, g *grpc.Server, lis net.Listener){
 		"native": func(b *testing.B, g *grpc.Server, lis net.Listener) { go func() { _ = g.Serve(lis) }() },
