@@ -174,7 +174,9 @@ describe("once", () => {
     const before = await reg.client.lookup(k);
     const startExpiry = before!.leaseExpiresAt!.seconds * 1000n + BigInt(before!.leaseExpiresAt!.nanos) / 1_000_000n;
     // Three leases later the key is still held, by the first attempt.
+    const guard = Date.now() + 30_000; // a hang guard, not a timing check
     for (;;) {
+      assert.ok(Date.now() < guard, "the lease was not extended");
       const rec = await reg.client.lookup(k);
       const exp = rec!.leaseExpiresAt!.seconds * 1000n + BigInt(rec!.leaseExpiresAt!.nanos) / 1_000_000n;
       if (exp > startExpiry + 600n) {
