@@ -116,7 +116,8 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if !cfg.DisableHTTPAPI {
 		var httpLis net.Listener
 		grpcLis, httpLis = splitPort(lis, srvCfg.TLS, cfg.Server.Bounds.ConnectionTimeout, logger)
-		stopAPI, err := serveHTTPAPI(srv.GRPCServer(), httpLis, srvCfg.TLS, cfg.HTTP, logger)
+		origins, _ := corsOrigins(cfg.HTTPAPICORSOrigins) // checked by Validate
+		stopAPI, err := serveHTTPAPI(srv.GRPCServer(), httpLis, srvCfg.TLS, origins, cfg.HTTP, logger)
 		if err != nil {
 			_ = lis.Close()
 			return err

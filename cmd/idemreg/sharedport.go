@@ -6,10 +6,12 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -249,18 +251,76 @@ func plainJSON(next http.Handler) http.Handler {
 	})
 }
 
+// corsOrigins parses --http-api-cors-origins: origins (scheme://host[:port],
+// no path) or "*".
+func corsOrigins(list string) ([]string, error) {
+	var out []string
+	for o := range strings.SplitSeq(list, ",") {
+		o = strings.TrimSpace(o)
+		if o == "" {
+			continue
+		}
+		if o != "*" {
+			u, err := url.Parse(o)
+			if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || (u.Path != "" && u.Path != "/") || u.RawQuery != "" {
+				return nil, fmt.Errorf("--http-api-cors-origins: %q is not an origin (scheme://host[:port]) or *", o)
+			}
+			o = u.Scheme + "://" + u.Host
+		}
+		out = append(out, o)
+	}
+	return out, nil
+}
+
+// The request headers a Connect or gRPC-Web client sends, and the
+// response headers it reads, which a cross-origin page must be allowed.
+const (
+	corsAllowHeaders = "Content-Type, Authorization, Connect-Protocol-Version, Connect-Timeout-Ms, Connect-Accept-Encoding, " +
+		"Connect-Content-Encoding, Grpc-Timeout, Grpc-Accept-Encoding, Grpc-Encoding, X-Grpc-Web, X-User-Agent"
+	corsExposeHeaders = "Grpc-Status, Grpc-Message, Grpc-Status-Details-Bin, Connect-Content-Encoding, Grpc-Encoding, Content-Encoding"
+)
+
+// withCORS answers the preflight of, and marks the answers to, pages of
+// the allowed origins. No cookie is ever read, so credentials are not
+// allowed: a page sends its bearer token in Authorization.
+func withCORS(origins []string, next http.Handler) http.Handler {
+	if len(origins) == 0 {
+		return next
+	}
+	anyOrigin := slices.Contains(origins, "*")
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		origin := r.Header.Get("Origin")
+		if origin == "" || (!anyOrigin && !slices.Contains(origins, origin)) {
+			next.ServeHTTP(w, r)
+			return
+		}
+		h := w.Header()
+		h.Set("Access-Control-Allow-Origin", origin)
+		h.Add("Vary", "Origin")
+		h.Set("Access-Control-Expose-Headers", corsExposeHeaders)
+		if r.Method == http.MethodOptions && r.Header.Get("Access-Control-Request-Method") != "" {
+			h.Set("Access-Control-Allow-Methods", "POST, GET")
+			h.Set("Access-Control-Allow-Headers", corsAllowHeaders)
+			h.Set("Access-Control-Max-Age", "7200")
+			w.WriteHeader(http.StatusNoContent)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
 // serveHTTPAPI serves the HTTP API (Connect, gRPC-Web, HTTP/JSON) of g on
 // lis under the HTTP listeners' bounds, until stop is called; over TLS
 // with tlsCfg's certificates and client CA (negotiating http/1.1) when it
 // is not nil, so that a client certificate is the same identity as on
 // gRPC.
-func serveHTTPAPI(g *grpc.Server, lis net.Listener, tlsCfg *tls.Config, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
+func serveHTTPAPI(g *grpc.Server, lis net.Listener, tlsCfg *tls.Config, origins []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
 	h, err := vanguardgrpc.NewTranscoder(g)
 	if err != nil {
 		return nil, err
 	}
 	srv := &http.Server{
-		Handler:           plainJSON(h),
+		Handler:           withCORS(origins, plainJSON(h)),
 		ReadHeaderTimeout: bounds.ReadHeaderTimeout,
 		ReadTimeout:       bounds.ReadTimeout,
 		// A Claim may wait up to 30 s for another holder (MaxWait).

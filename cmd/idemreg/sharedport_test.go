@@ -83,7 +83,8 @@ func TestHTTPAPI(t *testing.T) {
 	bin := buildBinary(t)
 	dir := t.TempDir()
 	metricsAddr := freeAddr(t)
-	p := startServe(t, bin, dir, nil, "--data-dir", filepath.Join(dir, "data"), "--metrics-listen", metricsAddr)
+	p := startServe(t, bin, dir, nil, "--data-dir", filepath.Join(dir, "data"), "--metrics-listen", metricsAddr,
+		"--http-api-cors-origins", "https://app.example.com")
 	p.waitLog(t, "serving")
 	base, hc := "http://"+p.addr, &http.Client{}
 
@@ -148,6 +149,36 @@ func TestHTTPAPI(t *testing.T) {
 	require.NoError(t, proto.Unmarshal(body[5:5+n], &lookup))
 	require.Equal(t, idemregv1.State_STATE_COMPLETED, lookup.GetRecord().GetState())
 	require.Contains(t, strings.ToLower(string(body[5+n:])), "grpc-status: 0")
+
+	// A page of an allowed origin may call; another origin's gets no CORS
+	// headers, so its browser refuses it the answer.
+	preflight := func(origin string) http.Header {
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodOptions, base+"/idemreg.v1.RegistryService/Claim", nil)
+		require.NoError(t, err)
+		req.Header.Set("Origin", origin)
+		req.Header.Set("Access-Control-Request-Method", "POST")
+		req.Header.Set("Access-Control-Request-Headers", "content-type,connect-protocol-version,authorization")
+		res, err := hc.Do(req)
+		require.NoError(t, err)
+		_ = res.Body.Close()
+		return res.Header
+	}
+	h := preflight("https://app.example.com")
+	require.Equal(t, "https://app.example.com", h.Get("Access-Control-Allow-Origin"))
+	require.Contains(t, h.Get("Access-Control-Allow-Headers"), "Authorization")
+	require.Contains(t, h.Get("Access-Control-Allow-Headers"), "Connect-Protocol-Version")
+	require.Empty(t, preflight("https://evil.example.com").Get("Access-Control-Allow-Origin"))
+	req, err = http.NewRequestWithContext(t.Context(), http.MethodPost, base+"/idemreg.v1.RegistryService/Lookup",
+		strings.NewReader(`{"consumer":"billing.payment-worker","kind":"KIND_OPERATION","key":"charge:order-42"}`))
+	require.NoError(t, err)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Origin", "https://app.example.com")
+	res, err = hc.Do(req)
+	require.NoError(t, err)
+	_ = res.Body.Close()
+	require.Equal(t, http.StatusOK, res.StatusCode)
+	require.Equal(t, "https://app.example.com", res.Header.Get("Access-Control-Allow-Origin"))
+	require.Contains(t, res.Header.Get("Access-Control-Expose-Headers"), "Grpc-Status")
 
 	// The access log and the metrics have the HTTP calls, as gRPC calls.
 	for {
@@ -237,4 +268,30 @@ identities:
 		require.Equal(t, http.StatusForbidden, code)
 		require.Equal(t, "permission_denied", ce.Code)
 	})
+}
+
+func TestCORSOrigins(t *testing.T) {
+	tests := []struct {
+		name, list string
+		want       []string
+		wantErr    bool
+	}{
+		{name: "none", list: "", want: nil},
+		{name: "two, trimmed and normalised", list: " https://app.example.com, http://localhost:3000/ ", want: []string{"https://app.example.com", "http://localhost:3000"}},
+		{name: "any", list: "*", want: []string{"*"}},
+		{name: "a path", list: "https://app.example.com/page", wantErr: true},
+		{name: "no scheme", list: "app.example.com", wantErr: true},
+		{name: "another scheme", list: "ftp://app.example.com", wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := corsOrigins(tt.list)
+			if tt.wantErr {
+				require.Error(t, err)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tt.want, got)
+		})
+	}
 }
