@@ -241,10 +241,19 @@ func (l *sideListener) Addr() net.Addr { return l.p.lis.Addr() }
 // unary call even without the Connect-Protocol-Version header, which
 // vanguard otherwise takes for a REST call (and the API declares no REST
 // routes): `curl -d '{...}' -H 'Content-Type: application/json'` is enough.
+//
+// A request for any other path is no API call: it is answered 404 and its
+// connection closed, as grpc-go closed any HTTP/1.1 connection before, so
+// that a scanner's requests do not hold connections for the idle timeout.
 func plainJSON(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !apiPath(r.URL.Path) {
+			w.Header().Set("Connection", "close")
+			http.NotFound(w, r)
+			return
+		}
 		if r.Method == http.MethodPost && r.Header.Get("Connect-Protocol-Version") == "" &&
-			strings.HasPrefix(r.Header.Get("Content-Type"), "application/json") && strings.Count(r.URL.Path, "/") == 2 {
+			strings.HasPrefix(r.Header.Get("Content-Type"), "application/json") {
 			r.Header.Set("Connect-Protocol-Version", "1")
 		}
 		next.ServeHTTP(w, r)
@@ -307,6 +316,12 @@ func withCORS(origins []string, next http.Handler) http.Handler {
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// apiPath: /package.Service/Method, the only paths the API has.
+func apiPath(p string) bool {
+	svc, method, ok := strings.Cut(strings.TrimPrefix(p, "/"), "/")
+	return ok && strings.HasPrefix(p, "/") && strings.Contains(svc, ".") && method != "" && !strings.Contains(method, "/")
 }
 
 // serveHTTPAPI serves the HTTP API (Connect, gRPC-Web, HTTP/JSON) of g on

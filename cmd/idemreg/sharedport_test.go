@@ -180,6 +180,13 @@ func TestHTTPAPI(t *testing.T) {
 	require.Equal(t, "https://app.example.com", res.Header.Get("Access-Control-Allow-Origin"))
 	require.Contains(t, res.Header.Get("Access-Control-Expose-Headers"), "Grpc-Status")
 
+	// Any other path is no API call: 404, and the connection closed.
+	res, err = hc.Get(base + "/")
+	require.NoError(t, err)
+	_ = res.Body.Close()
+	require.Equal(t, http.StatusNotFound, res.StatusCode)
+	require.True(t, res.Close, "the connection of a request for no API path is closed")
+
 	// The access log and the metrics have the HTTP calls, as gRPC calls.
 	for {
 		line := p.waitLog(t, "finished call")
@@ -293,5 +300,20 @@ func TestCORSOrigins(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, tt.want, got)
 		})
+	}
+}
+
+func TestAPIPath(t *testing.T) {
+	for p, want := range map[string]bool{
+		"/idemreg.v1.RegistryService/Claim": true,
+		"/grpc.health.v1.Health/Check":      true,
+		"/":                                 false,
+		"/index.html":                       false,
+		"/idemreg.v1.RegistryService/":      false,
+		"/idemreg.v1.RegistryService/a/b":   false,
+		"/Service/Method":                   false,
+		"idemreg.v1.RegistryService/Claim":  false,
+	} {
+		require.Equal(t, want, apiPath(p), p)
 	}
 }
