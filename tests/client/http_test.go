@@ -7,6 +7,7 @@ package client_test
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -520,4 +521,46 @@ func TestHTTPRacingDuplicates(t *testing.T) {
 		assert.Equal(t, copies-1, replays, "all but the one that ran are replays of %s", key)
 	}
 	require.EqualValues(t, keys, s.runs.Load())
+}
+
+// As in Once: should the registry give the key to another holder while a
+// handler runs (its lease ran out on the registry's clock), the handler's
+// request context is cancelled with a cause matching client.ErrLeaseLost,
+// and the takeover runs with a larger token.
+func TestHTTPLeaseLostCancelsTheRequest(t *testing.T) {
+	var offset atomic.Int64 // the registry's clock, ahead of the real one
+	reg := registrytest.Start(t, shortLeases(),
+		registrytest.WithClock(func() time.Time { return time.Now().Add(time.Duration(offset.Load())) }))
+	type run struct {
+		a     client.Attempt
+		cause error
+	}
+	entered, ended := make(chan client.Attempt, 2), make(chan run, 2)
+	var n atomic.Int64
+	s := newHTTPService(t, reg, func(w http.ResponseWriter, r *http.Request) {
+		a, _ := idemhttp.AttemptFrom(r.Context())
+		entered <- a
+		if n.Add(1) == 1 {
+			<-r.Context().Done() // the first holder works until told it lost the key
+			ended <- run{a, context.Cause(r.Context())}
+			http.Error(w, "stopped", http.StatusServiceUnavailable)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	}, idemhttp.WithOnceOptions(client.WithLease(400*time.Millisecond), client.WithInProgressWait(0)))
+
+	firstc := make(chan httpAnswer, 1)
+	go func() { firstc <- sendWith(t, http.DefaultClient, http.MethodPost, s.srv.URL+"/x", "", `"k"`) }()
+	first := recv(t, entered)
+	offset.Store(int64(time.Hour)) // the first holder's lease is over on the registry's clock
+	second := s.send(t, http.MethodPost, "/x", "", `"k"`)
+	require.Equal(t, http.StatusCreated, second.status, "the takeover ran: %s", second.body)
+	takeover := recv(t, entered)
+	require.Greater(t, takeover.Token, first.Token)
+	require.EqualValues(t, 2, takeover.Attempt)
+
+	lost := recv(t, ended)
+	require.ErrorIs(t, lost.cause, client.ErrLeaseLost, "the first handler's context names the loss")
+	require.Equal(t, http.StatusServiceUnavailable, recv(t, firstc).status)
+	require.True(t, s.send(t, http.MethodPost, "/x", "", `"k"`).replayed(), "the takeover's response is the recorded one")
 }
