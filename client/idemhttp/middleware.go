@@ -60,7 +60,8 @@ var errRetryable = errors.New("idemhttp: a retryable response; the key is releas
 //     WithOnceOptions(client.WithInProgressWait(0)), 409 with Retry-After.
 //   - Same key, other method, target or body: 422.
 //   - Parked (an operator must resolve the key): 409 without Retry-After.
-//   - Registry unreachable: 503 with Retry-After; the handler does not run.
+//   - Registry unreachable: 503 with Retry-After; the handler does not run
+//     (WithRegistryUnavailable(client.FailOpen) runs it anyway).
 //   - No key: 400 with WithKeyRequired, else the handler runs as it is.
 //     A key that is not a Structured Field String, or that the registry
 //     refuses (longer than 256 bytes): 400.
@@ -148,6 +149,12 @@ func serve(c *client.Client, s *settings, next http.Handler, w http.ResponseWrit
 	}
 	if res.Replayed {
 		replay(s, w, r, res, err)
+		return
+	}
+	if s.failOpen && errors.Is(err, client.ErrUnavailable) {
+		s.logger.WarnContext(r.Context(), "idemhttp: registry unavailable; serving without it", "error", err)
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		next.ServeHTTP(w, r)
 		return
 	}
 	answerClaim(s, w, r, err)

@@ -47,6 +47,7 @@ type settings struct {
 	scope         func(r *http.Request) string
 	retryable     func(status int) bool
 	onceOpts      []client.OnceOption
+	failOpen      bool
 	logger        *slog.Logger
 }
 
@@ -135,6 +136,15 @@ func WithOnceOptions(opts ...client.SharedOption) Option {
 			s.onceOpts = append(s.onceOpts, o)
 		}
 	}
+}
+
+// WithRegistryUnavailable says what a keyed request gets when the registry
+// cannot be reached: client.FailClosed (the default, as for the gRPC
+// interceptors) answers 503 without running the handler; client.FailOpen
+// runs it without the registry, so duplicates are not detected until the
+// registry is back.
+func WithRegistryUnavailable(p client.UnavailablePolicy) Option {
+	return func(s *settings) { s.failOpen = p == client.FailOpen }
 }
 
 // WithLogger sets where the middleware logs what it cannot tell the client

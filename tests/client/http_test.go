@@ -468,6 +468,20 @@ func TestHTTPRegistryUnavailable(t *testing.T) {
 	require.Equal(t, client.ReasonRegistryUnavailable, a.problem(t).Reason)
 	require.NotEmpty(t, a.header.Get("Retry-After"))
 	require.Zero(t, s.runs.Load())
+
+	// Failing open, the handler runs without the registry, with no claim.
+	var attempt atomic.Bool
+	open := newHTTPService(t, reg, func(w http.ResponseWriter, r *http.Request) {
+		_, ok := idemhttp.AttemptFrom(r.Context())
+		attempt.Store(ok)
+		b, _ := io.ReadAll(r.Body)
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write(b)
+	}, idemhttp.WithRegistryUnavailable(client.FailOpen))
+	a = open.send(t, http.MethodPost, "/x", "the body", `"k"`)
+	require.Equal(t, http.StatusCreated, a.status)
+	require.Equal(t, "the body", a.body, "the handler reads the whole body")
+	require.False(t, attempt.Load(), "no claim, so no attempt in the context")
 }
 
 // A real HTTP client racing duplicates: many connections send the same
