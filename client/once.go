@@ -85,7 +85,7 @@ type OnceResult struct {
 // Attempt above 1.
 //
 // Options: WithLease, WithRetention, WithWaitInProgress,
-// WithBookkeepingTimeout, WithKind, WithMessageFingerprint.
+// WithBookkeepingTimeout, WithKind, WithMessageFingerprint, WithResultType.
 func (c *Client) Once(ctx context.Context, consumer, messageID string, fn Handler, opts ...OnceOption) (OnceResult, error) {
 	s := onceSettings(opts)
 	k := Key{Consumer: consumer, Kind: s.kind, Key: messageID}
@@ -122,7 +122,11 @@ func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *se
 	var fnErr error
 	d, lost := c.runHeld(ctx, s, h, func(ctx context.Context) decision {
 		data, fnErr = fn(ctx, Attempt{Key: k, Token: h.fence.Token, Attempt: h.attempt})
-		return handlerDecision(data, fnErr)
+		d := handlerDecision(data, fnErr)
+		if d.result.Response != nil {
+			d.result.Response.Type = s.resultType
+		}
+		return d
 	})
 	recs, errs := c.settle(ctx, s, []held{h}, []decision{d}, []error{lost})
 	return ranOutcome(cl.Record, data, fnErr, d, recs[0], errs[0])

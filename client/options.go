@@ -152,6 +152,7 @@ type settings struct {
 	// Once.
 	kind               Kind
 	messageFingerprint []byte
+	resultType         string
 
 	// Interceptors.
 	consumer string
@@ -281,6 +282,13 @@ func WithKind(k Kind) MessageOption { return func(s *settings) { s.kind = k } }
 // content fails with ErrFingerprintMismatch instead of replaying. Once only.
 func WithMessageFingerprint(fp []byte) OnceOption {
 	return onceOnly(func(s *settings) { s.messageFingerprint = fp })
+}
+
+// WithResultType names the type of the data fn returns, stored with it
+// (Response.Type) so that an operator reading the record knows how to
+// decode it; the default is none. Once only.
+func WithResultType(typ string) OnceOption {
+	return onceOnly(func(s *settings) { s.resultType = typ })
 }
 
 // WithConsumer sets the registry consumer the interceptor claims keys

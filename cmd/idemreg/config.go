@@ -55,7 +55,15 @@ type config struct {
 	// loopback only unless ConsoleAllowRemote says otherwise.
 	ConsoleListen      string
 	ConsoleAllowRemote bool
-	// HTTP bounds the metrics, console and pprof listeners.
+	// DisableHTTPAPI keeps the gRPC port to gRPC: no Connect, gRPC-Web or
+	// HTTP/JSON on it (sharedport.go).
+	DisableHTTPAPI bool
+	// HTTPAPICORSOrigins lists the browser origins (comma-separated, or
+	// "*") whose pages may call the HTTP API from another origin; empty:
+	// same-origin pages only.
+	HTTPAPICORSOrigins string
+	// HTTP bounds the metrics, console and pprof listeners, and the HTTP
+	// API's side of the gRPC port.
 	HTTP httpserve.Bounds
 	// DescriptorSet is a binary FileDescriptorSet of the message types,
 	// beside the linked ones, whose responses an operator's resolution is
@@ -146,6 +154,8 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.BoolVar(&c.PprofAllowRemote, "pprof-allow-remote", c.PprofAllowRemote, "allow --pprof-listen on an address that is not loopback: anyone who reaches it can profile the process")
 	fs.StringVar(&c.ConsoleListen, "console-listen", c.ConsoleListen, "serve the operator console (look up and invalidate records, as the signed-in identity) on http://ADDR, a loopback address (off when empty)")
 	fs.BoolVar(&c.ConsoleAllowRemote, "console-allow-remote", c.ConsoleAllowRemote, "allow --console-listen on an address that is not loopback: the console speaks plaintext HTTP, so sign-in tokens and records cross the network unencrypted")
+	fs.BoolVar(&c.DisableHTTPAPI, "disable-http-api", c.DisableHTTPAPI, "answer only gRPC on --listen: no Connect protocol, gRPC-Web or HTTP/JSON (HTTP/1.1) beside it")
+	fs.StringVar(&c.HTTPAPICORSOrigins, "http-api-cors-origins", c.HTTPAPICORSOrigins, "browser origins (https://app.example.com, comma-separated, or *) whose pages may call the HTTP API on --listen; empty: none but the same origin")
 	h := &c.HTTP
 	fs.IntVar(&h.MaxConnections, "http-max-connections", h.MaxConnections, "most connections each HTTP listener (metrics, console, pprof) holds open; one beyond it is closed at once")
 	fs.DurationVar(&h.ReadHeaderTimeout, "http-read-header-timeout", h.ReadHeaderTimeout, "HTTP listeners: longest a request's headers, or a new connection's first request, may take to arrive")
@@ -272,6 +282,9 @@ func (c *config) Validate() error {
 	}
 	if c.DatabaseURL != "" {
 		errs = append(errs, validDatabaseURL(c.DatabaseURL))
+	}
+	if _, err := corsOrigins(c.HTTPAPICORSOrigins); err != nil {
+		errs = append(errs, err)
 	}
 	if c.LogFormat != "json" && c.LogFormat != "text" {
 		errs = append(errs, fmt.Errorf("--log-format must be json or text, got %q", c.LogFormat))

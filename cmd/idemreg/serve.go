@@ -112,8 +112,20 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 		return err
 	}
 	defer stopConsole()
-	logger.Info("serving", "listen", lis.Addr().String())
-	if err := srv.Serve(ctx, lis); err != nil {
+	grpcLis := lis
+	if !cfg.DisableHTTPAPI {
+		var httpLis net.Listener
+		grpcLis, httpLis = splitPort(lis, srvCfg.TLS, cfg.Server.Bounds.ConnectionTimeout, logger)
+		origins, _ := corsOrigins(cfg.HTTPAPICORSOrigins) // checked by Validate
+		stopAPI, err := serveHTTPAPI(srv.GRPCServer(), httpLis, srvCfg.TLS, origins, cfg.HTTP, logger)
+		if err != nil {
+			_ = lis.Close()
+			return err
+		}
+		defer stopAPI()
+	}
+	logger.Info("serving", "listen", lis.Addr().String(), "http_api", !cfg.DisableHTTPAPI)
+	if err := srv.Serve(ctx, grpcLis); err != nil {
 		if errors.Is(err, server.ErrStoreFailed) {
 			// Exit for the supervisor to restart serve: a new process
 			// recovers the store from what it synced. The deferred stops

@@ -101,6 +101,11 @@ func capConnections(l net.Listener, n int) *capListener {
 	return &capListener{Listener: l, max: int64(n)}
 }
 
+// CapConnections is the cap Serve puts on its listener, for a listener
+// served by an http.Server of its own (the HTTP API on the gRPC port, which
+// sets up TLS after the cap).
+func CapConnections(l net.Listener, n int) net.Listener { return capConnections(l, n) }
+
 func (l *capListener) Accept() (net.Conn, error) {
 	for {
 		c, err := l.Listener.Accept()

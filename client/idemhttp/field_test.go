@@ -1,0 +1,105 @@
+package idemhttp
+
+import (
+	"bytes"
+	"net/http"
+	"testing"
+)
+
+// The draft's section 2.1: the field is an Item Structured Header whose
+// value is a String (RFC 9651, sections 3.3.3 and 4.2).
+func TestParseKey(t *testing.T) {
+	tests := []struct {
+		name    string
+		lines   []string
+		bare    bool
+		want    string
+		wantErr bool
+	}{
+		{name: "the draft's example", lines: []string{`"8e03978e-40d5-43e8-bc93-6894a57f9324"`}, want: "8e03978e-40d5-43e8-bc93-6894a57f9324"},
+		{name: "surrounding spaces", lines: []string{`  "k1"  `}, want: "k1"},
+		{name: "escaped quote and backslash", lines: []string{`"a\"b\\c"`}, want: `a"b\c`},
+		{name: "inner spaces are part of the string", lines: []string{`"order 42"`}, want: "order 42"},
+		{name: "parameters are ignored", lines: []string{`"k1";a=1;b;c="x";d=?0;e=:aGk=:;f=tok/en;g=-1.5;h=@1700000000;i=%"x"`}, want: "k1"},
+		{name: "an empty string is a String", lines: []string{`""`}, want: ""},
+		{name: "a token is not a String", lines: []string{`k1`}, wantErr: true},
+		{name: "a token with WithBareTokens", lines: []string{`k1-abc:42`}, bare: true, want: "k1-abc:42"},
+		{name: "an integer is not a String", lines: []string{`42`}, wantErr: true},
+		{name: "an integer is not a token either", lines: []string{`42`}, bare: true, wantErr: true},
+		{name: "a byte sequence is not a String", lines: []string{`:aGk=:`}, wantErr: true},
+		{name: "an empty field", lines: []string{``}, wantErr: true},
+		{name: "two field lines are a list", lines: []string{`"a"`, `"b"`}, wantErr: true},
+		{name: "two field lines even when equal", lines: []string{`"a"`, `"a"`}, wantErr: true},
+		{name: "a list in one line", lines: []string{`"a", "b"`}, wantErr: true},
+		{name: "no closing quote", lines: []string{`"abc`}, wantErr: true},
+		{name: "a backslash escapes only quote and backslash", lines: []string{`"a\nb"`}, wantErr: true},
+		{name: "non-ASCII", lines: []string{"\"caf\u00e9\""}, wantErr: true},
+		{name: "a control byte", lines: []string{"\"a\tb\""}, wantErr: true},
+		{name: "trailing garbage", lines: []string{`"a" x`}, wantErr: true},
+		{name: "an uppercase parameter name", lines: []string{`"a";A=1`}, wantErr: true},
+		{name: "a parameter without a value after =", lines: []string{`"a";b=`}, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := parseKey(tt.lines, tt.bare)
+			if tt.wantErr {
+				if err == nil {
+					t.Fatalf("parseKey(%q) = %q, want an error", tt.lines, got)
+				}
+				return
+			}
+			if err != nil || got != tt.want {
+				t.Fatalf("parseKey(%q) = %q, %v; want %q", tt.lines, got, err, tt.want)
+			}
+		})
+	}
+}
+
+func FuzzParseKey(f *testing.F) {
+	for _, s := range []string{`"a"`, `"a\"b";x=1`, `k`, `"a", "b"`, `"`, `"\`} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		key, err := parseKey([]string{s}, false)
+		if err != nil {
+			return
+		}
+		// A key it accepts is printable ASCII, and serializing it back as
+		// an sf-string parses to the same key.
+		for i := 0; i < len(key); i++ {
+			if key[i] < 0x20 || key[i] > 0x7e {
+				t.Fatalf("parseKey(%q) accepted a non-printable key %q", s, key)
+			}
+		}
+		var b bytes.Buffer
+		b.WriteByte('"')
+		for i := 0; i < len(key); i++ {
+			if key[i] == '"' || key[i] == '\\' {
+				b.WriteByte('\\')
+			}
+			b.WriteByte(key[i])
+		}
+		b.WriteByte('"')
+		again, err := parseKey([]string{b.String()}, false)
+		if err != nil || again != key {
+			t.Fatalf("round trip of %q: %q, %v", key, again, err)
+		}
+	})
+}
+
+func TestResponseEncoding(t *testing.T) {
+	in := storedResponse{status: 201, header: http.Header{"Content-Type": {"application/json"}, "Link": {"<a>", "<b>"}}, body: []byte(`{"id":1}`)}
+	out, err := decodeResponse(in.encode())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out.status != 201 || string(out.body) != `{"id":1}` || out.header.Get("Content-Type") != "application/json" ||
+		len(out.header.Values("Link")) != 2 || out.header.Values("Link")[1] != "<b>" {
+		t.Fatalf("decoded %+v", out)
+	}
+	for _, bad := range [][]byte{nil, {0x08}, []byte("garbage"), {0x08, 0x05}} {
+		if _, err := decodeResponse(bad); err == nil {
+			t.Errorf("decodeResponse(%x) accepted", bad)
+		}
+	}
+}

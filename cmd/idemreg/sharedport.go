@@ -1,0 +1,363 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"connectrpc.com/vanguard/vanguardgrpc"
+	"google.golang.org/grpc"
+
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
+)
+
+// The gRPC port also answers the Connect protocol (JSON and binary),
+// gRPC-Web and so plain HTTP/JSON (a Connect unary call is a POST of JSON),
+// for browsers and curl (issue 29). The gRPC path is left as it was: each
+// connection is told apart once, when it opens, and a gRPC connection goes
+// on to grpc-go's own HTTP/2 transport, with its TLS, bounds and
+// interceptors. The others go to an http.Server whose handler is
+// vanguard's transcoder over the same grpc.Server (grpc.Server.ServeHTTP),
+// so the same interceptors (authentication, authorisation, rate limits,
+// quotas, metrics, the access log) answer them, with the same error
+// details, which vanguard sends as the Connect protocol's JSON error.
+//
+// How a connection is told apart, without a byte of the gRPC path changed:
+//   - plaintext: a connection that opens with HTTP/2's client preface
+//     (gRPC, h2c) is gRPC's; any other (HTTP/1.1) is the HTTP API's;
+//   - TLS: the ClientHello is read, not answered, and a client that offers
+//     http/1.1 among its ALPN protocols (browsers, curl, fetch) is the HTTP
+//     API's, where it negotiates http/1.1; one that offers only h2 (every
+//     gRPC client) is gRPC's, whose own TLS handshake then reads the same
+//     ClientHello.
+//
+// So the HTTP API speaks HTTP/1.1. A Connect client that insists on HTTP/2
+// (connect-go or connect-node with HTTP/2 and the Connect protocol) reaches
+// grpc-go, which refuses it: such a client uses the gRPC protocol instead.
+
+// sniffTimeout bounds how long an opened connection may take to send the
+// bytes that tell which side it is for.
+const maxSniffing = 256
+
+// splitPort accepts on lis and hands each connection to the gRPC side or
+// to the HTTP side. tlsCfg is the gRPC server's TLS configuration, nil for
+// plaintext. Closing either returned listener closes lis.
+func splitPort(lis net.Listener, tlsCfg *tls.Config, timeout time.Duration, logger *slog.Logger) (grpcSide, httpSide net.Listener) {
+	p := &portSplit{lis: lis, tls: tlsCfg, timeout: timeout, logger: logger, done: make(chan struct{}),
+		sniffing: make(chan struct{}, maxSniffing)}
+	p.grpc, p.http = &sideListener{p: p, conns: make(chan net.Conn)}, &sideListener{p: p, conns: make(chan net.Conn)}
+	go p.accept()
+	return p.grpc, p.http
+}
+
+type portSplit struct {
+	lis        net.Listener
+	tls        *tls.Config
+	timeout    time.Duration
+	logger     *slog.Logger
+	grpc, http *sideListener
+	// sniffing bounds the connections being told apart, so that clients
+	// that connect and send nothing hold a slot for timeout at most, and
+	// no more than maxSniffing of them at once.
+	sniffing  chan struct{}
+	done      chan struct{}
+	closeOnce sync.Once
+	err       error
+}
+
+func (p *portSplit) accept() {
+	for {
+		p.sniffing <- struct{}{}
+		c, err := p.lis.Accept()
+		if err != nil {
+			p.close(err)
+			return
+		}
+		go func() {
+			defer func() { <-p.sniffing }()
+			p.route(c)
+		}()
+	}
+}
+
+func (p *portSplit) close(err error) {
+	p.closeOnce.Do(func() {
+		p.err = err
+		close(p.done)
+		_ = p.lis.Close()
+	})
+}
+
+// http2Preface is what an HTTP/2 client sends first (RFC 9113, 3.4).
+const http2Preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+func (p *portSplit) route(c net.Conn) {
+	_ = c.SetReadDeadline(time.Now().Add(p.timeout))
+	br := bufio.NewReader(c)
+	side, conn, err := p.tell(c, br)
+	if err != nil {
+		_ = c.Close()
+		return
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	select {
+	case side.conns <- conn:
+	case <-p.done:
+		_ = conn.Close()
+	}
+}
+
+// tell reads what it needs of c's first bytes and returns the side c is
+// for, with a conn that replays them.
+func (p *portSplit) tell(c net.Conn, br *bufio.Reader) (*sideListener, net.Conn, error) {
+	first, err := br.Peek(1)
+	if err != nil {
+		return nil, nil, err
+	}
+	if p.tls != nil && first[0] == 0x16 { // a TLS handshake record
+		var rec bytes.Buffer
+		protos, err := clientHelloProtocols(io.TeeReader(br, &rec))
+		if err != nil {
+			return nil, nil, err
+		}
+		conn := replay(c, append(rec.Bytes(), buffered(br)...))
+		if slices.Contains(protos, "http/1.1") {
+			return p.http, conn, nil // serveHTTPAPI's listener does the TLS
+		}
+		return p.grpc, conn, nil
+	}
+	for i := 1; i <= len(http2Preface); i++ {
+		b, err := br.Peek(i)
+		if err != nil {
+			return nil, nil, err
+		}
+		if b[i-1] != http2Preface[i-1] {
+			if p.tls != nil {
+				// Plaintext on a TLS port: gRPC's handshake refuses it, as
+				// before.
+				return p.grpc, replay(c, buffered(br)), nil
+			}
+			return p.http, replay(c, buffered(br)), nil
+		}
+	}
+	return p.grpc, replay(c, buffered(br)), nil
+}
+
+var errSniffed = errors.New("client hello read")
+
+// clientHelloProtocols reads a TLS ClientHello from r and returns the ALPN
+// protocols it offers. It runs crypto/tls's own parser on a connection that
+// answers nothing, and stops it once the hello is parsed.
+func clientHelloProtocols(r io.Reader) ([]string, error) {
+	var protos []string
+	var seen bool
+	srv := tls.Server(&readOnlyConn{r: r}, &tls.Config{
+		GetConfigForClient: func(h *tls.ClientHelloInfo) (*tls.Config, error) {
+			protos, seen = h.SupportedProtos, true
+			return nil, errSniffed
+		},
+	})
+	err := srv.Handshake()
+	if !seen {
+		return nil, err
+	}
+	return protos, nil
+}
+
+// readOnlyConn reads from r and drops what is written (the alert the
+// stopped handshake sends).
+type readOnlyConn struct {
+	net.Conn
+	r io.Reader
+}
+
+func (c *readOnlyConn) Read(b []byte) (int, error)           { return c.r.Read(b) }
+func (c *readOnlyConn) Write(b []byte) (int, error)          { return len(b), nil }
+func (c *readOnlyConn) Close() error                         { return nil }
+func (c *readOnlyConn) SetDeadline(time.Time) error          { return nil }
+func (c *readOnlyConn) SetReadDeadline(time.Time) error      { return nil }
+func (c *readOnlyConn) SetWriteDeadline(time.Time) error     { return nil }
+func (c *readOnlyConn) LocalAddr() net.Addr                  { return &net.TCPAddr{} }
+func (c *readOnlyConn) RemoteAddr() net.Addr                 { return &net.TCPAddr{} }
+func (c *readOnlyConn) ConnectionState() tls.ConnectionState { return tls.ConnectionState{} }
+
+// buffered returns a copy of what br has read ahead.
+func buffered(br *bufio.Reader) []byte {
+	b, _ := br.Peek(br.Buffered())
+	return bytes.Clone(b)
+}
+
+// replayConn is a connection whose first bytes were read to tell it apart:
+// reads replay them, then read the connection itself, with nothing in
+// between for the rest of its life.
+type replayConn struct {
+	net.Conn
+	head []byte
+}
+
+func replay(c net.Conn, head []byte) net.Conn { return &replayConn{Conn: c, head: head} }
+
+func (c *replayConn) Read(b []byte) (int, error) {
+	if len(c.head) == 0 {
+		return c.Conn.Read(b)
+	}
+	n := copy(b, c.head)
+	c.head = c.head[n:]
+	return n, nil
+}
+
+// sideListener is one side of the port: Accept returns the connections
+// routed to it.
+type sideListener struct {
+	p     *portSplit
+	conns chan net.Conn
+}
+
+func (l *sideListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.p.done:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *sideListener) Close() error   { l.p.close(net.ErrClosed); return nil }
+func (l *sideListener) Addr() net.Addr { return l.p.lis.Addr() }
+
+// plainJSON makes a POST of JSON to /package.Service/Method a Connect
+// unary call even without the Connect-Protocol-Version header, which
+// vanguard otherwise takes for a REST call (and the API declares no REST
+// routes): `curl -d '{...}' -H 'Content-Type: application/json'` is enough.
+//
+// A request for any other path is no API call: it is answered 404 and its
+// connection closed, as grpc-go closed any HTTP/1.1 connection before, so
+// that a scanner's requests do not hold connections for the idle timeout.
+func plainJSON(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !apiPath(r.URL.Path) {
+			w.Header().Set("Connection", "close")
+			http.NotFound(w, r)
+			return
+		}
+		if r.Method == http.MethodPost && r.Header.Get("Connect-Protocol-Version") == "" &&
+			strings.HasPrefix(r.Header.Get("Content-Type"), "application/json") {
+			r.Header.Set("Connect-Protocol-Version", "1")
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// corsOrigins parses --http-api-cors-origins: origins (scheme://host[:port],
+// no path) or "*".
+func corsOrigins(list string) ([]string, error) {
+	var out []string
+	for o := range strings.SplitSeq(list, ",") {
+		o = strings.TrimSpace(o)
+		if o == "" {
+			continue
+		}
+		if o != "*" {
+			u, err := url.Parse(o)
+			if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || (u.Path != "" && u.Path != "/") || u.RawQuery != "" {
+				return nil, fmt.Errorf("--http-api-cors-origins: %q is not an origin (scheme://host[:port]) or *", o)
+			}
+			o = u.Scheme + "://" + u.Host
+		}
+		out = append(out, o)
+	}
+	return out, nil
+}
+
+// The request headers a Connect or gRPC-Web client sends, and the
+// response headers it reads, which a cross-origin page must be allowed.
+const (
+	corsAllowHeaders = "Content-Type, Authorization, Connect-Protocol-Version, Connect-Timeout-Ms, Connect-Accept-Encoding, " +
+		"Connect-Content-Encoding, Grpc-Timeout, Grpc-Accept-Encoding, Grpc-Encoding, X-Grpc-Web, X-User-Agent"
+	corsExposeHeaders = "Grpc-Status, Grpc-Message, Grpc-Status-Details-Bin, Connect-Content-Encoding, Grpc-Encoding, Content-Encoding"
+)
+
+// withCORS answers the preflight of, and marks the answers to, pages of
+// the allowed origins. No cookie is ever read, so credentials are not
+// allowed: a page sends its bearer token in Authorization.
+func withCORS(origins []string, next http.Handler) http.Handler {
+	if len(origins) == 0 {
+		return next
+	}
+	anyOrigin := slices.Contains(origins, "*")
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		origin := r.Header.Get("Origin")
+		if origin == "" || (!anyOrigin && !slices.Contains(origins, origin)) {
+			next.ServeHTTP(w, r)
+			return
+		}
+		h := w.Header()
+		h.Set("Access-Control-Allow-Origin", origin)
+		h.Add("Vary", "Origin")
+		h.Set("Access-Control-Expose-Headers", corsExposeHeaders)
+		if r.Method == http.MethodOptions && r.Header.Get("Access-Control-Request-Method") != "" {
+			h.Set("Access-Control-Allow-Methods", "POST, GET")
+			h.Set("Access-Control-Allow-Headers", corsAllowHeaders)
+			h.Set("Access-Control-Max-Age", "7200")
+			w.WriteHeader(http.StatusNoContent)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// apiPath: /package.Service/Method, the only paths the API has.
+func apiPath(p string) bool {
+	svc, method, ok := strings.Cut(strings.TrimPrefix(p, "/"), "/")
+	return ok && strings.HasPrefix(p, "/") && strings.Contains(svc, ".") && method != "" && !strings.Contains(method, "/")
+}
+
+// serveHTTPAPI serves the HTTP API (Connect, gRPC-Web, HTTP/JSON) of g on
+// lis under the HTTP listeners' bounds, until stop is called; over TLS
+// with tlsCfg's certificates and client CA (negotiating http/1.1) when it
+// is not nil, so that a client certificate is the same identity as on
+// gRPC.
+func serveHTTPAPI(g *grpc.Server, lis net.Listener, tlsCfg *tls.Config, origins []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
+	h, err := vanguardgrpc.NewTranscoder(g)
+	if err != nil {
+		return nil, err
+	}
+	srv := &http.Server{
+		Handler:           withCORS(origins, plainJSON(h)),
+		ReadHeaderTimeout: bounds.ReadHeaderTimeout,
+		ReadTimeout:       bounds.ReadTimeout,
+		// A Claim may wait up to 30 s for another holder (MaxWait).
+		WriteTimeout:   max(bounds.WriteTimeout, time.Minute),
+		IdleTimeout:    bounds.IdleTimeout,
+		MaxHeaderBytes: bounds.MaxHeaderBytes,
+		ErrorLog:       slog.NewLogLogger(logger.With("listener", "http-api").Handler(), slog.LevelDebug),
+	}
+	lis = httpserve.CapConnections(lis, bounds.MaxConnections)
+	if tlsCfg != nil {
+		cfg := tlsCfg.Clone()
+		cfg.NextProtos = []string{"http/1.1"}
+		lis = tls.NewListener(lis, cfg) // *tls.Conn, so that http.Server sets Request.TLS
+	}
+	go func() {
+		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
+			logger.Error("listener failed", "listener", "http-api", "error", err)
+		}
+	}()
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+	}, nil
+}
