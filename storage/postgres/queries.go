@@ -207,24 +207,24 @@ var (
 // the batcher sorts by key, so concurrent batches rarely deadlock.
 func claimStatement(input string) string {
 	return inlineClock(`
-WITH ` + clock(8) + `,
-i AS ` + input + `,
+WITH `+clock(8)+`,
+i AS `+input+`,
 cur AS (
-    SELECT i.ord, ` + recordColumnsOf("r") + `
-    FROM i JOIN idemreg_records r ON ` + sameKey("r", "i") + `
+    SELECT i.ord, `+recordColumnsOf("r")+`
+    FROM i JOIN idemreg_records r ON `+sameKey("r", "i")+`
 ),
 w AS (
-    INSERT INTO idemreg_records AS r (` + recordColumns + `, max_attempts)
+    INSERT INTO idemreg_records AS r (`+recordColumns+`, max_attempts)
     SELECT i.consumer, i.kind, i.key,
         1,                                        -- StateInProgress
         i.fingerprint,
-        ` + nextToken("0", "c.now") + `,  -- NextToken(0, now)
+        `+nextToken("0", "c.now")+`,  -- NextToken(0, now)
         1,                                        -- Attempt
         i.holder,
         c.now,                                    -- CreatedAt
-        c.now + ` + micros("i.lease_us") + `,                 -- now + Lease
+        c.now + `+micros("i.lease_us")+`,                 -- now + Lease
         NULL,
-        c.now + ` + micros("i.lease_us + i.retention_us") + `,  -- now + Lease + Retention
+        c.now + `+micros("i.lease_us + i.retention_us")+`,  -- now + Lease + Retention
         i.retention_us,
         NULL,
         i.request_id,
@@ -232,16 +232,16 @@ w AS (
         '',                                       -- ParkReason
         i.max_attempts                            -- read back as excluded.max_attempts
     FROM i CROSS JOIN clock c
-    WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.ord = i.ord AND ` + claimAnswersWithoutWrite("cur", "c.now", "i.fingerprint") + `)
+    WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.ord = i.ord AND `+claimAnswersWithoutWrite("cur", "c.now", "i.fingerprint")+`)
     ORDER BY i.ord
-` + claimOnConflict + `    RETURNING ` + recordColumnsOf("r") + `
+`+claimOnConflict+`    RETURNING `+recordColumnsOf("r")+`
 )
-SELECT i.ord, true, c.now, ` + recordColumnsOf("w") + `
-FROM w JOIN i ON ` + sameKey("w", "i") + ` CROSS JOIN clock c
+SELECT i.ord, true, c.now, `+recordColumnsOf("w")+`
+FROM w JOIN i ON `+sameKey("w", "i")+` CROSS JOIN clock c
 UNION ALL
-SELECT cur.ord, false, c.now, ` + recordColumnsOf("cur") + `
+SELECT cur.ord, false, c.now, `+recordColumnsOf("cur")+`
 FROM cur CROSS JOIN clock c
-WHERE NOT EXISTS (SELECT 1 FROM w WHERE ` + sameKey("w", "cur") + `)`, 8)
+WHERE NOT EXISTS (SELECT 1 FROM w WHERE `+sameKey("w", "cur")+`)`, 8)
 }
 
 // claimAnswersWithoutWrite is the negation of DecideClaim's write
@@ -314,22 +314,22 @@ var claimParks = "(" + live("r", "excluded.created_at") + " AND " + attemptsExha
 // repeat must see the stored result).
 func fencedStatement(offset int, input, set, where, preImage string) string {
 	return inlineClock(`
-WITH ` + clock(offset) + `,
-i AS ` + input + `,
+WITH `+clock(offset)+`,
+i AS `+input+`,
 w AS (
     UPDATE idemreg_records AS r SET
-` + set + `
+`+set+`
     FROM i CROSS JOIN clock c
-    WHERE ` + sameKey("r", "i") + `
-      AND ` + where + `
-    RETURNING ` + recordColumnsNoResultOf("r") + `
+    WHERE `+sameKey("r", "i")+`
+      AND `+where+`
+    RETURNING `+recordColumnsNoResultOf("r")+`
 )
-SELECT i.ord, true, c.now, ` + recordColumnsOf("w") + `
-FROM w JOIN i ON ` + sameKey("w", "i") + ` CROSS JOIN clock c
+SELECT i.ord, true, c.now, `+recordColumnsOf("w")+`
+FROM w JOIN i ON `+sameKey("w", "i")+` CROSS JOIN clock c
 UNION ALL
-SELECT i.ord, false, c.now, ` + preImage + `
-FROM i JOIN idemreg_records r ON ` + sameKey("r", "i") + ` CROSS JOIN clock c
-WHERE NOT EXISTS (SELECT 1 FROM w WHERE ` + sameKey("w", "i") + `)`, offset)
+SELECT i.ord, false, c.now, `+preImage+`
+FROM i JOIN idemreg_records r ON `+sameKey("r", "i")+` CROSS JOIN clock c
+WHERE NOT EXISTS (SELECT 1 FROM w WHERE `+sameKey("w", "i")+`)`, offset)
 }
 
 // Complete: $1 consumer, $2 kind, $3 key, $4 token, $5 result (arrays for
