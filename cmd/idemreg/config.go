@@ -12,6 +12,7 @@ import (
 	"unicode"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/sharedport"
 	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
@@ -283,7 +284,7 @@ func (c *config) Validate() error {
 	if c.DatabaseURL != "" {
 		errs = append(errs, validDatabaseURL(c.DatabaseURL))
 	}
-	if _, err := corsOrigins(c.HTTPAPICORSOrigins); err != nil {
+	if _, err := sharedport.CORSOrigins(c.HTTPAPICORSOrigins); err != nil {
 		errs = append(errs, err)
 	}
 	if c.LogFormat != "json" && c.LogFormat != "text" {

@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/sharedport"
 	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
@@ -115,9 +116,9 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	grpcLis := lis
 	if !cfg.DisableHTTPAPI {
 		var httpLis net.Listener
-		grpcLis, httpLis = splitPort(lis, srvCfg.TLS, cfg.Server.Bounds.ConnectionTimeout, logger)
-		origins, _ := corsOrigins(cfg.HTTPAPICORSOrigins) // checked by Validate
-		stopAPI, err := serveHTTPAPI(srv.GRPCServer(), httpLis, srvCfg.TLS, origins, cfg.HTTP, logger)
+		grpcLis, httpLis = sharedport.Split(lis, srvCfg.TLS, cfg.Server.Bounds.ConnectionTimeout, logger)
+		origins, _ := sharedport.CORSOrigins(cfg.HTTPAPICORSOrigins) // checked by Validate
+		stopAPI, err := sharedport.ServeAPI(srv.GRPCServer(), httpLis, srvCfg.TLS, origins, cfg.HTTP, logger)
 		if err != nil {
 			_ = lis.Close()
 			return err

@@ -1,4 +1,27 @@
-package main
+// Package sharedport makes the gRPC port also answer the Connect protocol
+// (JSON and binary), gRPC-Web and so plain HTTP/JSON (a Connect unary call
+// is a POST of JSON), for browsers and curl. The gRPC path is left as it
+// was: each connection is told apart once, when it opens, and a gRPC
+// connection goes on to grpc-go's own HTTP/2 transport, with its TLS,
+// bounds and interceptors. The others go to an http.Server whose handler is
+// vanguard's transcoder over the same grpc.Server (grpc.Server.ServeHTTP),
+// so the same interceptors (authentication, authorisation, rate limits,
+// quotas, metrics, the access log) answer them, with the same error
+// details, which vanguard sends as the Connect protocol's JSON error.
+//
+// How a connection is told apart, without a byte of the gRPC path changed:
+//   - plaintext: a connection that opens with HTTP/2's client preface
+//     (gRPC, h2c) is gRPC's; any other (HTTP/1.1) is the HTTP API's;
+//   - TLS: the ClientHello is read, not answered, and a client that offers
+//     http/1.1 among its ALPN protocols (browsers, curl, fetch) is the HTTP
+//     API's, where it negotiates http/1.1; one that offers only h2 (every
+//     gRPC client) is gRPC's, whose own TLS handshake then reads the same
+//     ClientHello.
+//
+// So the HTTP API speaks HTTP/1.1. A Connect client that insists on HTTP/2
+// (connect-go or connect-node with HTTP/2 and the Connect protocol) reaches
+// grpc-go, which refuses it: such a client uses the gRPC protocol instead.
+package sharedport
 
 import (
 	"bufio"
@@ -23,38 +46,14 @@ import (
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 )
 
-// The gRPC port also answers the Connect protocol (JSON and binary),
-// gRPC-Web and so plain HTTP/JSON (a Connect unary call is a POST of JSON),
-// for browsers and curl (issue 29). The gRPC path is left as it was: each
-// connection is told apart once, when it opens, and a gRPC connection goes
-// on to grpc-go's own HTTP/2 transport, with its TLS, bounds and
-// interceptors. The others go to an http.Server whose handler is
-// vanguard's transcoder over the same grpc.Server (grpc.Server.ServeHTTP),
-// so the same interceptors (authentication, authorisation, rate limits,
-// quotas, metrics, the access log) answer them, with the same error
-// details, which vanguard sends as the Connect protocol's JSON error.
-//
-// How a connection is told apart, without a byte of the gRPC path changed:
-//   - plaintext: a connection that opens with HTTP/2's client preface
-//     (gRPC, h2c) is gRPC's; any other (HTTP/1.1) is the HTTP API's;
-//   - TLS: the ClientHello is read, not answered, and a client that offers
-//     http/1.1 among its ALPN protocols (browsers, curl, fetch) is the HTTP
-//     API's, where it negotiates http/1.1; one that offers only h2 (every
-//     gRPC client) is gRPC's, whose own TLS handshake then reads the same
-//     ClientHello.
-//
-// So the HTTP API speaks HTTP/1.1. A Connect client that insists on HTTP/2
-// (connect-go or connect-node with HTTP/2 and the Connect protocol) reaches
-// grpc-go, which refuses it: such a client uses the gRPC protocol instead.
-
-// sniffTimeout bounds how long an opened connection may take to send the
-// bytes that tell which side it is for.
+// maxSniffing bounds the opened connections being told apart at once (each
+// for at most Split's timeout).
 const maxSniffing = 256
 
-// splitPort accepts on lis and hands each connection to the gRPC side or
+// Split accepts on lis and hands each connection to the gRPC side or
 // to the HTTP side. tlsCfg is the gRPC server's TLS configuration, nil for
 // plaintext. Closing either returned listener closes lis.
-func splitPort(lis net.Listener, tlsCfg *tls.Config, timeout time.Duration, logger *slog.Logger) (grpcSide, httpSide net.Listener) {
+func Split(lis net.Listener, tlsCfg *tls.Config, timeout time.Duration, logger *slog.Logger) (grpcSide, httpSide net.Listener) {
 	p := &portSplit{lis: lis, tls: tlsCfg, timeout: timeout, logger: logger, done: make(chan struct{}),
 		sniffing: make(chan struct{}, maxSniffing)}
 	p.grpc, p.http = &sideListener{p: p, conns: make(chan net.Conn)}, &sideListener{p: p, conns: make(chan net.Conn)}
@@ -260,9 +259,9 @@ func plainJSON(next http.Handler) http.Handler {
 	})
 }
 
-// corsOrigins parses --http-api-cors-origins: origins (scheme://host[:port],
+// CORSOrigins parses --http-api-cors-origins: origins (scheme://host[:port],
 // no path) or "*".
-func corsOrigins(list string) ([]string, error) {
+func CORSOrigins(list string) ([]string, error) {
 	var out []string
 	for o := range strings.SplitSeq(list, ",") {
 		o = strings.TrimSpace(o)
@@ -324,12 +323,12 @@ func apiPath(p string) bool {
 	return ok && strings.HasPrefix(p, "/") && strings.Contains(svc, ".") && method != "" && !strings.Contains(method, "/")
 }
 
-// serveHTTPAPI serves the HTTP API (Connect, gRPC-Web, HTTP/JSON) of g on
+// ServeAPI serves the HTTP API (Connect, gRPC-Web, HTTP/JSON) of g on
 // lis under the HTTP listeners' bounds, until stop is called; over TLS
 // with tlsCfg's certificates and client CA (negotiating http/1.1) when it
 // is not nil, so that a client certificate is the same identity as on
 // gRPC.
-func serveHTTPAPI(g *grpc.Server, lis net.Listener, tlsCfg *tls.Config, origins []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
+func ServeAPI(g *grpc.Server, lis net.Listener, tlsCfg *tls.Config, origins []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
 	h, err := vanguardgrpc.NewTranscoder(g)
 	if err != nil {
 		return nil, err

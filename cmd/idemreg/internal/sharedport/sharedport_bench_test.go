@@ -1,4 +1,4 @@
-package main
+package sharedport
 
 import (
 	"log/slog"
@@ -17,25 +17,25 @@ import (
 )
 
 // BenchmarkGRPCTransport measures what the two ways of answering HTTP on
-// the gRPC port cost a gRPC call (issue 29), with a health Check as the
+// the gRPC port cost a gRPC call, with a health Check as the
 // call, over loopback, from parallel callers on one connection:
 //
 //   - native: grpc.Server.Serve on the listener, as without the HTTP API;
 //
-//   - split: the same, behind splitPort (what serve does): the connection
+//   - split: the same, behind Split (what serve does): the connection
 //     is told apart when it opens, then runs on grpc-go's transport;
 //
 //   - servehttp: every connection through net/http's HTTP/2 server (h2c)
 //     and grpc.Server.ServeHTTP, which is what a handler in front of all
 //     calls (vanguard or connect-go serving gRPC too) would make of it.
 //
-//     go test -run '^$' -bench GRPCTransport -benchmem -count 3 ./cmd/idemreg/
+//     go test -run '^$' -bench GRPCTransport -benchmem -count 3 ./cmd/idemreg/internal/sharedport/
 func BenchmarkGRPCTransport(b *testing.B) {
 	serve := map[string]func(b *testing.B, g *grpc.Server, lis net.Listener){
 		"native": func(b *testing.B, g *grpc.Server, lis net.Listener) { go func() { _ = g.Serve(lis) }() },
 		"split": func(b *testing.B, g *grpc.Server, lis net.Listener) {
-			grpcLis, httpLis := splitPort(lis, nil, time.Second, slog.New(slog.DiscardHandler))
-			stop, err := serveHTTPAPI(g, httpLis, nil, nil, httpserve.DefaultBounds(), slog.New(slog.DiscardHandler))
+			grpcLis, httpLis := Split(lis, nil, time.Second, slog.New(slog.DiscardHandler))
+			stop, err := ServeAPI(g, httpLis, nil, nil, httpserve.DefaultBounds(), slog.New(slog.DiscardHandler))
 			require.NoError(b, err)
 			b.Cleanup(stop)
 			go func() { _ = g.Serve(grpcLis) }()
