@@ -10,7 +10,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
+	"time"
 )
 
 // FS is a mounted tmpfs.
@@ -88,4 +90,41 @@ func (f *FS) Fill(t testing.TB, name string) string {
 		}
 	}
 	return path
+}
+
+// Hog fills the file system like Fill, then keeps taking whatever space
+// appears (a writer that always wants more), until stop: a store that
+// frees files to make room cannot get ahead of it.
+func (f *FS) Hog(t testing.TB, name string) (path string, stop func()) {
+	t.Helper()
+	path = f.Fill(t, name)
+	file, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		chunk := make([]byte, 512)
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			if _, err := file.Write(chunk); err != nil {
+				time.Sleep(100 * time.Microsecond)
+			}
+		}
+	})
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			close(done)
+			wg.Wait()
+			_ = file.Close()
+		})
+	}
+	t.Cleanup(stop)
+	return path, stop
 }
