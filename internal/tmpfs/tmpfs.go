@@ -32,17 +32,22 @@ func Mount(t testing.TB, size int64) *FS {
 		}
 		t.Skip(msg)
 	}
-	dir := filepath.Join(t.TempDir(), "tmpfs")
-	if err := os.Mkdir(dir, 0o755); err != nil {
+	// Not under t.TempDir(), whose directories only their owner may
+	// enter: a PostgreSQL server reaches its tablespace as its own user.
+	dir, err := os.MkdirTemp("", "idemreg-tmpfs-")
+	if err != nil {
 		t.Fatal(err)
 	}
 	if err := mount(dir, size, false); err != nil {
+		_ = os.Remove(dir)
 		t.Fatalf("mount a tmpfs of %d bytes on %s: %v", size, dir, err)
 	}
 	t.Cleanup(func() {
 		if err := unmount(dir); err != nil {
 			t.Errorf("unmount %s: %v", dir, err)
+			return
 		}
+		_ = os.Remove(dir)
 	})
 	return &FS{Dir: dir}
 }

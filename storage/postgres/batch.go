@@ -384,7 +384,7 @@ func (b *batcher[P, R]) send(batch []*call[P, R]) {
 		b.split(live)
 		return
 	}
-	err = fmt.Errorf("%w: postgres %s: %w", storage.ErrUnavailable, b.op, detachContext(err))
+	err = failure(b.op, err)
 	for _, cl := range live {
 		cl.done <- outcome[R]{err: err}
 	}

@@ -114,7 +114,9 @@
 // insert of the same key, so single statements need the loop too. Errors
 // are wrapped with %w throughout so the SQLSTATE reaches the classifier and
 // the logs. A caller whose context ended gets an error matching ctx.Err();
-// every other failure wraps storage.ErrUnavailable and its cause. Failures
+// every other failure wraps storage.ErrUnavailable and its cause, but
+// SQLSTATE class 53 (disk full, out of memory, too many connections), which
+// is a *storage.ExhaustedError naming the resource. Failures
 // that may have committed (a connection lost during the statement) are not
 // retried here; every call is safe to repeat (a repeated Complete with the
 // same token returns the stored record), and the caller decides.

@@ -2,6 +2,7 @@ package postgres
 
 import (
 	"context"
+	"errors"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/multitracer"
@@ -66,4 +67,51 @@ func (o *options) queryTracer() (pgx.QueryTracer, error) {
 		return own, nil
 	}
 	return multitracer.New(own, o.tracer), nil
+}
+
+// The pool's instruments: how close the replica is to its connections'
+// bound, and how long calls wait for one (Prometheus:
+// idemreg_store_pool_connections, idemreg_store_pool_max_connections,
+// idemreg_store_pool_empty_acquires_total,
+// idemreg_store_pool_acquire_wait_seconds_total). A wait that grows means
+// the pool is the bottleneck: --max-in-flight turns the excess into
+// OVERLOADED before it queues here; the database's own bound
+// (max_connections) is answered CAPACITY_EXHAUSTED, resource connections.
+const (
+	MetricPoolConnections    = "idemreg.store.pool.connections"
+	MetricPoolMaxConnections = "idemreg.store.pool.max_connections"
+	MetricPoolEmptyAcquires  = "idemreg.store.pool.empty_acquires"
+	MetricPoolAcquireWait    = "idemreg.store.pool.acquire_wait"
+)
+
+// instrumentPool registers the pool's instruments until Close.
+func (s *Store) instrumentPool(mp metric.MeterProvider) (metric.Registration, error) {
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	m := mp.Meter(MeterName)
+	conns, err1 := m.Int64ObservableGauge(MetricPoolConnections, metric.WithUnit("{connection}"),
+		metric.WithDescription("Connections of the store's pool, by state (acquired, idle, constructing)."))
+	maxConns, err2 := m.Int64ObservableGauge(MetricPoolMaxConnections, metric.WithUnit("{connection}"),
+		metric.WithDescription("The most connections the store's pool opens (pool_max_conns)."))
+	empty, err3 := m.Int64ObservableCounter(MetricPoolEmptyAcquires, metric.WithUnit("{acquire}"),
+		metric.WithDescription("Acquires of a connection that found none idle and waited or opened one."))
+	wait, err4 := m.Float64ObservableCounter(MetricPoolAcquireWait, metric.WithUnit("s"),
+		metric.WithDescription("Time calls spent waiting for a connection of the store's pool."))
+	if err := errors.Join(err1, err2, err3, err4); err != nil {
+		return nil, err
+	}
+	acquired := metric.WithAttributes(attribute.String("state", "acquired"))
+	idle := metric.WithAttributes(attribute.String("state", "idle"))
+	constructing := metric.WithAttributes(attribute.String("state", "constructing"))
+	return m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		st := s.pool.Stat()
+		o.ObserveInt64(conns, int64(st.AcquiredConns()), acquired)
+		o.ObserveInt64(conns, int64(st.IdleConns()), idle)
+		o.ObserveInt64(conns, int64(st.ConstructingConns()), constructing)
+		o.ObserveInt64(maxConns, int64(st.MaxConns()))
+		o.ObserveInt64(empty, st.EmptyAcquireCount())
+		o.ObserveFloat64(wait, st.EmptyAcquireWaitTime().Seconds())
+		return nil
+	}, conns, maxConns, empty, wait)
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"github.com/cockroachdb/cockroach-go/v2/crdb"
@@ -37,8 +38,9 @@ const (
 // ends.
 //
 // The error contract: when ctx has ended, the error satisfies errors.Is with
-// ctx.Err(); any other failure wraps storage.ErrUnavailable and the cause,
-// so the SQLSTATE stays inspectable for logs. No SQL text is added.
+// ctx.Err(); any other failure wraps storage.ErrUnavailable (or, for
+// SQLSTATE class 53, is a *storage.ExhaustedError) and the cause, so the
+// SQLSTATE stays inspectable for logs. No SQL text is added.
 func (s *Store) run(ctx context.Context, op string, fn func(context.Context) error) error {
 	attempt := 0
 	err := crdb.ExecuteCtx(crdb.WithMaxRetries(ctx, s.maxRetries), func(ctx context.Context, _ ...any) error {
@@ -67,7 +69,38 @@ func (s *Store) run(ctx context.Context, op string, fn func(context.Context) err
 		}
 		return fmt.Errorf("postgres %s: %w: %w", op, ctxErr, err)
 	}
+	return failure(op, err)
+}
+
+// failure is the answer to a statement that failed for a reason of the
+// database's, not the caller's: ErrExhausted for SQLSTATE class 53
+// (insufficient resources: the database's disk, memory or connections),
+// which retrying at once does not cure, else ErrUnavailable. Either wraps
+// the cause, whose SQLSTATE is logged, never sent.
+func failure(op string, err error) error {
+	code := sqlState(err)
+	if r, ok := exhaustedResource(code); ok {
+		return &storage.ExhaustedError{Resource: r, Detail: "postgres " + op + ": SQLSTATE " + code, Err: detachContext(err)}
+	}
 	return fmt.Errorf("%w: postgres %s: %w", storage.ErrUnavailable, op, detachContext(err))
+}
+
+// exhaustedResource is the resource a SQLSTATE of class 53 ran out of.
+func exhaustedResource(code string) (storage.Resource, bool) {
+	switch code {
+	case "53100": // disk_full
+		return storage.ResourceDisk, true
+	case "53200": // out_of_memory
+		return storage.ResourceMemory, true
+	case "53300": // too_many_connections
+		return storage.ResourceConnections, true
+	}
+	if strings.HasPrefix(code, "53") {
+		// 53400 configuration_limit_exceeded (a lock table, say), and
+		// what later versions add: memory of the server's own.
+		return storage.ResourceMemory, true
+	}
+	return "", false
 }
 
 // backoff is the pause before the given retry (1 for the first).

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemreg/idemreg/storage"
 )
@@ -17,7 +18,9 @@ import (
 // Store is the SQL storage backend. It is safe for concurrent use, and any
 // number of Stores in any number of processes may share one database.
 type Store struct {
-	pool        *pgxpool.Pool
+	pool *pgxpool.Pool
+	// poolMetrics is the registration of the pool's instruments.
+	poolMetrics metric.Registration
 	clockOffset func() time.Duration
 	maxRetries  int
 	logger      *slog.Logger
@@ -100,6 +103,10 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		func(p storage.ClaimParams) storage.Key { return p.Key }, claimBytes, s.claimAlone, s.claimBatch)
 	s.completes = newBatcher(s.coalescer, s, "complete",
 		func(p storage.CompleteParams) storage.Key { return p.Key }, completeBytes, s.completeAlone, s.completeBatch)
+	if s.poolMetrics, err = s.instrumentPool(o.meterProvider); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("postgres: metrics: %w", err)
+	}
 	return s, nil
 }
 
@@ -144,6 +151,7 @@ func prepare(ctx context.Context, conn *pgx.Conn) error {
 
 // Close closes the pool's connections.
 func (s *Store) Close() error {
+	_ = s.poolMetrics.Unregister()
 	s.pool.Close()
 	return nil
 }
