@@ -250,8 +250,8 @@ func (s *Store) instrument(mp metric.MeterProvider) (metric.Registration, error)
 	total := gauge(MetricDiskTotal, "By", "Size of the embedded store's file system.")
 	reserve := gauge(MetricDiskReserve, "By", "Free space below which the embedded store refuses new attempts (and, below half of it, large results).")
 	size := gauge(MetricSize, "By", "Size of the embedded store's files.")
-	refusing := gauge(MetricDiskRefusing, "1", "1 while the embedded store refuses new attempts for lack of disk space, 2 while it refuses large results too, else 0.")
-	failed := gauge(MetricFailed, "1", "1 once the embedded store failed for good and needs a restart.")
+	refusing := gauge(MetricDiskRefusing, "{level}", "1 while the embedded store refuses new attempts for lack of disk space, 2 while it refuses large results too, else 0.")
+	failed := gauge(MetricFailed, "{failed}", "1 once the embedded store failed for good and needs a restart.")
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
