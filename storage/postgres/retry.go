@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/cockroachdb/cockroach-go/v2/crdb"
@@ -81,6 +82,10 @@ func failure(op string, err error) error {
 	code := sqlState(err)
 	if r, ok := exhaustedResource(code); ok {
 		return &storage.ExhaustedError{Resource: r, Detail: "postgres " + op + ": SQLSTATE " + code, Err: detachContext(err)}
+	}
+	if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+		// A new connection's socket: this process is at its limit.
+		return &storage.ExhaustedError{Resource: storage.ResourceFileDescriptors, Detail: "postgres " + op + ": too many open files", Err: detachContext(err)}
 	}
 	return fmt.Errorf("%w: postgres %s: %w", storage.ErrUnavailable, op, detachContext(err))
 }
