@@ -91,6 +91,10 @@ func (s *Service) BatchClaim(ctx context.Context, req *idemregv1.BatchClaimReque
 		if named[p.Key] > 1 {
 			wait = 0
 		}
+		if err := s.memory.refuse(); err != nil {
+			fail(i, s.toStatus(ctx, "BatchClaim", p.Key, err))
+			continue
+		}
 		// Each item's quota on its own, before the store: a refused item
 		// is that item's answer, as its unary Claim's would be.
 		r, err := s.quotas.Admit(ctx, s.store, identityName(ctx), s.policyFor(ctx, p.Consumer), p)

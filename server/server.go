@@ -196,6 +196,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	go s.watchHealth(ctx)
 	loops.Go(func() { s.svc.run(ctx, s.cfg.QuotaRefresh) })
 	loops.Go(func() { s.parked.run(ctx, s.cfg.ParkedCountInterval) })
+	loops.Go(func() { s.svc.memory.run(ctx) })
 
 	lis = s.limitConnections("grpc", lis)
 	served := make(chan error, 1)

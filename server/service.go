@@ -36,7 +36,9 @@ type Service struct {
 	waiters  *waiting.Hub
 	recheck  time.Duration // DefaultWaitRecheck
 	// quotas follow the usage of the consumers with a quota (quota.go).
-	quotas  *quota.Quotas
+	quotas *quota.Quotas
+	// memory refuses Claims while the heap is near its limit (memory.go).
+	memory  *memoryGuard
 	metrics *metrics
 }
 
@@ -110,7 +112,7 @@ func newService(store *storechain.Chain, limits Limits, policies func() *policy.
 	maxWaiters := cmp.Or(b.maxWaiters, DefaultMaxWaiters)
 	s := &Service{store: store, limits: limits, policies: policies, secrets: secrets,
 		waiters: waiting.NewHub(maxWaiters, b.waitersPerIdentity(maxWaiters)), recheck: cmp.Or(b.recheck, DefaultWaitRecheck),
-		metrics: m, statuses: statuses{logger: logger}}
+		metrics: m, statuses: statuses{logger: logger}, memory: &memoryGuard{logger: logger}}
 	s.quotas = quota.New(store.UsageCounter(), func(c string) policy.Policy { return s.policies().For(c) },
 		cmp.Or(b.maxQuotaConsumersPerIdentity, DefaultMaxQuotaConsumersPerIdentity), logger)
 	return s, nil
@@ -138,6 +140,9 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 	// that nothing is left to give back when it fails.
 	key, err := s.secrets.Issuer(ctx)
 	if err != nil {
+		return nil, s.toStatus(ctx, "Claim", p.Key, err)
+	}
+	if err := s.memory.refuse(); err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
 	r, err := s.quotas.Admit(ctx, s.store, identityName(ctx), s.policyFor(ctx, p.Consumer), p)

@@ -5,10 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
+	"runtime"
+	"runtime/debug"
+	runtimemetrics "runtime/metrics"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
@@ -48,6 +54,10 @@ func TestClassify(t *testing.T) {
 		{"cancelled", fmt.Errorf("%w: %w", context.Canceled, storage.ErrUnavailable), idemregv1.ErrorReason_ERROR_REASON_CANCELED, "canceled", ""},
 		{"overloaded", storechain.ErrOverloaded, idemregv1.ErrorReason_ERROR_REASON_OVERLOADED, "internal", ""},
 		{"an identity's share", &storechain.ShareExceeded{Identity: "billing", Share: 2}, idemregv1.ErrorReason_ERROR_REASON_OVERLOADED, "internal", ""},
+		{"disk below the reserve", fmt.Errorf("pebble claim: %w", &storage.ExhaustedError{Resource: storage.ResourceDisk}), idemregv1.ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED, "exhausted", ""},
+		{"database disk full", &storage.ExhaustedError{Resource: storage.ResourceDisk, Err: errors.New("SQLSTATE 53100")}, idemregv1.ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED, "exhausted", ""},
+		{"too many connections", &storage.ExhaustedError{Resource: storage.ResourceConnections}, idemregv1.ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED, "exhausted", ""},
+		{"store failed for good", fmt.Errorf("%w: pebble: %w", storage.ErrUnavailable, storage.ErrFailed), idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE, "unavailable", "failed"},
 		{"anything else", errors.New("decoding stored result"), idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -87,4 +97,61 @@ func TestAnswerReasonOfARunningRequest(t *testing.T) {
 	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_CANCELED, reason.Answer(running, context.Canceled))
 	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST, reason.Answer(running, storage.ErrLeaseLost))
 	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_UNSPECIFIED, reason.Answer(running, nil))
+}
+
+// TestCapacityExhaustedStatus: a short resource is RESOURCE_EXHAUSTED,
+// CAPACITY_EXHAUSTED naming the resource, with a RetryInfo that says
+// retrying at once does not help (connections free up sooner than
+// disks); a store that failed for good is UNAVAILABLE with RetryInfo.
+func TestCapacityExhaustedStatus(t *testing.T) {
+	svc := &Service{statuses: statuses{logger: slog.New(slog.DiscardHandler)}}
+	for _, tc := range []struct {
+		name     string
+		err      error
+		code     codes.Code
+		resource string
+		retry    time.Duration
+	}{
+		{"disk", &storage.ExhaustedError{Resource: storage.ResourceDisk}, codes.ResourceExhausted, "disk", exhaustedRetryAfter},
+		{"memory", &storage.ExhaustedError{Resource: storage.ResourceMemory}, codes.ResourceExhausted, "memory", exhaustedRetryAfter},
+		{"connections", &storage.ExhaustedError{Resource: storage.ResourceConnections}, codes.ResourceExhausted, "connections", connectionsRetryAfter},
+		{"file descriptors", &storage.ExhaustedError{Resource: storage.ResourceFileDescriptors}, codes.ResourceExhausted, "file_descriptors", exhaustedRetryAfter},
+		{"failed", fmt.Errorf("%w: %w", storage.ErrUnavailable, storage.ErrFailed), codes.Unavailable, "", unavailableRetryAfter},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			st := status.Convert(svc.toStatus(t.Context(), "Claim", storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: "k"}, tc.err))
+			require.Equal(t, tc.code, st.Code())
+			var retry time.Duration
+			for _, d := range st.Details() {
+				switch d := d.(type) {
+				case *errdetails.ErrorInfo:
+					require.Equal(t, tc.resource, d.GetMetadata()["resource"])
+				case *errdetails.RetryInfo:
+					retry = d.GetRetryDelay().AsDuration()
+				}
+			}
+			require.Equal(t, tc.retry, retry)
+		})
+	}
+}
+
+// TestMemoryGuard: with the memory limit just above the live heap, Claims
+// are refused (CAPACITY_EXHAUSTED, memory); with none, they are not.
+func TestMemoryGuard(t *testing.T) {
+	prev := debug.SetMemoryLimit(-1)
+	t.Cleanup(func() { debug.SetMemoryLimit(prev) })
+	runtime.GC()
+	s := []runtimemetrics.Sample{{Name: "/gc/heap/live:bytes"}}
+	runtimemetrics.Read(s)
+	g := &memoryGuard{logger: slog.New(slog.DiscardHandler)}
+	debug.SetMemoryLimit(int64(float64(s[0].Value.Uint64()) / (memoryRefuseRatio + 0.02)))
+	g.measure()
+	err := g.refuse()
+	require.ErrorIs(t, err, storage.ErrExhausted)
+	var ex *storage.ExhaustedError
+	require.ErrorAs(t, err, &ex)
+	require.Equal(t, storage.ResourceMemory, ex.Resource)
+	debug.SetMemoryLimit(math.MaxInt64)
+	g.measure()
+	require.NoError(t, g.refuse())
 }
