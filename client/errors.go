@@ -71,6 +71,12 @@ const (
 	// ReasonMalformedRequest (code INVALID_ARGUMENT): the request did not
 	// decode as its protobuf message; it returns ErrInvalidArgument.
 	ReasonMalformedRequest = idemregv1.ReasonMalformedRequest
+	// ReasonCapacityExhausted (code RESOURCE_EXHAUSTED, with RetryInfo and
+	// metadata resource: disk, memory, connections, file_descriptors):
+	// the registry or its store is short of a resource; Claims that would
+	// start work are refused while Completes, Releases and Extends of held
+	// keys go on. It returns ErrCapacityExhausted.
+	ReasonCapacityExhausted = idemregv1.ReasonCapacityExhausted
 
 	// ReasonInProgress (code ABORTED, with RetryInfo) is the interceptors'
 	// answer to a duplicate that arrives while the first call still runs.
@@ -122,6 +128,11 @@ var (
 	// records expire; retrying soon does not help.
 	ErrQuotaExceeded = errors.New("idemreg: the consumer is at its quota of records")
 	ErrNotFound      = errors.New("idemreg: no live record for the key")
+	// ErrCapacityExhausted: the registry or its store is short of disk,
+	// memory, connections or file descriptors (the *Error's
+	// Metadata["resource"] says which) and refused the call; finish the
+	// keys you hold, and retry new ones after RetryAfter.
+	ErrCapacityExhausted = errors.New("idemreg: the registry is short of capacity")
 	// ErrUnavailable: the registry or its store cannot answer now. The error
 	// is an *UnavailableError carrying the suggested retry delay.
 	ErrUnavailable      = errors.New("idemreg: registry unavailable")
@@ -173,6 +184,7 @@ var sentinelByReason = map[string]error{
 	ReasonRateLimited:         ErrRateLimited,
 	ReasonTooManyCalls:        ErrRateLimited,
 	ReasonOverloaded:          ErrUnavailable,
+	ReasonCapacityExhausted:   ErrCapacityExhausted,
 	ReasonInProgress:          ErrInProgress,
 	ReasonMissingKey:          ErrMissingKey,
 	ReasonKeyUnsupported:      ErrKeyUnsupported,

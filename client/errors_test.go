@@ -33,7 +33,7 @@ func TestEveryRegistryReasonIsTyped(t *testing.T) {
 		client.ErrParked, client.ErrLeaseTotalExceeded, client.ErrQuotaExceeded, client.ErrNotFound,
 		client.ErrUnavailable, client.ErrDeadlineExceeded, client.ErrCanceled, client.ErrInternal,
 		client.ErrUnauthenticated, client.ErrPermissionDenied, client.ErrRateLimited, client.ErrInProgress,
-		client.ErrMissingKey,
+		client.ErrMissingKey, client.ErrCapacityExhausted,
 	}
 	for n, name := range idemregv1.ErrorReason_name {
 		r := idemregv1.ErrorReason(n)
