@@ -391,3 +391,35 @@ func TestDeployExposure(t *testing.T) {
 	require.NoError(t, err)
 	require.LessOrEqual(t, pinned, mib<<20/4, "held calls (%d, %d MiB) within a quarter of the memory limit (%s)", held, pinned>>20, limit)
 }
+
+// TestDeployEmbeddedServe checks deploy/embedded's Deployment against the
+// binary: its arguments are serve's flags and pass its validation, the
+// store is the embedded one with a reserve, and a failed store's drain
+// (--drain-delay, then --shutdown-timeout) fits the grace period before
+// the exit the kubelet restarts.
+func TestDeployEmbeddedServe(t *testing.T) {
+	docs := readDocs[deployment](t, "../../deploy/embedded/idemreg.yaml")
+	var d *deployment
+	for i := range docs {
+		if docs[i].Kind == "Deployment" {
+			d = &docs[i]
+		}
+	}
+	require.NotNil(t, d, "deploy/embedded/idemreg.yaml has a Deployment")
+	require.Equal(t, 1, d.Spec.Replicas)
+	c := d.Spec.Template.Spec.Containers[0]
+	cfg := defaultConfig()
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	cfg.bindServe(fs)
+	require.NoError(t, fs.Parse(c.Args[1:]), "the Deployment's arguments are flags of idemreg serve")
+	require.NoError(t, cfg.Validate())
+	require.Empty(t, cfg.DatabaseURL)
+	require.Positive(t, cfg.DataDirReserve)
+	mounts := map[string]string{}
+	for _, m := range c.VolumeMounts {
+		mounts[m.Name] = m.MountPath
+	}
+	require.Equal(t, mounts["data"], filepath.Dir(cfg.DataDir), "--data-dir is on the data volume")
+	require.Greater(t, time.Duration(d.Spec.Template.Spec.TerminationGracePeriodSeconds)*time.Second, cfg.Server.DrainDelay+cfg.Server.ShutdownTimeout)
+}

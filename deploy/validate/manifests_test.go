@@ -53,7 +53,13 @@ type object struct {
 // k8s.io/api type.
 func readManifests(t *testing.T) []object {
 	t.Helper()
-	files, err := filepath.Glob("../*.yaml")
+	return readManifestsIn(t, "../*.yaml")
+}
+
+// readManifestsIn decodes the documents of the files pattern names.
+func readManifestsIn(t *testing.T, pattern string) []object {
+	t.Helper()
+	files, err := filepath.Glob(pattern)
 	require.NoError(t, err)
 	require.NotEmpty(t, files)
 	var out []object
