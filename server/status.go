@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -46,6 +47,13 @@ const (
 	exhaustedRetryAfter   = 30 * time.Second
 	connectionsRetryAfter = 2 * time.Second
 )
+
+// exhaustLogEvery spaces the log lines of CAPACITY_EXHAUSTED refusals;
+// exhaustedLogged is when the last was written (Unix ns), for the
+// process, whose store they share.
+const exhaustLogEvery = 10 * time.Second
+
+var exhaustedLogged atomic.Int64
 
 // overloadedRetryAfter is the RetryInfo delay suggested when the store has
 // the most operations in flight: short, since the slots free up quickly.
@@ -136,7 +144,14 @@ func (s statuses) toStatus(ctx context.Context, method string, k storage.Key, er
 			}
 		}
 		meta["resource"] = resource
-		s.logger.WarnContext(ctx, "store capacity exhausted", "method", method, "consumer", reason.Echo(k.Consumer), "resource", resource, "error", err)
+		// One line per exhaustLogEvery, not one per refusal: the refusals
+		// of a full disk come as fast as callers call, and the embedded
+		// store logs its changes of level itself. The cause (a SQLSTATE)
+		// is in the line; the access log has every call.
+		if now, last := time.Now().UnixNano(), exhaustedLogged.Load(); now-last >= int64(exhaustLogEvery) && exhaustedLogged.CompareAndSwap(last, now) {
+			s.logger.WarnContext(ctx, "store capacity exhausted", "method", method, "consumer", reason.Echo(k.Consumer), "resource", resource, "error", err,
+				"next_line_after", exhaustLogEvery)
+		}
 		return reason.Status(r, exhaustedMessage(resource), meta, reason.RetryInfo(delay))
 	case idemregv1.ErrorReason_ERROR_REASON_STORE_UNAVAILABLE:
 		if errors.Is(err, storage.ErrFailed) {
