@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -62,7 +63,7 @@ func TestDiskReserveOnTmpfs(t *testing.T) {
 		}
 	})
 
-	held := make([]storage.Record, 48)
+	held := make([]storage.Record, 96)
 	for i := range held {
 		held[i] = mustAcquire(t, s, claimP(key(fmt.Sprintf("held-%d", i)), time.Hour, time.Hour))
 	}
@@ -88,6 +89,13 @@ func TestDiskReserveOnTmpfs(t *testing.T) {
 	require.Equal(t, storage.ResourceDisk, ex.Resource)
 	require.Greater(t, freeBytes(t, dir), int64(reserve/4), "the reserve kept the file system from filling")
 	require.Greater(t, len(acked), 40, "refused long before the reserve")
+
+	// A flush deletes the WAL it came from, which can lift the free space
+	// back over the reserve for a while: shrink the file system to keep
+	// it below (10 MiB free, and a WAL's 4.4 MiB more stays under 16).
+	u, err := vfs.Default.GetDiskUsage(dir)
+	require.NoError(t, err)
+	fs.Resize(t, int64(u.UsedBytes)+10<<20)
 
 	// Reads and replays go on.
 	for name, want := range acked {
@@ -260,6 +268,12 @@ func TestFatalOnFullDisk(t *testing.T) {
 	require.NoError(t, cmd.Wait(), "the child failed")
 	require.True(t, failed, "the child did not reach the store's failure")
 
+	// Still full: Open refuses at once with ENOSPC (serve then exits 75
+	// saying the file system is full), rather than retry its flush for
+	// ever.
+	_, err = Open(filepath.Join(fs.Dir, "data"), WithLogger(testLogger(t)))
+	require.ErrorIs(t, err, syscall.ENOSPC)
+	t.Logf("Open on the full file system: %v", err)
 	require.NoError(t, os.Remove(filepath.Join(fs.Dir, "filler")))
 	s := openT(t, filepath.Join(fs.Dir, "data"))
 	ctx := t.Context()

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/cockroachdb/pebble/v2"
@@ -168,6 +169,14 @@ func Open(dir string, opts ...Option) (*Store, error) {
 		}
 		fsTotal = int64(min(u.TotalBytes, 1<<62))
 		memTable = min(memTable, max(4<<20, u.TotalBytes/32))
+		if u.AvailBytes < memTable {
+			// Opening replays the WAL into a flush and starts a new WAL;
+			// on a file system without room for them pebble retries the
+			// flush for ever (seen on a full tmpfs), so say why at once.
+			_ = dirLock.Close()
+			return nil, fmt.Errorf("pebble: %s has %d bytes free, less than the %d the store needs to open (its WAL's replay and a new WAL): %w",
+				dir, u.AvailBytes, memTable, syscall.ENOSPC)
+		}
 	}
 	if cfg.diskReserve == 0 {
 		cfg.diskReserve = DefaultDiskReserve
