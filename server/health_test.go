@@ -19,10 +19,13 @@ import (
 
 // TestReadinessFollowsRealQueries breaks a real PostgreSQL database in the
 // ways a ping does not see, and back: readiness must follow the queries.
-//   - Writes refused (a trigger raising disk_full, as a full disk or a
-//     read-only database does): reads, and so the ping and the probe,
-//     still answer; the failing Claims turn the server NOT_SERVING, and
-//     Claims that succeed again turn it back.
+//   - Writes refused (a trigger raising read_only_sql_transaction, as a
+//     read-only database or replica does): reads, and so the ping and the
+//     probe, still answer; the failing Claims turn the server
+//     NOT_SERVING, and Claims that succeed again turn it back.
+//   - The disk full (a trigger raising disk_full, 53100): Claims are
+//     CAPACITY_EXHAUSTED, and the server stays SERVING, since every
+//     replica shares the database and reads still answer.
 //   - The table gone (renamed, as a bad migration leaves it): the probe
 //     read fails with no traffic at all.
 func TestReadinessFollowsRealQueries(t *testing.T) {
@@ -69,7 +72,7 @@ func TestReadinessFollowsRealQueries(t *testing.T) {
 
 	t.Run("writes refused", func(t *testing.T) {
 		exec(`CREATE FUNCTION refuse_writes() RETURNS trigger LANGUAGE plpgsql AS $$
-			BEGIN RAISE EXCEPTION 'could not extend file' USING ERRCODE = 'disk_full'; END $$`)
+			BEGIN RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction' USING ERRCODE = 'read_only_sql_transaction'; END $$`)
 		exec(`CREATE TRIGGER refuse_writes BEFORE INSERT OR UPDATE ON idemreg_records FOR EACH ROW EXECUTE FUNCTION refuse_writes()`)
 		require.Equal(t, healthpb.HealthCheckResponse_SERVING, status(), "a ping and a read still answer")
 		require.Eventually(t, func() bool { return claims() == 10 && status() == healthpb.HealthCheckResponse_NOT_SERVING }, waitFor, tick,
@@ -78,8 +81,28 @@ func TestReadinessFollowsRealQueries(t *testing.T) {
 		requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 
 		exec(`DROP TRIGGER refuse_writes ON idemreg_records`)
+		exec(`DROP FUNCTION refuse_writes()`)
 		require.Eventually(t, func() bool { return claims() == 0 && status() == healthpb.HealthCheckResponse_SERVING }, waitFor, tick,
 			"Claims succeed again: so does readiness")
+	})
+
+	t.Run("disk full", func(t *testing.T) {
+		exec(`CREATE FUNCTION disk_full() RETURNS trigger LANGUAGE plpgsql AS $$
+			BEGIN RAISE EXCEPTION 'could not extend file' USING ERRCODE = 'disk_full'; END $$`)
+		exec(`CREATE TRIGGER disk_full BEFORE INSERT OR UPDATE ON idemreg_records FOR EACH ROW EXECUTE FUNCTION disk_full()`)
+		// Many windows' worth of refused Claims (3 intervals of 20 ms
+		// each, 5 calls make a rate), each round checked.
+		for range 20 {
+			for range 10 {
+				n++
+				_, err := rc.Claim(t.Context(), claimReq(fmt.Sprintf("k-%d", n), "fp"))
+				requireStatus(t, err, codes.ResourceExhausted, idemregv1.ReasonCapacityExhausted)
+			}
+			time.Sleep(20 * time.Millisecond)
+			require.Equal(t, healthpb.HealthCheckResponse_SERVING, status(), "a full disk is not a reason to send callers elsewhere")
+		}
+		exec(`DROP TRIGGER disk_full ON idemreg_records`)
+		require.Zero(t, claims())
 	})
 
 	t.Run("table gone", func(t *testing.T) {
