@@ -177,10 +177,13 @@ type ExtendParams struct {
 // concurrent use by many processes sharing the same backend. Every time
 // comparison uses the store's clock.
 type Store interface {
-	// Claim decides by DecideClaim. Errors: ErrFingerprintMismatch, ErrUnavailable.
+	// Claim decides by DecideClaim. Errors: ErrFingerprintMismatch,
+	// ErrExhausted (a store short of a resource may refuse a Claim that
+	// would start an attempt), ErrUnavailable.
 	Claim(ctx context.Context, p ClaimParams) (ClaimResult, error)
 	// Complete decides by DecideComplete and returns the stored record.
-	// Errors: ErrNotFound, ErrLeaseLost, ErrParked, ErrUnavailable.
+	// Errors: ErrNotFound, ErrLeaseLost, ErrParked, ErrExhausted (a large
+	// result, on a store short of space), ErrUnavailable.
 	Complete(ctx context.Context, p CompleteParams) (Record, error)
 	// Release decides by DecideRelease. Errors: ErrNotFound, ErrLeaseLost,
 	// ErrAlreadyCompleted, ErrParked, ErrUnavailable.
