@@ -197,8 +197,8 @@ func (s statuses) toStatus(ctx context.Context, method string, k storage.Key, er
 func exhaustedMessage(resource string) string {
 	switch storage.Resource(resource) {
 	case storage.ResourceDisk:
-		return "the store is short of disk space: Claims that would start an attempt and large results are refused until space is freed; " +
-			"Completes, Releases and Extends of held keys, and reads, still work; retry later"
+		return "the store is short of disk space: new work is refused until space is freed; reads still work, and so do Completes, " +
+			"Releases and Extends of held keys where the store keeps room for them (the embedded store keeps a reserve); retry later"
 	case storage.ResourceConnections:
 		return "the store's database refuses more connections; retry later"
 	case storage.ResourceMemory:

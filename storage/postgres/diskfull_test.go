@@ -1,75 +1,17 @@
 package postgres_test
 
 import (
-	"context"
 	"fmt"
 	"math/rand/v2"
-	"net/url"
-	"os/user"
-	"strconv"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemreg/idemreg/internal/tmpfs"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 )
-
-// fullDatabase creates a database whose tables live in a tablespace on a
-// tmpfs of size bytes (owned by the server's user, postgres, which must
-// run on this machine), migrated, and returns its URL and the file
-// system. The database and the tablespace are dropped when the test ends.
-func fullDatabase(t *testing.T, size int64) (string, *tmpfs.FS) {
-	t.Helper()
-	serverURL := pgtest.ServerURL()
-	u, err := url.Parse(serverURL)
-	require.NoError(t, err)
-	if h := u.Hostname(); h != "127.0.0.1" && h != "localhost" && h != "::1" {
-		t.Skipf("SKIPPED, NOT RUN: the tablespace must be on the database server's machine, and %s is not local", h)
-	}
-	pg, err := user.Lookup("postgres")
-	if err != nil {
-		t.Skipf("SKIPPED, NOT RUN: no postgres user to own the tablespace: %v", err)
-	}
-	fs := tmpfs.Mount(t, size)
-	uid, _ := strconv.Atoi(pg.Uid)
-	gid, _ := strconv.Atoi(pg.Gid)
-	fs.Chown(t, uid, gid)
-
-	ctx := t.Context()
-	conn, err := pgx.Connect(ctx, serverURL)
-	require.NoError(t, err)
-	defer conn.Close(context.Background())
-	name := fmt.Sprintf("idemreg_full_%d", rand.Uint64())
-	_, err = conn.Exec(ctx, `CREATE TABLESPACE `+name+` LOCATION '`+fs.Dir+`'`)
-	require.NoError(t, err)
-	t.Cleanup(func() { drop(t, serverURL, `DROP TABLESPACE IF EXISTS `+name) })
-	_, err = conn.Exec(ctx, `CREATE DATABASE `+name+` TABLESPACE `+name)
-	require.NoError(t, err)
-	t.Cleanup(func() { drop(t, serverURL, `DROP DATABASE IF EXISTS `+name+` WITH (FORCE)`) })
-	db := *u
-	db.Path = "/" + name
-	require.NoError(t, postgres.Migrate(ctx, db.String()))
-	return db.String(), fs
-}
-
-func drop(t *testing.T, serverURL, stmt string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, serverURL)
-	if err != nil {
-		t.Errorf("%s: %v", stmt, err)
-		return
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, stmt); err != nil {
-		t.Errorf("%s: %v", stmt, err)
-	}
-}
 
 func incompressible(name string, n int) []byte {
 	b := make([]byte, n)
@@ -83,7 +25,7 @@ func incompressible(name string, n int) []byte {
 // on while it is full; once the file system grows, writes go on, held
 // keys complete, and every acknowledged result is there.
 func TestDiskFullOnTablespace(t *testing.T) {
-	dbURL, fs := fullDatabase(t, 48<<20)
+	dbURL, fs := pgtest.NewDatabaseOnTmpfs(t, 48<<20)
 	ctx := t.Context()
 	s, err := postgres.Open(ctx, dbURL)
 	require.NoError(t, err)

@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemreg/idemreg/internal/tmpfs"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 )
 
 // refusal is what a caller can read of an error status.
@@ -258,4 +259,87 @@ func TestServeOnFullDisk(t *testing.T) {
 	require.NoError(t, complete("held-0", hc, 1024), "its holder completes it after the restart")
 	_, err = claimKey("after-restart")
 	require.NoError(t, err)
+}
+
+// TestServeOnFullDatabaseDisk runs `idemreg serve` on PostgreSQL whose
+// tablespace is a 48 MiB tmpfs and fills it: callers get
+// RESOURCE_EXHAUSTED, CAPACITY_EXHAUSTED (resource disk, RetryInfo), not
+// STORE_UNAVAILABLE; reads answer and health stays SERVING; once the file
+// system grows the held keys complete and new keys are taken, with no
+// restart, and every acknowledged result is there.
+func TestServeOnFullDatabaseDisk(t *testing.T) {
+	dbURL, fs := pgtest.NewDatabaseOnTmpfs(t, 48<<20)
+	bin := buildBinary(t)
+	p := startServe(t, bin, t.TempDir(), []string{"IDEMREG_DATABASE_URL=" + dbURL})
+	p.quiet.Store(true)
+	p.waitLog(t, "serving")
+	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	ctx := t.Context()
+	const consumer = "disk.test"
+	kind := idemregv1.Kind_KIND_OPERATION
+	result := func(key string, n int) *idemregv1.Result {
+		b := make([]byte, n)
+		_, _ = rand.NewChaCha8([32]byte([]byte(fmt.Sprintf("%-32.32s", key)))).Read(b)
+		return &idemregv1.Result{Outcome: &idemregv1.Result_Response{Response: &idemregv1.Response{Type: "disk.Test", Data: b}}}
+	}
+	type claim struct {
+		token  int64
+		secret []byte
+	}
+	held := map[string]claim{}
+	acked := map[string]int{}
+	var full error
+	for i := 0; full == nil; i++ {
+		require.Less(t, i, 1000, "the database never reported its disk full")
+		k := fmt.Sprintf("fill-%d", i)
+		res, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: k, Lease: durationSeconds(3600)})
+		if err != nil {
+			full = err
+			break
+		}
+		cl := claim{res.GetToken(), res.GetClaimSecret()}
+		if _, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: k, Token: cl.token, ClaimSecret: cl.secret, Result: result(k, 256<<10)}); err != nil {
+			full = err
+			held[k] = cl
+			break
+		}
+		acked[k] = 256 << 10
+	}
+	r := refusalOf(full)
+	t.Logf("%d results of 256 KiB acknowledged, then %v", len(acked), full)
+	require.Equal(t, codes.ResourceExhausted, r.code, "%v", full)
+	require.Equal(t, idemregv1.ReasonCapacityExhausted, r.reason)
+	require.Equal(t, "disk", r.meta["resource"])
+	require.Positive(t, r.retry)
+	for k := range acked {
+		_, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: consumer, Kind: kind, Key: k})
+		require.NoError(t, err, "reads answer while the disk is full")
+		break
+	}
+	for range 3 { // three health intervals of refused calls
+		for j := range 10 {
+			_, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: fmt.Sprintf("refused-%d", j), Lease: durationSeconds(60)})
+			if err == nil {
+				continue // a small row may still fit a page
+			}
+			require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+		}
+		time.Sleep(2 * time.Second)
+		require.Equal(t, healthpb.HealthCheckResponse_SERVING, healthOf(t, p), "a full database disk does not make serve unready")
+	}
+
+	fs.Resize(t, 128<<20)
+	for k, cl := range held {
+		_, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: k, Token: cl.token, ClaimSecret: cl.secret, Result: result(k, 1024)})
+		require.NoError(t, err, "the held key completes once there is space")
+		acked[k] = 1024
+	}
+	res, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: consumer, Kind: kind, Key: "after-grow", Lease: durationSeconds(60)})
+	require.NoError(t, err)
+	require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome())
+	for k, n := range acked {
+		res, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: consumer, Kind: kind, Key: k})
+		require.NoError(t, err, "acknowledged %s lost", k)
+		require.Equal(t, result(k, n).GetResponse().GetData(), res.GetRecord().GetResult().GetResponse().GetData(), k)
+	}
 }
