@@ -22,6 +22,7 @@ import (
 	"github.com/idemreg/idemreg/internal/tmpfs"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
+	"github.com/idemreg/idemreg/tests/pgcluster"
 )
 
 // refusal is what a caller can read of an error status.
@@ -261,14 +262,17 @@ func TestServeOnFullDisk(t *testing.T) {
 	require.NoError(t, err)
 }
 
-// TestServeOnFullDatabaseDisk runs `idemreg serve` on PostgreSQL whose
-// tablespace is a 48 MiB tmpfs and fills it: callers get
+// TestServeOnFullDatabaseDisk runs `idemreg serve` on PostgreSQL (a
+// cluster the test owns: a full tablespace fails the server's
+// checkpoints, which other tests' DROP DATABASE needs) whose tablespace is
+// a 48 MiB tmpfs and fills it: callers get
 // RESOURCE_EXHAUSTED, CAPACITY_EXHAUSTED (resource disk, RetryInfo), not
 // STORE_UNAVAILABLE; reads answer and health stays SERVING; once the file
 // system grows the held keys complete and new keys are taken, with no
 // restart, and every acknowledged result is there.
 func TestServeOnFullDatabaseDisk(t *testing.T) {
-	dbURL, fs := pgtest.NewDatabaseOnTmpfs(t, 48<<20)
+	cluster := pgcluster.Start(t)
+	dbURL, fs := pgtest.NewDatabaseOnTmpfsAt(t, cluster.URL(cluster.Addr(), "postgres"), 48<<20)
 	bin := buildBinary(t)
 	p := startServe(t, bin, t.TempDir(), []string{"IDEMREG_DATABASE_URL=" + dbURL})
 	p.quiet.Store(true)

@@ -13,15 +13,19 @@ import (
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
-// NewDatabaseOnTmpfs creates a migrated database whose tables live in a
-// tablespace on a tmpfs of size bytes (tmpfs.Mount: root only, a loud skip
-// elsewhere), so that a test can fill the database's disk and grow it
-// back. The server must run on this machine as the user postgres, which
-// gets the tmpfs; it skips otherwise. The database and the tablespace are
-// dropped when the test ends, before the tmpfs is unmounted.
-func NewDatabaseOnTmpfs(t *testing.T, size int64) (string, *tmpfs.FS) {
+// NewDatabaseOnTmpfsAt creates, on the server at serverURL, a migrated
+// database whose tables live in a tablespace on a tmpfs of size bytes
+// (tmpfs.Mount: root only, a loud skip elsewhere), so that a test can
+// fill the database's disk and grow it back. The server must run on this
+// machine as the user postgres, which gets the tmpfs; it skips otherwise.
+// The database and the tablespace are dropped when the test ends, before
+// the tmpfs is unmounted.
+//
+// Use a server the test owns (tests/pgcluster): while the tablespace is
+// full the server's checkpoints fail, and so does every DROP DATABASE on
+// it, other tests' included.
+func NewDatabaseOnTmpfsAt(t *testing.T, serverURL string, size int64) (string, *tmpfs.FS) {
 	t.Helper()
-	serverURL := ServerURL()
 	u, err := url.Parse(serverURL)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)

@@ -1,4 +1,4 @@
-package postgres_test
+package faults
 
 import (
 	"fmt"
@@ -11,6 +11,7 @@ import (
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
+	"github.com/idemreg/idemreg/tests/pgcluster"
 )
 
 func incompressible(name string, n int) []byte {
@@ -20,12 +21,13 @@ func incompressible(name string, n int) []byte {
 }
 
 // TestDiskFullOnTablespace fills a database whose tablespace is a 48 MiB
-// tmpfs with 256 KiB results: PostgreSQL's 53100 (disk_full) is an
+// tmpfs, on a PostgreSQL cluster the test owns, with 256 KiB results: PostgreSQL's 53100 (disk_full) is an
 // *storage.ExhaustedError naming the disk, not ErrUnavailable; reads go
 // on while it is full; once the file system grows, writes go on, held
 // keys complete, and every acknowledged result is there.
 func TestDiskFullOnTablespace(t *testing.T) {
-	dbURL, fs := pgtest.NewDatabaseOnTmpfs(t, 48<<20)
+	cluster := pgcluster.Start(t)
+	dbURL, fs := pgtest.NewDatabaseOnTmpfsAt(t, cluster.URL(cluster.Addr(), "postgres"), 48<<20)
 	ctx := t.Context()
 	s, err := postgres.Open(ctx, dbURL)
 	require.NoError(t, err)
