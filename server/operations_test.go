@@ -257,10 +257,18 @@ func TestLogs(t *testing.T) {
 	for _, secret := range []string{"SECRET", strconv.FormatInt(claimed.GetToken(), 10), strconv.FormatInt(claimed.GetToken()+1, 10)} {
 		require.NotContains(t, logs, secret)
 	}
-	// Each line is written as its call ends, so two calls in a row may
-	// log in either order: the first two are the Claims, by their code.
-	if calls[0]["grpc.code"] != "OK" {
-		calls[0], calls[1] = calls[1], calls[0]
+	// Each line is written as its call ends (gRPC's End, after the
+	// response went out), so calls made one after the other may log in
+	// another order: the lines are found by method and code.
+	find := func(method, code string) map[string]any {
+		t.Helper()
+		for _, l := range calls {
+			if l["grpc.method"] == method && l["grpc.code"] == code {
+				return l
+			}
+		}
+		t.Fatalf("no line for %s %s in %v", method, code, calls)
+		return nil
 	}
 	for _, l := range calls {
 		require.Equal(t, "billing.payment-worker", l["consumer"])
@@ -269,13 +277,19 @@ func TestLogs(t *testing.T) {
 		require.NotEmpty(t, l["grpc.code"])
 		require.Contains(t, l, "grpc.time_ms")
 	}
-	require.Equal(t, "FAILED_PRECONDITION", calls[1]["grpc.code"])
-	require.Equal(t, "WARN", calls[1]["level"])
-	require.Contains(t, calls[1]["grpc.error"], "different fingerprint")
-	require.Equal(t, "INFO", calls[0]["level"])
-	require.Equal(t, "idemreg.v1.RegistryService", calls[0]["grpc.service"])
-	require.Equal(t, "Claim", calls[0]["grpc.method"])
-	require.NotContains(t, calls[0], "grpc.error")
+	var mismatch map[string]any
+	for _, l := range calls {
+		if l["grpc.method"] == "Claim" && l["grpc.code"] == "FAILED_PRECONDITION" {
+			mismatch = l
+		}
+	}
+	require.NotNil(t, mismatch, "the mismatched Claim's line")
+	require.Equal(t, "WARN", mismatch["level"])
+	require.Contains(t, mismatch["grpc.error"], "different fingerprint")
+	ok := find("Claim", "OK")
+	require.Equal(t, "INFO", ok["level"])
+	require.Equal(t, "idemreg.v1.RegistryService", ok["grpc.service"])
+	require.NotContains(t, ok, "grpc.error")
 
 	audit := buf.lines(t, "admin action")
 	require.Len(t, audit, 1)

@@ -125,8 +125,18 @@ func TestBatchItemRefusalNeverHidesCommittedItems(t *testing.T) {
 
 			// The access log says what the caller got, and quotes the
 			// consumer escaped.
+			// Lines are written as calls end, after their responses went
+			// out, so the burst's Claim may log after the batches: the
+			// three calls above are found by method, the last of each.
 			calls := logs.waitLines(t, "finished call", lines)
-			for _, l := range calls[len(calls)-3:] {
+			last := map[string]map[string]any{}
+			for _, l := range calls {
+				if m, _ := l["grpc.method"].(string); m == "BatchClaim" || m == "BatchComplete" || m == "Lookup" {
+					last[m] = l
+				}
+			}
+			require.Len(t, last, 3, "the batches' and the Lookup's lines")
+			for _, l := range last {
 				want := "OK"
 				if l["grpc.method"] == "Lookup" {
 					want = rpccode.Code(b.code).String()
