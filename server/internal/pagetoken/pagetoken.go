@@ -45,6 +45,11 @@ const (
 	digestVersion = 1
 )
 
+// encoding is strict: a token has one spelling. The last character of
+// unpadded base64 carries bits that a lenient decoder drops, so without
+// Strict a token with that character changed would still open.
+var encoding = base64.RawURLEncoding.Strict()
+
 // MaxBytes bounds a page_token before it is decoded: a token of a valid
 // key is well under it.
 const MaxBytes = 1024
@@ -108,13 +113,13 @@ func Encode(aead cipher.AEAD, generation int64, f Filters, after storage.Key) st
 	plain = binary.AppendUvarint(plain, uint64(len(after.Key)))
 	plain = append(plain, after.Key...)
 	out := append(append([]byte{}, head...), nonce...)
-	return base64.RawURLEncoding.EncodeToString(aead.Seal(out, nonce, plain, head))
+	return encoding.EncodeToString(aead.Seal(out, nonce, plain, head))
 }
 
 // Generation is the claim key generation token was sealed under, false
 // when it is not a page token at all.
 func Generation(token string) (int64, bool) {
-	b, err := base64.RawURLEncoding.DecodeString(token)
+	b, err := encoding.DecodeString(token)
 	switch {
 	case err != nil || len(b) < 1:
 		return 0, false
@@ -130,7 +135,7 @@ func Generation(token string) (int64, bool) {
 // a token of a listing with other filters than f, ErrGarbled when it is
 // not a token of the listing p sealed by aead.
 func Open(aead cipher.AEAD, token string, f Filters, p storage.ListParams) (storage.Key, error) {
-	b, err := base64.RawURLEncoding.DecodeString(token)
+	b, err := encoding.DecodeString(token)
 	if err != nil || len(b) < 1 {
 		return storage.Key{}, ErrGarbled
 	}
