@@ -121,6 +121,19 @@ func TestVersion(t *testing.T) {
 revision: 8f54bb24c0bb819ab5b049de82bfeba8460123a2+modified
 time:     2026-12-02T08:51:10Z
 go:       go1.26.8
-`, versionText(stamped))
-	require.Contains(t, versionText(&debug.BuildInfo{Main: debug.Module{Version: "(devel)"}}), "revision: unknown\n")
+`, versionText(stamped, stamp{}))
+	require.Contains(t, versionText(&debug.BuildInfo{Main: debug.Module{Version: "(devel)"}}, stamp{}), "revision: unknown\n")
+
+	// make build's -ldflags -X stamp wins over the toolchain's (the image
+	// is built without .git, and a checkout may build with -buildvcs=false).
+	require.Equal(t, `idemreg v1.4.0-3-g0123abc-dirty
+revision: 0123abcdef0123abcdef0123abcdef0123abcdef
+time:     2026-12-03T10:00:00Z
+go:       go1.26.8
+`, versionText(stamped, stamp{"v1.4.0-3-g0123abc-dirty", "0123abcdef0123abcdef0123abcdef0123abcdef", "2026-12-03T10:00:00Z"}))
+	require.Equal(t, `idemreg (devel)
+revision: 0123abcdef0123abcdef0123abcdef0123abcdef
+time:     unknown
+go:       go1.26.8
+`, versionText(&debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Version: "(devel)"}}, stamp{revision: "0123abcdef0123abcdef0123abcdef0123abcdef"}))
 }

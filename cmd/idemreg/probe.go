@@ -62,31 +62,58 @@ func newTokenCommand(*flag.FlagSet) func(context.Context, io.Writer, io.Writer) 
 	}
 }
 
-// versionCommand prints what the binary was built from, as the Go
-// toolchain stamped it: the module's version, the VCS revision and its
-// time (with "+modified" when the tree had changes), and the Go version.
+// version, revision and revisionTime are stamped by `make build`, which the
+// Dockerfile runs too (-ldflags "-X main.version=... -X main.revision=...
+// -X main.revisionTime=...": git describe, the commit and its time). A
+// plain go build or go run leaves them empty, and version falls back to
+// what the Go toolchain stamped: the module version and, in a git checkout
+// built with -buildvcs (the default there), the VCS revision. The image is
+// built without .git (.dockerignore), so without the flags it would say
+// "unknown".
+var (
+	version      string
+	revision     string
+	revisionTime string
+)
+
+// versionCommand prints what the binary was built from: the version, the
+// revision (with "+modified" when the toolchain saw a changed tree) and its
+// time, and the Go version.
 func versionCommand(*flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
 	return func(_ context.Context, stdout, _ io.Writer) error {
 		info, ok := debug.ReadBuildInfo()
 		if !ok {
 			return errors.New("version: the binary carries no build information")
 		}
-		fmt.Fprint(stdout, versionText(info))
+		fmt.Fprint(stdout, versionText(info, stamp{version, revision, revisionTime}))
 		return nil
 	}
 }
 
-// versionText is what version prints of info. A build outside a VCS
-// checkout, or with -buildvcs=false, has no revision: "unknown".
-func versionText(info *debug.BuildInfo) string {
+// stamp is what make build wrote into the binary with -ldflags -X.
+type stamp struct{ version, revision, time string }
+
+// versionText is what version prints of info and s: each of s's fields
+// when set, else the toolchain's. A build with neither (outside a VCS
+// checkout, or with -buildvcs=false, and not through make build) has no
+// revision: "unknown".
+func versionText(info *debug.BuildInfo, s stamp) string {
 	vcs := map[string]string{"vcs.revision": "unknown", "vcs.time": "unknown"}
-	for _, s := range info.Settings {
-		vcs[s.Key] = s.Value
+	for _, set := range info.Settings {
+		vcs[set.Key] = set.Value
 	}
-	revision := vcs["vcs.revision"]
+	v, rev, when := info.Main.Version, vcs["vcs.revision"], vcs["vcs.time"]
 	if vcs["vcs.modified"] == "true" {
-		revision += "+modified"
+		rev += "+modified"
 	}
-	return fmt.Sprintf("idemreg %s\nrevision: %s\ntime:     %s\ngo:       %s\n",
-		info.Main.Version, revision, vcs["vcs.time"], info.GoVersion)
+	if s.version != "" {
+		v = s.version
+	}
+	if s.revision != "" {
+		rev = s.revision
+	}
+	if s.time != "" {
+		when = s.time
+	}
+	return fmt.Sprintf("idemreg %s\nrevision: %s\ntime:     %s\ngo:       %s\n", v, rev, when, info.GoVersion)
 }
