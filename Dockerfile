@@ -1,7 +1,10 @@
+# syntax=docker/dockerfile:1
 # Multi-stage build: a static binary in a minimal, non-root image.
 #
 # The binary is built by `make build`, the same target developers and CI run
-# (.ci/test), so the compiler flags are defined once, in the Makefile.
+# (.ci/test), so the compiler flags are defined once, in the Makefile,
+# version stamp included (make build VERSION=... REVISION=...: the build
+# context has no .git, see .dockerignore).
 #
 # cgo is off (CGO_ENABLED=0, set by make build) and nothing needs it: every
 # dependency has a pure-Go build. With cgo on, the binary would link libc
@@ -11,30 +14,56 @@
 # heap and so outside GOMEMLIMIT (it is on the Go heap instead), and
 # DataDog/zstd for Pebble's zstd compression (klauspost/compress instead).
 #
+# Cross-compiled: the build stage runs on the builder's own platform
+# (--platform=$BUILDPLATFORM) and Go compiles for the target's
+# (GOOS/GOARCH from TARGETOS/TARGETARCH), so a multi-platform build
+# (docker buildx build --platform linux/amd64,linux/arm64 .) runs no
+# emulated compiler. Only the final stage is per platform, and it only
+# copies files.
+#
+# Cached (BuildKit): the layers go from least to most often changed. The
+# go.mod and go.sum files come first and their modules are downloaded
+# before any source is copied, so an edit of the source does not download
+# again; the source is copied after, and .dockerignore admits only what
+# the binary is built from, so editing docs/, deploy/, tests/ or a README
+# changes no layer. The module and build caches are cache mounts, kept
+# between builds on the builder and never in the image, so a source edit
+# recompiles only the packages it touched.
+#
 # Base images are pinned by digest, so a re-pushed tag cannot change what is
 # built; the tag beside each digest is for the reader. To move them, take
 # the new digest from the registry (crane digest IMAGE:TAG) and keep the Go
 # version equal to the go line of go.mod: the golang image sets
 # GOTOOLCHAIN=local, so an older Go refuses to build the module.
 #
-# Build with the checkout's version and revision in the labels (make image
-# does this):
+# Build with the checkout's version and revision, stamped into the binary
+# and its labels (make image does this):
 #   docker build --build-arg VERSION=$(git describe --tags --always --dirty) \
-#     --build-arg REVISION=$(git rev-parse HEAD) -t idemreg .
+#     --build-arg REVISION=$(git rev-parse HEAD) \
+#     --build-arg REVISION_TIME=$(git log -1 --format=%cI) -t idemreg .
 
 # golang:1.26.8, the OCI index (Debian trixie, 16 platforms) listed in
 # docker-library/repo-info, repos/golang/remote/1.26.8.md at commit
 # 274d39a50141ecda8745a0ebaa20760259111041 (images of 2026-09-01).
-FROM golang:1.26.8@sha256:9d2f36f06329b2a141b9db99ffa32765cf695ee57b813ca29e245e8670bcbfff AS build
+FROM --platform=$BUILDPLATFORM golang:1.26.8@sha256:9d2f36f06329b2a141b9db99ffa32765cf695ee57b813ca29e245e8670bcbfff AS build
 WORKDIR /src
 COPY go.mod go.sum ./
 # The API's and the client's modules, which go.mod replaces with ./proto
 # and ./client.
 COPY proto/go.mod proto/go.sum proto/
 COPY client/go.mod client/go.sum client/
-RUN go mod download
+RUN --mount=type=cache,target=/go/pkg/mod \
+    go mod download
 COPY . .
-RUN make build && mkdir -p /out/data
+ARG TARGETOS TARGETARCH
+ARG VERSION=dev
+ARG REVISION=unknown
+ARG REVISION_TIME=unknown
+RUN --mount=type=cache,target=/go/pkg/mod \
+    --mount=type=cache,target=/root/.cache/go-build \
+    GOOS=$TARGETOS GOARCH=$TARGETARCH \
+    make build VERSION="$VERSION" REVISION="$REVISION" REVISION_TIME="$REVISION_TIME" && \
+    mkdir -p /out/data
 
 # distroless/static: no shell, no package manager; CA certificates and
 # /etc/passwd with the nonroot user (65532) only. The digest is the one
