@@ -125,7 +125,7 @@ func TestDeployServe(t *testing.T) {
 
 	// The mounted config file names identities (the listen address is not
 	// loopback, so serve would refuse to start without them).
-	rawCM, err := os.ReadFile("../../deploy/policy-configmap.yaml")
+	rawCM, err := os.ReadFile("../../deploy/base/policy-configmap.yaml")
 	require.NoError(t, err)
 	var cm struct {
 		Data map[string]string `yaml:"data"`
@@ -143,15 +143,15 @@ func TestDeployServe(t *testing.T) {
 	require.Equal(t, 2*time.Hour, file.Policy.For("billing.payment-worker").MaxLeaseTotal)
 }
 
-// readDeployment reads the Deployment of deploy/idemreg.yaml.
+// readDeployment reads the Deployment of deploy/base/idemreg.yaml.
 func readDeployment(t *testing.T) deployment {
 	t.Helper()
-	for _, d := range readDocs[deployment](t, "../../deploy/idemreg.yaml") {
+	for _, d := range readDocs[deployment](t, "../../deploy/base/idemreg.yaml") {
 		if d.Kind == "Deployment" {
 			return d
 		}
 	}
-	t.Fatal("deploy/idemreg.yaml has no Deployment")
+	t.Fatal("deploy/base/idemreg.yaml has no Deployment")
 	return deployment{}
 }
 
@@ -311,7 +311,7 @@ func TestDeployExposure(t *testing.T) {
 	var policies []netPolicy
 	isolated := map[string]bool{}
 	alone := false
-	for _, np := range readDocs[netPolicy](t, "../../deploy/networkpolicy.yaml") {
+	for _, np := range readDocs[netPolicy](t, "../../deploy/base/networkpolicy.yaml") {
 		require.Equal(t, "networking.k8s.io/v1", np.APIVersion)
 		require.Equal(t, "NetworkPolicy", np.Kind)
 		sel := np.Spec.PodSelector.MatchLabels
@@ -369,7 +369,7 @@ func TestDeployExposure(t *testing.T) {
 		StringData map[string]string `yaml:"stringData"`
 	}
 	var dbPort string
-	for _, s := range readDocs[secret](t, "../../deploy/secrets.example.yaml") {
+	for _, s := range readDocs[secret](t, "../../deploy/base/secrets.example.yaml") {
 		if s.Metadata.Name == "idemreg-database" {
 			u, err := url.Parse(s.StringData["url"])
 			require.NoError(t, err)

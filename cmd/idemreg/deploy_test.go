@@ -20,7 +20,7 @@ import (
 // its arguments are flags `idemreg sweep` accepts and validates, and its
 // deadlines leave the pass room to finish.
 func TestDeploySweepCronJob(t *testing.T) {
-	raw, err := os.ReadFile("../../deploy/sweep-cronjob.yaml")
+	raw, err := os.ReadFile("../../deploy/base/sweep-cronjob.yaml")
 	require.NoError(t, err)
 	var cj struct {
 		APIVersion string `yaml:"apiVersion"`
@@ -76,7 +76,7 @@ func TestDeploySweepCronJob(t *testing.T) {
 // the database URL the Secret gives it, and its deadline outlasts a
 // migration lock left by a run that was killed.
 func TestDeployMigrateJob(t *testing.T) {
-	raw, err := os.ReadFile("../../deploy/migrate-job.yaml")
+	raw, err := os.ReadFile("../../deploy/base/migrate-job.yaml")
 	require.NoError(t, err)
 	var job struct {
 		APIVersion string `yaml:"apiVersion"`
@@ -127,7 +127,7 @@ func TestDeployMigrateJob(t *testing.T) {
 // TestDeployPolicyConfigMap checks that the policy in the ConfigMap in
 // deploy/ is valid over the default flags.
 func TestDeployPolicyConfigMap(t *testing.T) {
-	raw, err := os.ReadFile("../../deploy/policy-configmap.yaml")
+	raw, err := os.ReadFile("../../deploy/base/policy-configmap.yaml")
 	require.NoError(t, err)
 	var cm struct {
 		Kind string            `yaml:"kind"`

@@ -218,7 +218,7 @@ func TestDockerIgnoreAdmitsTheBuild(t *testing.T) {
 	for _, f := range files {
 		require.False(t, dockerIgnored(patterns, f), ".dockerignore leaves %s out of the build context, and make build needs it", f)
 	}
-	for _, f := range []string{"README.md", "docs/operations.md", "deploy/idemreg.yaml", "tests/go.mod", "examples/go.mod",
+	for _, f := range []string{"README.md", "docs/operations.md", "deploy/base/idemreg.yaml", "tests/go.mod", "examples/go.mod",
 		"clients/typescript/package.json", ".ci/test", ".git/HEAD", "cmd/idemreg/main_test.go", "Dockerfile"} {
 		require.True(t, dockerIgnored(patterns, f), "%s is in the build context, so editing it would change the source layer", f)
 	}

@@ -49,11 +49,11 @@ type object struct {
 	meta  metav1.Object
 }
 
-// readManifests decodes every YAML document of deploy/ strictly into its
-// k8s.io/api type.
+// readManifests decodes every YAML document of deploy/base strictly into
+// its k8s.io/api type.
 func readManifests(t *testing.T) []object {
 	t.Helper()
-	return readManifestsIn(t, "../*.yaml")
+	return readManifestsIn(t, "../base/*.yaml")
 }
 
 // readManifestsIn decodes the documents of the files pattern names.
@@ -64,32 +64,48 @@ func readManifestsIn(t *testing.T, pattern string) []object {
 	require.NotEmpty(t, files)
 	var out []object
 	for _, file := range files {
+		if filepath.Base(file) == "kustomization.yaml" {
+			continue // kustomize's, rendered by TestKustomizeBase
+		}
 		raw, err := os.ReadFile(file)
 		require.NoError(t, err)
-		r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
-		for i := 1; ; i++ {
-			doc, err := r.Read()
-			if errors.Is(err, io.EOF) {
-				break
-			}
-			require.NoError(t, err, file)
-			where := filepath.Base(file) + ":" + strconv.Itoa(i)
-			var fields map[string]any
-			require.NoError(t, yaml.Unmarshal(doc, &fields), where)
-			if len(fields) == 0 {
-				continue // comments only
-			}
-			var tm metav1.TypeMeta
-			require.NoError(t, yaml.Unmarshal(doc, &tm), where)
-			gvk := schema.FromAPIVersionAndKind(tm.APIVersion, tm.Kind)
-			obj, err := scheme.New(gvk)
-			require.NoError(t, err, "%s: %s is not a kind deploy/ is checked for", where, gvk)
-			require.NoError(t, yaml.UnmarshalStrict(doc, obj), "%s: %s", where, gvk.Kind)
-			meta, ok := obj.(metav1.Object)
-			require.True(t, ok, where)
-			require.NotEmpty(t, meta.GetName(), "%s: a name", where)
-			out = append(out, object{where: where, gvk: gvk, obj: obj, meta: meta})
+		out = append(out, decodeManifests(t, filepath.Base(file), raw)...)
+	}
+	return out
+}
+
+// decodeManifests decodes the YAML documents of raw strictly, each into its
+// k8s.io/api type (a ServiceMonitor into serviceMonitor); name says where
+// they came from, for messages.
+func decodeManifests(t *testing.T, name string, raw []byte) []object {
+	t.Helper()
+	var out []object
+	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
+	for i := 1; ; i++ {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			break
 		}
+		require.NoError(t, err, name)
+		where := name + ":" + strconv.Itoa(i)
+		var fields map[string]any
+		require.NoError(t, yaml.Unmarshal(doc, &fields), where)
+		if len(fields) == 0 {
+			continue // comments only
+		}
+		var tm metav1.TypeMeta
+		require.NoError(t, yaml.Unmarshal(doc, &tm), where)
+		gvk := schema.FromAPIVersionAndKind(tm.APIVersion, tm.Kind)
+		var obj runtime.Object = &serviceMonitor{}
+		if gvk != serviceMonitorKind {
+			obj, err = scheme.New(gvk)
+			require.NoError(t, err, "%s: %s is not a kind deploy/ is checked for", where, gvk)
+		}
+		require.NoError(t, yaml.UnmarshalStrict(doc, obj), "%s: %s", where, gvk.Kind)
+		meta, ok := obj.(metav1.Object)
+		require.True(t, ok, where)
+		require.NotEmpty(t, meta.GetName(), "%s: a name", where)
+		out = append(out, object{where: where, gvk: gvk, obj: obj, meta: meta})
 	}
 	return out
 }
@@ -155,7 +171,13 @@ func named[T runtime.Object](objs []object) map[string]T {
 // Services' target ports are named ports of the container; every
 // workload's pods are under a NetworkPolicy that limits their egress.
 func TestManifestsAgree(t *testing.T) {
-	objs := readManifests(t)
+	checkAgree(t, readManifests(t))
+}
+
+// checkAgree is TestManifestsAgree's checks of objs, a rendering of the
+// server's manifests with the Secrets they read.
+func checkAgree(t *testing.T, objs []object) {
+	t.Helper()
 	secrets := named[*corev1.Secret](objs)
 	configMaps := named[*corev1.ConfigMap](objs)
 	accounts := named[*corev1.ServiceAccount](objs)

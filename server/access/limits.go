@@ -45,7 +45,7 @@ func (l Limit) String() string {
 // names identities but has no rule of identities: a tenant's calls are
 // bounded even where the operator wrote no rule, so that one tenant's
 // runaway loop, or its flood, cannot take a replica's whole capacity from
-// the others. It is the rule deploy/policy-configmap.yaml
+// the others. It is the rule deploy/base/policy-configmap.yaml
 // ships, well above what one tenant of a shared replica should need, and a
 // rule of identities ("*", or a name) replaces it. A Set without
 // identities (every caller Anonymous) has none: there is no other tenant.
