@@ -139,6 +139,18 @@ func TestProductionOverlay(t *testing.T) {
 		require.Equal(t, k.Namespace, o.meta.GetNamespace(), "%s/%s in the overlay's namespace", o.gvk.Kind, o.meta.GetName())
 	}
 
+	// The migrate step of docs/operations.md applies this selection first:
+	// the Job and what its pod needs, not serve or the sweeper.
+	migrateFirst, err := labels.Parse("app.kubernetes.io/component notin (server,sweeper)")
+	require.NoError(t, err)
+	var first []string
+	for _, o := range objs {
+		if migrateFirst.Matches(labels.Set(o.meta.GetLabels())) {
+			first = append(first, o.gvk.Kind+"/"+o.meta.GetName())
+		}
+	}
+	require.ElementsMatch(t, []string{"ServiceAccount/idemreg", "ConfigMap/idemreg-policy", "NetworkPolicy/idemreg-baseline", "Job/idemreg-migrate"}, first)
+
 	var monitors []*serviceMonitor
 	for _, o := range objs {
 		if sm, ok := o.obj.(*serviceMonitor); ok {
