@@ -72,9 +72,8 @@ RUN --mount=type=cache,target=/go/pkg/mod \
 FROM gcr.io/distroless/static-debian12:nonroot@sha256:1b7b9f0f0e0a1d2155f531db587cc48ec26aaf97ab64364225f5bf18a054e66a
 ARG VERSION=dev
 ARG REVISION=unknown
-# The repository has no LICENSE file yet: NOASSERTION is SPDX for "not
-# stated". Set this to the SPDX identifier when it has one.
-ARG LICENSES=NOASSERTION
+# LICENSE is the Apache License 2.0 (.ci/test checks it), in SPDX.
+ARG LICENSES=Apache-2.0
 LABEL org.opencontainers.image.title="idemreg" \
       org.opencontainers.image.description="An idempotency-key registry as one shared gRPC service" \
       org.opencontainers.image.source="https://github.com/idemreg/idemreg" \
