@@ -18,7 +18,8 @@ run: build ## build the binary that ships (make build) and serve on the embedded
 	./bin/idemreg serve
 
 # Static (cgo off), as the image ships it: nothing needs cgo, and the
-# embedded store measured no faster with it (README.md, "Quick start").
+# embedded store measured no faster nor cheaper in CPU with it (README.md,
+# "Quick start").
 # GOOS and GOARCH from the environment cross-compile (the Dockerfile sets
 # them from the target platform).
 build: ## the static binary; the Dockerfile runs this target too
