@@ -74,9 +74,9 @@ func keys(objs []object) []string {
 	return out
 }
 
-// TestKustomizeBase renders the base, deploy/kustomization.yaml, and
-// checks that it is every manifest of deploy/ but the example Secrets (so
-// a file added to deploy/ and not to the kustomization fails here), and
+// TestKustomizeBase renders the base, deploy/base/kustomization.yaml, and
+// checks that it is every manifest of deploy/base but the example Secrets (so
+// a file added to deploy/base and not to the kustomization fails here), and
 // that the manifests name the image by the bare name the overlays'
 // images: rewrite.
 func TestKustomizeBase(t *testing.T) {
