@@ -242,7 +242,12 @@ func TestThousandConnections(t *testing.T) {
 	}
 	for i := range n {
 		wg.Go(func() {
-			conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+			// Beyond MaxConnections a connection waits in the accept queue
+			// until another closes; on a loaded machine that can outlast
+			// the client's handshake timeout, and the client then dials
+			// again: its calls wait for that (WaitForReady) rather than fail.
+			conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+				grpc.WithDefaultCallOptions(grpc.WaitForReady(true)))
 			if err != nil {
 				errs <- err
 				return

@@ -434,21 +434,29 @@ func (q *Quotas) Run(ctx context.Context, interval time.Duration) {
 	defer q.running.Store(false)
 	t := time.NewTicker(interval)
 	defer t.Stop()
+	// A count may take longer than a short interval (a test's, or a busy
+	// store's): bounded by the interval alone, every count of a 1 ms
+	// interval timed out on a loaded machine and the usage never
+	// refreshed. A slow count makes the ticker drop ticks instead.
+	timeout := max(interval, minRefreshTimeout)
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			rctx, cancel := context.WithTimeout(ctx, interval)
+			rctx, cancel := context.WithTimeout(ctx, timeout)
 			_ = q.Refresh(rctx) // logged; the usage last known stays
 			cancel()
 		case <-q.wake:
-			rctx, cancel := context.WithTimeout(ctx, interval)
+			rctx, cancel := context.WithTimeout(ctx, timeout)
 			_ = q.refreshFresh(rctx)
 			cancel()
 		}
 	}
 }
+
+// minRefreshTimeout is the least time a count is given.
+const minRefreshTimeout = 5 * time.Second
 
 // Lookuper is what Admit needs of the store: whether a key has a live
 // record (storage.Store's Lookup).
