@@ -61,7 +61,10 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("--descriptor-set: %w", err)
 	}
-	tel, err := telemetry.Start(ctx, "idemreg", logger)
+	build := telemetry.ReadBuild()
+	logger.Info("starting idemreg", "version", build.Version, "revision", build.Revision, "go_version", build.GoVersion,
+		"store", storeKind(cfg))
+	tel, err := telemetry.Start(ctx, "idemreg", build, logger)
 	if err != nil {
 		return err
 	}
@@ -282,6 +285,14 @@ const exitStoreFailed = 75
 
 // storeFailedExitTimeout bounds the cleanup after the store failed.
 const storeFailedExitTimeout = 5 * time.Second
+
+// storeKind names the store that openStore opens, for the startup line.
+func storeKind(cfg *config) string {
+	if cfg.DatabaseURL != "" {
+		return "postgres"
+	}
+	return "embedded"
+}
 
 // openStore opens the SQL store when a database URL is given, the embedded
 // store in the data directory otherwise; the SQL store's instruments are
