@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -116,6 +117,28 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		return nil, fmt.Errorf("server: metrics: %w", err)
 	}
 	return &out, nil
+}
+
+// zero adds 0 to each counter's series that can be known before its first
+// event, so that they are on /metrics from the start: an alert on rate()
+// (or increase()) sees no series, and so never fires, for a counter that
+// has not counted yet. Series of identities are those of ids, the
+// identities of the config file at start (an identity added by a reload
+// appears at its first event).
+func (m *metrics) zero(ctx context.Context, ids []string) {
+	for _, id := range ids {
+		m.rateLimited.Add(ctx, 0, identityAttr(id))
+	}
+	for _, c := range []codes.Code{codes.Unauthenticated, codes.PermissionDenied} {
+		m.denied.Add(ctx, 0, codeAttr(c))
+	}
+	for _, b := range []string{"public_streams", "pending_calls", "identity_calls"} {
+		m.boundRefused.Add(ctx, 0, attrs(attribute.String("bound", b)))
+	}
+	for _, e := range []string{WaitCompleted, WaitAcquired, WaitParked, WaitElapsed, WaitCanceled, WaitFull, WaitDrained, WaitError} {
+		m.waits.Add(ctx, 0, attrs(attribute.String("ended", e)))
+	}
+	m.waitsRefused.Add(ctx, 0, attrs(attribute.String("bound", waiting.BoundServer)))
 }
 
 func attrs(kv ...attribute.KeyValue) metric.MeasurementOption {

@@ -113,6 +113,11 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if cfg.RefusalLogRate > 0 {
 		s.accessLog.refusals = newRefusalSampler(cfg.RefusalLogRate)
 	}
+	ids := []string{access.Anonymous.Name}
+	if set := cfg.File.Current().Access; set.Enforced() {
+		ids = set.Identities()
+	}
+	m.zero(context.Background(), ids)
 	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
 		s.listeners.Range(func(name, l any) bool {
 			obs.ObserveInt64(m.connections, l.(*limitListener).open(), metric.WithAttributes(attribute.String("listener", name.(string))))

@@ -90,6 +90,7 @@ func New(store storage.Store, cfg Config) (*Chain, error) {
 	if c.outcome == nil {
 		c.outcome = func(error) {}
 	}
+	m.zero(context.Background())
 	// The in-flight gauge is read off the bound when metrics are
 	// collected, which costs the calls nothing.
 	if _, err := cfg.Meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {

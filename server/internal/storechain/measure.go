@@ -123,7 +123,7 @@ func newInstruments(m metric.Meter) (*instruments, error) {
 	counter(&out.releases, MetricReleases, "{call}", "Successful Releases.")
 	counter(&out.extends, MetricExtends, "{call}", "Successful Extends.")
 	counter(&out.parks, MetricParks, "{call}", "Successful Parks (a repeat with the same token counts again).")
-	counter(&out.leaseLost, MetricLeaseLost, "{call}", "Completes, Releases and Extends refused with LEASE_LOST (a stale token), by method.")
+	counter(&out.leaseLost, MetricLeaseLost, "{call}", "Completes, Releases, Extends and Parks refused with LEASE_LOST (a stale holder's token), by method; an operator's Resolve or Invalidate that lost a race is idemreg.admin.actions{result=LEASE_LOST} instead.")
 	counter(&out.storeErrors, MetricStoreErrors, "{error}", "Failed store calls, by op and error.type: unavailable, deadline, canceled, exhausted, internal.")
 	counter(&out.overloaded, MetricOverloaded, "{call}", "Calls refused with OVERLOADED because the store already had the most operations in flight (bound=server) or the caller's identity had its share of them (bound=identity).")
 	var err error
@@ -144,6 +144,28 @@ func newInstruments(m metric.Meter) (*instruments, error) {
 	return &out, nil
 }
 
+// zero adds 0 to each counter's series that can be known before its first
+// event (every one but those of an identity), so that they are on /metrics
+// from the start: an alert on rate() sees no series for a counter that has
+// not counted yet.
+func (m *instruments) zero(ctx context.Context) {
+	for _, c := range []metric.Int64Counter{m.completes, m.releases, m.extends, m.parks} {
+		c.Add(ctx, 0)
+	}
+	for _, o := range claimOutcomes {
+		m.claims.Add(ctx, 0, o)
+	}
+	for _, op := range allOps {
+		if op.holder {
+			m.leaseLost.Add(ctx, 0, op.method)
+		}
+		for _, t := range errorTypes {
+			m.storeErrors.Add(ctx, 0, attrs(attribute.String("op", op.name), attribute.String("error.type", t)))
+		}
+	}
+	m.overloaded.Add(ctx, 0, attrs(attribute.String("bound", "server")))
+}
+
 func attrs(kv ...attribute.KeyValue) metric.MeasurementOption {
 	return metric.WithAttributeSet(attribute.NewSet(kv...))
 }
@@ -153,32 +175,45 @@ func attrs(kv ...attribute.KeyValue) metric.MeasurementOption {
 type opMeasures struct {
 	name   string
 	ok     metric.MeasurementOption // idemreg.store.duration of a call that answered
-	method metric.MeasurementOption // idemreg.lease_lost
+	method metric.MeasurementOption // idemreg.lease_lost, idemreg.batch.size
+	// holder: the op is a lease holder's (Complete, Release, Extend,
+	// Park), whose LEASE_LOST is a stale holder's and counts as
+	// idemreg.lease_lost. An operator's Resolve or Invalidate that lost a
+	// race with the holder is no stale holder: it is counted by
+	// idemreg.admin.actions{result="LEASE_LOST"} (server/admin.go).
+	holder bool
 }
 
-func newOpMeasures(op string) *opMeasures {
+func newOpMeasures(op string, holder bool) *opMeasures {
 	return &opMeasures{
 		name:   op,
 		ok:     attrs(attribute.String("op", op), attribute.String("outcome", "ok")),
 		method: attrs(attribute.String("method", op)),
+		holder: holder,
 	}
 }
 
 var (
-	opClaim         = newOpMeasures("claim")
-	opComplete      = newOpMeasures("complete")
-	opRelease       = newOpMeasures("release")
-	opExtend        = newOpMeasures("extend")
-	opPark          = newOpMeasures("park")
-	opLookup        = newOpMeasures("lookup")
-	opInspect       = newOpMeasures("inspect")
-	opInvalidate    = newOpMeasures("invalidate")
-	opResolve       = newOpMeasures("resolve")
-	opList          = newOpMeasures("list")
-	opCountParked   = newOpMeasures("count_parked")
-	opClaimBatch    = newOpMeasures("claim_batch")
-	opCompleteBatch = newOpMeasures("complete_batch")
+	opClaim         = newOpMeasures("claim", false)
+	opComplete      = newOpMeasures("complete", true)
+	opRelease       = newOpMeasures("release", true)
+	opExtend        = newOpMeasures("extend", true)
+	opPark          = newOpMeasures("park", true)
+	opLookup        = newOpMeasures("lookup", false)
+	opInspect       = newOpMeasures("inspect", false)
+	opInvalidate    = newOpMeasures("invalidate", false)
+	opResolve       = newOpMeasures("resolve", false)
+	opList          = newOpMeasures("list", false)
+	opCountParked   = newOpMeasures("count_parked", false)
+	opClaimBatch    = newOpMeasures("claim_batch", false)
+	opCompleteBatch = newOpMeasures("complete_batch", false) // its items' LEASE_LOST count as complete's (ops.go)
+
+	allOps = []*opMeasures{opClaim, opComplete, opRelease, opExtend, opPark, opLookup, opInspect, opInvalidate,
+		opResolve, opList, opCountParked, opClaimBatch, opCompleteBatch}
 )
+
+// errorTypes are the values ErrorType returns.
+var errorTypes = []string{"unavailable", "deadline", "canceled", "exhausted", "internal"}
 
 // claimOutcomes are the attribute sets of idemreg.claims, by outcome.
 var claimOutcomes = func() map[string]metric.MeasurementOption {
@@ -247,7 +282,7 @@ func (c *Chain) do(ctx context.Context, op *opMeasures, call func(ctx context.Co
 	} else {
 		c.m.storeDuration.Record(ctx, elapsed, op.ok)
 	}
-	if r == idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST {
+	if op.holder && r == idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST {
 		c.m.leaseLost.Add(ctx, 1, op.method)
 	}
 	return err
