@@ -7,13 +7,15 @@ import (
 	"sync"
 	"time"
 
-	"github.com/idemreg/idemreg/server/internal/reason"
+	"go.opentelemetry.io/otel/trace"
 	rpccode "google.golang.org/genproto/googleapis/rpc/code"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
+
+	"github.com/idemreg/idemreg/server/internal/reason"
 )
 
 // The access log: one structured line per finished call ("finished call",
@@ -105,14 +107,27 @@ func (accessLogger) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.C
 
 func (accessLogger) HandleConn(context.Context, stats.ConnStats) {}
 
-// unary notes the request's consumer for the call's line.
+// unary notes the request's consumer for the call's line, and sets the
+// call's attributes on its span when the span is recording (tracing.go).
 func (a accessLogger) unary(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
-	if cl, ok := ctx.Value(callLogKey{}).(*callLog); ok {
+	cl, _ := ctx.Value(callLogKey{}).(*callLog)
+	if cl != nil {
 		if r, ok := req.(interface{ GetConsumer() string }); ok {
 			cl.consumer = r.GetConsumer()
 		}
 	}
-	return next(ctx, req)
+	span := trace.SpanFromContext(ctx)
+	if !span.IsRecording() {
+		return next(ctx, req)
+	}
+	traceRequest(span, req)
+	resp, err := next(ctx, req)
+	identity := ""
+	if cl != nil {
+		identity = cl.identity
+	}
+	traceAnswer(span, identity, resp, err)
+	return resp, err
 }
 
 func (a accessLogger) finished(ctx context.Context, cl *callLog, err error) {

@@ -88,7 +88,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	}
 	outcomes := &callOutcomes{}
 	chain, err := storechain.New(store, storechain.Config{MaxInFlight: cfg.MaxInFlight, PerIdentity: cfg.MaxInFlightPerIdentity,
-		Meter: m.meter, Identity: waitShare, Outcome: outcomes.record})
+		Meter: m.meter, Identity: waitShare, Outcome: outcomes.record, Tracer: cfg.TracerProvider.Tracer(MeterName)})
 	if err != nil {
 		return nil, err
 	}

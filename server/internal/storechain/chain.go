@@ -16,7 +16,9 @@
 //     out);
 //  3. measures the call (idemreg.store.duration, idemreg.store.errors, the
 //     Claim outcomes, lease_lost) and counts its outcome for readiness
-//     (Config.Outcome).
+//     (Config.Outcome);
+//  4. opens a child span of the caller's (trace.go), when the caller's
+//     span is recording.
 //
 // What is no request's record operation passes through untouched: Ping,
 // Close, the claim key, the usage counts and the sweeper (a ping must see
@@ -34,6 +36,7 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemreg/idemreg/storage"
 )
@@ -52,6 +55,9 @@ type Config struct {
 	// Outcome is told the error (nil: answered) of every record operation
 	// that reached the store, for readiness; nil for none.
 	Outcome func(err error)
+	// Tracer opens the store span of each record operation whose caller's
+	// span is recording (trace.go); nil for none.
+	Tracer trace.Tracer
 }
 
 // Chain is the store as the services call it.
@@ -62,6 +68,7 @@ type Chain struct {
 	m        *instruments
 	identity func(context.Context) string
 	outcome  func(error)
+	tracer   trace.Tracer // nil: no store spans
 }
 
 var (
@@ -80,7 +87,7 @@ func New(store storage.Store, cfg Config) (*Chain, error) {
 		return nil, err
 	}
 	c := &Chain{b: newBackend(store), sem: make(chan struct{}, cfg.MaxInFlight), m: m,
-		identity: cfg.Identity, outcome: cfg.Outcome}
+		identity: cfg.Identity, outcome: cfg.Outcome, tracer: cfg.Tracer}
 	if cfg.PerIdentity < cfg.MaxInFlight {
 		c.shares = &identityShares{share: cfg.PerIdentity}
 	}

@@ -133,7 +133,7 @@ func newInstruments(m metric.Meter) (*instruments, error) {
 	errs = append(errs, err)
 	out.storeDuration, err = m.Float64Histogram(MetricStoreDuration, metric.WithUnit("s"),
 		metric.WithDescription("Duration of store calls (retries included), by op and outcome: ok, or the error type."),
-		metric.WithExplicitBucketBoundaries(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+		metric.WithExplicitBucketBoundaries(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 	errs = append(errs, err)
 	out.inFlight, err = m.Int64ObservableUpDownCounter(MetricStoreInFlight, metric.WithUnit("{call}"),
 		metric.WithDescription("Store operations in flight."))
@@ -176,6 +176,7 @@ type opMeasures struct {
 	name   string
 	ok     metric.MeasurementOption // idemreg.store.duration of a call that answered
 	method metric.MeasurementOption // idemreg.lease_lost, idemreg.batch.size
+	span   spanStart                // the store span's name and attributes
 	// holder: the op is a lease holder's (Complete, Release, Extend,
 	// Park), whose LEASE_LOST is a stale holder's and counts as
 	// idemreg.lease_lost. An operator's Resolve or Invalidate that lost a
@@ -189,6 +190,7 @@ func newOpMeasures(op string, holder bool) *opMeasures {
 		name:   op,
 		ok:     attrs(attribute.String("op", op), attribute.String("outcome", "ok")),
 		method: attrs(attribute.String("method", op)),
+		span:   newSpanStart(op),
 		holder: holder,
 	}
 }
@@ -264,9 +266,13 @@ func (c *Chain) do(ctx context.Context, op *opMeasures, call func(ctx context.Co
 		return ErrOverloaded
 	}
 	sctx, cancel := storeContext(ctx)
+	sctx, span := c.startSpan(sctx, op)
 	start := time.Now()
 	err := call(sctx)
 	elapsed := time.Since(start).Seconds()
+	if span != nil {
+		endSpan(span, err)
+	}
 	cancel()
 	<-c.sem
 	if id != "" {
