@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"runtime"
 	"strings"
 	"sync"
@@ -225,6 +226,30 @@ const (
 	MetricDiskRefusing = "idemreg.store.disk.refusing"
 	// MetricFailed is 1 once the store failed for good (storage.Failing).
 	MetricFailed = "idemreg.store.failed"
+
+	// Pebble's own statistics, read from DB.Metrics once per collection
+	// (a copy of counters it keeps anyway, under its lock: cheap beside
+	// a scrape interval).
+
+	// MetricMemtableSize is the bytes of the memtables (the one taking
+	// writes and those waiting to be flushed); MetricMemtableCount their
+	// number. Many waiting memtables mean flushes lag the writes.
+	MetricMemtableSize  = "idemreg.store.pebble.memtable.size"
+	MetricMemtableCount = "idemreg.store.pebble.memtable.count"
+	// MetricFlushes counts the memtable flushes since the store opened.
+	MetricFlushes = "idemreg.store.pebble.flushes"
+	// MetricCompactions counts the compactions since the store opened;
+	// MetricCompactionsRunning is those in progress.
+	MetricCompactions        = "idemreg.store.pebble.compactions"
+	MetricCompactionsRunning = "idemreg.store.pebble.compactions.running"
+	// MetricCompactionDebt is Pebble's estimate of the bytes compactions
+	// must rewrite to bring the LSM back into shape: a debt that keeps
+	// growing means compactions do not keep up with the writes, and
+	// Pebble will stall writes.
+	MetricCompactionDebt = "idemreg.store.pebble.compaction.debt"
+	// MetricReadAmp is the read amplification: the files (L0 sublevels
+	// and non-empty levels) a read may have to look at.
+	MetricReadAmp = "idemreg.store.pebble.read_amplification"
 )
 
 // WithMeterProvider sets where the store's instruments are made (default:
@@ -252,6 +277,18 @@ func (s *Store) instrument(mp metric.MeterProvider) (metric.Registration, error)
 	size := gauge(MetricSize, "By", "Size of the embedded store's files.")
 	refusing := gauge(MetricDiskRefusing, "{level}", "1 while the embedded store refuses new attempts for lack of disk space, 2 while it refuses large results too, else 0.")
 	failed := gauge(MetricFailed, "{failed}", "1 once the embedded store failed for good and needs a restart.")
+	memSize := gauge(MetricMemtableSize, "By", "Bytes of the embedded store's memtables (the one taking writes and those waiting for a flush).")
+	memCount := gauge(MetricMemtableCount, "{memtable}", "Memtables of the embedded store (the one taking writes and those waiting for a flush).")
+	running := gauge(MetricCompactionsRunning, "{compaction}", "Compactions of the embedded store in progress.")
+	debt := gauge(MetricCompactionDebt, "By", "Bytes the embedded store's compactions must rewrite to bring its LSM back into shape (Pebble's estimate); growing without bound, writes will stall.")
+	readAmp := gauge(MetricReadAmp, "{file}", "Read amplification of the embedded store: the files (L0 sublevels and non-empty levels) a read may look at.")
+	counter := func(name, unit, desc string) metric.Int64ObservableCounter {
+		c, err := m.Int64ObservableCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		errs = append(errs, err)
+		return c
+	}
+	flushes := counter(MetricFlushes, "{flush}", "Memtable flushes of the embedded store since it opened.")
+	compactions := counter(MetricCompactions, "{compaction}", "Compactions of the embedded store since it opened.")
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
@@ -262,6 +299,16 @@ func (s *Store) instrument(mp metric.MeterProvider) (metric.Registration, error)
 			f = 1
 		}
 		o.ObserveInt64(failed, f, dirAttr)
+		if f == 0 {
+			pm := s.db.Metrics()
+			o.ObserveInt64(memSize, int64(pm.MemTable.Size), dirAttr)
+			o.ObserveInt64(memCount, pm.MemTable.Count, dirAttr)
+			o.ObserveInt64(flushes, pm.Flush.Count, dirAttr)
+			o.ObserveInt64(compactions, pm.Compact.Count, dirAttr)
+			o.ObserveInt64(running, pm.Compact.NumInProgress, dirAttr)
+			o.ObserveInt64(debt, int64(min(pm.Compact.EstimatedDebt, math.MaxInt64)), dirAttr)
+			o.ObserveInt64(readAmp, int64(pm.ReadAmp()), dirAttr)
+		}
 		if s.disk == nil {
 			return nil
 		}
@@ -280,7 +327,7 @@ func (s *Store) instrument(mp metric.MeterProvider) (metric.Registration, error)
 		}
 		o.ObserveInt64(refusing, r, dirAttr)
 		return nil
-	}, free, total, reserve, size, refusing, failed)
+	}, free, total, reserve, size, refusing, failed, memSize, memCount, flushes, compactions, running, debt, readAmp)
 }
 
 // failure is the store's failure for good: Pebble's fatal error (its

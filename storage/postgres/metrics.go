@@ -70,7 +70,8 @@ func (o *options) queryTracer() (pgx.QueryTracer, error) {
 }
 
 // The pool's instruments: how close the replica is to its connections'
-// bound, and how long calls wait for one (Prometheus:
+// bound (the connections by state add up to the pool's total), and how
+// long calls wait for one (Prometheus:
 // idemreg_store_pool_connections, idemreg_store_pool_max_connections,
 // idemreg_store_pool_empty_acquires_total,
 // idemreg_store_pool_acquire_wait_seconds_total). A wait that grows means
@@ -82,6 +83,17 @@ const (
 	MetricPoolMaxConnections = "idemreg.store.pool.max_connections"
 	MetricPoolEmptyAcquires  = "idemreg.store.pool.empty_acquires"
 	MetricPoolAcquireWait    = "idemreg.store.pool.acquire_wait"
+	// MetricPoolAcquires counts every acquire of a connection (one per
+	// store statement or transaction), MetricPoolAcquireDuration the time
+	// they took in all, waits included: their ratio is the mean acquire
+	// time. MetricPoolCanceledAcquires counts the acquires given up (the
+	// call's context ended while it waited), MetricPoolOpened the
+	// connections the pool opened (a count that keeps growing means
+	// connections are lost or recycled).
+	MetricPoolAcquires         = "idemreg.store.pool.acquires"
+	MetricPoolAcquireDuration  = "idemreg.store.pool.acquire_duration"
+	MetricPoolCanceledAcquires = "idemreg.store.pool.canceled_acquires"
+	MetricPoolOpened           = "idemreg.store.pool.opened"
 )
 
 // instrumentPool registers the pool's instruments until Close.
@@ -98,7 +110,15 @@ func (s *Store) instrumentPool(mp metric.MeterProvider) (metric.Registration, er
 		metric.WithDescription("Acquires of a connection that found none idle and waited or opened one."))
 	wait, err4 := m.Float64ObservableCounter(MetricPoolAcquireWait, metric.WithUnit("s"),
 		metric.WithDescription("Time calls spent waiting for a connection of the store's pool."))
-	if err := errors.Join(err1, err2, err3, err4); err != nil {
+	acquires, err5 := m.Int64ObservableCounter(MetricPoolAcquires, metric.WithUnit("{acquire}"),
+		metric.WithDescription("Acquires of a connection of the store's pool."))
+	acquireTime, err6 := m.Float64ObservableCounter(MetricPoolAcquireDuration, metric.WithUnit("s"),
+		metric.WithDescription("Time the acquires of a connection of the store's pool took in all, waits included."))
+	canceled, err7 := m.Int64ObservableCounter(MetricPoolCanceledAcquires, metric.WithUnit("{acquire}"),
+		metric.WithDescription("Acquires of a connection given up because the call's context ended."))
+	opened, err8 := m.Int64ObservableCounter(MetricPoolOpened, metric.WithUnit("{connection}"),
+		metric.WithDescription("Connections the store's pool opened."))
+	if err := errors.Join(err1, err2, err3, err4, err5, err6, err7, err8); err != nil {
 		return nil, err
 	}
 	acquired := metric.WithAttributes(attribute.String("state", "acquired"))
@@ -112,6 +132,10 @@ func (s *Store) instrumentPool(mp metric.MeterProvider) (metric.Registration, er
 		o.ObserveInt64(maxConns, int64(st.MaxConns()))
 		o.ObserveInt64(empty, st.EmptyAcquireCount())
 		o.ObserveFloat64(wait, st.EmptyAcquireWaitTime().Seconds())
+		o.ObserveInt64(acquires, st.AcquireCount())
+		o.ObserveFloat64(acquireTime, st.AcquireDuration().Seconds())
+		o.ObserveInt64(canceled, st.CanceledAcquireCount())
+		o.ObserveInt64(opened, st.NewConnsCount())
 		return nil
-	}, conns, maxConns, empty, wait)
+	}, conns, maxConns, empty, wait, acquires, acquireTime, canceled, opened)
 }
