@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -33,12 +35,27 @@ import (
 // what else the machine runs.
 //
 //	go test -run '^$' -bench ServerClaimComplete -benchmem -count 5 ./server/
-func BenchmarkServerClaimComplete(b *testing.B) {
+func BenchmarkServerClaimComplete(b *testing.B) { benchClaimComplete(b, nil) }
+
+// BenchmarkTracedClaimComplete is BenchmarkServerClaimComplete with every
+// call traced (an SDK provider that samples all and exports nowhere): what
+// tracing costs, otelgrpc's span, the call's attributes and the store span.
+//
+//	go test -run '^$' -bench TracedClaimComplete -benchmem -count 5 ./server/
+func BenchmarkTracedClaimComplete(b *testing.B) {
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()))
+	b.Cleanup(func() { _ = tp.Shutdown(b.Context()) })
+	benchClaimComplete(b, tp)
+}
+
+// benchClaimComplete is BenchmarkServerClaimComplete with the tracer
+// provider tp (nil: the global one, a no-op).
+func benchClaimComplete(b *testing.B, tp trace.TracerProvider) {
 	logger := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	store, err := pebble.Open("", pebble.WithInMemory(), pebble.WithLogger(logger))
 	require.NoError(b, err)
 	b.Cleanup(func() { _ = store.Close() })
-	addr, _ := servertest.Serve(b, store, server.Config{Logger: logger})
+	addr, _ := servertest.Serve(b, store, server.Config{Logger: logger, TracerProvider: tp})
 	conn := servertest.Dial(b, addr)
 	c := idemregv1.NewRegistryServiceClient(conn)
 	var seq atomic.Int64
