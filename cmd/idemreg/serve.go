@@ -61,7 +61,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("--descriptor-set: %w", err)
 	}
-	build := telemetry.ReadBuild()
+	build := servedBuild()
 	logger.Info("starting idemreg", "version", build.Version, "revision", build.Revision, "go_version", build.GoVersion,
 		"store", storeKind(cfg))
 	tel, err := telemetry.Start(ctx, "idemreg", build, logger)
@@ -285,6 +285,20 @@ const exitStoreFailed = 75
 
 // storeFailedExitTimeout bounds the cleanup after the store failed.
 const storeFailedExitTimeout = 5 * time.Second
+
+// servedBuild is the build that idemreg_build_info, service.version and
+// the startup line name: what make build stamped (probe.go), else what
+// the toolchain recorded.
+func servedBuild() telemetry.Build {
+	b := telemetry.ReadBuild()
+	if version != "" {
+		b.Version = version
+	}
+	if revision != "" {
+		b.Revision = revision
+	}
+	return b
+}
 
 // storeKind names the store that openStore opens, for the startup line.
 func storeKind(cfg *config) string {

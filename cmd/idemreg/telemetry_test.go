@@ -171,3 +171,15 @@ func TestServePushesOTLPMetrics(t *testing.T) {
 		t.Fatal("traces not pushed")
 	}
 }
+
+// TestServedBuildIsStamped: what make build stamps (-ldflags -X) is what
+// idemreg_build_info and the startup line name; the toolchain's otherwise.
+func TestServedBuildIsStamped(t *testing.T) {
+	require.Equal(t, runtime.Version(), servedBuild().GoVersion)
+	saved := [2]string{version, revision}
+	t.Cleanup(func() { version, revision = saved[0], saved[1] })
+	version, revision = "v1.4.0", "0123abcd"
+	b := servedBuild()
+	require.Equal(t, "v1.4.0", b.Version)
+	require.Equal(t, "0123abcd", b.Revision)
+}
