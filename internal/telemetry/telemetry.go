@@ -80,14 +80,13 @@ const MetricBuildInfo = "idemreg.build_info"
 var LatencyBuckets = []float64{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}
 
 // latencyViews give the instruments of libraries whose bucket boundaries
-// cannot be chosen at the call site (otelgrpc's) LatencyBuckets.
+// cannot be chosen at the call site (otelgrpc's rpc.server.call.duration,
+// in seconds) LatencyBuckets. (The old semantic conventions' duration,
+// which OTEL_SEMCONV_STABILITY_OPT_IN can bring back, is in milliseconds:
+// these boundaries would be wrong for it, and it keeps its own.)
 func latencyViews() []sdkmetric.View {
-	var views []sdkmetric.View
-	for _, name := range []string{"rpc.server.call.duration", "rpc.server.duration"} {
-		views = append(views, sdkmetric.NewView(sdkmetric.Instrument{Name: name},
-			sdkmetric.Stream{Aggregation: sdkmetric.AggregationExplicitBucketHistogram{Boundaries: LatencyBuckets}}))
-	}
-	return views
+	return []sdkmetric.View{sdkmetric.NewView(sdkmetric.Instrument{Name: "rpc.server.call.duration", Unit: "s"},
+		sdkmetric.Stream{Aggregation: sdkmetric.AggregationExplicitBucketHistogram{Boundaries: LatencyBuckets}})}
 }
 
 // Pipeline holds the providers of a process.
