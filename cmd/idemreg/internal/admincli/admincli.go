@@ -1,9 +1,9 @@
 // Package admincli is the admin command of the idemreg binary: an
 // operator's calls to a running registry's AdminService (list, inspect,
 // resolve, invalidate), made with the credentials a service would use and
-// answered as a table, or as JSON (--output json). The binary parses the flags each Command binds, the
-// way it parses those of its other commands (from the environment, then
-// the arguments), and runs what Bind returned.
+// answered as a table, or as JSON (--output json). The binary parses the
+// flags each Command binds, the way it parses those of its other commands
+// (from the environment, then the arguments), and runs what Bind returned.
 package admincli
 
 import (
