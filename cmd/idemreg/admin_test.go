@@ -53,7 +53,7 @@ identities:
 func runAdmin(t *testing.T, args ...string) (map[string]any, error) {
 	t.Helper()
 	var stdout, stderr bytes.Buffer
-	err := run(context.Background(), append([]string{"admin"}, args...), &stdout, &stderr)
+	err := run(context.Background(), append(append([]string{"admin"}, args...), "--output", "json"), &stdout, &stderr)
 	if err != nil {
 		return nil, err
 	}
@@ -78,14 +78,14 @@ func TestAdminCommand(t *testing.T) {
 	require.Equal(t, strconv.FormatInt(claimed.GetToken(), 10), rec["token"])
 
 	_, err = admin(append([]string{"inspect", "--token", "worker-token"}, key...)...)
-	require.ErrorContains(t, err, "PermissionDenied", "a consumers grant is not an admin grant")
+	require.ErrorContains(t, err, "PERMISSION_DENIED", "a consumers grant is not an admin grant")
 	_, err = admin(append([]string{"inspect"}, key...)...)
-	require.ErrorContains(t, err, "Unauthenticated")
+	require.ErrorContains(t, err, "UNAUTHENTICATED")
 
 	_, err = admin(append([]string{"invalidate", "--token", "oncall-token"}, key...)...)
 	require.ErrorContains(t, err, "--reason")
 	_, err = admin(append([]string{"invalidate", "--token", "oncall-token", "--reason", "stuck after deploy", "--expect-token", "1"}, key...)...)
-	require.ErrorContains(t, err, "FailedPrecondition", "a token that is not the inspected one")
+	require.ErrorContains(t, err, "FAILED_PRECONDITION", "a token that is not the inspected one")
 	done, err := admin(append([]string{"invalidate", "--token", "oncall-token", "--reason", "stuck after deploy",
 		"--expect-token", strconv.FormatInt(claimed.GetToken(), 10)}, key...)...)
 	require.NoError(t, err)
@@ -179,7 +179,7 @@ func TestAdminListAndResolve(t *testing.T) {
 		{"consumer and prefix", []string{"--consumer", "a", "--prefix", "b"}, "--consumer or --prefix"},
 		{"unknown state", []string{"--state", "stuck"}, "--state"},
 		{"page too large", []string{"--page-size", "501"}, "--page-size"},
-		{"not an administrator", []string{"--token", "worker-token"}, "PermissionDenied"},
+		{"not an administrator", []string{"--token", "worker-token"}, "PERMISSION_DENIED"},
 		{"a stray argument", []string{"billing.worker"}, "unexpected arguments"},
 	} {
 		t.Run("list "+tc.name, func(t *testing.T) {
@@ -204,7 +204,7 @@ func TestAdminListAndResolve(t *testing.T) {
 	require.Equal(t, "payments.v1.Charge", replay.GetRecord().GetResult().GetResponse().GetType())
 	require.Equal(t, "ch_123", string(replay.GetRecord().GetResult().GetResponse().GetData()))
 	_, err = resolve("charge-1", "--expect-token", tokenOf("charge-1"), "--reason", "again", "--release")
-	require.ErrorContains(t, err, "FailedPrecondition", "of two operators with one token, the second")
+	require.ErrorContains(t, err, "FAILED_PRECONDITION", "of two operators with one token, the second")
 
 	// A response from a file.
 	file := filepath.Join(t.TempDir(), "response.bin")
@@ -252,7 +252,7 @@ func TestAdminListAndResolve(t *testing.T) {
 		{"a response and a failure", []string{"--expect-token", token0, "--reason", "r", "--response-data", "d", "--failure-code", "9"}, "exactly one"},
 		{"data and a file", []string{"--expect-token", token0, "--reason", "r", "--response-data", "d", "--response-file", file}, "give one"},
 		{"an unknown code", []string{"--expect-token", token0, "--reason", "r", "--failure-code", "OOPS"}, "--failure-code"},
-		{"a code out of range", []string{"--expect-token", token0, "--reason", "r", "--failure-code", "0"}, "InvalidArgument"},
+		{"a code out of range", []string{"--expect-token", token0, "--reason", "r", "--failure-code", "0"}, "INVALID_ARGUMENT"},
 		{"a missing file", []string{"--expect-token", token0, "--reason", "r", "--response-file", filepath.Join(t.TempDir(), "none")}, "no such file"},
 	} {
 		t.Run("resolve "+tc.name, func(t *testing.T) {
@@ -262,7 +262,7 @@ func TestAdminListAndResolve(t *testing.T) {
 	}
 	_, err = runAdmin(t, append(append([]string{"resolve"}, conn...), "--consumer", "billing.worker", "--kind", "operation", "--key", "charge-0",
 		"--token", "worker-token", "--expect-token", token0, "--reason", "r", "--release")...)
-	require.ErrorContains(t, err, "PermissionDenied")
+	require.ErrorContains(t, err, "PERMISSION_DENIED")
 }
 
 // TestAdminHelp: `idemreg admin help` lists every command, and each

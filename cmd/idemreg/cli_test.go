@@ -24,6 +24,7 @@ func everyCommand(t *testing.T) map[string]*flag.FlagSet {
 	for name, cmd := range commands {
 		out[name], _ = flagSet(name, "", io.Discard, cmd)
 	}
+	out["migrate status"], _ = flagSet("migrate status", "", io.Discard, migrateStatusCommand)
 	for name, cmd := range admincli.Commands {
 		out["admin "+name], _ = flagSet("admin "+name, "", io.Discard, adminCommand(cmd))
 	}

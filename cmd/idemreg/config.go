@@ -17,6 +17,7 @@ import (
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
@@ -36,6 +37,9 @@ type config struct {
 	// PolicyFile is the config file (--config); empty means the limits'
 	// defaults and bounds for every consumer, and no identities.
 	PolicyFile string
+	// ConfigPoll is how often PolicyFile is looked at for a change on
+	// disk; 0: only SIGHUP reloads it.
+	ConfigPoll time.Duration
 	// TLS are serve's certificate, key and client CAs; Plaintext allows
 	// serving without TLS on an address that is not loopback, and
 	// AllowUnauthenticated without identities.
@@ -87,6 +91,9 @@ func defaultConfig() config {
 		DataDir:   "./idemreg-data",
 		LogLevel:  slog.LevelInfo,
 		LogFormat: "json",
+		// As often as the TLS files are looked at; a ConfigMap update
+		// takes the kubelet's sync period (about a minute) to land anyway.
+		ConfigPoll: 10 * time.Second,
 
 		HTTP:           httpserve.DefaultBounds(),
 		SQLBatchSize:   postgres.DefaultBatchSize,
@@ -140,7 +147,8 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	c.bindCommon(fs)
 	fs.StringVar(&c.Listen, "listen", c.Listen, "gRPC listen address")
 	fs.Int64Var(&c.DataDirReserve, "data-dir-reserve", c.DataDirReserve, "free bytes the embedded store keeps on its file system: below it Claims that would start an attempt are refused (RESOURCE_EXHAUSTED, CAPACITY_EXHAUSTED), below half of it results over 64 KiB too; 0: 256 MiB or a quarter of the file system, whichever is less; negative: none")
-	fs.StringVar(&c.PolicyFile, "config", c.PolicyFile, "config file (YAML or JSON): retention policy (defaults and per-consumer lease and retention bounds, over the flags below), identities and rate limits; reloaded on SIGHUP")
+	fs.StringVar(&c.PolicyFile, "config", c.PolicyFile, "config file (YAML or JSON): retention policy (defaults and per-consumer lease and retention bounds, over the flags below), identities and rate limits; reloaded, whole or not at all, when it changes on disk (checked every --config-poll) and on SIGHUP")
+	durationVar(fs, &c.ConfigPoll, "config-poll", c.ConfigPoll, "how often --config is read for a change on disk (a ConfigMap update, an edit); 0: only SIGHUP reloads it")
 	fs.StringVar(&c.TLS.CertFile, "tls-cert", c.TLS.CertFile, "PEM certificate chain of the server; with --tls-key, serve TLS (files are re-read when they change)")
 	fs.StringVar(&c.TLS.KeyFile, "tls-key", c.TLS.KeyFile, "PEM private key of --tls-cert")
 	fs.StringVar(&c.TLS.ClientCAFile, "tls-client-ca", c.TLS.ClientCAFile, "PEM CAs of client certificates: every client must present one they sign (mTLS); identities match its URI SAN, DNS SAN or subject")
@@ -149,53 +157,53 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.StringVar(&c.MetricsListen, "metrics-listen", c.MetricsListen, "serve Prometheus metrics on http://ADDR/metrics (off when empty)")
 	fs.StringVar(&c.HealthListen, "health-listen", c.HealthListen, "serve grpc.health.v1 alone, in plaintext, on this address, for Kubernetes gRPC probes (off when empty)")
 	fs.IntVar(&c.SQLBatchSize, "sql-batch-size", c.SQLBatchSize, "SQL store: most concurrent Claims (or Completes) sent as one statement; 1 sends each alone")
-	fs.DurationVar(&c.SQLBatchWindow, "sql-batch-window", c.SQLBatchWindow, "SQL store: longest a queued Claim or Complete waits for a statement slot before its batch is sent anyway")
+	durationVar(fs, &c.SQLBatchWindow, "sql-batch-window", c.SQLBatchWindow, "SQL store: longest a queued Claim or Complete waits for a statement slot before its batch is sent anyway")
 	fs.IntVar(&c.SQLBatchSlots, "sql-batch-slots", c.SQLBatchSlots, "SQL store: statements of each kind (Claim, Complete) that run at once before calls queue into batches")
 	fs.StringVar(&c.PprofListen, "pprof-listen", c.PprofListen, "serve net/http/pprof on this loopback address, without authentication (off when empty)")
 	fs.BoolVar(&c.PprofAllowRemote, "pprof-allow-remote", c.PprofAllowRemote, "allow --pprof-listen on an address that is not loopback: anyone who reaches it can profile the process")
-	fs.StringVar(&c.ConsoleListen, "console-listen", c.ConsoleListen, "serve the operator console (look up and invalidate records, as the signed-in identity) on http://ADDR, a loopback address (off when empty)")
+	fs.StringVar(&c.ConsoleListen, "console-listen", c.ConsoleListen, "serve the operator console (status, records to list, inspect, resolve and invalidate, as the signed-in operator) on this address; loopback only unless --console-allow-remote (off when empty)")
 	fs.BoolVar(&c.ConsoleAllowRemote, "console-allow-remote", c.ConsoleAllowRemote, "allow --console-listen on an address that is not loopback: the console speaks plaintext HTTP, so sign-in tokens and records cross the network unencrypted")
 	fs.BoolVar(&c.DisableHTTPAPI, "disable-http-api", c.DisableHTTPAPI, "answer only gRPC on --listen: no Connect protocol, gRPC-Web or HTTP/JSON (HTTP/1.1) beside it")
 	fs.StringVar(&c.HTTPAPICORSOrigins, "http-api-cors-origins", c.HTTPAPICORSOrigins, "browser origins (https://app.example.com, comma-separated, or *) whose pages may call the HTTP API on --listen; empty: none but the same origin")
 	h := &c.HTTP
 	fs.IntVar(&h.MaxConnections, "http-max-connections", h.MaxConnections, "most connections each HTTP listener (metrics, console, pprof) holds open; one beyond it is closed at once")
-	fs.DurationVar(&h.ReadHeaderTimeout, "http-read-header-timeout", h.ReadHeaderTimeout, "HTTP listeners: longest a request's headers, or a new connection's first request, may take to arrive")
-	fs.DurationVar(&h.ReadTimeout, "http-read-timeout", h.ReadTimeout, "HTTP listeners: longest a whole request, body included, may take to arrive")
-	fs.DurationVar(&h.WriteTimeout, "http-write-timeout", h.WriteTimeout, "HTTP listeners: longest a response may take, from the end of the request's headers (a pprof profile or trace may ask for at most this long)")
-	fs.DurationVar(&h.IdleTimeout, "http-idle-timeout", h.IdleTimeout, "HTTP listeners: how long a kept-alive connection may wait for its next request")
+	durationVar(fs, &h.ReadHeaderTimeout, "http-read-header-timeout", h.ReadHeaderTimeout, "HTTP listeners: longest a request's headers, or a new connection's first request, may take to arrive")
+	durationVar(fs, &h.ReadTimeout, "http-read-timeout", h.ReadTimeout, "HTTP listeners: longest a whole request, body included, may take to arrive")
+	durationVar(fs, &h.WriteTimeout, "http-write-timeout", h.WriteTimeout, "HTTP listeners: longest a response may take, from the end of the request's headers (a pprof profile or trace may ask for at most this long)")
+	durationVar(fs, &h.IdleTimeout, "http-idle-timeout", h.IdleTimeout, "HTTP listeners: how long a kept-alive connection may wait for its next request")
 	fs.IntVar(&h.MaxHeaderBytes, "http-max-header-bytes", h.MaxHeaderBytes, "HTTP listeners: largest request headers, in bytes")
 	fs.StringVar(&c.DescriptorSet, "descriptor-set", c.DescriptorSet, "binary FileDescriptorSet (buf build -o FILE.binpb, protoc --include_imports --descriptor_set_out=FILE) of the services' response types: a resolution's response of one of them must decode as it, and may be given as JSON (the google.protobuf types are known without it); read at start")
-	fs.DurationVar(&c.Sweep.Interval, "sweep-interval", c.Sweep.Interval, "time between sweeps of expired records; 0 turns the in-process sweeper off")
+	durationVar(fs, &c.Sweep.Interval, "sweep-interval", c.Sweep.Interval, "time between sweeps of expired records; 0 turns the in-process sweeper off")
 	fs.IntVar(&c.Sweep.BatchSize, "sweep-batch-size", c.Sweep.BatchSize, "most records one sweep batch deletes")
-	fs.DurationVar(&c.Sweep.BatchTimeout, "sweep-batch-timeout", c.Sweep.BatchTimeout, "timeout of one sweep batch (the batch halves after one)")
+	durationVar(fs, &c.Sweep.BatchTimeout, "sweep-batch-timeout", c.Sweep.BatchTimeout, "timeout of one sweep batch (the batch halves after one)")
 
 	// The server's flags are named after the fields they set
 	// (MaxInFlight is --max-in-flight), so its errors name them (named).
 	s := &c.Server
 	l := &s.Limits
-	fs.DurationVar(&l.DefaultLease, "default-lease", l.DefaultLease, "lease of a Claim or Extend that gives none")
-	fs.DurationVar(&l.MinLease, "min-lease", l.MinLease, "smallest lease a request may ask for")
-	fs.DurationVar(&l.MaxLease, "max-lease", l.MaxLease, "largest lease a request may ask for")
-	fs.DurationVar(&l.DefaultMessageRetention, "default-message-retention", l.DefaultMessageRetention, "retention of a KIND_MESSAGE Claim that gives none")
-	fs.DurationVar(&l.DefaultOperationRetention, "default-operation-retention", l.DefaultOperationRetention, "retention of a KIND_OPERATION Claim that gives none")
-	fs.DurationVar(&l.MinRetention, "min-retention", l.MinRetention, "smallest retention a request may ask for")
-	fs.DurationVar(&l.MaxRetention, "max-retention", l.MaxRetention, "largest retention a request may ask for")
-	fs.DurationVar(&l.MaxLeaseTotal, "max-lease-total", l.MaxLeaseTotal, "longest one attempt may hold a key, its Claim's lease and every Extend together (at least --max-lease; 0: no bound)")
+	durationVar(fs, &l.DefaultLease, "default-lease", l.DefaultLease, "lease of a Claim or Extend that gives none")
+	durationVar(fs, &l.MinLease, "min-lease", l.MinLease, "smallest lease a request may ask for")
+	durationVar(fs, &l.MaxLease, "max-lease", l.MaxLease, "largest lease a request may ask for")
+	durationVar(fs, &l.DefaultMessageRetention, "default-message-retention", l.DefaultMessageRetention, "retention of a KIND_MESSAGE Claim that gives none")
+	durationVar(fs, &l.DefaultOperationRetention, "default-operation-retention", l.DefaultOperationRetention, "retention of a KIND_OPERATION Claim that gives none")
+	durationVar(fs, &l.MinRetention, "min-retention", l.MinRetention, "smallest retention a request may ask for")
+	durationVar(fs, &l.MaxRetention, "max-retention", l.MaxRetention, "largest retention a request may ask for")
+	durationVar(fs, &l.MaxLeaseTotal, "max-lease-total", l.MaxLeaseTotal, "longest one attempt may hold a key, its Claim's lease and every Extend together (at least --max-lease; 0: no bound)")
 	fs.IntVar(&l.MaxResultBytes, "max-result-bytes", l.MaxResultBytes, "largest encoded result Complete accepts")
-	fs.DurationVar(&s.RequestTimeout, "request-timeout", s.RequestTimeout, "budget of a request that carries no deadline")
-	fs.DurationVar(&s.MaxRequestTimeout, "max-request-timeout", s.MaxRequestTimeout, "longest deadline a request may carry; longer ones are cut to it")
+	durationVar(fs, &s.RequestTimeout, "request-timeout", s.RequestTimeout, "budget of a request that carries no deadline")
+	durationVar(fs, &s.MaxRequestTimeout, "max-request-timeout", s.MaxRequestTimeout, "longest deadline a request may carry; longer ones are cut to it")
 	fs.IntVar(&s.MaxInFlight, "max-in-flight", s.MaxInFlight, "most store operations at once; beyond it calls fail at once with UNAVAILABLE (OVERLOADED)")
 	fs.IntVar(&s.MaxInFlightPerIdentity, "max-in-flight-per-identity", s.MaxInFlightPerIdentity, "most store operations at once of one identity of --config, so one tenant cannot take every slot (0: half of --max-in-flight; --max-in-flight turns it off)")
 	fs.IntVar(&s.MaxWaiters, "max-waiters", s.MaxWaiters, "most Claims waiting at once for a key in progress (ClaimRequest.wait); beyond it a Claim answers at once")
 	fs.IntVar(&s.MaxWaitersPerIdentity, "max-waiters-per-identity", s.MaxWaitersPerIdentity, "most Claims of one identity of --config waiting at once, so one tenant cannot take every wait slot (0: half of --max-waiters; --max-waiters turns it off)")
-	fs.DurationVar(&s.WaitRecheck, "wait-recheck", s.WaitRecheck, "how often a waiting Claim looks for changes made through other replicas: how late it may wake for them")
-	fs.DurationVar(&s.QuotaRefresh, "quota-refresh", s.QuotaRefresh, "how often the live records and bytes of the consumers with a quota (max_records, max_bytes in --config) are counted in the store: how late a replica learns of other replicas' new keys")
+	durationVar(fs, &s.WaitRecheck, "wait-recheck", s.WaitRecheck, "how often a waiting Claim looks for changes made through other replicas: how late it may wake for them")
+	durationVar(fs, &s.QuotaRefresh, "quota-refresh", s.QuotaRefresh, "how often the live records and bytes of the consumers with a quota (max_records, max_bytes in --config) are counted in the store: how late a replica learns of other replicas' new keys")
 	fs.IntVar(&s.MaxQuotaConsumersPerIdentity, "max-quota-consumers-per-identity", s.MaxQuotaConsumersPerIdentity, "most consumers with a quota (max_records, max_bytes in --config) a replica follows for one identity; beyond it their new keys are refused (QUOTA_EXCEEDED) until one of its consumers is idle for "+strconv.Itoa(server.QuotaIdleRefreshes)+" quota refreshes")
-	offAtZeroVar(fs, &s.ParkedCountInterval, time.ParseDuration, "parked-count-interval", "how often the parked records of every consumer are counted in the store (from its index of parked records) for the idemreg_parked_records gauge; 0 turns the gauge off")
+	offAtZeroVar(fs, &s.ParkedCountInterval, policy.ParseDuration, "parked-count-interval", "how often the parked records of every consumer are counted in the store (from its index of parked records) for the idemreg_parked_records gauge; 0 turns the gauge off")
 	offAtZeroVar(fs, &s.RefusalLogRate, strconv.Atoi, "refusal-log-rate", "access log lines written a second for each identity and refusal code (UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT); the others are counted in idemreg_access_log_sampled_out_total (0: every line)")
 	offAtZeroVar(fs, &s.StreamWorkers, strconv.Atoi, "stream-workers", "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
-	fs.DurationVar(&s.Keepalive.MaxConnectionAge, "max-connection-age", s.Keepalive.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
-	fs.DurationVar(&s.Keepalive.MaxConnectionIdle, "max-connection-idle", s.Keepalive.MaxConnectionIdle, "close client connections that have had no call for this long")
+	durationVar(fs, &s.Keepalive.MaxConnectionAge, "max-connection-age", s.Keepalive.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
+	durationVar(fs, &s.Keepalive.MaxConnectionIdle, "max-connection-idle", s.Keepalive.MaxConnectionIdle, "close client connections that have had no call for this long")
 	b := &s.Bounds
 	fs.Var(uint32Value{&b.MaxHeaderListSize}, "max-header-list-size", "largest header list of one call, in bytes (names, values and 32 bytes per field); a call over it is refused before any handler")
 	fs.Var(uint32Value{&b.MaxConcurrentStreams}, "max-concurrent-streams", "most calls open at once on one connection; clients queue beyond it")
@@ -203,13 +211,13 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.IntVar(&b.MaxPublicStreams, "max-public-streams", b.MaxPublicStreams, "most health Watch and reflection streams (which need no credentials) open at once; beyond it they fail with RESOURCE_EXHAUSTED")
 	fs.IntVar(&b.MaxCallsPerIdentity, "max-calls-per-identity", b.MaxCallsPerIdentity, "most calls one identity of --config has in progress at once; beyond it they fail with RESOURCE_EXHAUSTED (TOO_MANY_CALLS)")
 	fs.IntVar(&b.MaxPendingCalls, "max-pending-calls", b.MaxPendingCalls, "most calls whose request message has not arrived yet, both listeners (gRPC, health) together, half on each; beyond it they fail at once with RESOURCE_EXHAUSTED (TOO_MANY_STREAMS), before credentials are checked")
-	fs.DurationVar(&b.ConnectionTimeout, "connection-timeout", b.ConnectionTimeout, "longest a new connection may take over its TLS and HTTP/2 handshakes")
+	durationVar(fs, &b.ConnectionTimeout, "connection-timeout", b.ConnectionTimeout, "longest a new connection may take over its TLS and HTTP/2 handshakes")
 	r := &s.Readiness
 	fs.IntVar(&r.Window, "readiness-window", r.Window, "health intervals (2 s each) over which the store calls' failure rate decides readiness")
 	fs.IntVar(&r.MinCalls, "readiness-min-calls", r.MinCalls, "fewest store calls in the readiness window for their failure rate to count")
 	fs.Float64Var(&r.MaxFailureRatio, "readiness-max-failure-ratio", r.MaxFailureRatio, "share of failed store calls in the readiness window, in (0, 1], at which serve reports NOT_SERVING")
-	fs.DurationVar(&s.DrainDelay, "drain-delay", s.DrainDelay, "on SIGTERM, keep serving this long after health turns NOT_SERVING, for load balancers to notice")
-	fs.DurationVar(&s.ShutdownTimeout, "shutdown-timeout", s.ShutdownTimeout, "on SIGTERM, longest wait for calls in flight before connections are cut")
+	durationVar(fs, &s.DrainDelay, "drain-delay", s.DrainDelay, "on SIGTERM, keep serving this long after health turns NOT_SERVING, for load balancers to notice")
+	durationVar(fs, &s.ShutdownTimeout, "shutdown-timeout", s.ShutdownTimeout, "on SIGTERM, longest wait for calls in flight before connections are cut")
 	fs.BoolVar(&s.DisableReflection, "disable-reflection", s.DisableReflection, "turn gRPC server reflection off")
 }
 
@@ -217,9 +225,9 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 func (c *config) bindSweep(fs *flag.FlagSet) {
 	c.bindCommon(fs)
 	fs.IntVar(&c.Sweep.BatchSize, "batch-size", c.Sweep.BatchSize, "most records one batch deletes")
-	fs.DurationVar(&c.Sweep.BatchTimeout, "batch-timeout", c.Sweep.BatchTimeout, "timeout of one batch; after a timeout the batch size halves")
-	offAtZeroVar(fs, &c.Sweep.Pause, time.ParseDuration, "pause", "mean pause between batches, jittered by ±50%, to leave the store to live traffic; 0: none")
-	fs.DurationVar(&c.Sweep.MaxDuration, "max-duration", c.Sweep.MaxDuration, "stop starting batches after this long (exit status 3 if expired records may be left); 0 means no limit")
+	durationVar(fs, &c.Sweep.BatchTimeout, "batch-timeout", c.Sweep.BatchTimeout, "timeout of one batch; after a timeout the batch size halves")
+	offAtZeroVar(fs, &c.Sweep.Pause, policy.ParseDuration, "pause", "mean pause between batches, jittered by ±50%, to leave the store to live traffic; 0: none")
+	durationVar(fs, &c.Sweep.MaxDuration, "max-duration", c.Sweep.MaxDuration, "stop starting batches after this long (exit status 3 if expired records may be left); 0 means no limit")
 }
 
 // offAtZeroVar binds a flag whose 0 turns something off to a library
@@ -248,9 +256,19 @@ func (o offAtZero[T]) Set(s string) error {
 	return nil
 }
 
+func (o offAtZero[T]) Type() string {
+	if _, ok := any(*new(T)).(time.Duration); ok {
+		return "duration"
+	}
+	return "int"
+}
+
 func (o offAtZero[T]) String() string {
 	if o.p == nil || *o.p < 0 {
 		return "0"
+	}
+	if d, ok := any(*o.p).(time.Duration); ok {
+		return policy.FormatDuration(d)
 	}
 	return fmt.Sprint(*o.p)
 }
@@ -263,6 +281,8 @@ func (u uint32Value) Set(s string) error {
 	*u.p = uint32(n)
 	return err
 }
+
+func (uint32Value) Type() string { return "uint" }
 
 func (u uint32Value) String() string {
 	if u.p == nil {
@@ -319,6 +339,9 @@ func (c *config) Validate() error {
 	errs = append(errs, c.commandLineBounds()...)
 	if err := c.Server.Validate(); err != nil {
 		errs = append(errs, named(err))
+	}
+	if c.ConfigPoll < 0 {
+		errs = append(errs, fmt.Errorf("--config-poll must not be negative (0: reload on SIGHUP only), got %v", c.ConfigPoll))
 	}
 	sw := c.Sweep
 	if sw.Interval < 0 {

@@ -1,7 +1,7 @@
 // Command idemreg runs the idempotency-key registry.
 //
 //	idemreg serve     run the gRPC service
-//	idemreg migrate   apply the SQL schema to --database-url
+//	idemreg migrate   apply the SQL schema to --database-url (migrate status: list it)
 //	idemreg sweep     delete expired records once (for a cron job)
 //	idemreg health    ask a server's health listener whether it is serving
 //	idemreg admin     list, inspect, resolve or invalidate records on a running server
@@ -24,6 +24,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -34,7 +35,9 @@ const usage = `idemreg: an idempotency-key registry
 
 Usage:
   idemreg serve   [flags]   run the gRPC service
-  idemreg migrate [flags]   apply the SQL schema to --database-url
+  idemreg migrate [flags]   apply the SQL schema to --database-url, listing what it applied
+  idemreg migrate status [flags]
+                            list applied and pending migrations (exit 0 up to date, 3 pending)
   idemreg rotate-claim-key [flags]
                             add a claim key generation; the old one stays accepted for --grace
   idemreg sweep   [flags]   delete expired records once and exit (for a cron job):
@@ -63,6 +66,18 @@ var commands = map[string]command{
 	"version":          versionCommand,
 }
 
+// summaries say what each command does, at the top of its -h.
+var summaries = map[string]string{
+	"serve":            "Run the gRPC service. Durations take a unit, and days: 90s, 1h30m, 7d, 1d12h.",
+	"migrate":          "Apply the SQL schema to --database-url and list the migrations applied;\n\"idemreg migrate status\" lists those applied and those pending (exit 0\nwhen none is pending, " + strconv.Itoa(exitMigrationsPending) + " when some are).",
+	"rotate-claim-key": "Add a claim key generation; the old one stays accepted for --grace.",
+	"sweep":            "Delete expired records once and exit: 0 finished, 1 failed, 3 stopped by --max-duration.",
+	"health":           "Check a server's --health-listen: exit 0 when SERVING.",
+	"new-token":        "Print a new bearer token, for the client, and its hash, for token_hashes in\n--config. It takes no flags.",
+	"version":          "Print the module version, VCS revision and Go version.",
+	"migrate status":   "List the migrations --database-url has applied and those pending; change\nnothing. Exit 0 when none is pending, " + strconv.Itoa(exitMigrationsPending) + " when some are (for an init\ncontainer or a deploy check), 2 when the database cannot be read.",
+}
+
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -70,7 +85,11 @@ func main() {
 		if errors.Is(err, flag.ErrHelp) {
 			os.Exit(0) // asked for, and printed
 		}
-		fmt.Fprintln(os.Stderr, "idemreg:", err)
+		if call := (*admincli.CallError)(nil); errors.As(err, &call) {
+			fmt.Fprintln(os.Stderr, call.Error()) // "error: ..." and its details
+		} else {
+			fmt.Fprintln(os.Stderr, "idemreg:", err)
+		}
 		var exit *exitError
 		if errors.As(err, &exit) {
 			os.Exit(exit.code)
@@ -96,6 +115,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return nil
 	case "--version":
 		args[0] = "version"
+	case "migrate":
+		if len(args) > 1 && args[1] == "status" {
+			return runCommand(ctx, "migrate status", "[flags]", migrateStatusCommand, args[2:], stdout, stderr)
+		}
 	}
 	cmd, ok := commands[args[0]]
 	if !ok {
@@ -125,10 +148,16 @@ func flagSet(name, synopsis string, stderr io.Writer, cmd command) (*flag.FlagSe
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: %s %s\n", name, synopsis)
+		if !hasFlags(fs) {
+			synopsis = strings.TrimSpace(strings.ReplaceAll(synopsis, "[flags]", ""))
+		}
+		fmt.Fprintf(stderr, "usage: %s\n", strings.TrimSpace(name+" "+synopsis))
+		if s := summaries[strings.TrimPrefix(name, "idemreg ")]; s != "" {
+			fmt.Fprintf(stderr, "\n%s\n", s)
+		}
 		if hasFlags(fs) {
 			fmt.Fprint(stderr, "\nflags (each also read from the environment variable shown; a flag given wins):\n")
-			fs.PrintDefaults()
+			printFlags(stderr, fs, name == "idemreg serve")
 		}
 	}
 	exec := cmd(fs)

@@ -162,12 +162,18 @@ func TestServePostgres(t *testing.T) {
 	u.User = url.UserPassword(u.User.Username(), "secret") // trust auth ignores it; logs must not show it
 	env := []string{"IDEMREG_DATABASE_URL=" + u.String()}
 
-	for range 2 { // migrate is idempotent
+	for i := range 2 { // migrate is idempotent
 		cmd := exec.Command(bin, "migrate")
 		cmd.Env = append(os.Environ(), env...)
 		out, err := cmd.CombinedOutput()
 		require.NoError(t, err, "migrate: %s", out)
-		require.Contains(t, string(out), "schema is up to date")
+		require.NotContains(t, string(out), ":secret@", "the URL is printed redacted")
+		if i == 0 {
+			require.Contains(t, string(out), "applied 0001_records.sql")
+			require.NotContains(t, string(out), "up to date", "it applied every migration")
+		} else {
+			require.Contains(t, string(out), "schema is up to date")
+		}
 	}
 
 	var token int64

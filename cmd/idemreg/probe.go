@@ -25,14 +25,15 @@ import (
 func healthCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
 	addr := fs.String("addr", "127.0.0.1:7351", "address of the server's --health-listen")
 	service := fs.String("service", "", `health service name: "" (ready: the store answers), "liveness", or a service`)
-	timeout := fs.Duration("timeout", 2*time.Second, "give up after this long")
+	var timeout time.Duration
+	durationVar(fs, &timeout, "timeout", 2*time.Second, "give up after this long")
 	return func(ctx context.Context, stdout, _ io.Writer) error {
 		conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
 			return err
 		}
 		defer conn.Close()
-		ctx, cancel := context.WithTimeout(ctx, *timeout)
+		ctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
 		res, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: *service})
 		if err != nil {

@@ -1,8 +1,12 @@
 package main
 
 import (
+	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"syscall"
 	"testing"
 	"time"
@@ -86,6 +90,85 @@ func TestServeConfigReloadIsAtomic(t *testing.T) {
 	loose, wider = state()
 	require.True(t, loose)
 	require.True(t, wider)
+
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, p.cmd.Wait())
+}
+
+// TestServeReloadsConfigWhenItChanges: serve takes a config file changed
+// on disk without a signal, written in place and by a ConfigMap's ..data
+// symlink swap; keeps the policy in force when the new file is broken;
+// and says which file is live in its logs and on /metrics.
+func TestServeReloadsConfigWhenItChanges(t *testing.T) {
+	bin := buildBinary(t)
+	dir := t.TempDir()
+	// A ConfigMap's layout: idemreg.yaml -> ..data/idemreg.yaml, and
+	// ..data -> the directory of the current version.
+	n := 0
+	publish := func(doc string) {
+		n++
+		version := filepath.Join(dir, fmt.Sprintf("..2026_12_04_v%d", n))
+		require.NoError(t, os.Mkdir(version, 0o755))
+		require.NoError(t, os.WriteFile(filepath.Join(version, "idemreg.yaml"), []byte(doc), 0o644))
+		require.NoError(t, os.Symlink(filepath.Base(version), filepath.Join(dir, "..data_tmp")))
+		require.NoError(t, os.Rename(filepath.Join(dir, "..data_tmp"), filepath.Join(dir, "..data")))
+	}
+	retention := func(min string) string {
+		return "consumers:\n  - prefix: orders.\n    message_retention: {min: " + min + ", default: 10d}\n"
+	}
+	publish(retention("8d"))
+	path := filepath.Join(dir, "idemreg.yaml")
+	require.NoError(t, os.Symlink(filepath.Join("..data", "idemreg.yaml"), path))
+	metricsAddr := freeAddr(t)
+	p := startServe(t, bin, t.TempDir(), nil, "--config", path, "--config-poll", "50ms", "--metrics-listen", metricsAddr)
+	loaded := p.waitLog(t, "config loaded")
+	p.waitLog(t, "serving")
+
+	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	key := 0
+	twoHours := func() error { // a retention the strict policy refuses
+		key++
+		_, err := c.Claim(t.Context(), &idemregv1.ClaimRequest{Consumer: "orders.inbox", Kind: idemregv1.Kind_KIND_MESSAGE,
+			Key: fmt.Sprint("m-", key), Retention: durationpb.New(2 * time.Hour)})
+		return err
+	}
+	configInfo := func() string {
+		res, err := http.Get("http://" + metricsAddr + "/metrics")
+		require.NoError(t, err)
+		defer res.Body.Close()
+		b, err := io.ReadAll(res.Body)
+		require.NoError(t, err)
+		m := regexp.MustCompile(`(?m)^idemreg_config_info\{.*version="([0-9a-f]+)".*\} 1$`).FindStringSubmatch(string(b))
+		require.NotNil(t, m, "idemreg_config_info on /metrics:\n%s", b)
+		return m[1]
+	}
+	require.Equal(t, codes.InvalidArgument, status.Code(twoHours()))
+	require.Equal(t, loaded["version"], configInfo())
+
+	// A ConfigMap update: no signal.
+	publish(retention("1h"))
+	line := p.waitLog(t, "config reloaded")
+	require.Equal(t, "file changed", line["trigger"])
+	require.NoError(t, twoHours(), "the new policy applies")
+	require.Equal(t, line["version"], configInfo())
+	require.NotEqual(t, loaded["version"], line["version"])
+
+	// A broken file: logged, and the policy in force stays.
+	publish(retention("1h") + "    lease: {default: [\n")
+	rejected := p.waitLog(t, "config reload rejected; the policy and access in force stay")
+	require.Equal(t, line["version"], rejected["version"], "the log says which version stays live")
+	require.NoError(t, twoHours())
+	require.Equal(t, line["version"], configInfo())
+
+	// Written in place, as an editor would: taken too, and SIGHUP still
+	// reloads.
+	target, err := filepath.EvalSymlinks(path)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(target, []byte(retention("8d")), 0o644))
+	p.waitLog(t, "config reloaded")
+	require.Equal(t, codes.InvalidArgument, status.Code(twoHours()))
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
+	require.Equal(t, "SIGHUP", p.waitLog(t, "config reloaded")["trigger"])
 
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
 	require.NoError(t, p.cmd.Wait())

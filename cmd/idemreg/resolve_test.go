@@ -132,7 +132,7 @@ func TestAdminResolveDescriptorSet(t *testing.T) {
 	addr, registry, ctx = adminServer(t, server.Config{ResultTypes: types})
 	_, err = runAdmin(t, append(resolveTarget(t, addr, registry, ctx, "charge-raw"), "--response-type", servertest.ChargeResponse,
 		"--response-data", "charge-1")...)
-	require.ErrorContains(t, err, "InvalidArgument")
+	require.ErrorContains(t, err, "INVALID_ARGUMENT")
 	require.ErrorContains(t, err, "result.response.data")
 	done, err = runAdmin(t, append(resolveTarget(t, addr, registry, ctx, "charge-server"), "--response-type", servertest.ChargeResponse, "--response-json", charge)...)
 	require.NoError(t, err)

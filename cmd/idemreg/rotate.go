@@ -33,13 +33,14 @@ const (
 func rotateCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
 	cfg := defaultConfig()
 	cfg.bindCommon(fs)
-	activate := fs.Duration("activate-after", defaultActivateAfter, "how long the new key is accepted but not issued under, so every replica reads it first: more than serve's claim key refresh (30s)")
-	grace := fs.Duration("grace", defaultRotationGrace, "how long the replaced key stays accepted once the new one is current: at least the longest a claim is held (max lease, max_lease_total) plus a page token's use")
+	var activate, grace time.Duration
+	durationVar(fs, &activate, "activate-after", defaultActivateAfter, "how long the new key is accepted but not issued under, so every replica reads it first: more than serve's claim key refresh (30s)")
+	durationVar(fs, &grace, "grace", defaultRotationGrace, "how long the replaced key stays accepted once the new one is current: at least the longest a claim is held (max lease, max_lease_total) plus a page token's use")
 	return func(ctx context.Context, stdout, stderr io.Writer) error {
 		if err := cfg.Validate(); err != nil {
 			return err
 		}
-		if *activate < 0 || *grace <= 0 {
+		if activate < 0 || grace <= 0 {
 			return errors.New("--activate-after must not be negative and --grace must be positive")
 		}
 		if cfg.DatabaseURL == "" {
@@ -62,7 +63,7 @@ func rotateCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer)
 		if !ok {
 			return fmt.Errorf("the store %T keeps no claim keys", store)
 		}
-		ring, err := keys.RotateClaimKey(ctx, storage.RotateClaimKeyParams{ActivateAfter: *activate, Grace: *grace})
+		ring, err := keys.RotateClaimKey(ctx, storage.RotateClaimKeyParams{ActivateAfter: activate, Grace: grace})
 		if err != nil {
 			return fmt.Errorf("rotating the claim key: %w", err)
 		}

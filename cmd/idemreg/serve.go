@@ -14,6 +14,7 @@ import (
 	"syscall"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
@@ -52,7 +53,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	stopReload := reloadOnSIGHUP(file, logger)
+	stopReload := watchConfig(file, cfg.ConfigPoll, logger)
 	defer stopReload()
 	if err := checkAccess(cfg, file.Current().Access, logger); err != nil {
 		return err
@@ -69,6 +70,9 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 		return err
 	}
 	defer tel.Shutdown()
+	if err := configInfo(tel.Meters, file); err != nil {
+		return err
+	}
 	if cfg.MetricsListen != "" {
 		mux := http.NewServeMux()
 		mux.Handle("GET /metrics", tel.Metrics())
@@ -200,16 +204,26 @@ func loadConfig(cfg *config, logger *slog.Logger) (*configfile.Source, error) {
 		return nil, err
 	}
 	c := src.Current()
-	logger.Info("config loaded", "path", cfg.PolicyFile, "consumer_policies", c.Policy.Len(), "identities", c.Access.Identities())
+	logger.Info("config loaded", "path", cfg.PolicyFile, "version", c.Version, "consumer_policies", c.Policy.Len(), "identities", c.Access.Identities())
 	return src, nil
 }
 
-// reloadOnSIGHUP reloads the config file on every SIGHUP until the returned
-// function is called: one read and one parse of the file, whose policy and
-// access parts replace those in force together, or not at all.
-func reloadOnSIGHUP(src *configfile.Source, logger *slog.Logger) (stop func()) {
+// watchConfig reloads the config file when its content changes on disk,
+// looked at every poll (0: never), and on every SIGHUP, until the returned
+// function is called. A pod cannot always be signalled (a distroless image
+// has no kill), and a ConfigMap's update reaches its files by a symlink
+// swap, which the poll sees as TLS files are seen (server/tlsfiles.go). Each
+// reload is one read and one parse of the file, whose policy and access
+// parts replace those in force together, or not at all.
+func watchConfig(src *configfile.Source, poll time.Duration, logger *slog.Logger) (stop func()) {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
+	var tick <-chan time.Time // nil: never
+	stopTick := func() {}
+	if poll > 0 && src.Path() != "" {
+		t := time.NewTicker(poll)
+		tick, stopTick = t.C, t.Stop
+	}
 	done := make(chan struct{})
 	go func() {
 		for {
@@ -217,26 +231,54 @@ func reloadOnSIGHUP(src *configfile.Source, logger *slog.Logger) (stop func()) {
 			case <-done:
 				return
 			case <-hup:
+				reloadConfig(src, logger)
+			case <-tick:
+				c, changed, err := src.ReloadIfChanged()
+				if changed {
+					logReload(src, c, "file changed", err, logger)
+				}
 			}
-			reloadConfig(src, logger)
 		}
 	}()
-	return func() { signal.Stop(hup); close(done) }
+	return func() { signal.Stop(hup); stopTick(); close(done) }
 }
 
-// reloadConfig is one reload: a file that is invalid in any part is logged
-// with the reason, and the whole config in force stays.
+// configInfo reports which config file is in force, as
+// idemreg_config_info{version} 1: after a change on disk, whether every
+// replica took it (a refused file keeps the old version).
+func configInfo(meters metric.MeterProvider, src *configfile.Source) error {
+	if src.Path() == "" {
+		return nil
+	}
+	_, err := meters.Meter("github.com/idemreg/idemreg/cmd/idemreg").Int64ObservableGauge("idemreg.config.info",
+		metric.WithDescription("The config file (--config) in force: 1, its version the first 12 hex digits of the file's SHA-256."),
+		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+			o.Observe(1, metric.WithAttributes(attribute.String("version", src.Current().Version)))
+			return nil
+		}))
+	return err
+}
+
+// reloadConfig is one reload on SIGHUP: a file that is invalid in any part
+// is logged with the reason, and the whole config in force stays.
 func reloadConfig(src *configfile.Source, logger *slog.Logger) {
 	if src.Path() == "" {
 		logger.Warn("SIGHUP ignored: no config file (--config) to reload")
 		return
 	}
 	c, err := src.Reload()
+	logReload(src, c, "SIGHUP", err, logger)
+}
+
+// logReload says what a reload did, and which file's version is in force.
+func logReload(src *configfile.Source, c *configfile.Config, trigger string, err error, logger *slog.Logger) {
 	if err != nil {
-		logger.Error("config reload rejected; the policy and access in force stay", "path", src.Path(), "error", err)
+		logger.Error("config reload rejected; the policy and access in force stay", "path", src.Path(), "trigger", trigger,
+			"version", src.Current().Version, "error", err)
 		return
 	}
-	logger.Info("config reloaded", "path", src.Path(), "consumer_policies", c.Policy.Len(), "identities", c.Access.Identities())
+	logger.Info("config reloaded", "path", src.Path(), "trigger", trigger, "version", c.Version,
+		"consumer_policies", c.Policy.Len(), "identities", c.Access.Identities())
 }
 
 // startSweeper runs the sweeper in the background every --sweep-interval,

@@ -172,3 +172,88 @@ func TestStatic(t *testing.T) {
 	require.Same(t, c, got)
 	require.Same(t, c, src.Current())
 }
+
+// configMap lays a file out as the kubelet mounts a ConfigMap: the file is
+// a symlink into ..data, itself a symlink to a timestamped directory, and
+// an update writes a new directory and swaps ..data in one rename.
+type configMap struct {
+	t   *testing.T
+	dir string
+	n   int
+}
+
+func newConfigMap(t *testing.T, doc string) (*configMap, string) {
+	m := &configMap{t: t, dir: t.TempDir()}
+	m.update(doc)
+	require.NoError(t, os.Symlink(filepath.Join("..data", "idemreg.yaml"), filepath.Join(m.dir, "idemreg.yaml")))
+	return m, filepath.Join(m.dir, "idemreg.yaml")
+}
+
+func (m *configMap) update(doc string) {
+	m.n++
+	ts := filepath.Join(m.dir, "..2026_12_04_13_00_0"+string(rune('0'+m.n)))
+	require.NoError(m.t, os.Mkdir(ts, 0o755))
+	require.NoError(m.t, os.WriteFile(filepath.Join(ts, "idemreg.yaml"), []byte(doc), 0o644))
+	tmp := filepath.Join(m.dir, "..data_tmp")
+	require.NoError(m.t, os.Symlink(filepath.Base(ts), tmp))
+	require.NoError(m.t, os.Rename(tmp, filepath.Join(m.dir, "..data")))
+}
+
+// TestReloadIfChanged: a poll takes a file whose content changed, through
+// a ConfigMap's symlink swap too; refuses a broken one once and keeps the
+// config in force; and does nothing while the content stays.
+func TestReloadIfChanged(t *testing.T) {
+	m, path := newConfigMap(t, "consumers:\n  - {name: a.b, lease: {default: 1m}}\n")
+	src, err := configfile.Open(path, base)
+	require.NoError(t, err)
+	first := src.Current()
+	require.Len(t, first.Version, 12)
+
+	_, changed, err := src.ReloadIfChanged()
+	require.NoError(t, err)
+	require.False(t, changed, "nothing changed on disk")
+	require.Same(t, first, src.Current())
+
+	m.update("consumers:\n  - {name: a.b, lease: {default: 2m}}\n")
+	got, changed, err := src.ReloadIfChanged()
+	require.NoError(t, err)
+	require.True(t, changed, "the ..data swap is a change")
+	require.Same(t, got, src.Current())
+	require.Equal(t, 2*time.Minute, src.Current().Policy.For("a.b").Lease.Default)
+	require.NotEqual(t, first.Version, got.Version)
+
+	m.update("consumers:\n  - {name: a.b, lease: {default: 2h}}\n") // above lease.max
+	_, changed, err = src.ReloadIfChanged()
+	require.True(t, changed)
+	require.ErrorContains(t, err, "lease.default 2h0m0s is above lease.max")
+	require.Same(t, got, src.Current(), "a broken file changes nothing")
+	_, changed, err = src.ReloadIfChanged()
+	require.NoError(t, err)
+	require.False(t, changed, "a refused file is refused once, not on every poll")
+	require.Same(t, got, src.Current())
+
+	// A file written in place (an editor, a config management tool).
+	target, err := filepath.EvalSymlinks(path)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(target, []byte("consumers:\n  - {name: a.b, lease: {default: 3m}}\n"), 0o644))
+	_, changed, err = src.ReloadIfChanged()
+	require.NoError(t, err)
+	require.True(t, changed)
+	require.Equal(t, 3*time.Minute, src.Current().Policy.For("a.b").Lease.Default)
+
+	// Gone for a moment: said once, the config in force kept, and taken
+	// again when it is back.
+	require.NoError(t, os.Remove(target))
+	_, changed, err = src.ReloadIfChanged()
+	require.True(t, changed)
+	require.ErrorContains(t, err, "no such file")
+	_, changed, err = src.ReloadIfChanged()
+	require.NoError(t, err)
+	require.False(t, changed)
+	require.Equal(t, 3*time.Minute, src.Current().Policy.For("a.b").Lease.Default)
+	m.update("consumers:\n  - {name: a.b, lease: {default: 4m}}\n")
+	_, changed, err = src.ReloadIfChanged()
+	require.NoError(t, err)
+	require.True(t, changed)
+	require.Equal(t, 4*time.Minute, src.Current().Policy.For("a.b").Lease.Default)
+}

@@ -177,18 +177,28 @@ func FormatDuration(d time.Duration) string {
 	return d.String()
 }
 
+// durationSyntax says what ParseDuration takes, for its errors.
+const durationSyntax = `a duration is a number and a unit (ns, us, ms, s, m, h; d for days, first), like "90s", "1h30m", "7d" or "1d12h"`
+
 // ParseDuration reads a duration as Go writes them ("90s", "1h30m"), with
 // days as an optional leading term ("7d", "1d12h"). A day is 24 hours.
+// Every command-line flag and environment variable of a duration reads it
+// here too, so that what the config file and the docs write is taken
+// everywhere.
 func ParseDuration(s string) (time.Duration, error) {
 	s = strings.TrimSpace(s)
 	days, rest, found := strings.Cut(s, "d")
 	if !found {
-		return time.ParseDuration(s)
+		d, err := time.ParseDuration(s)
+		if err != nil {
+			return 0, fmt.Errorf("invalid duration %q: %s", s, durationSyntax)
+		}
+		return d, nil
 	}
 	const day = 24 * time.Hour
 	n, err := strconv.ParseInt(days, 10, 64)
 	if err != nil || n < 0 || strings.HasPrefix(days, "+") {
-		return 0, fmt.Errorf("invalid duration %q: days must be a whole number, like \"7d\" or \"1d12h\"", s)
+		return 0, fmt.Errorf("invalid duration %q: days must be a whole number; %s", s, durationSyntax)
 	}
 	if n > int64(math.MaxInt64/day) {
 		return 0, fmt.Errorf("invalid duration %q: longer than %d days", s, int64(math.MaxInt64/day))
@@ -197,7 +207,7 @@ func ParseDuration(s string) (time.Duration, error) {
 	if rest != "" {
 		r, err := time.ParseDuration(rest)
 		if err != nil || r < 0 {
-			return 0, fmt.Errorf("invalid duration %q: after the days, a duration like \"12h\"", s)
+			return 0, fmt.Errorf("invalid duration %q: after the days, a duration like \"12h\"; %s", s, durationSyntax)
 		}
 		if r > math.MaxInt64-d {
 			return 0, fmt.Errorf("invalid duration %q: too long", s)

@@ -248,6 +248,12 @@ func TestParseDuration(t *testing.T) {
 	}
 	require.Equal(t, "7d", policy.FormatDuration(7*day))
 	require.Equal(t, "36h0m0s", policy.FormatDuration(36*time.Hour))
+
+	// A bad value says what is accepted, not time's bare "unknown unit".
+	for _, in := range []string{"7x", "seven days", "1d7x"} {
+		_, err := policy.ParseDuration(in)
+		require.ErrorContains(t, err, `like "90s", "1h30m", "7d" or "1d12h"`, in)
+	}
 }
 
 func TestNewSet(t *testing.T) {

@@ -76,46 +76,88 @@ type migration struct {
 // The session is SERIALIZABLE whatever the role's default: CockroachDB
 // refuses DDL in an explicit transaction at READ COMMITTED.
 func Migrate(ctx context.Context, databaseURL string, opts ...MigrateOption) error {
+	_, err := MigrateReport(ctx, databaseURL, opts...)
+	return err
+}
+
+// Migration is one migration file as a database has it.
+type Migration struct {
+	// Name is the file's name, such as 0007_history_and_parked_index.sql;
+	// its leading number is the schema version it brings.
+	Name string
+	// Variant is "base", "cockroach" or VariantRowLevelTTL.
+	Variant string
+	// AppliedAt is when the database recorded it; zero while pending.
+	AppliedAt time.Time
+}
+
+// Version is the schema version m brings: the number its name starts with,
+// or 0 for a name without one (the row-level TTL variant's).
+func (m Migration) Version() int {
+	n := 0
+	for _, r := range m.Name {
+		if r < '0' || r > '9' {
+			break
+		}
+		n = n*10 + int(r-'0')
+	}
+	return n
+}
+
+// SchemaVersion is the highest version among applied.
+func SchemaVersion(applied []Migration) int {
+	v := 0
+	for _, m := range applied {
+		v = max(v, m.Version())
+	}
+	return v
+}
+
+// MigrateReport is Migrate, returning the migrations this run applied, in
+// order (none when the schema was up to date), even with an error: those
+// applied before the one that failed.
+func MigrateReport(ctx context.Context, databaseURL string, opts ...MigrateOption) ([]Migration, error) {
 	var o migrateOptions
+	var done []Migration
 	for _, opt := range opts {
 		opt(&o)
 	}
 	conn, err := pgx.Connect(ctx, databaseURL)
 	if err != nil {
-		return fmt.Errorf("postgres migrate: connect: %w", withoutSecrets(err, databaseURL))
+		return done, fmt.Errorf("postgres migrate: connect: %w", withoutSecrets(err, databaseURL))
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	if _, err := conn.Exec(ctx, `SET default_transaction_isolation = 'serializable'`); err != nil {
-		return fmt.Errorf("postgres migrate: set isolation: %w", err)
+		return done, fmt.Errorf("postgres migrate: set isolation: %w", err)
 	}
 	unlock, err := lockMigrations(ctx, conn)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer unlock()
 
 	var version string
 	if err := conn.QueryRow(ctx, `SELECT version()`).Scan(&version); err != nil {
-		return fmt.Errorf("postgres migrate: read server version: %w", err)
+		return done, fmt.Errorf("postgres migrate: read server version: %w", err)
 	}
 	cockroach := strings.Contains(version, "CockroachDB")
 	if o.rowLevelTTL && !cockroach {
-		return errors.New("postgres migrate: row-level TTL needs CockroachDB; this database is not (sweep it with idemreg sweep or serve --sweep-interval)")
+		return nil, errors.New("postgres migrate: row-level TTL needs CockroachDB; this database is not (sweep it with idemreg sweep or serve --sweep-interval)")
 	}
 	all, err := migrations(cockroach, o.rowLevelTTL)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if _, err := conn.Exec(ctx, createMigrationsTable); err != nil {
-		return fmt.Errorf("postgres migrate: create bookkeeping table: %w", err)
+		return done, fmt.Errorf("postgres migrate: create bookkeeping table: %w", err)
 	}
 	rows, err := conn.Query(ctx, `SELECT name FROM idemreg_schema_migrations`)
 	if err != nil {
-		return fmt.Errorf("postgres migrate: read applied migrations: %w", err)
+		return done, fmt.Errorf("postgres migrate: read applied migrations: %w", err)
 	}
 	applied, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return fmt.Errorf("postgres migrate: read applied migrations: %w", err)
+		return done, fmt.Errorf("postgres migrate: read applied migrations: %w", err)
 	}
 	for _, m := range all {
 		if slices.Contains(applied, m.name) {
@@ -128,16 +170,67 @@ func Migrate(ctx context.Context, databaseURL string, opts ...MigrateOption) err
 			return err
 		})
 		if err != nil {
-			return fmt.Errorf("postgres migrate: %s (%s): %w", m.name, m.variant, err)
+			return done, fmt.Errorf("postgres migrate: %s (%s): %w", m.name, m.variant, err)
 		}
 		_, err = conn.Exec(ctx,
 			`INSERT INTO idemreg_schema_migrations (name, variant) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING`,
 			m.name, m.variant)
 		if err != nil {
-			return fmt.Errorf("postgres migrate: record %s: %w", m.name, err)
+			return done, fmt.Errorf("postgres migrate: record %s: %w", m.name, err)
+		}
+		done = append(done, Migration{Name: m.name, Variant: m.variant, AppliedAt: time.Now()})
+	}
+	return done, nil
+}
+
+// MigrationStatus lists the migrations of the database at databaseURL:
+// those it recorded as applied, in order, then those this binary would
+// apply (Migrate with the same options), in order. It changes nothing and
+// takes no lock, so it may run beside serve; a database never migrated has
+// every migration pending. A recorded migration this binary does not know
+// (a newer binary applied it) is listed among the applied ones.
+func MigrationStatus(ctx context.Context, databaseURL string, opts ...MigrateOption) (applied, pending []Migration, err error) {
+	var o migrateOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	conn, err := pgx.Connect(ctx, databaseURL)
+	if err != nil {
+		return nil, nil, fmt.Errorf("postgres migrate status: connect: %w", withoutSecrets(err, databaseURL))
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var version string
+	if err := conn.QueryRow(ctx, `SELECT version()`).Scan(&version); err != nil {
+		return nil, nil, fmt.Errorf("postgres migrate status: read server version: %w", err)
+	}
+	cockroach := strings.Contains(version, "CockroachDB")
+	rows, err := conn.Query(ctx, `SELECT name, variant, applied_at FROM idemreg_schema_migrations ORDER BY name`)
+	switch {
+	case sqlState(err) == "42P01": // never migrated
+	case err != nil:
+		return nil, nil, fmt.Errorf("postgres migrate status: read applied migrations: %w", err)
+	default:
+		applied, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (Migration, error) {
+			var m Migration
+			err := r.Scan(&m.Name, &m.Variant, &m.AppliedAt)
+			return m, err
+		})
+		if err != nil {
+			return nil, nil, fmt.Errorf("postgres migrate status: read applied migrations: %w", err)
 		}
 	}
-	return nil
+	// A database migrated with the row-level TTL keeps it (WithRowLevelTTL).
+	ttl := o.rowLevelTTL || slices.ContainsFunc(applied, func(m Migration) bool { return m.Variant == VariantRowLevelTTL })
+	all, err := migrations(cockroach, ttl && cockroach)
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, m := range all {
+		if !slices.ContainsFunc(applied, func(a Migration) bool { return a.Name == m.name }) {
+			pending = append(pending, Migration{Name: m.name, Variant: m.variant})
+		}
+	}
+	return applied, pending, nil
 }
 
 // migrations lists the migrations to apply in order, with the CockroachDB

@@ -107,3 +107,44 @@ func TestRowLevelTTLOnPostgreSQL(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, ttl, "a database never migrated has no TTL")
 }
+
+// TestMigrateReportAndStatus: MigrateReport returns what a run applied
+// (nothing on an up-to-date schema), and MigrationStatus lists the applied
+// and pending migrations without changing anything.
+func TestMigrateReportAndStatus(t *testing.T) {
+	db := pgtest.NewEmptyDatabase(t)
+	applied, pending, err := postgres.MigrationStatus(t.Context(), db)
+	require.NoError(t, err)
+	require.Empty(t, applied, "a database never migrated")
+	require.Len(t, pending, postgres.MigrationCount())
+	require.Zero(t, postgres.SchemaVersion(applied))
+	_, _, err = postgres.MigrationStatus(t.Context(), db)
+	require.NoError(t, err, "status created nothing it then trips on")
+
+	done, err := postgres.MigrateReport(t.Context(), db)
+	require.NoError(t, err)
+	require.Equal(t, pending, withoutTimes(done), "the run applied what status said was pending, in order")
+	again, err := postgres.MigrateReport(t.Context(), db)
+	require.NoError(t, err)
+	require.Empty(t, again)
+
+	applied, pending, err = postgres.MigrationStatus(t.Context(), db)
+	require.NoError(t, err)
+	require.Empty(t, pending)
+	require.Equal(t, withoutTimes(done), withoutTimes(applied))
+	for _, m := range applied {
+		require.False(t, m.AppliedAt.IsZero(), m.Name)
+	}
+	require.Equal(t, postgres.MigrationCount(), postgres.SchemaVersion(applied), "the files are numbered 1 to n")
+	require.Equal(t, 7, postgres.Migration{Name: "0007_history_and_parked_index.sql"}.Version())
+	require.Zero(t, postgres.Migration{Name: "ttl_0001_row_level_ttl.sql"}.Version())
+}
+
+func withoutTimes(ms []postgres.Migration) []postgres.Migration {
+	out := make([]postgres.Migration, len(ms))
+	for i, m := range ms {
+		m.AppliedAt = time.Time{}
+		out[i] = m
+	}
+	return out
+}

@@ -1,9 +1,9 @@
 // Package admincli is the admin command of the idemreg binary: an
 // operator's calls to a running registry's AdminService (list, inspect,
 // resolve, invalidate), made with the credentials a service would use and
-// answered as JSON. The binary parses the flags each Command binds, the
-// way it parses those of its other commands (from the environment, then
-// the arguments), and runs what Bind returned.
+// answered as a table, or as JSON (--output json). The binary parses the
+// flags each Command binds, the way it parses those of its other commands
+// (from the environment, then the arguments), and runs what Bind returned.
 package admincli
 
 import (
@@ -24,7 +24,6 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
-	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -34,7 +33,8 @@ import (
 )
 
 // Usage lists the admin commands.
-const Usage = `idemreg admin: an operator's calls to a running registry (AdminService), answers as JSON
+const Usage = `idemreg admin: an operator's calls to a running registry (AdminService), answered as a table
+(--output json: one protojson object per line)
 
   idemreg admin list       [--consumer C | --prefix P] [--state S] [--min-attempt N] [--older-than D]
                            [--page-size N] [--page-token T] [--all]
@@ -58,7 +58,9 @@ const Usage = `idemreg admin: an operator's calls to a running registry (AdminSe
 
 Run "idemreg admin <command> -h" for the flags of a command.
 Connection flags (every command): --addr, --token (better IDEMREG_TOKEN), --tls-ca,
---tls-cert and --tls-key (a client certificate), --server-name, --timeout.
+--tls-cert and --tls-key (a client certificate), --server-name, --timeout (90s, 1m, 7d),
+--output (table or json). A refused call prints "error: <message> (CODE, reason REASON, key=value)"
+and exits 1; flags that cannot make a call exit 2.
 Without --tls-ca the connection is plaintext, which only a loopback --addr accepts.
 `
 
@@ -82,13 +84,6 @@ var Commands = map[string]Command{
 	"invalidate": command("invalidate", "--consumer C --kind K --key KEY --reason TEXT [--expect-token T]", bindInvalidate),
 }
 
-// CallError is a call the server answered with an error, as opposed to
-// flags that could not make one.
-type CallError struct{ Err error }
-
-func (e *CallError) Error() string { return e.Err.Error() }
-func (e *CallError) Unwrap() error { return e.Err }
-
 // command makes the Command name: the connection flags beside the
 // command's own, and its call, made and printed as JSON once they are
 // parsed.
@@ -96,8 +91,17 @@ func command(name, synopsis string, bind func(fs *flag.FlagSet) func() (adminCal
 	return Command{Synopsis: synopsis, Bind: func(fs *flag.FlagSet) func(context.Context, io.Writer) error {
 		var c adminConn
 		c.bind(fs)
+		output := fs.String("output", OutputTable, "how answers print: table (aligned columns for a person) or json (one protojson object per line, stable spacing, for scripts)")
 		prepare := bind(fs)
 		return func(ctx context.Context, stdout io.Writer) error {
+			print := printTable
+			switch *output {
+			case OutputTable:
+			case OutputJSON:
+				print = printJSON
+			default:
+				return fmt.Errorf("admin %s: %w, got %q", name, errOutput, *output)
+			}
 			call, err := prepare()
 			if err != nil {
 				return fmt.Errorf("admin %s: %w", name, err)
@@ -110,14 +114,9 @@ func command(name, synopsis string, bind func(fs *flag.FlagSet) func() (adminCal
 			defer conn.Close()
 			out, err := call(ctx, idemregv1.NewAdminServiceClient(conn))
 			if err != nil {
-				return &CallError{Err: fmt.Errorf("admin %s: %w", name, err)}
+				return &CallError{Err: err}
 			}
-			b, err := protojson.MarshalOptions{Multiline: true, Indent: "  "}.Marshal(out)
-			if err != nil {
-				return err
-			}
-			_, err = fmt.Fprintln(stdout, string(b))
-			return err
+			return print(stdout, out)
 		}
 	}}
 }
@@ -282,7 +281,8 @@ func bindList(fs *flag.FlagSet) func() (adminCall, error) {
 	prefix := fs.String("prefix", "", "list the records of the consumers whose name starts with this; without --consumer and --prefix, every consumer the identity may administer")
 	state := fs.String("state", "", "only records in this state: parked, in_progress or completed (default: any)")
 	minAttempt := fs.Int64("min-attempt", 0, "only records acquired at least this many times")
-	olderThan := fs.Duration("older-than", 0, "only records first claimed at least this long ago (default: any)")
+	var olderThan time.Duration
+	durationVar(fs, &olderThan, "older-than", 0, "only records first claimed at least this long ago (default: any)")
 	pageSize := fs.Int("page-size", 0, "records per page, 1-500 (default: the server's, 100)")
 	pageToken := fs.String("page-token", "", "start at this next_page_token of an earlier page (with the same filters)")
 	all := fs.Bool("all", false, "follow next_page_token to the end and print every record as one answer")
@@ -302,8 +302,8 @@ func bindList(fs *flag.FlagSet) func() (adminCall, error) {
 		if req.ConsumerPrefix {
 			req.Consumer = *prefix
 		}
-		if *olderThan != 0 {
-			req.OlderThan = durationpb.New(*olderThan)
+		if olderThan != 0 {
+			req.OlderThan = durationpb.New(olderThan)
 		}
 		return func(ctx context.Context, api idemregv1.AdminServiceClient) (proto.Message, error) {
 			if !*all {
@@ -379,7 +379,7 @@ func (c *adminConn) bind(fs *flag.FlagSet) {
 	fs.StringVar(&c.cert, "tls-cert", "", "PEM client certificate, for an identity of its subject (with --tls-key)")
 	fs.StringVar(&c.key, "tls-key", "", "PEM key of --tls-cert")
 	fs.StringVar(&c.serverName, "server-name", "", "name to verify the server's certificate against (default: --addr's host)")
-	fs.DurationVar(&c.timeout, "timeout", 10*time.Second, "give up after this long (for list --all, on every page together)")
+	durationVar(fs, &c.timeout, "timeout", 10*time.Second, "give up after this long (for list --all, on every page together)")
 }
 
 func (c *adminConn) dial(ctx context.Context) (*grpc.ClientConn, context.Context, context.CancelFunc, error) {
