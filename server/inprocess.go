@@ -61,7 +61,9 @@ type inProcessConn struct{ net.Conn }
 // inProcessCreds are the server's transport credentials (TLS, or none)
 // for every connection but an InProcess one, which has no handshake and
 // inProcessAuth as its AuthInfo.
-type inProcessCreds struct{ credentials.TransportCredentials }
+type inProcessCreds struct {
+	credentials.TransportCredentials
+}
 
 func (c inProcessCreds) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
 	if _, ok := conn.(inProcessConn); ok {

@@ -35,7 +35,6 @@ import (
 	"io/fs"
 	"log/slog"
 	"net/http"
-	"net/url"
 	"sync"
 	"time"
 
@@ -55,6 +54,9 @@ const (
 	// that no identity's sign-ins can fill the console for the others.
 	DefaultMaxSessionsPerIdentity = 8
 	DefaultCallTimeout            = 10 * time.Second
+	// DefaultStuckAfter: a record in progress first claimed longer ago
+	// than this is listed by the records page's "stuck" preset.
+	DefaultStuckAfter = 15 * time.Minute
 	// previewBytes is how much of a stored response the record page shows.
 	previewBytes = 64
 	// maxReasonBytes mirrors server.MaxReasonBytes, which the AdminService
@@ -79,6 +81,17 @@ type Config struct {
 	// identities (open, loopback only): no sign-in, and calls carry no
 	// credentials.
 	SignIn func(token string) (identity string, err error)
+	// Proxy, when set, signs operators in from a trusted reverse proxy's
+	// header (ProxySignIn); calls for them are made as their identity by
+	// name, through ActAs. Off (nil) by default: the header is then
+	// ignored.
+	Proxy *ProxySignIn
+	// ActAs makes ctx a call's as the identity named (server.ActAs on the
+	// server's InProcess connection). Required with Proxy.
+	ActAs func(ctx context.Context, identity string) context.Context
+	// StuckAfter is how long ago a record in progress was first claimed
+	// for the records page's "stuck" preset to list it (DefaultStuckAfter).
+	StuckAfter time.Duration
 	// Secure marks the session cookie Secure (the console is behind TLS).
 	Secure bool
 	// SessionTTL is how long a sign-in lasts (DefaultSessionTTL).
@@ -112,11 +125,14 @@ type Config struct {
 
 // Console is the http.Handler of the console.
 type Console struct {
-	cfg      Config
-	admin    idemregv1.AdminServiceClient
-	health   healthpb.HealthClient
-	pages    *template.Template
-	mux      *http.ServeMux
+	cfg    Config
+	admin  idemregv1.AdminServiceClient
+	health healthpb.HealthClient
+	pages  *template.Template
+	mux    *http.ServeMux
+	// cop refuses a state-changing request a browser says came from
+	// another origin (Sec-Fetch-Site, else Origin against Host).
+	cop      *http.CrossOriginProtection
 	mu       sync.Mutex
 	sessions map[string]*session
 }
@@ -126,6 +142,10 @@ type Console struct {
 type session struct {
 	identity string
 	token    string
+	// viaProxy: a proxy's header signed it in, as user; calls are made as
+	// identity by name.
+	viaProxy bool
+	user     string
 	csrf     string
 	created  time.Time
 	expires  time.Time
@@ -141,6 +161,12 @@ var staticFiles embed.FS
 func New(cfg Config) (*Console, error) {
 	if cfg.Conn == nil {
 		return nil, errors.New("console: Conn is required")
+	}
+	if cfg.Proxy != nil && (cfg.ActAs == nil || cfg.Proxy.Header == "" || cfg.Proxy.Identity == nil || len(cfg.Proxy.Trusted) == 0) {
+		return nil, errors.New("console: Proxy needs ActAs, a Header, an Identity mapping and Trusted addresses")
+	}
+	if cfg.StuckAfter == 0 {
+		cfg.StuckAfter = DefaultStuckAfter
 	}
 	if cfg.SessionTTL == 0 {
 		cfg.SessionTTL = DefaultSessionTTL
@@ -180,6 +206,7 @@ func New(cfg Config) (*Console, error) {
 		health:   healthpb.NewHealthClient(cfg.Conn),
 		pages:    pages,
 		mux:      http.NewServeMux(),
+		cop:      http.NewCrossOriginProtection(),
 		sessions: make(map[string]*session),
 	}
 	// The views.
@@ -204,8 +231,10 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.Set("X-Frame-Options", "DENY")
 	h.Set("Referrer-Policy", "same-origin") // no-referrer would make Chromium send "Origin: null" with the forms
 	h.Set("Cache-Control", "no-store")
-	if r.Method == http.MethodPost && crossSite(r) {
-		c.refuse(w, r, http.StatusForbidden, "cross-site request refused")
+	// A second line behind the CSRF token and SameSite=Strict, and the
+	// only one for the sign-in form, which has no session yet.
+	if err := c.cop.Check(r); err != nil {
+		c.refuse(w, r, http.StatusForbidden, "cross-origin request refused")
 		return
 	}
 	if r.Method == http.MethodPost {
@@ -223,22 +252,6 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	c.mux.ServeHTTP(w, r)
-}
-
-// crossSite reports a request a browser says came from another site. It is
-// a second line behind the CSRF token and SameSite=Strict, and the only one
-// for the sign-in form, which has no session yet.
-// A browser that sends Sec-Fetch-Site is believed; an older one is judged by
-// Origin ("null" from a sandboxed or privacy-restricted page is refused).
-func crossSite(r *http.Request) bool {
-	if s := r.Header.Get("Sec-Fetch-Site"); s != "" {
-		return s != "same-origin" && s != "none"
-	}
-	if o := r.Header.Get("Origin"); o != "" {
-		u, err := url.Parse(o)
-		return err != nil || u.Host != r.Host
-	}
-	return false
 }
 
 // page is what every template gets.

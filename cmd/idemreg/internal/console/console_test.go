@@ -114,15 +114,19 @@ func setup(t *testing.T, withIdentities bool, opts ...func(*console.Config)) *en
 	for _, o := range opts {
 		o(&given)
 	}
-	addr, _ := servertest.Serve(t, store, server.Config{
+	addr, grpcSrv := servertest.Serve(t, store, server.Config{
 		Access:      set,
 		Logger:      slog.New(slog.NewJSONHandler(logs, nil)),
 		ResultTypes: given.Types,
 	})
 	conn := servertest.Dial(t, addr)
-	// As serve wires it (cmd/idemreg/console.go).
+	// As serve wires it (cmd/idemreg/console.go): the server's in-process
+	// connection.
+	in, err := grpcSrv.InProcess()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = in.Close() })
 	consoleLogs := &syncBuffer{}
-	cfg := console.Config{Conn: conn, SweepLag: console.SweepLagFrom(store), Logger: slog.New(slog.NewJSONHandler(consoleLogs, nil))}
+	cfg := console.Config{Conn: in, ActAs: server.ActAs, SweepLag: console.SweepLagFrom(store), Logger: slog.New(slog.NewJSONHandler(consoleLogs, nil))}
 	if withIdentities {
 		cfg.SignIn = console.SignInWith(func() *access.Set { return set })
 	}
