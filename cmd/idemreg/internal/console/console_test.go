@@ -43,6 +43,38 @@ const (
 	consumer      = "billing.payment-worker"
 )
 
+// testIdentities are the identities of setup's server with identities.
+var testIdentities = func() *access.Set {
+	set, err := access.Parse([]byte(`identities:
+  - name: oncall
+    token_hashes: ["` + access.HashToken(oncallToken) + `"]
+    consumers: ["billing.*"]
+    admin: ["billing.*"]
+  - name: shipping
+    token_hashes: ["` + access.HashToken(shippingToken) + `"]
+    consumers: ["shipping.*"]
+    admin: ["shipping.*"]
+  - name: reader
+    token_hashes: ["` + access.HashToken(readerToken) + `"]
+    consumers: ["billing.*"]
+`))
+	if err != nil {
+		panic(err)
+	}
+	return set
+}()
+
+// do sends req with c and returns the status and body.
+func do(t *testing.T, c *http.Client, req *http.Request) (int, string) {
+	t.Helper()
+	res, err := c.Do(req)
+	require.NoError(t, err)
+	defer res.Body.Close()
+	body, err := io.ReadAll(res.Body)
+	require.NoError(t, err)
+	return res.StatusCode, string(body)
+}
+
 // syncBuffer collects the server's logs from its goroutines.
 type syncBuffer struct {
 	mu sync.Mutex
@@ -92,20 +124,7 @@ func setup(t *testing.T, withIdentities bool, opts ...func(*console.Config)) *en
 	t.Cleanup(func() { _ = store.Close() })
 	set := access.Open()
 	if withIdentities {
-		set, err = access.Parse([]byte(`identities:
-  - name: oncall
-    token_hashes: ["` + access.HashToken(oncallToken) + `"]
-    consumers: ["billing.*"]
-    admin: ["billing.*"]
-  - name: shipping
-    token_hashes: ["` + access.HashToken(shippingToken) + `"]
-    consumers: ["shipping.*"]
-    admin: ["shipping.*"]
-  - name: reader
-    token_hashes: ["` + access.HashToken(readerToken) + `"]
-    consumers: ["billing.*"]
-`))
-		require.NoError(t, err)
+		set = testIdentities
 	}
 	logs := &syncBuffer{}
 	// The server knows the response types the console is given, as serve
