@@ -113,7 +113,7 @@ func TestConsoleInBrowser(t *testing.T) {
 	require.Equal(t, "SERVING", seen.StoreHealth)
 	require.Equal(t, key, seen.KeyShown, "the key is shown as text")
 	require.Equal(t, "worker-<b>7</b>", seen.HolderShown)
-	require.Equal(t, "STATE_IN_PROGRESS", seen.StateBefore)
+	require.Equal(t, "in progress", seen.StateBefore)
 	require.Equal(t, strconv.FormatInt(claimed.GetToken(), 10), seen.TokenBefore)
 	require.Equal(t, reason, seen.ConfirmReason)
 	require.Len(t, seen.Dialogs, 1, "only the confirmation, no alert from the key: %v", seen.Dialogs)
@@ -123,7 +123,7 @@ func TestConsoleInBrowser(t *testing.T) {
 	rec := e.inspect(t, key)
 	require.Greater(t, rec.GetToken(), claimed.GetToken())
 	require.Equal(t, strconv.FormatInt(rec.GetToken(), 10), seen.TokenAfter, "the page shows the record after the invalidation")
-	require.Equal(t, "STATE_IN_PROGRESS", seen.StateAfter)
+	require.Equal(t, "invalidated, awaiting the next claim", seen.StateAfter, "readable: not STATE_IN_PROGRESS")
 	var audited bool
 	for _, l := range e.logs.lines(t, "admin action") {
 		audited = audited || (l["action"] == "invalidate" && l["reason"] == reason && l["identity"] == "oncall")
@@ -188,9 +188,9 @@ func TestConsoleResolveInBrowser(t *testing.T) {
 	require.Contains(t, seen.Parked, "2 in all")
 	require.Equal(t, "none: no stored record has expired yet", seen.SweepLag)
 	require.Equal(t, 1, seen.RowsMatching)
-	require.Equal(t, map[string]string{"consumer": consumer, "key": key, "state": "STATE_PARKED", "attempt": "2",
+	require.Equal(t, map[string]string{"consumer": consumer, "key": key, "state": "parked", "attempt": "2",
 		"holder": "worker-<b>9</b>", "park-reason": parkReason}, seen.Row, "the row shows the record, as text")
-	require.Equal(t, "STATE_PARKED", seen.State)
+	require.Equal(t, "parked", seen.State)
 	require.Equal(t, key, seen.KeyShown)
 	require.Equal(t, parkReason, seen.ParkReason)
 	require.Equal(t, []map[string]string{{"attempt": "1", "holder": "worker-<b>8</b>", "end": "taken over (its lease ended)"}}, seen.History)
@@ -205,7 +205,7 @@ func TestConsoleResolveInBrowser(t *testing.T) {
 	require.Equal(t, "confirm", seen.Dialogs[0].Type)
 
 	require.Contains(t, seen.Notice, "Resolved with your result")
-	require.Equal(t, "STATE_COMPLETED", seen.StateAfter)
+	require.Equal(t, "completed", seen.StateAfter)
 	require.Equal(t, resultType, seen.ResultType)
 	require.Equal(t, hex.EncodeToString([]byte(resultData)), seen.ResultPreview)
 	require.Equal(t, []map[string]string{

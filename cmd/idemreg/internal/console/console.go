@@ -192,6 +192,7 @@ func New(cfg Config) (*Console, error) {
 		"maxMessage":   func() int { return maxFailureMessageBytes },
 		"blankKey":     func() recordKey { return recordKey{} },
 		"failureCodes": failureCodes,
+		"maxBulk":      func() int { return maxBulkRecords },
 	}).ParseFS(templateFiles, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
@@ -220,6 +221,7 @@ func New(cfg Config) (*Console, error) {
 	c.mux.HandleFunc("GET /record", c.signedIn(c.record))
 	c.mux.HandleFunc("POST /resolve", c.signedIn(c.resolve))
 	c.mux.HandleFunc("POST /invalidate", c.signedIn(c.invalidate))
+	c.mux.HandleFunc("POST /bulk", c.signedIn(c.bulk))
 	return c, nil
 }
 
@@ -240,11 +242,15 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.Method == http.MethodPost {
 		// Every form is a few short fields and at most one result's data;
 		// a larger body is not one of them.
-		r.Body = http.MaxBytesReader(w, r.Body, maxFormBytes)
+		limit := int64(maxFormBytes)
+		if r.URL.Path == "/bulk" {
+			limit = maxBulkFormBytes
+		}
+		r.Body = http.MaxBytesReader(w, r.Body, limit)
 		if err := r.ParseForm(); err != nil {
 			var tooLarge *http.MaxBytesError
 			if errors.As(err, &tooLarge) {
-				c.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("the form is larger than %d bytes", maxFormBytes))
+				c.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("the form is larger than %d bytes", limit))
 				return
 			}
 			c.refuse(w, r, http.StatusBadRequest, "the form cannot be read")
