@@ -1,29 +1,36 @@
 // Package console is the operator console: a small web page,
 // served by `idemreg serve --console-listen`, that looks up, lists,
-// resolves and invalidates records through the AdminService, as the
-// signed-in identity.
+// resolves and invalidates records through the AdminService, one by one
+// or many at once, as the signed-in operator's identity.
 //
-// It holds no authority of its own. Every page is one or more gRPC calls on
-// the server's own listener carrying the operator's bearer token, so the
-// AdminService's authorisation decides what the operator may see and do.
-// The token stays on the server, in a session map keyed by a random id that
-// is the only thing the browser's cookie holds. Every state-changing POST
-// carries the session's CSRF token; every value shown goes through
-// html/template; stored results are shown as type, size and a hex preview,
-// never as markup. A response an operator resolves with is checked against
-// its type where the registry knows it (Config.Types) and may be typed as
-// JSON, which is encoded here; the confirmation shows it as JSON again.
+// It holds no authority of its own. Every page is one or more gRPC calls,
+// on the server's in-process connection (server.InProcess), made as the
+// operator: with the bearer token the operator signed in with, or, for an
+// operator a trusted reverse proxy signed in by its header (ProxySignIn),
+// naming the identity the proxy's user maps to (Config.ActAs). So the
+// AdminService's authorisation decides what the operator may see and do,
+// and audits it under that identity. A token stays on the server, in a
+// session map keyed by a random id that is the only thing the browser's
+// cookie holds. Every state-changing POST carries the session's CSRF
+// token, and a POST from another origin is refused
+// (net/http.CrossOriginProtection); every value shown goes through
+// html/template; stored results are shown as type, size and a hex
+// preview, never as markup. A response an operator resolves with is
+// checked against its type where the registry knows it (Config.Types) and
+// may be typed as JSON, which is encoded here; the confirmation shows it
+// as JSON again. States and times are shown for a person (readable.go).
 //
 // The views are a list (routes table in New): the status panel (store
 // health, sweeper lag, parked records per consumer), a look-up, the list of
 // parked and stuck records (ListRecords, paged), the record with its
-// attempt history, and two actions with a confirmation page each:
+// attempt history, and the actions with a confirmation page each:
 // resolving a parked or in-progress record (a result, or a release for a
-// fresh attempt) and invalidating one. Both actions name the token the
-// operator saw, so of two operators acting on the same record the second
-// is refused (LEASE_LOST) and told that someone acted first. The sweeper's
-// lag is the one figure not read through the AdminService (Config.SweepLag):
-// it names no record.
+// fresh attempt), invalidating one, and releasing or invalidating many
+// selected on the list (bulk.go: a call, and an audit event, per record).
+// Every action names the token the operator saw, so of two operators
+// acting on the same record the second is refused (LEASE_LOST) and told
+// that someone acted first. The sweeper's lag is the one figure not read
+// through the AdminService (Config.SweepLag): it names no record.
 package console
 
 import (
@@ -72,8 +79,8 @@ const cookieName = "idemreg_console"
 
 // Config configures a Console.
 type Config struct {
-	// Conn reaches the server's AdminService and health service, as a
-	// loopback connection to its own listener.
+	// Conn reaches the server's AdminService and health service: the
+	// server's InProcess connection.
 	Conn grpc.ClientConnInterface
 	// SignIn checks a bearer token and returns its identity's name, or
 	// ErrUnknownToken, or ErrNoAdminGrant for an identity that

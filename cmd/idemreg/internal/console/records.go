@@ -219,7 +219,7 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request, s *session) {
 		// (attempt 0: invalidated or released, waiting for its next
 		// Claim) is not stuck, however long ago it was first claimed.
 		Stuck:      listFilter{State: idemregv1.State_STATE_IN_PROGRESS, MinAttempt: 1, Held: true, OlderThan: c.cfg.StuckAfter, Size: DefaultListPageSize}.link(""),
-		StuckAfter: fmtDuration(c.cfg.StuckAfter),
+		StuckAfter: strings.TrimSuffix(strings.TrimSuffix(fmtDuration(c.cfg.StuckAfter), "0s"), "0m"),
 	}
 	if err != nil {
 		p.Data, p.Error = view, "Invalid filter: "+err.Error()
