@@ -27,13 +27,30 @@ const inProcessBuffer = 1 << 20
 // certificate (which a browser's session cannot forward), or a trusted
 // proxy's header. Every call still goes through the whole middleware chain
 // (access log, authorization, limits) as that identity. The connection
-// serves until the server stops; the caller closes the ClientConn.
-func (s *Server) InProcess() (*grpc.ClientConn, error) {
+// serves until it is closed or the server stops.
+func (s *Server) InProcess() (*InProcessConn, error) {
 	lis := bufconn.Listen(inProcessBuffer)
-	go func() { _ = s.grpc.Serve(inProcessListener{lis}) }()
-	return grpc.NewClient("passthrough:///in-process",
+	conn, err := grpc.NewClient("passthrough:///in-process",
 		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
 		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	go func() { _ = s.grpc.Serve(inProcessListener{lis}) }()
+	return &InProcessConn{ClientConn: conn, lis: lis}, nil
+}
+
+// InProcessConn is a connection of InProcess.
+type InProcessConn struct {
+	*grpc.ClientConn
+	lis *bufconn.Listener
+}
+
+// Close closes the connection and stops serving it.
+func (c *InProcessConn) Close() error {
+	err := c.ClientConn.Close()
+	_ = c.lis.Close()
+	return err
 }
 
 // ActAs returns ctx for a call on an InProcess connection made as the

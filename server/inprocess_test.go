@@ -44,7 +44,7 @@ identities:
 	_, err = idemregv1.NewRegistryServiceClient(dial(t, addr, ca.clientTLS(&billingCert))).Claim(t.Context(),
 		&idemregv1.ClaimRequest{Consumer: "billing.worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "k"})
 	require.NoError(t, err)
-	inspect := func(ctx context.Context, conn *grpc.ClientConn) error {
+	inspect := func(ctx context.Context, conn grpc.ClientConnInterface) error {
 		_, err := idemregv1.NewAdminServiceClient(conn).InspectRecord(ctx,
 			&idemregv1.InspectRecordRequest{Consumer: "billing.worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "k"})
 		return err
@@ -61,4 +61,9 @@ identities:
 	stranger := ca.issue("stranger", false, []string{"spiffe://test.example/stranger"}, nil, pkix.Name{CommonName: "stranger"})
 	err = inspect(server.ActAs(t.Context(), "billing"), dial(t, addr, ca.clientTLS(&stranger)))
 	require.Equal(t, codes.Unauthenticated, statusCode(err), "%v", err)
+
+	// Closed, it carries no more calls (and its listener is closed, ending
+	// its Serve).
+	require.NoError(t, in.Close())
+	require.Equal(t, codes.Canceled, statusCode(inspect(server.ActAs(t.Context(), "billing"), in)))
 }
