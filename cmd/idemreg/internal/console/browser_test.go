@@ -323,6 +323,7 @@ func TestConsoleNarrowInBrowser(t *testing.T) {
 	require.Equal(t, "oncall", seen.Identity, "signed in by the proxy's header")
 	require.Len(t, seen.Pages, 3)
 	for name, p := range seen.Pages {
+		t.Logf("%s at 400 px: document.scrollWidth %d, body.scrollWidth %d", name, p.ScrollWidth, p.BodyScrollWidth)
 		require.Equal(t, 400, p.InnerWidth, name)
 		require.LessOrEqual(t, p.ScrollWidth, 400, "%s overflows at 400 px: %v", name, p.Wide)
 		require.LessOrEqual(t, p.BodyScrollWidth, 400, "%s overflows at 400 px: %v", name, p.Wide)

@@ -72,6 +72,11 @@ func TestConsoleProxySignIn(t *testing.T) {
 	}
 	require.True(t, audited, "the audit log names the mapped identity")
 
+	// The sign-in page, through the proxy, leads to the pages.
+	code, body = getAs(t, e.browser(t), e.console.URL+"/signin", "alice@example.com")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `<b id="identity">oncall</b>`)
+
 	// The cookie alone, without the proxy's header, is no sign-in.
 	code, body = get(t, c, e.console.URL+"/")
 	require.Equal(t, http.StatusOK, code)
