@@ -58,7 +58,8 @@ func public(_ context.Context, c interceptors.CallMeta) bool {
 		strings.HasPrefix(c.Service, "grpc.reflection.")
 }
 
-// authenticate finds the caller's identity. A bearer token, when sent,
+// authenticate finds the caller's identity. On an InProcess connection
+// the identity named by ActAs decides. Otherwise a bearer token, when sent,
 // decides it (an unknown one is refused even with a good certificate);
 // otherwise the client certificate does, if the TLS handshake verified it
 // against --tls-client-ca. An unverified certificate is never trusted.
@@ -77,6 +78,17 @@ func identify(ctx context.Context, set *access.Set) (*access.Identity, error) {
 	if !set.Enforced() {
 		return access.Anonymous, nil
 	}
+	p, ok := peer.FromContext(ctx)
+	if names := metadata.ValueFromIncomingContext(ctx, actAsHeader); ok && len(names) > 0 {
+		// Only the process itself can open an InProcess connection: there
+		// the name decides; anywhere else it is ignored.
+		if _, in := p.AuthInfo.(inProcessAuth); in {
+			if id, found := set.ByName(names[0]); found && len(names) == 1 {
+				return id, nil
+			}
+			return nil, unauthenticated("the identity the call is made as is not one of the config file")
+		}
+	}
 	if len(metadata.ValueFromIncomingContext(ctx, "authorization")) > 0 {
 		token, err := auth.AuthFromMD(ctx, "bearer")
 		if err != nil {
@@ -87,7 +99,6 @@ func identify(ctx context.Context, set *access.Set) (*access.Identity, error) {
 		}
 		return nil, unauthenticated("unknown bearer token")
 	}
-	p, ok := peer.FromContext(ctx)
 	if ok {
 		if tlsInfo, ok := p.AuthInfo.(credentials.TLSInfo); ok && len(tlsInfo.State.VerifiedChains) > 0 {
 			if id, ok := set.ByCertificate(tlsInfo.State.VerifiedChains[0][0]); ok {

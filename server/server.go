@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
@@ -154,9 +155,11 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		grpc.ForceServerCodecV2(newRequestCodec()),
 	}
 	opts = append(opts, cfg.Bounds.serverOptions(newPendingCalls(cfg.Bounds.MaxPendingCalls-cfg.Bounds.MaxPendingCalls/2, m))...)
+	creds := insecure.NewCredentials()
 	if cfg.TLS != nil {
-		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg.TLS)))
+		creds = credentials.NewTLS(cfg.TLS)
 	}
+	opts = append(opts, grpc.Creds(inProcessCreds{creds})) // InProcess
 	g := grpc.NewServer(opts...)
 	r := decodingRegistrar{g}
 	idemregv1.RegisterRegistryServiceServer(r, svc)

@@ -60,6 +60,9 @@ type config struct {
 	// loopback only unless ConsoleAllowRemote says otherwise.
 	ConsoleListen      string
 	ConsoleAllowRemote bool
+	// ConsoleProxy signs operators in from a trusted proxy's header
+	// (console.go); off unless its Header is set.
+	ConsoleProxy consoleProxyFlags
 	// DisableHTTPAPI keeps the gRPC port to gRPC: no Connect, gRPC-Web or
 	// HTTP/JSON on it (sharedport.go).
 	DisableHTTPAPI bool
@@ -161,7 +164,8 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.IntVar(&c.SQLBatchSlots, "sql-batch-slots", c.SQLBatchSlots, "SQL store: statements of each kind (Claim, Complete) that run at once before calls queue into batches")
 	fs.StringVar(&c.PprofListen, "pprof-listen", c.PprofListen, "serve net/http/pprof on this loopback address, without authentication (off when empty)")
 	fs.BoolVar(&c.PprofAllowRemote, "pprof-allow-remote", c.PprofAllowRemote, "allow --pprof-listen on an address that is not loopback: anyone who reaches it can profile the process")
-	fs.StringVar(&c.ConsoleListen, "console-listen", c.ConsoleListen, "serve the operator console (status, records to list, inspect, resolve and invalidate, as the signed-in operator) on this address; loopback only unless --console-allow-remote (off when empty)")
+	fs.StringVar(&c.ConsoleListen, "console-listen", c.ConsoleListen, "serve the operator console (status, records to list, inspect, resolve and invalidate, one by one or many at once, as the signed-in operator) on this address; loopback only unless --console-allow-remote (off when empty)")
+	c.ConsoleProxy.bind(fs)
 	fs.BoolVar(&c.ConsoleAllowRemote, "console-allow-remote", c.ConsoleAllowRemote, "allow --console-listen on an address that is not loopback: the console speaks plaintext HTTP, so sign-in tokens and records cross the network unencrypted")
 	fs.BoolVar(&c.DisableHTTPAPI, "disable-http-api", c.DisableHTTPAPI, "answer only gRPC on --listen: no Connect protocol, gRPC-Web or HTTP/JSON (HTTP/1.1) beside it")
 	fs.StringVar(&c.HTTPAPICORSOrigins, "http-api-cors-origins", c.HTTPAPICORSOrigins, "browser origins (https://app.example.com, comma-separated, or *) whose pages may call the HTTP API on --listen; empty: none but the same origin")
@@ -320,6 +324,7 @@ func (c *config) Validate() error {
 		// every record it shows, would cross the network in the clear.
 		errs = append(errs, fmt.Errorf("--console-listen %s is not a loopback address: the console serves plaintext HTTP; bind it to loopback (reach it through a tunnel or a TLS proxy) or pass --console-allow-remote explicitly", c.ConsoleListen))
 	}
+	errs = append(errs, c.ConsoleProxy.validate(c.ConsoleListen))
 	t := c.TLS
 	if (t.CertFile == "") != (t.KeyFile == "") {
 		errs = append(errs, errors.New("--tls-cert and --tls-key go together"))

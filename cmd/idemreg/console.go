@@ -3,58 +3,62 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"log/slog"
-	"net"
+	"net/http"
+	"net/netip"
+	"strings"
 	"time"
-
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
+	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
 
 // startConsole serves the operator console on --console-listen until the
-// returned function is called. The console calls the AdminService over a
-// plaintext loopback connection to grpcAddr, serve's own listener, with the
-// signed-in operator's bearer token: it has no authority of its own. Its
-// status panel reads the sweeper's lag from store, when store can sweep;
-// its resolve form knows the server's response types.
-func startConsole(ctx context.Context, cfg *config, current func() *access.Set, types *resulttype.Types, grpcAddr net.Addr, store storage.Store, logger *slog.Logger) (stop func(), err error) {
+// returned function is called. The console calls the AdminService through
+// srv's InProcess connection, which no network peer can open and which
+// needs no TLS, so it works the same with --tls-cert and --tls-client-ca
+// as without. It has no authority of its own: a call carries the bearer
+// token the operator signed in with, or, for an operator a trusted proxy
+// signed in (--console-proxy-header), names the identity the proxy's user
+// maps to (server.ActAs), so that the AdminService authorises and audits
+// the operator's identity either way. Its status panel reads the
+// sweeper's lag from store, when store can sweep; its resolve form knows
+// the server's response types.
+func startConsole(ctx context.Context, cfg *config, current func() *access.Set, types *resulttype.Types, srv *server.Server, store storage.Store, logger *slog.Logger) (stop func(), err error) {
 	addr := cfg.ConsoleListen
 	if addr == "" {
 		return func() {}, nil
 	}
-	if cfg.TLS.CertFile != "" {
-		// The loopback connection would need a client certificate under
-		// mTLS, and the console would have to forward the operator's.
-		return nil, errors.New("--console-listen does not work with --tls-cert yet: the console reaches the AdminService over a plaintext loopback connection")
-	}
 	set := current()
+	proxy, err := cfg.ConsoleProxy.signIn(addr, current)
+	if err != nil {
+		return nil, err
+	}
 	var signIn func(string) (string, error)
 	switch {
-	case set.Enforced() && !set.HasTokens():
-		return nil, errors.New("--console-listen: the identities of --config all authenticate by client certificate, which the console cannot forward yet; give the operators' identities token_hashes (idemreg new-token)")
-	case set.Enforced():
+	case proxy != nil && !set.Enforced():
+		return nil, errors.New("--console-proxy-header: the server has no identities (--config) for the proxy's users to map to")
+	case set.Enforced() && !set.HasTokens() && proxy == nil:
+		return nil, errors.New("--console-listen: the identities of --config all authenticate by client certificate, which a browser's sign-in cannot present: sign operators in through a trusted proxy (--console-proxy-header, --console-proxy-user), or give their identities token_hashes (idemreg new-token)")
+	case set.HasTokens():
 		signIn = console.SignInWith(current)
 	}
 	sweepLag, err := consoleSweepLag(ctx, store)
 	if err != nil {
 		return nil, err
 	}
-	target, err := loopbackTarget(grpcAddr)
+	conn, err := srv.InProcess()
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("console: %w", err)
 	}
-	conn, err := grpc.NewClient(target, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		return nil, fmt.Errorf("console: connecting to %s: %w", target, err)
-	}
-	h, err := console.New(console.Config{Conn: conn, SignIn: signIn, SweepLag: sweepLag, Types: types, Logger: logger.With("component", "console")})
+	h, err := console.New(console.Config{Conn: conn, SignIn: signIn, Proxy: proxy, ActAs: server.ActAs,
+		SweepLag: sweepLag, Types: types, Logger: logger.With("component", "console")})
 	if err != nil {
 		_ = conn.Close()
 		return nil, err
@@ -64,8 +68,102 @@ func startConsole(ctx context.Context, cfg *config, current func() *access.Set, 
 		_ = conn.Close()
 		return nil, err
 	}
-	logger.Info("serving console", "listen", bound.String(), "sign_in", signIn != nil)
+	logger.Info("serving console", "listen", bound.String(), "sign_in", signIn != nil, "proxy_header", cfg.ConsoleProxy.Header)
 	return func() { stopHTTP(); _ = conn.Close() }, nil
+}
+
+// consoleProxyFlags are the flags of the console's sign-in by a trusted
+// proxy's header.
+type consoleProxyFlags struct {
+	// Header names the proxy's header; empty turns proxy sign-in off, and
+	// the header is then ignored.
+	Header string
+	// Users maps the header's users to identities: USER=IDENTITY,
+	// comma-separated (console.ParseUserMap).
+	Users string
+	// From are the proxy's source addresses (CIDRs or addresses,
+	// comma-separated); empty means loopback, allowed only when the
+	// console listens on loopback.
+	From string
+}
+
+func (f *consoleProxyFlags) bind(fs *flag.FlagSet) {
+	fs.StringVar(&f.Header, "console-proxy-header", f.Header, "sign console operators in from this header of a trusted reverse proxy (X-Forwarded-Email or X-Auth-Request-User of oauth2-proxy; an identity-aware proxy's user header), believed only from --console-proxy-from; off when empty, and the header is then ignored")
+	fs.StringVar(&f.Users, "console-proxy-user", f.Users, "USER=IDENTITY,... maps the proxy header's users to identities of --config (USER is exact, *@DOMAIN or *); needed with --console-proxy-header")
+	fs.StringVar(&f.From, "console-proxy-from", f.From, "the proxy's source addresses (CIDR or address, comma-separated) that --console-proxy-header is believed from; empty: loopback, allowed only with --console-listen on loopback (a sidecar proxy in the same pod)")
+}
+
+func (f consoleProxyFlags) validate(listen string) error {
+	_, _, err := f.parse(listen)
+	return err
+}
+
+// parse checks the flags against the console's address. The header is
+// believed from loopback only when the console listens on loopback: then
+// nothing but the host's (the pod's) own processes can connect at all, the
+// proxy's sidecar among them. On any other address the proxy's addresses
+// must be named, since anyone who reaches the console could send the
+// header.
+func (f consoleProxyFlags) parse(listen string) (console.UserMap, []netip.Prefix, error) {
+	if f.Header == "" {
+		if f.Users != "" || f.From != "" {
+			return console.UserMap{}, nil, errors.New("--console-proxy-user and --console-proxy-from need --console-proxy-header")
+		}
+		return console.UserMap{}, nil, nil
+	}
+	var errs []error
+	if listen == "" {
+		errs = append(errs, errors.New("--console-proxy-header needs --console-listen"))
+	}
+	if http.CanonicalHeaderKey(f.Header) == "Authorization" || http.CanonicalHeaderKey(f.Header) == "Cookie" || strings.ContainsAny(f.Header, " :") {
+		errs = append(errs, fmt.Errorf("--console-proxy-header %q is not a header a proxy names its user in", f.Header))
+	}
+	users, err := console.ParseUserMap(splitList(f.Users))
+	if err != nil {
+		errs = append(errs, fmt.Errorf("--console-proxy-user: %w", err))
+	}
+	var from []netip.Prefix
+	for _, s := range splitList(f.From) {
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			a, aerr := netip.ParseAddr(s)
+			if aerr != nil {
+				errs = append(errs, fmt.Errorf("--console-proxy-from: %q is neither a CIDR nor an address", s))
+				continue
+			}
+			p = netip.PrefixFrom(a, a.BitLen())
+		}
+		from = append(from, p.Masked())
+	}
+	if len(from) == 0 {
+		if listen != "" && !access.Loopback(listen) {
+			errs = append(errs, fmt.Errorf("--console-proxy-header with --console-listen %s, which is not loopback: name the proxy's addresses in --console-proxy-from, or anyone who reaches the console could sign in as anyone by sending the header", listen))
+		}
+		from = console.LoopbackPrefixes
+	}
+	return users, from, errors.Join(errs...)
+}
+
+// signIn is the console's ProxySignIn, nil when the header is not set.
+func (f consoleProxyFlags) signIn(listen string, current func() *access.Set) (*console.ProxySignIn, error) {
+	if f.Header == "" {
+		return nil, nil
+	}
+	users, from, err := f.parse(listen)
+	if err != nil {
+		return nil, err
+	}
+	return &console.ProxySignIn{Header: f.Header, Trusted: from, Identity: console.ProxyIdentityWith(current, users)}, nil
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 // consoleSweepLag is the console's SweepLag for store: nil when the store
@@ -83,21 +181,4 @@ func consoleSweepLag(ctx context.Context, store storage.Store) (func(context.Con
 		return nil, nil
 	}
 	return console.SweepLagFrom(sw), nil
-}
-
-// loopbackTarget is the address that reaches a listener from this host: its
-// own, with an unspecified host (0.0.0.0, ::) replaced by loopback.
-func loopbackTarget(addr net.Addr) (string, error) {
-	tcp, ok := addr.(*net.TCPAddr)
-	if !ok {
-		return "", fmt.Errorf("console: the gRPC listener %s is not TCP", addr)
-	}
-	ip := tcp.IP
-	if ip == nil || ip.IsUnspecified() {
-		ip = net.IPv4(127, 0, 0, 1)
-		if tcp.IP != nil && tcp.IP.To4() == nil {
-			ip = net.IPv6loopback
-		}
-	}
-	return net.JoinHostPort(ip.String(), fmt.Sprint(tcp.Port)), nil
 }

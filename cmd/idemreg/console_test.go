@@ -56,14 +56,167 @@ func TestConsoleListenLoopbackOnly(t *testing.T) {
 	}
 }
 
-// TestServeConsoleRefuses: serve does not start a console it cannot make
-// act as the operator.
+// TestServeConsoleRefuses: serve does not start a console nobody could
+// sign in to.
 func TestServeConsoleRefuses(t *testing.T) {
 	dir := t.TempDir()
 	certOnly := filepath.Join(dir, "certs.yaml")
 	require.NoError(t, os.WriteFile(certOnly, []byte("identities:\n  - name: svc\n    dns_names: [svc.example]\n    admin: [\"billing.*\"]\n"), 0o600))
 	err := runBriefly(t, "serve", "--console-listen", freeAddr(t), "--config", certOnly, "--sweep-interval", "0")
-	require.ErrorContains(t, err, "authenticate by client certificate, which the console cannot forward yet")
+	require.ErrorContains(t, err, "all authenticate by client certificate, which a browser's sign-in cannot present: sign operators in through a trusted proxy (--console-proxy-header")
+	err = runBriefly(t, "serve", "--console-listen", freeAddr(t), "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=svc", "--sweep-interval", "0")
+	require.ErrorContains(t, err, "the server has no identities")
+}
+
+// TestConsoleProxyFlags: proxy sign-in is off unless --console-proxy-header
+// names the header, needs a user mapping, and believes the header from
+// loopback only when the console listens on loopback.
+func TestConsoleProxyFlags(t *testing.T) {
+	cases := []struct {
+		name string
+		args []string
+		err  string
+	}{
+		{"off", []string{"--console-listen", "127.0.0.1:7351"}, ""},
+		{"loopback sidecar", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*@example.com=oncall"}, ""},
+		{"remote with the proxy's addresses", []string{"--console-listen", "0.0.0.0:7351", "--console-allow-remote", "--console-proxy-header", "X-Auth-Request-User", "--console-proxy-user", "alice=oncall", "--console-proxy-from", "10.0.0.0/8, 192.168.1.7"}, ""},
+		{"remote without them", []string{"--console-listen", "0.0.0.0:7351", "--console-allow-remote", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=oncall"}, "name the proxy's addresses in --console-proxy-from"},
+		{"no mapping", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email"}, "--console-proxy-user: no USER=IDENTITY entry"},
+		{"bad mapping", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "alice"}, `"alice" is not USER=IDENTITY`},
+		{"bad address", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=x", "--console-proxy-from", "proxy.local"}, "neither a CIDR nor an address"},
+		{"authorization", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "authorization", "--console-proxy-user", "*=x"}, "is not a header a proxy names its user in"},
+		{"no console", []string{"--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=x"}, "--console-proxy-header needs --console-listen"},
+		{"mapping without header", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-user", "*=x"}, "need --console-proxy-header"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := defaultConfig()
+			fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
+			cfg.bindServe(fs)
+			require.NoError(t, parse(fs, tc.args))
+			err := cfg.Validate()
+			if tc.err == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tc.err)
+		})
+	}
+}
+
+// startServeConsole runs serve with args and a console until the test
+// ends, and returns the console's base URL.
+func startServeConsole(t *testing.T, dir, listen string, args ...string) (base string, logs *syncWriter) {
+	t.Helper()
+	consoleAddr := freeAddr(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	logs = &syncWriter{}
+	go func() {
+		done <- run(ctx, append([]string{"serve", "--listen", listen, "--data-dir", filepath.Join(dir, "data"),
+			"--sweep-interval", "0", "--console-listen", consoleAddr}, args...), io.Discard, logs)
+	}()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	return "http://" + consoleAddr, logs
+}
+
+// consoleGet GETs u with the header and returns the status and body.
+func consoleGet(t *testing.T, c *http.Client, u string, header ...string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, u, nil)
+	require.NoError(t, err)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	res, err := c.Do(req)
+	require.NoError(t, err)
+	defer res.Body.Close()
+	body, err := io.ReadAll(res.Body)
+	require.NoError(t, err)
+	return res.StatusCode, string(body)
+}
+
+// TestServeConsoleTLS runs the console in deploy/'s shape: serve with
+// --tls-cert, --tls-key and --tls-client-ca (mTLS). A worker claims with its
+// client certificate; the operator signs in to the console with a token
+// and sees the record, which the console read through the server's
+// in-process connection as the operator's identity.
+func TestServeConsoleTLS(t *testing.T) {
+	const token = "console-oncall-token"
+	dir := t.TempDir()
+	testCA(t, dir, map[string]string{"billing": "spiffe://test/billing"})
+	cfgFile := filepath.Join(dir, "idemreg.yaml")
+	require.NoError(t, os.WriteFile(cfgFile, []byte(`identities:
+  - {name: billing, uris: ["spiffe://test/billing"], consumers: ["billing.*"]}
+  - {name: oncall, token_hashes: ["`+access.HashToken(token)+`"], admin: ["billing.*"]}
+`), 0o600))
+	listen := freeAddr(t)
+	base, logs := startServeConsole(t, dir, listen, "--config", cfgFile,
+		"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem"), "--tls-client-ca", filepath.Join(dir, "ca.pem"))
+
+	claimed := claimEventually(t, idemregv1.NewRegistryServiceClient(mtlsConn(t, dir, "billing", listen)))
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	browser := &http.Client{Jar: jar}
+	res, err := browser.PostForm(base+"/signin", url.Values{"token": {token}})
+	require.NoError(t, err)
+	_ = res.Body.Close()
+	require.Equal(t, http.StatusOK, res.StatusCode)
+	code, body := consoleGet(t, browser, base+"/record?"+url.Values{"consumer": {"billing.payment-worker"}, "kind": {"KIND_OPERATION"}, "key": {"charge:order-42"}}.Encode())
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `<b id="identity">oncall</b>`)
+	require.Contains(t, body, `<dd id="token">`+strconv.FormatInt(claimed.GetToken(), 10)+`</dd>`)
+	require.NotContains(t, logs.String(), token, "the token is never logged")
+}
+
+// TestServeConsoleCertificateIdentities runs the console where every
+// identity authenticates by client certificate: operators sign in through
+// a trusted proxy's header (a sidecar on loopback), mapped to the identity
+// the console then acts as.
+func TestServeConsoleCertificateIdentities(t *testing.T) {
+	dir := t.TempDir()
+	testCA(t, dir, map[string]string{"billing": "spiffe://test/billing"})
+	cfgFile := filepath.Join(dir, "idemreg.yaml")
+	require.NoError(t, os.WriteFile(cfgFile, []byte(`identities:
+  - {name: billing, uris: ["spiffe://test/billing"], consumers: ["billing.*"]}
+  - {name: oncall, uris: ["spiffe://test/oncall"], admin: ["billing.*"]}
+`), 0o600))
+	listen := freeAddr(t)
+	base, logs := startServeConsole(t, dir, listen, "--config", cfgFile,
+		"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem"), "--tls-client-ca", filepath.Join(dir, "ca.pem"),
+		"--console-proxy-header", "X-Auth-Request-User", "--console-proxy-user", "*@ops.example.com=oncall")
+
+	claimed := claimEventually(t, idemregv1.NewRegistryServiceClient(mtlsConn(t, dir, "billing", listen)))
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	browser := &http.Client{Jar: jar}
+	u := base + "/record?" + url.Values{"consumer": {"billing.payment-worker"}, "kind": {"KIND_OPERATION"}, "key": {"charge:order-42"}}.Encode()
+	code, body := consoleGet(t, browser, u, "X-Auth-Request-User", "alice@ops.example.com")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, `<b id="identity">oncall</b>`)
+	require.Contains(t, body, `<dd id="token">`+strconv.FormatInt(claimed.GetToken(), 10)+`</dd>`)
+	require.Contains(t, logs.String(), `"via":"proxy"`)
+
+	code, body = consoleGet(t, browser, u)
+	require.Equal(t, http.StatusOK, code)
+	require.Contains(t, body, `id="proxy-sign-in"`, "without the proxy's header: the sign-in page, which sends the operator to the proxy")
+	require.NotContains(t, body, `name="token"`, "no token form: no identity has a token")
+}
+
+// claimEventually claims charge:order-42 for billing.payment-worker once
+// serve answers.
+func claimEventually(t *testing.T, c idemregv1.RegistryServiceClient) *idemregv1.ClaimResponse {
+	t.Helper()
+	var (
+		claimed *idemregv1.ClaimResponse
+		err     error
+	)
+	require.Eventually(t, func() bool {
+		claimed, err = c.Claim(t.Context(), &idemregv1.ClaimRequest{
+			Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "charge:order-42", Holder: "worker-42"})
+		return err == nil
+	}, 10*time.Second, 20*time.Millisecond)
+	return claimed
 }
 
 // syncWriter collects serve's logs from its goroutines.

@@ -114,7 +114,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.Listen, err)
 	}
-	stopConsole, err := startConsole(ctx, cfg, func() *access.Set { return file.Current().Access }, types, lis.Addr(), store, logger)
+	stopConsole, err := startConsole(ctx, cfg, func() *access.Set { return file.Current().Access }, types, srv, store, logger)
 	if err != nil {
 		_ = lis.Close()
 		return err

@@ -154,6 +154,17 @@ func (s *Set) ByCertificate(cert *x509.Certificate) (*Identity, bool) {
 	return id, ok
 }
 
+// ByName returns the identity named name: the one an in-process caller
+// (the operator console) acts as, having authenticated the operator itself.
+func (s *Set) ByName(name string) (*Identity, bool) {
+	for _, id := range s.identities {
+		if id.Name == name {
+			return id, true
+		}
+	}
+	return nil, false
+}
+
 // ByToken returns the identity of a bearer token. Only hashes are kept, and
 // the final comparison is constant-time; a lookup's timing can at most hint
 // at a hash, from which the token cannot be learnt.

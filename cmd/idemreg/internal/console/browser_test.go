@@ -4,15 +4,19 @@ import (
 	"context"
 	"encoding/hex"
 	"encoding/json"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
@@ -113,7 +117,7 @@ func TestConsoleInBrowser(t *testing.T) {
 	require.Equal(t, "SERVING", seen.StoreHealth)
 	require.Equal(t, key, seen.KeyShown, "the key is shown as text")
 	require.Equal(t, "worker-<b>7</b>", seen.HolderShown)
-	require.Equal(t, "STATE_IN_PROGRESS", seen.StateBefore)
+	require.Equal(t, "in progress", seen.StateBefore)
 	require.Equal(t, strconv.FormatInt(claimed.GetToken(), 10), seen.TokenBefore)
 	require.Equal(t, reason, seen.ConfirmReason)
 	require.Len(t, seen.Dialogs, 1, "only the confirmation, no alert from the key: %v", seen.Dialogs)
@@ -123,7 +127,7 @@ func TestConsoleInBrowser(t *testing.T) {
 	rec := e.inspect(t, key)
 	require.Greater(t, rec.GetToken(), claimed.GetToken())
 	require.Equal(t, strconv.FormatInt(rec.GetToken(), 10), seen.TokenAfter, "the page shows the record after the invalidation")
-	require.Equal(t, "STATE_IN_PROGRESS", seen.StateAfter)
+	require.Equal(t, "invalidated, awaiting the next claim", seen.StateAfter, "readable: not STATE_IN_PROGRESS")
 	var audited bool
 	for _, l := range e.logs.lines(t, "admin action") {
 		audited = audited || (l["action"] == "invalidate" && l["reason"] == reason && l["identity"] == "oncall")
@@ -188,9 +192,9 @@ func TestConsoleResolveInBrowser(t *testing.T) {
 	require.Contains(t, seen.Parked, "2 in all")
 	require.Equal(t, "none: no stored record has expired yet", seen.SweepLag)
 	require.Equal(t, 1, seen.RowsMatching)
-	require.Equal(t, map[string]string{"consumer": consumer, "key": key, "state": "STATE_PARKED", "attempt": "2",
+	require.Equal(t, map[string]string{"consumer": consumer, "key": key, "state": "parked", "attempt": "2",
 		"holder": "worker-<b>9</b>", "park-reason": parkReason}, seen.Row, "the row shows the record, as text")
-	require.Equal(t, "STATE_PARKED", seen.State)
+	require.Equal(t, "parked", seen.State)
 	require.Equal(t, key, seen.KeyShown)
 	require.Equal(t, parkReason, seen.ParkReason)
 	require.Equal(t, []map[string]string{{"attempt": "1", "holder": "worker-<b>8</b>", "end": "taken over (its lease ended)"}}, seen.History)
@@ -205,7 +209,7 @@ func TestConsoleResolveInBrowser(t *testing.T) {
 	require.Equal(t, "confirm", seen.Dialogs[0].Type)
 
 	require.Contains(t, seen.Notice, "Resolved with your result")
-	require.Equal(t, "STATE_COMPLETED", seen.StateAfter)
+	require.Equal(t, "completed", seen.StateAfter)
 	require.Equal(t, resultType, seen.ResultType)
 	require.Equal(t, hex.EncodeToString([]byte(resultData)), seen.ResultPreview)
 	require.Equal(t, []map[string]string{
@@ -227,4 +231,137 @@ func TestConsoleResolveInBrowser(t *testing.T) {
 		audited = audited || (l["action"] == "resolve" && l["reason"] == reason && l["identity"] == "oncall" && l["result"] == "ok")
 	}
 	require.True(t, audited, "the resolution is in the audit log")
+}
+
+// TestConsoleBulkInBrowser invalidates two of three parked records at
+// once in headless Chromium: select every record of the page (the
+// select-all box), leave one out, give a reason, review, confirm once.
+// Each record is a call of its own: one audit event each.
+func TestConsoleBulkInBrowser(t *testing.T) {
+	needBrowser(t)
+
+	e := setup(t, true)
+	keys := []string{"charge:bulk-1", "charge:bulk-2", "charge:bulk-3"}
+	for _, k := range keys {
+		e.park(t, consumer, k, "worker", "provider timed out after the send")
+	}
+	const reason = "provider incident OPS-88: retry all"
+	confirmShot, doneShot := screenshot(t, "console-bulk-confirm.png"), screenshot(t, "console-bulk-done.png")
+	var seen struct {
+		SelectAllVisible                    bool
+		CheckedAfterSelectAll, Checked      int
+		ConfirmTitle, ConfirmReason, Notice string
+		ConfirmKeys                         []string
+		Results                             []map[string]string
+		StatesAfter                         map[string]string
+		Dialogs                             []struct{ Type, Message string }
+		ConsoleErrors                       []string
+	}
+	runBrowser(t, "bulk.mjs", &seen, "CONSOLE_URL="+e.console.URL, "TOKEN="+oncallToken, "SPARED_KEY=charge:bulk-2", "REASON="+reason,
+		"CONFIRM_SCREENSHOT="+confirmShot, "DONE_SCREENSHOT="+doneShot)
+	for _, shot := range []string{confirmShot, doneShot} {
+		t.Logf("screenshot: %s", shot)
+		require.FileExists(t, shot)
+	}
+
+	require.True(t, seen.SelectAllVisible, "the select-all box shows with script")
+	require.Equal(t, 3, seen.CheckedAfterSelectAll)
+	require.Equal(t, 2, seen.Checked)
+	require.Equal(t, "Confirm: Invalidate 2 records", seen.ConfirmTitle)
+	require.Equal(t, reason, seen.ConfirmReason)
+	require.Equal(t, []string{"charge:bulk-1", "charge:bulk-3"}, seen.ConfirmKeys)
+	require.Equal(t, "Invalidate: 2 of 2 records done.", seen.Notice)
+	require.Equal(t, []map[string]string{{"key": "charge:bulk-1", "outcome": "done"}, {"key": "charge:bulk-3", "outcome": "done"}}, seen.Results)
+	require.Equal(t, map[string]string{"charge:bulk-2": "parked"}, seen.StatesAfter, "back on the parked list: only the one left out")
+	require.Empty(t, seen.Dialogs, "one confirmation, the page's")
+	require.Empty(t, seen.ConsoleErrors)
+
+	var audited []string
+	for _, l := range e.logs.lines(t, "admin action") {
+		if l["action"] == "invalidate" && l["reason"] == reason && l["identity"] == "oncall" && l["result"] == "ok" {
+			audited = append(audited, l["key"].(string))
+		}
+	}
+	require.ElementsMatch(t, []string{"charge:bulk-1", "charge:bulk-3"}, audited, "one audit event per record")
+	require.Equal(t, idemregv1.State_STATE_PARKED, e.inspect(t, "charge:bulk-2").GetState())
+}
+
+// TestConsoleNarrowInBrowser reads the console at 400 px wide, in
+// Tokyo's time zone, signed in by a trusted proxy's header
+// (X-Forwarded-Email, as oauth2-proxy sets it): no page is wider than the
+// viewport, states are words and times are the browser's local time to
+// the second, relative, with the exact UTC instant in their title.
+func TestConsoleNarrowInBrowser(t *testing.T) {
+	needBrowser(t)
+
+	e := setup(t, true, withProxy(console.LoopbackPrefixes...))
+	key := "refund:" + strings.Repeat("0123456789abcdef", 12) // a long key with no place to break
+	retried := e.retried(t, key, "worker-"+strings.Repeat("x", 60), "worker-2")
+	_, err := e.registry().Park(oncall(t), &idemregv1.ParkRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key,
+		Token: retried.GetToken(), ClaimSecret: retried.GetClaimSecret(), Reason: "provider timed out after the send; " + strings.Repeat("detail ", 20)})
+	require.NoError(t, err)
+	e.park(t, consumer, "charge:other", "worker-3", "another")
+	created := e.inspect(t, key).GetCreatedAt().AsTime()
+
+	var seen struct {
+		Pages map[string]struct {
+			ScrollWidth, BodyScrollWidth, InnerWidth int
+			Wide                                     []string
+		}
+		Identity, RowState, RowTime, RowRel string
+		RowTimeTitle, State, Created        string
+		CreatedTitle                        string
+		RowStateVisible                     bool
+		Dialogs                             []struct{ Type, Message string }
+		ConsoleErrors                       []string
+	}
+	dir := artifactDir(t)
+	runBrowser(t, "narrow.mjs", &seen, "CONSOLE_URL="+e.console.URL, "PROXY_HEADER="+proxyHeader, "PROXY_USER=alice@example.com",
+		"KEY="+key, "SCREENSHOT_DIR="+dir)
+	t.Logf("screenshots: %s/console-400px-*.png", dir)
+
+	require.Equal(t, "oncall", seen.Identity, "signed in by the proxy's header")
+	require.Len(t, seen.Pages, 3)
+	for name, p := range seen.Pages {
+		t.Logf("%s at 400 px: document.scrollWidth %d, body.scrollWidth %d", name, p.ScrollWidth, p.BodyScrollWidth)
+		require.Equal(t, 400, p.InnerWidth, name)
+		require.LessOrEqual(t, p.ScrollWidth, 400, "%s overflows at 400 px: %v", name, p.Wide)
+		require.LessOrEqual(t, p.BodyScrollWidth, 400, "%s overflows at 400 px: %v", name, p.Wide)
+	}
+	tokyo := time.FixedZone("JST", 9*3600)
+	require.Equal(t, "parked", seen.RowState)
+	require.True(t, seen.RowStateVisible)
+	require.True(t, strings.HasPrefix(seen.RowTime, created.In(tokyo).Format("2006-01-02 15:04:05")), "local time to the second: %q", seen.RowTime)
+	require.Equal(t, created.UTC().Format(time.RFC3339Nano), seen.RowTimeTitle, "the exact UTC instant in the title")
+	require.Regexp(t, `^\((now|\d+s ago|in \d+s)\)$`, seen.RowRel)
+	require.Equal(t, "parked", seen.State)
+	require.True(t, strings.HasPrefix(seen.Created, created.In(tokyo).Format("2006-01-02 15:04:05")), "%q", seen.Created)
+	require.Equal(t, created.UTC().Format(time.RFC3339Nano), seen.CreatedTitle)
+	require.Empty(t, seen.Dialogs)
+	require.Empty(t, seen.ConsoleErrors)
+}
+
+// TestConsoleCrossOriginInBrowser submits the console's sign-in form from
+// a page of another origin in headless Chromium: the console refuses it
+// (net/http.CrossOriginProtection) and no session is opened.
+func TestConsoleCrossOriginInBrowser(t *testing.T) {
+	needBrowser(t)
+
+	e := setup(t, true)
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		_, _ = w.Write([]byte(`<!doctype html><form method="post" action="` + e.console.URL + `/signin"><input name="token" value="` + oncallToken + `"><button id="submit" type="submit">Go</button></form>`))
+	}))
+	t.Cleanup(other.Close)
+	var seen struct {
+		Status                  int
+		URL, Error              string
+		SignedIn, SignedInAfter int
+	}
+	runBrowser(t, "crossorigin.mjs", &seen, "CONSOLE_URL="+e.console.URL, "OTHER_URL="+other.URL)
+	require.Equal(t, http.StatusForbidden, seen.Status)
+	require.Equal(t, e.console.URL+"/signin", seen.URL)
+	require.Equal(t, "cross-origin request refused", seen.Error)
+	require.Zero(t, seen.SignedIn)
+	require.Zero(t, seen.SignedInAfter, "no session was opened")
 }

@@ -1,29 +1,36 @@
 // Package console is the operator console: a small web page,
 // served by `idemreg serve --console-listen`, that looks up, lists,
-// resolves and invalidates records through the AdminService, as the
-// signed-in identity.
+// resolves and invalidates records through the AdminService, one by one
+// or many at once, as the signed-in operator's identity.
 //
-// It holds no authority of its own. Every page is one or more gRPC calls on
-// the server's own listener carrying the operator's bearer token, so the
-// AdminService's authorisation decides what the operator may see and do.
-// The token stays on the server, in a session map keyed by a random id that
-// is the only thing the browser's cookie holds. Every state-changing POST
-// carries the session's CSRF token; every value shown goes through
-// html/template; stored results are shown as type, size and a hex preview,
-// never as markup. A response an operator resolves with is checked against
-// its type where the registry knows it (Config.Types) and may be typed as
-// JSON, which is encoded here; the confirmation shows it as JSON again.
+// It holds no authority of its own. Every page is one or more gRPC calls,
+// on the server's in-process connection (server.InProcess), made as the
+// operator: with the bearer token the operator signed in with, or, for an
+// operator a trusted reverse proxy signed in by its header (ProxySignIn),
+// naming the identity the proxy's user maps to (Config.ActAs). So the
+// AdminService's authorisation decides what the operator may see and do,
+// and audits it under that identity. A token stays on the server, in a
+// session map keyed by a random id that is the only thing the browser's
+// cookie holds. Every state-changing POST carries the session's CSRF
+// token, and a POST from another origin is refused
+// (net/http.CrossOriginProtection); every value shown goes through
+// html/template; stored results are shown as type, size and a hex
+// preview, never as markup. A response an operator resolves with is
+// checked against its type where the registry knows it (Config.Types) and
+// may be typed as JSON, which is encoded here; the confirmation shows it
+// as JSON again. States and times are shown for a person (readable.go).
 //
 // The views are a list (routes table in New): the status panel (store
 // health, sweeper lag, parked records per consumer), a look-up, the list of
 // parked and stuck records (ListRecords, paged), the record with its
-// attempt history, and two actions with a confirmation page each:
+// attempt history, and the actions with a confirmation page each:
 // resolving a parked or in-progress record (a result, or a release for a
-// fresh attempt) and invalidating one. Both actions name the token the
-// operator saw, so of two operators acting on the same record the second
-// is refused (LEASE_LOST) and told that someone acted first. The sweeper's
-// lag is the one figure not read through the AdminService (Config.SweepLag):
-// it names no record.
+// fresh attempt), invalidating one, and releasing or invalidating many
+// selected on the list (bulk.go: a call, and an audit event, per record).
+// Every action names the token the operator saw, so of two operators
+// acting on the same record the second is refused (LEASE_LOST) and told
+// that someone acted first. The sweeper's lag is the one figure not read
+// through the AdminService (Config.SweepLag): it names no record.
 package console
 
 import (
@@ -35,7 +42,6 @@ import (
 	"io/fs"
 	"log/slog"
 	"net/http"
-	"net/url"
 	"sync"
 	"time"
 
@@ -55,6 +61,9 @@ const (
 	// that no identity's sign-ins can fill the console for the others.
 	DefaultMaxSessionsPerIdentity = 8
 	DefaultCallTimeout            = 10 * time.Second
+	// DefaultStuckAfter: a record in progress first claimed longer ago
+	// than this is listed by the records page's "stuck" preset.
+	DefaultStuckAfter = 15 * time.Minute
 	// previewBytes is how much of a stored response the record page shows.
 	previewBytes = 64
 	// maxReasonBytes mirrors server.MaxReasonBytes, which the AdminService
@@ -70,8 +79,8 @@ const cookieName = "idemreg_console"
 
 // Config configures a Console.
 type Config struct {
-	// Conn reaches the server's AdminService and health service, as a
-	// loopback connection to its own listener.
+	// Conn reaches the server's AdminService and health service: the
+	// server's InProcess connection.
 	Conn grpc.ClientConnInterface
 	// SignIn checks a bearer token and returns its identity's name, or
 	// ErrUnknownToken, or ErrNoAdminGrant for an identity that
@@ -79,6 +88,17 @@ type Config struct {
 	// identities (open, loopback only): no sign-in, and calls carry no
 	// credentials.
 	SignIn func(token string) (identity string, err error)
+	// Proxy, when set, signs operators in from a trusted reverse proxy's
+	// header (ProxySignIn); calls for them are made as their identity by
+	// name, through ActAs. Off (nil) by default: the header is then
+	// ignored.
+	Proxy *ProxySignIn
+	// ActAs makes ctx a call's as the identity named (server.ActAs on the
+	// server's InProcess connection). Required with Proxy.
+	ActAs func(ctx context.Context, identity string) context.Context
+	// StuckAfter is how long ago a record in progress was first claimed
+	// for the records page's "stuck" preset to list it (DefaultStuckAfter).
+	StuckAfter time.Duration
 	// Secure marks the session cookie Secure (the console is behind TLS).
 	Secure bool
 	// SessionTTL is how long a sign-in lasts (DefaultSessionTTL).
@@ -112,11 +132,14 @@ type Config struct {
 
 // Console is the http.Handler of the console.
 type Console struct {
-	cfg      Config
-	admin    idemregv1.AdminServiceClient
-	health   healthpb.HealthClient
-	pages    *template.Template
-	mux      *http.ServeMux
+	cfg    Config
+	admin  idemregv1.AdminServiceClient
+	health healthpb.HealthClient
+	pages  *template.Template
+	mux    *http.ServeMux
+	// cop refuses a state-changing request a browser says came from
+	// another origin (Sec-Fetch-Site, else Origin against Host).
+	cop      *http.CrossOriginProtection
 	mu       sync.Mutex
 	sessions map[string]*session
 }
@@ -126,6 +149,10 @@ type Console struct {
 type session struct {
 	identity string
 	token    string
+	// viaProxy: a proxy's header signed it in, as user; calls are made as
+	// identity by name.
+	viaProxy bool
+	user     string
 	csrf     string
 	created  time.Time
 	expires  time.Time
@@ -141,6 +168,12 @@ var staticFiles embed.FS
 func New(cfg Config) (*Console, error) {
 	if cfg.Conn == nil {
 		return nil, errors.New("console: Conn is required")
+	}
+	if cfg.Proxy != nil && (cfg.ActAs == nil || cfg.Proxy.Header == "" || cfg.Proxy.Identity == nil || len(cfg.Proxy.Trusted) == 0) {
+		return nil, errors.New("console: Proxy needs ActAs, a Header, an Identity mapping and Trusted addresses")
+	}
+	if cfg.StuckAfter == 0 {
+		cfg.StuckAfter = DefaultStuckAfter
 	}
 	if cfg.SessionTTL == 0 {
 		cfg.SessionTTL = DefaultSessionTTL
@@ -166,6 +199,7 @@ func New(cfg Config) (*Console, error) {
 		"maxMessage":   func() int { return maxFailureMessageBytes },
 		"blankKey":     func() recordKey { return recordKey{} },
 		"failureCodes": failureCodes,
+		"maxBulk":      func() int { return maxBulkRecords },
 	}).ParseFS(templateFiles, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
@@ -180,6 +214,7 @@ func New(cfg Config) (*Console, error) {
 		health:   healthpb.NewHealthClient(cfg.Conn),
 		pages:    pages,
 		mux:      http.NewServeMux(),
+		cop:      http.NewCrossOriginProtection(),
 		sessions: make(map[string]*session),
 	}
 	// The views.
@@ -193,6 +228,7 @@ func New(cfg Config) (*Console, error) {
 	c.mux.HandleFunc("GET /record", c.signedIn(c.record))
 	c.mux.HandleFunc("POST /resolve", c.signedIn(c.resolve))
 	c.mux.HandleFunc("POST /invalidate", c.signedIn(c.invalidate))
+	c.mux.HandleFunc("POST /bulk", c.signedIn(c.bulk))
 	return c, nil
 }
 
@@ -204,18 +240,24 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.Set("X-Frame-Options", "DENY")
 	h.Set("Referrer-Policy", "same-origin") // no-referrer would make Chromium send "Origin: null" with the forms
 	h.Set("Cache-Control", "no-store")
-	if r.Method == http.MethodPost && crossSite(r) {
-		c.refuse(w, r, http.StatusForbidden, "cross-site request refused")
+	// A second line behind the CSRF token and SameSite=Strict, and the
+	// only one for the sign-in form, which has no session yet.
+	if err := c.cop.Check(r); err != nil {
+		c.refuse(w, r, http.StatusForbidden, "cross-origin request refused")
 		return
 	}
 	if r.Method == http.MethodPost {
 		// Every form is a few short fields and at most one result's data;
 		// a larger body is not one of them.
-		r.Body = http.MaxBytesReader(w, r.Body, maxFormBytes)
+		limit := int64(maxFormBytes)
+		if r.URL.Path == "/bulk" {
+			limit = maxBulkFormBytes
+		}
+		r.Body = http.MaxBytesReader(w, r.Body, limit)
 		if err := r.ParseForm(); err != nil {
 			var tooLarge *http.MaxBytesError
 			if errors.As(err, &tooLarge) {
-				c.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("the form is larger than %d bytes", maxFormBytes))
+				c.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("the form is larger than %d bytes", limit))
 				return
 			}
 			c.refuse(w, r, http.StatusBadRequest, "the form cannot be read")
@@ -223,22 +265,6 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	c.mux.ServeHTTP(w, r)
-}
-
-// crossSite reports a request a browser says came from another site. It is
-// a second line behind the CSRF token and SameSite=Strict, and the only one
-// for the sign-in form, which has no session yet.
-// A browser that sends Sec-Fetch-Site is believed; an older one is judged by
-// Origin ("null" from a sandboxed or privacy-restricted page is refused).
-func crossSite(r *http.Request) bool {
-	if s := r.Header.Get("Sec-Fetch-Site"); s != "" {
-		return s != "same-origin" && s != "none"
-	}
-	if o := r.Header.Get("Origin"); o != "" {
-		u, err := url.Parse(o)
-		return err != nil || u.Host != r.Host
-	}
-	return false
 }
 
 // page is what every template gets.

@@ -43,6 +43,38 @@ const (
 	consumer      = "billing.payment-worker"
 )
 
+// testIdentities are the identities of setup's server with identities.
+var testIdentities = func() *access.Set {
+	set, err := access.Parse([]byte(`identities:
+  - name: oncall
+    token_hashes: ["` + access.HashToken(oncallToken) + `"]
+    consumers: ["billing.*"]
+    admin: ["billing.*"]
+  - name: shipping
+    token_hashes: ["` + access.HashToken(shippingToken) + `"]
+    consumers: ["shipping.*"]
+    admin: ["shipping.*"]
+  - name: reader
+    token_hashes: ["` + access.HashToken(readerToken) + `"]
+    consumers: ["billing.*"]
+`))
+	if err != nil {
+		panic(err)
+	}
+	return set
+}()
+
+// do sends req with c and returns the status and body.
+func do(t *testing.T, c *http.Client, req *http.Request) (int, string) {
+	t.Helper()
+	res, err := c.Do(req)
+	require.NoError(t, err)
+	defer res.Body.Close()
+	body, err := io.ReadAll(res.Body)
+	require.NoError(t, err)
+	return res.StatusCode, string(body)
+}
+
 // syncBuffer collects the server's logs from its goroutines.
 type syncBuffer struct {
 	mu sync.Mutex
@@ -92,20 +124,7 @@ func setup(t *testing.T, withIdentities bool, opts ...func(*console.Config)) *en
 	t.Cleanup(func() { _ = store.Close() })
 	set := access.Open()
 	if withIdentities {
-		set, err = access.Parse([]byte(`identities:
-  - name: oncall
-    token_hashes: ["` + access.HashToken(oncallToken) + `"]
-    consumers: ["billing.*"]
-    admin: ["billing.*"]
-  - name: shipping
-    token_hashes: ["` + access.HashToken(shippingToken) + `"]
-    consumers: ["shipping.*"]
-    admin: ["shipping.*"]
-  - name: reader
-    token_hashes: ["` + access.HashToken(readerToken) + `"]
-    consumers: ["billing.*"]
-`))
-		require.NoError(t, err)
+		set = testIdentities
 	}
 	logs := &syncBuffer{}
 	// The server knows the response types the console is given, as serve
@@ -114,15 +133,19 @@ func setup(t *testing.T, withIdentities bool, opts ...func(*console.Config)) *en
 	for _, o := range opts {
 		o(&given)
 	}
-	addr, _ := servertest.Serve(t, store, server.Config{
+	addr, grpcSrv := servertest.Serve(t, store, server.Config{
 		Access:      set,
 		Logger:      slog.New(slog.NewJSONHandler(logs, nil)),
 		ResultTypes: given.Types,
 	})
 	conn := servertest.Dial(t, addr)
-	// As serve wires it (cmd/idemreg/console.go).
+	// As serve wires it (cmd/idemreg/console.go): the server's in-process
+	// connection.
+	in, err := grpcSrv.InProcess()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = in.Close() })
 	consoleLogs := &syncBuffer{}
-	cfg := console.Config{Conn: conn, SweepLag: console.SweepLagFrom(store), Logger: slog.New(slog.NewJSONHandler(consoleLogs, nil))}
+	cfg := console.Config{Conn: in, ActAs: server.ActAs, SweepLag: console.SweepLagFrom(store), Logger: slog.New(slog.NewJSONHandler(consoleLogs, nil))}
 	if withIdentities {
 		cfg.SignIn = console.SignInWith(func() *access.Set { return set })
 	}
@@ -408,7 +431,7 @@ func TestConsoleInvalidate(t *testing.T) {
 	claimed := e.claim(t, "charge:order-3", "worker-3")
 	c := e.signIn(t, oncallToken)
 	_, body := get(t, c, recordURL(e.console.URL, "charge:order-3"))
-	require.Contains(t, body, `<dd id="state">STATE_IN_PROGRESS</dd>`)
+	require.Contains(t, body, `<dd id="state">in progress</dd>`)
 	form := formFields(t, body, "invalidate-form")
 
 	code, body := post(t, c, e.console.URL+"/invalidate", form)
@@ -509,7 +532,7 @@ func (e *env) auditActions(t *testing.T) map[string]int {
 }
 
 var (
-	listedKey = regexp.MustCompile(`<td class="key"><a href="([^"]*)">([^<]*)</a></td>`)
+	listedKey = regexp.MustCompile(`<a class="key" href="([^"]*)">([^<]*)</a>`)
 	nextPage  = regexp.MustCompile(`<a href="([^"]*)" id="next-page">`)
 )
 
@@ -612,10 +635,10 @@ func TestConsoleRecords(t *testing.T) {
 	require.Equal(t, []string{"charge:<script>alert(\"key\")</script>", "charge:b", "charge:c", "refund:a"}, keys, "parked only, every consumer administered, in key order")
 	require.NotContains(t, body, "<script>alert")
 	require.NotContains(t, body, "<img")
-	require.Contains(t, body, `<td class="park-reason">&lt;img src=x onerror=alert(1)&gt;</td>`)
-	require.Contains(t, body, `<td class="holder">&lt;b&gt;worker&lt;/b&gt;</td>`)
+	require.Contains(t, body, `<td class="park-reason" data-label="Park reason">&lt;img src=x onerror=alert(1)&gt;</td>`)
+	require.Contains(t, body, `<td class="holder" data-label="Holder">&lt;b&gt;worker&lt;/b&gt;</td>`)
 	require.Equal(t, 1, strings.Count(body, "<script"), "only the console's own script tag")
-	require.Contains(t, body, `<td class="attempt">2</td>`)
+	require.Contains(t, body, `<td class="attempt" data-label="Attempt">2</td>`)
 	require.Contains(t, body, "1, last taken over (its lease ended)", "charge:c's earlier attempt")
 	require.Contains(t, body, `id="list-end"`)
 
@@ -626,7 +649,7 @@ func TestConsoleRecords(t *testing.T) {
 	require.Equal(t, hostileKey, u.Query().Get("key"))
 	code, body = get(t, c, e.console.URL+links[0])
 	require.Equal(t, http.StatusOK, code, body)
-	require.Contains(t, body, `<dd id="state">STATE_PARKED</dd>`)
+	require.Contains(t, body, `<dd id="state">parked</dd>`)
 	require.Contains(t, body, `<dd id="park-reason">&lt;img src=x onerror=alert(1)&gt;</dd>`)
 
 	// One record a page: every parked record exactly once, by page tokens.
@@ -757,7 +780,7 @@ func TestConsoleResolveComplete(t *testing.T) {
 	confirm, body := confirmResolve(t, e, c, form)
 	require.Contains(t, body, `<code id="confirm-result-type">example.v1.ChargeResponse</code>, 18 bytes`, "CRLF sent as LF")
 	require.Contains(t, body, `<pre id="confirm-result-preview">`+hex.EncodeToString([]byte("{\"charge\":\n\"ch_1\"}"))+`</pre>`)
-	require.Contains(t, body, `<dd id="confirm-now">STATE_PARKED, attempt 1, holder worker-42; parked: provider timed out after send</dd>`)
+	require.Contains(t, body, `<dd id="confirm-now">parked, attempt 1, holder worker-42; parked: provider timed out after send</dd>`)
 	require.Contains(t, body, "every later Claim of the key replays this result")
 	require.Equal(t, "base64", confirm.Get("encoding"), "the confirmation carries the bytes exactly")
 	require.Equal(t, idemregv1.State_STATE_PARKED, e.inspect(t, "charge:42").GetState(), "nothing changes before the confirmation")
@@ -765,7 +788,7 @@ func TestConsoleResolveComplete(t *testing.T) {
 	code, body := post(t, c, e.console.URL+"/resolve", confirm)
 	require.Equal(t, http.StatusOK, code, body)
 	require.Contains(t, body, `id="notice">Resolved with your result`)
-	require.Contains(t, body, `<dd id="state">STATE_COMPLETED</dd>`)
+	require.Contains(t, body, `<dd id="state">completed</dd>`)
 	require.Contains(t, body, `<td class="end">resolved by an operator: completed</td>`)
 	require.Contains(t, body, `<td class="note">`+reason+`</td>`)
 	require.Contains(t, body, `<td class="park-reason">provider timed out after send</td>`)

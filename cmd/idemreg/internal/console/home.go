@@ -15,7 +15,9 @@ import (
 )
 
 func (c *Console) page(s *session) page {
-	return page{Identity: s.identity, CSRF: s.csrf, SignIn: c.cfg.SignIn != nil}
+	// A proxy's sign-in has no sign-out: the proxy signs the next request
+	// in again.
+	return page{Identity: s.identity, CSRF: s.csrf, SignIn: c.cfg.SignIn != nil && !s.viaProxy}
 }
 
 // statusPanel is the home page's view of the server.

@@ -13,7 +13,6 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
@@ -23,6 +22,12 @@ type recordKey struct {
 	Consumer, Key string
 	Kind          idemregv1.Kind
 }
+
+// KindName is the key's kind in words.
+func (k recordKey) KindName() string { return kindName(k.Kind) }
+
+// Bulk is the record with token as a bulk action's selection.
+func (k recordKey) Bulk(token int64) bulkTarget { return bulkTarget{Key: k, Token: token} }
 
 func (k recordKey) Query() string {
 	return url.Values{"consumer": {k.Consumer}, "kind": {k.Kind.String()}, "key": {k.Key}}.Encode()
@@ -64,23 +69,25 @@ func formTarget(r *http.Request) (recordKey, int64, error) {
 
 // recordView is the record page.
 type recordView struct {
-	Key        recordKey
-	Found      bool
-	Live       bool
-	StoreTime  string
-	State      string
-	Token      int64
-	Attempt    int64
-	Holder     string
-	Created    string
-	LeaseEnds  string
-	LeaseLive  bool
-	Completed  string
-	Expires    string
-	HasFP      bool
-	ParkReason string
-	Result     *resultView
-	History    []attemptView
+	Key       recordKey
+	Found     bool
+	Live      bool
+	StoreTime timeView
+	State     string // in words (stateLabel)
+	// InProgress, Parked: the record's state, for the templates' choices.
+	InProgress, Parked bool
+	Token              int64
+	Attempt            int64
+	Holder             string
+	Created            timeView
+	LeaseEnds          timeView
+	LeaseLive          bool
+	Completed          timeView
+	Expires            timeView
+	HasFP              bool
+	ParkReason         string
+	Result             *resultView
+	History            []attemptView
 	// Resolvable: live (ResolveRecord's rule); a completed record only
 	// with a result, which repairs the stored one (IsCompleted).
 	Resolvable  bool
@@ -95,19 +102,19 @@ type attemptView struct {
 	Attempt    int64
 	Token      int64
 	Holder     string
-	Acquired   string
-	Ended      string
+	Acquired   timeView
+	Ended      timeView
 	End        string
 	ParkReason string
 	Note       string
 }
 
-func showHistory(h []*idemregv1.Attempt) []attemptView {
+func showHistory(now time.Time, h []*idemregv1.Attempt) []attemptView {
 	out := make([]attemptView, 0, len(h))
 	for _, a := range h {
 		out = append(out, attemptView{
 			Attempt: a.GetAttempt(), Token: a.GetToken(), Holder: a.GetHolder(),
-			Acquired: when(a.GetAcquiredAt()), Ended: when(a.GetEndedAt()), End: attemptEnd(a.GetEnd()),
+			Acquired: when(now, a.GetAcquiredAt()), Ended: when(now, a.GetEndedAt()), End: attemptEnd(a.GetEnd()),
 			ParkReason: a.GetParkReason(), Note: a.GetNote(),
 		})
 	}
@@ -170,22 +177,25 @@ func (c *Console) inspect(ctx context.Context, s *session, k recordKey) (recordV
 	rec := res.GetRecord()
 	view.Found = true
 	view.Live = res.GetLive()
-	view.StoreTime = when(res.GetStoreTime())
-	view.State = rec.GetState().String()
+	now := res.GetStoreTime().AsTime()
+	view.StoreTime = when(time.Time{}, res.GetStoreTime())
+	view.State = stateLabel(rec, res.GetHistory())
+	view.InProgress = rec.GetState() == idemregv1.State_STATE_IN_PROGRESS
+	view.Parked = rec.GetState() == idemregv1.State_STATE_PARKED
 	view.Token = rec.GetToken()
 	view.Attempt = rec.GetAttempt()
 	view.Holder = rec.GetHolder()
-	view.Created = when(rec.GetCreatedAt())
-	view.LeaseEnds = when(rec.GetLeaseExpiresAt())
-	view.Completed = when(rec.GetCompletedAt())
-	view.Expires = when(rec.GetExpiresAt())
+	view.Created = when(now, rec.GetCreatedAt())
+	view.LeaseEnds = when(now, rec.GetLeaseExpiresAt())
+	view.Completed = when(now, rec.GetCompletedAt())
+	view.Expires = when(now, rec.GetExpiresAt())
 	view.HasFP = len(rec.GetFingerprint()) > 0
 	view.ParkReason = rec.GetParkReason()
-	view.LeaseLive = rec.GetState() == idemregv1.State_STATE_IN_PROGRESS && rec.GetLeaseExpiresAt().AsTime().After(res.GetStoreTime().AsTime())
+	view.LeaseLive = rec.GetState() == idemregv1.State_STATE_IN_PROGRESS && rec.GetLeaseExpiresAt().AsTime().After(now)
 	if result := rec.GetResult(); result != nil {
 		view.Result = showResult(result)
 	}
-	view.History = showHistory(res.GetHistory())
+	view.History = showHistory(now, res.GetHistory())
 	view.IsCompleted = rec.GetState() == idemregv1.State_STATE_COMPLETED
 	view.Resolvable = view.Live
 	view.Form = resolveForm{Action: actionRelease, Outcome: outcomeResponse, Encoding: encodingText}
@@ -203,13 +213,6 @@ func showResult(res *idemregv1.Result) *resultView {
 	}
 	v.Preview = hex.EncodeToString(data)
 	return v
-}
-
-func when(ts *timestamppb.Timestamp) string {
-	if ts == nil {
-		return ""
-	}
-	return ts.AsTime().UTC().Format(time.RFC3339Nano)
 }
 
 // Messages of the refusals an operator acting on a record meets.

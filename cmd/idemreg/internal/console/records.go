@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/policy"
 )
 
 // Bounds of the records page.
@@ -39,6 +40,11 @@ type listFilter struct {
 	MinAttempt int64
 	OlderThan  time.Duration
 	Size       int
+	// Held leaves out the records in progress that nobody holds
+	// (awaitingClaim): invalidated or released, and not claimed since.
+	// ListRecords cannot tell them apart, so the console drops them from
+	// each page it reads.
+	Held bool
 }
 
 // listStates are the states the filter offers, as query values.
@@ -72,12 +78,13 @@ func parseListFilter(q url.Values) (listFilter, error) {
 		f.MinAttempt = n
 	}
 	if s := strings.TrimSpace(q.Get("older_than")); s != "" {
-		d, err := time.ParseDuration(s)
+		d, err := policy.ParseDuration(s)
 		if err != nil || d < 0 {
-			errs = append(errs, fmt.Errorf("older than must be a duration such as 90s, 15m or 2h, got %q", s))
+			errs = append(errs, fmt.Errorf("older than must be a duration such as 90s, 15m, 2h or 7d, got %q", s))
 		}
 		f.OlderThan = d
 	}
+	f.Held = q.Get("held") == "1"
 	if s := q.Get("size"); s != "" {
 		n, err := strconv.Atoi(s)
 		if err != nil || n < 1 || n > maxListPageSize {
@@ -107,6 +114,9 @@ func (f listFilter) query(page string) url.Values {
 	if f.Size > 0 && f.Size != DefaultListPageSize {
 		q.Set("size", strconv.Itoa(f.Size))
 	}
+	if f.Held {
+		q.Set("held", "1")
+	}
 	if page != "" {
 		q.Set("page", page)
 	}
@@ -126,13 +136,16 @@ func (f listFilter) StateName() string {
 	return f.State.String()
 }
 
+// stateChoice is a choice of the form's state select.
+type stateChoice struct{ Value, Label string }
+
 // States are the form's choices of state.
-func (f listFilter) States() []string {
-	out := make([]string, 0, len(listStates)+1)
+func (f listFilter) States() []stateChoice {
+	out := make([]stateChoice, 0, len(listStates)+1)
 	for _, s := range listStates {
-		out = append(out, s.String())
+		out = append(out, stateChoice{s.String(), stateNames[s]})
 	}
-	return append(out, "any")
+	return append(out, stateChoice{"any", "any"})
 }
 
 // MinAttemptText and OlderThanText are the form's values: empty for none.
@@ -163,34 +176,38 @@ func (f listFilter) request(page string) *idemregv1.ListRecordsRequest {
 
 // recordsView is the records page.
 type recordsView struct {
-	Filter    listFilter
-	Listed    bool // the page was read (no error)
-	Rows      []listedRow
-	StoreTime string
+	Filter listFilter
+	Listed bool // the page was read (no error)
+	// Here is this page's link, for the bulk pages to lead back to.
+	Here string
+	Rows []listedRow
+	// Unheld counts the records of the page left out by Filter.Held.
+	Unheld    int
+	StoreTime timeView
 	Next      template.URL // the next page, if any
 	First     template.URL // the first page, when this is a later one
 	// Presets are the usual questions, as links.
 	Parked, Stuck template.URL
+	// StuckAfter is Config.StuckAfter, for the preset's label.
+	StuckAfter string
 }
 
 // listedRow is one record of the records page.
 type listedRow struct {
 	Key        recordKey
+	Token      int64
 	State      string
 	Attempt    int64
 	Holder     string
 	ParkReason string
 	Age        string
+	Created    timeView
 	Lease      string
 	// Earlier is how many earlier attempts the record keeps, LastEnd how
 	// the last of them ended.
 	Earlier int
 	LastEnd string
 }
-
-// stuckAfter is the records page's preset for stuck records: in progress
-// and first claimed longer ago than this.
-const stuckAfter = 15 * time.Minute
 
 func (c *Console) records(w http.ResponseWriter, r *http.Request, s *session) {
 	p := c.page(s)
@@ -199,7 +216,11 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request, s *session) {
 	view := recordsView{
 		Filter: f,
 		Parked: listFilter{State: idemregv1.State_STATE_PARKED, Size: DefaultListPageSize}.link(""),
-		Stuck:  listFilter{State: idemregv1.State_STATE_IN_PROGRESS, OlderThan: stuckAfter, Size: DefaultListPageSize}.link(""),
+		// Stuck: held (attempt 1 or more) for long. A record nobody holds
+		// (attempt 0: invalidated or released, waiting for its next
+		// Claim) is not stuck, however long ago it was first claimed.
+		Stuck:      listFilter{State: idemregv1.State_STATE_IN_PROGRESS, MinAttempt: 1, Held: true, OlderThan: c.cfg.StuckAfter, Size: DefaultListPageSize}.link(""),
+		StuckAfter: strings.TrimSuffix(strings.TrimSuffix(fmtDuration(c.cfg.StuckAfter), "0s"), "0m"),
 	}
 	if err != nil {
 		p.Data, p.Error = view, "Invalid filter: "+err.Error()
@@ -220,9 +241,14 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request, s *session) {
 		return
 	}
 	view.Listed = true
+	view.Here = r.URL.RequestURI()
 	now := res.GetStoreTime().AsTime()
-	view.StoreTime = when(res.GetStoreTime())
+	view.StoreTime = when(time.Time{}, res.GetStoreTime())
 	for _, lr := range res.GetRecords() {
+		if f.Held && awaitingClaim(lr.GetRecord(), lr.GetHistory()) != idemregv1.AttemptEnd_ATTEMPT_END_UNSPECIFIED {
+			view.Unheld++
+			continue
+		}
 		view.Rows = append(view.Rows, listRow(now, lr))
 	}
 	if next := res.GetNextPageToken(); next != "" {
@@ -236,14 +262,15 @@ func listRow(now time.Time, lr *idemregv1.ListedRecord) listedRow {
 	rec := lr.GetRecord()
 	row := listedRow{
 		Key:   recordKey{Consumer: rec.GetConsumer(), Kind: rec.GetKind(), Key: rec.GetKey()},
-		State: rec.GetState().String(), Attempt: rec.GetAttempt(), Holder: rec.GetHolder(),
-		ParkReason: rec.GetParkReason(), Age: since(now, rec.GetCreatedAt()),
+		Token: rec.GetToken(),
+		State: stateLabel(rec, lr.GetHistory()), Attempt: rec.GetAttempt(), Holder: rec.GetHolder(),
+		ParkReason: rec.GetParkReason(), Age: since(now, rec.GetCreatedAt()), Created: when(now, rec.GetCreatedAt()),
 		Earlier: len(lr.GetHistory()),
 	}
 	if h := lr.GetHistory(); len(h) > 0 {
 		row.LastEnd = attemptEnd(h[len(h)-1].GetEnd())
 	}
-	if rec.GetState() == idemregv1.State_STATE_IN_PROGRESS && rec.GetLeaseExpiresAt() != nil {
+	if rec.GetState() == idemregv1.State_STATE_IN_PROGRESS && awaitingClaim(rec, lr.GetHistory()) == idemregv1.AttemptEnd_ATTEMPT_END_UNSPECIFIED && rec.GetLeaseExpiresAt() != nil {
 		if ends := rec.GetLeaseExpiresAt().AsTime(); ends.After(now) {
 			row.Lease = "live, " + fmtDuration(ends.Sub(now)) + " left"
 		} else {

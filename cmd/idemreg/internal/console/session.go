@@ -18,8 +18,14 @@ import (
 // session without credentials at once, for its CSRF token.
 func (c *Console) signedIn(next func(http.ResponseWriter, *http.Request, *session)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		s := c.session(r)
-		if s == nil && c.cfg.SignIn == nil && r.Method == http.MethodGet {
+		s, ok := c.proxySession(w, r)
+		if !ok {
+			return
+		}
+		if s == nil {
+			s = c.session(r)
+		}
+		if s == nil && c.cfg.SignIn == nil && c.cfg.Proxy == nil && r.Method == http.MethodGet {
 			var err error
 			if s, err = c.newSession(w, "anonymous", ""); err != nil {
 				c.refuse(w, r, http.StatusServiceUnavailable, err.Error())
@@ -61,13 +67,25 @@ func (c *Console) session(r *http.Request) *session {
 		delete(c.sessions, ck.Value)
 		return nil
 	}
+	if s.viaProxy {
+		// A proxy's sign-in holds only while the proxy vouches for the
+		// operator, on every request (proxySession).
+		return nil
+	}
 	return s
 }
 
 func (c *Console) newSession(w http.ResponseWriter, identity, token string) (*session, error) {
+	return c.addSession(w, &session{identity: identity, token: token})
+}
+
+// addSession keeps s, with a fresh id, CSRF token and expiry, and gives the
+// browser its cookie.
+func (c *Console) addSession(w http.ResponseWriter, s *session) (*session, error) {
 	id, csrf := randomID(), randomID()
 	now := c.cfg.Now()
-	s := &session{identity: identity, token: token, csrf: csrf, created: now, expires: now.Add(c.cfg.SessionTTL)}
+	identity := s.identity
+	s.csrf, s.created, s.expires = csrf, now, now.Add(c.cfg.SessionTTL)
 	c.mu.Lock()
 	var (
 		mine   int
@@ -112,12 +130,32 @@ func randomID() string {
 	return base64.RawURLEncoding.EncodeToString(b)
 }
 
+// signInView is the sign-in page: the token form when tokens sign in,
+// the proxy's header when a proxy does.
+type signInView struct {
+	Tokens      bool
+	ProxyHeader string
+}
+
+func (c *Console) signInView() signInView {
+	v := signInView{Tokens: c.cfg.SignIn != nil}
+	if c.cfg.Proxy != nil {
+		v.ProxyHeader = c.cfg.Proxy.Header
+	}
+	return v
+}
+
 func (c *Console) signInPage(w http.ResponseWriter, r *http.Request) {
-	if c.cfg.SignIn == nil {
+	if c.cfg.SignIn == nil && c.cfg.Proxy == nil {
 		http.Redirect(w, r, "/", http.StatusSeeOther)
 		return
 	}
-	c.render(w, http.StatusOK, "signin.html", page{})
+	if p := c.cfg.Proxy; p != nil && len(r.Header.Values(p.Header)) > 0 && c.trustedProxy(r) {
+		// The proxy vouches for this request: the pages sign it in.
+		http.Redirect(w, r, "/", http.StatusSeeOther)
+		return
+	}
+	c.render(w, http.StatusOK, "signin.html", page{Data: c.signInView()})
 }
 
 func (c *Console) signIn(w http.ResponseWriter, r *http.Request) {
@@ -129,15 +167,15 @@ func (c *Console) signIn(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case errors.Is(err, ErrNoAdminGrant):
 		c.cfg.Logger.Warn("console sign-in refused", "identity", identity, "reason", "no admin grant", "remote", r.RemoteAddr)
-		c.render(w, http.StatusForbidden, "signin.html", page{Error: "identity " + identity + " administers no consumer: the console is for identities with an admin grant (admin in --config)"})
+		c.render(w, http.StatusForbidden, "signin.html", page{Data: c.signInView(), Error: "identity " + identity + " administers no consumer: the console is for identities with an admin grant (admin in --config)"})
 		return
 	case err != nil:
 		c.cfg.Logger.Warn("console sign-in refused", "reason", "unknown token", "remote", r.RemoteAddr)
-		c.render(w, http.StatusUnauthorized, "signin.html", page{Error: "unknown token: give a bearer token of an identity of --config"})
+		c.render(w, http.StatusUnauthorized, "signin.html", page{Data: c.signInView(), Error: "unknown token: give a bearer token of an identity of --config"})
 		return
 	}
 	if _, err := c.newSession(w, identity, r.PostFormValue("token")); err != nil {
-		c.render(w, http.StatusServiceUnavailable, "signin.html", page{Error: err.Error()})
+		c.render(w, http.StatusServiceUnavailable, "signin.html", page{Data: c.signInView(), Error: err.Error()})
 		return
 	}
 	c.cfg.Logger.Info("console sign-in", "identity", identity, "remote", r.RemoteAddr)
@@ -178,10 +216,15 @@ func (c *Console) signOut(w http.ResponseWriter, r *http.Request, _ *session) {
 	http.Redirect(w, r, "/signin", http.StatusSeeOther)
 }
 
-// callContext is the context of one gRPC call made for s.
+// callContext is the context of one gRPC call made for s: as its
+// identity by name (Config.ActAs) when a proxy signed it in, else with its
+// bearer token, so that a token removed from --config ends its sessions.
 func (c *Console) callContext(ctx context.Context, s *session) (context.Context, context.CancelFunc) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.CallTimeout)
-	if s.token != "" {
+	switch {
+	case s.viaProxy:
+		ctx = c.cfg.ActAs(ctx, s.identity)
+	case s.token != "":
 		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+s.token)
 	}
 	return ctx, cancel

@@ -20,3 +20,32 @@ document.addEventListener("DOMContentLoaded", function () {
     update();
   });
 });
+
+// Times are written by the server in UTC, to the second; here they are
+// written again in the browser's own time zone, the exact UTC instant
+// staying in the element's title.
+document.addEventListener("DOMContentLoaded", function () {
+  var pad = function (n) { return String(n).padStart(2, "0"); };
+  document.querySelectorAll("time[datetime]").forEach(function (el) {
+    var d = new Date(el.getAttribute("datetime"));
+    if (isNaN(d.getTime())) return;
+    var zone = "";
+    try {
+      var part = new Intl.DateTimeFormat(undefined, { timeZoneName: "short" }).formatToParts(d)
+        .find(function (p) { return p.type === "timeZoneName"; });
+      if (part) zone = " " + part.value;
+    } catch (e) { /* no zone name: the time alone */ }
+    el.textContent = d.getFullYear() + "-" + pad(d.getMonth() + 1) + "-" + pad(d.getDate()) + " " +
+      pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds()) + zone;
+  });
+});
+
+// A checkbox marked data-select-all="NAME" (hidden without script) checks
+// or clears every checkbox named NAME of its form.
+document.addEventListener("DOMContentLoaded", function () {
+  document.querySelectorAll("[data-select-all]").forEach(function (all) {
+    var boxes = function () { return all.form ? all.form.querySelectorAll('input[type=checkbox][name="' + all.dataset.selectAll + '"]') : []; };
+    all.hidden = false;
+    all.addEventListener("change", function () { boxes().forEach(function (b) { b.checked = all.checked; }); });
+  });
+});

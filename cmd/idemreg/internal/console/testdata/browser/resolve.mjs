@@ -31,7 +31,7 @@ try {
   const text = async (sel) => (await page.textContent(sel)).trim();
   const cells = async (row, names) => {
     const out = {};
-    for (const n of names) out[n] = (await row.locator("td." + n).textContent()).trim();
+    for (const n of names) out[n] = (await row.locator("." + n).first().textContent()).trim();
     return out;
   };
 
@@ -44,13 +44,13 @@ try {
 
   // The records page, parked by default; the row of the key.
   await page.click("#nav-records");
-  const row = page.locator("#records tbody tr", { has: page.locator("td.key", { hasText: key }) });
+  const row = page.locator("#records tbody tr", { has: page.locator("a.key", { hasText: key }) });
   seen.rowsMatching = await row.count();
   seen.row = await cells(row, ["consumer", "key", "state", "attempt", "holder", "park-reason"]);
   await page.screenshot({ path: env("RECORDS_SCREENSHOT"), fullPage: true });
 
   // The record, with its history.
-  await row.locator("td.key a").click();
+  await row.locator("a.key").click();
   seen.state = await text("#state");
   seen.keyShown = await text("#key");
   seen.parkReason = await text("#park-reason");
