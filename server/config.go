@@ -146,6 +146,10 @@ type Config struct {
 	// with; nil means time.Now. Replicas' clocks need only agree to well
 	// within a rotation's activation delay.
 	Now func() time.Time
+	// Replica places this replica among those sharing the store
+	// (replicas.go): its ID, the address its peers reach it on, its
+	// heartbeat. Zero fields take the defaults.
+	Replica Replica
 	// ResultTypes are the message types whose responses ResolveRecord
 	// checks before storing them and encodes from JSON: those of an
 	// operator's descriptor set (resulttype.Load) beside the linked ones.
@@ -331,6 +335,7 @@ func (c Config) Validate() error {
 	if w := c.WaitRecheck; w > 0 && (w < time.Millisecond || w > MaxWait) {
 		bad("WaitRecheck", w, fmt.Sprintf("must be between 1ms and %v, the longest wait", MaxWait))
 	}
+	c.Replica.validate(bad)
 	errs = append(errs, c.Bounds.Validate(), c.Readiness.Validate())
 	return errors.Join(errs...)
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
@@ -22,6 +23,7 @@ import (
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
+	"github.com/idemreg/idemreg/server/internal/membership"
 	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
@@ -61,6 +63,8 @@ type Server struct {
 	// (health loop only) keeps the last intervals' counts.
 	outcomes *callOutcomes
 	window   *readinessWindow
+	// members is the membership, set by Serve (replicas.go).
+	members atomic.Pointer[membership.Members]
 }
 
 // New builds a Server on store.
@@ -205,6 +209,10 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	loops.Go(func() { s.svc.run(ctx, s.cfg.QuotaRefresh) })
 	loops.Go(func() { s.parked.run(ctx, s.cfg.ParkedCountInterval) })
 	loops.Go(func() { s.svc.memory.run(ctx) })
+	if m := s.newMembers(lis.Addr()); m != nil {
+		s.members.Store(m)
+		loops.Go(func() { m.Run(ctx) })
+	}
 
 	lis = s.limitConnections("grpc", lis)
 	served := make(chan error, 1)

@@ -109,6 +109,7 @@ func defaultConfig() config {
 			MaxInFlight:       server.DefaultMaxInFlight,
 			MaxWaiters:        server.DefaultMaxWaiters,
 			WaitRecheck:       server.DefaultWaitRecheck,
+			Replica:           server.Replica{HeartbeatInterval: server.DefaultHeartbeat, MemberLiveFor: server.DefaultLiveFor},
 			QuotaRefresh:      server.DefaultQuotaRefresh,
 			// Shown by -h; MaxWaitersPerIdentity stays 0 (half of
 			// --max-waiters, whatever it is), as MaxInFlightPerIdentity.
@@ -201,6 +202,9 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.IntVar(&s.MaxWaiters, "max-waiters", s.MaxWaiters, "most Claims waiting at once for a key in progress (ClaimRequest.wait); beyond it a Claim answers at once")
 	fs.IntVar(&s.MaxWaitersPerIdentity, "max-waiters-per-identity", s.MaxWaitersPerIdentity, "most Claims of one identity of --config waiting at once, so one tenant cannot take every wait slot (0: half of --max-waiters; --max-waiters turns it off)")
 	durationVar(fs, &s.WaitRecheck, "wait-recheck", s.WaitRecheck, "how often a waiting Claim looks for changes made through other replicas: how late it may wake for them")
+	fs.StringVar(&s.Replica.AdvertiseAddress, "advertise-address", s.Replica.AdvertiseAddress, "host:port where the other replicas reach this one's --listen, written to the store's membership (empty: --listen, or the host name and its port when its host is 0.0.0.0 or [::]; in Kubernetes, the pod IP from the downward API)")
+	durationVar(fs, &s.Replica.HeartbeatInterval, "heartbeat-interval", s.Replica.HeartbeatInterval, "how often this replica writes its heartbeat to the store's membership and reads the other replicas")
+	durationVar(fs, &s.Replica.MemberLiveFor, "member-live-for", s.Replica.MemberLiveFor, "how old a replica's heartbeat may be, by the store's clock, for the others to count it as live (more than --heartbeat-interval)")
 	durationVar(fs, &s.QuotaRefresh, "quota-refresh", s.QuotaRefresh, "how often the live records and bytes of the consumers with a quota (max_records, max_bytes in --config) are counted in the store: how late a replica learns of other replicas' new keys")
 	fs.IntVar(&s.MaxQuotaConsumersPerIdentity, "max-quota-consumers-per-identity", s.MaxQuotaConsumersPerIdentity, "most consumers with a quota (max_records, max_bytes in --config) a replica follows for one identity; beyond it their new keys are refused (QUOTA_EXCEEDED) until one of its consumers is idle for "+strconv.Itoa(server.QuotaIdleRefreshes)+" quota refreshes")
 	offAtZeroVar(fs, &s.ParkedCountInterval, policy.ParseDuration, "parked-count-interval", "how often the parked records of every consumer are counted in the store (from its index of parked records) for the idemreg_parked_records gauge; 0 turns the gauge off")

@@ -50,6 +50,12 @@ func TestConformance(t *testing.T) {
 	})
 }
 
+func TestMembershipConformance(t *testing.T) {
+	storagetest.RunMembership(t, func(t *testing.T, c *storagetest.Clock) storage.Store {
+		return openT(t, "", WithInMemory(), WithClock(c.Now))
+	})
+}
+
 func TestSweeperConformance(t *testing.T) {
 	t.Run("Disk", func(t *testing.T) {
 		storagetest.RunSweeper(t, func(t *testing.T, c *storagetest.Clock) storage.Store {

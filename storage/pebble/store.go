@@ -121,6 +121,9 @@ type Store struct {
 	failure *failure
 	// stop ends the disk watch and the instruments' registration.
 	stop func()
+
+	// members is the membership (membership.go).
+	members members
 }
 
 var (

@@ -77,6 +77,10 @@ func TestSweeperConformance(t *testing.T) {
 	storagetest.RunSweeper(t, freshDatabases(pgtest.ServerURL()))
 }
 
+func TestMembershipConformance(t *testing.T) {
+	storagetest.RunMembership(t, freshDatabases(pgtest.ServerURL()))
+}
+
 func TestCockroach(t *testing.T) {
 	serverURL := os.Getenv(envCockroachURL)
 	if serverURL == "" {
@@ -87,6 +91,9 @@ func TestCockroach(t *testing.T) {
 	})
 	t.Run("Sweeper", func(t *testing.T) {
 		storagetest.RunSweeper(t, freshDatabases(serverURL))
+	})
+	t.Run("Membership", func(t *testing.T) {
+		storagetest.RunMembership(t, freshDatabases(serverURL))
 	})
 }
 
