@@ -16,7 +16,7 @@ func TestMigrationOverlay(t *testing.T) {
 	}
 	base, err := migrations(false, false)
 	require.NoError(t, err)
-	require.Equal(t, []string{"base/0001_records.sql", "base/0002_expires_at_index.sql", "base/0003_request_id.sql", "base/0004_lease_us.sql", "base/0005_secrets.sql", "base/0006_parking.sql", "base/0007_history_and_parked_index.sql", "base/0008_claim_keys.sql"}, names(base))
+	require.Equal(t, []string{"base/0001_records.sql", "base/0002_expires_at_index.sql", "base/0003_request_id.sql", "base/0004_lease_us.sql", "base/0005_secrets.sql", "base/0006_parking.sql", "base/0007_history_and_parked_index.sql", "base/0008_claim_keys.sql", "base/0009_members_and_waiters.sql"}, names(base))
 
 	baseTTL, err := migrations(false, true)
 	require.NoError(t, err)
@@ -24,7 +24,7 @@ func TestMigrationOverlay(t *testing.T) {
 
 	crdb, err := migrations(true, false)
 	require.NoError(t, err)
-	require.Equal(t, []string{"cockroach/0001_records.sql", "cockroach/0002_expires_at_index.sql", "base/0003_request_id.sql", "base/0004_lease_us.sql", "base/0005_secrets.sql", "cockroach/0006_parking.sql", "base/0007_history_and_parked_index.sql", "base/0008_claim_keys.sql"}, names(crdb),
+	require.Equal(t, []string{"cockroach/0001_records.sql", "cockroach/0002_expires_at_index.sql", "base/0003_request_id.sql", "base/0004_lease_us.sql", "base/0005_secrets.sql", "cockroach/0006_parking.sql", "base/0007_history_and_parked_index.sql", "base/0008_claim_keys.sql", "base/0009_members_and_waiters.sql"}, names(crdb),
 		"the overlay replaces the base file of the same name")
 	require.Contains(t, crdb[0].sql, "PRIMARY KEY (consumer, kind, key) USING HASH")
 	require.Contains(t, crdb[1].sql, "USING HASH")
@@ -33,9 +33,9 @@ func TestMigrationOverlay(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, append(names(crdb), "cockroach-ttl/ttl_0001_row_level_ttl.sql", "cockroach-ttl/ttl_0002_drop_expires_at_index.sql"), names(ttl),
 		"the TTL files come after every other, and replace none")
-	require.Contains(t, ttl[8].sql, "ttl_expiration_expression = 'expires_at'")
-	require.NotContains(t, ttl[8].sql, "DROP INDEX", "one schema change per file (its own transaction)")
-	require.Contains(t, ttl[9].sql, "DROP INDEX IF EXISTS idemreg_records@idemreg_records_expires_at")
+	require.Contains(t, ttl[9].sql, "ttl_expiration_expression = 'expires_at'")
+	require.NotContains(t, ttl[9].sql, "DROP INDEX", "one schema change per file (its own transaction)")
+	require.Contains(t, ttl[10].sql, "DROP INDEX IF EXISTS idemreg_records@idemreg_records_expires_at")
 	for _, m := range ttl {
 		require.Equal(t, m.variant == VariantRowLevelTTL, strings.HasPrefix(m.name, "ttl_"), "%s: TTL files are named ttl_", m.name)
 	}

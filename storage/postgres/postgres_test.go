@@ -735,7 +735,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 		return out
 	}
 	first := applied()
-	require.Len(t, first, 8)
+	require.Len(t, first, 9)
 	require.Equal(t, "0001_records.sql", first[0].Name)
 	require.Equal(t, "0002_expires_at_index.sql", first[1].Name)
 	require.Equal(t, "0003_request_id.sql", first[2].Name)
@@ -752,7 +752,7 @@ func TestMigrateTwiceIsNoOp(t *testing.T) {
 	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_schema_migrations`)
 	require.NoError(t, err)
 	require.NoError(t, postgres.Migrate(t.Context(), databaseURL), "migrations are safe to repeat")
-	require.Len(t, applied(), 8)
+	require.Len(t, applied(), 9)
 }
 
 // closedPortURL is a database URL nothing listens at.
