@@ -64,3 +64,30 @@ type MemberList struct {
 	// Now is the store's clock when they were read.
 	Now time.Time
 }
+
+// WaitMarker is implemented by stores shared by replicas that keep, on a
+// record, which replicas have a Claim waiting for its current attempt to
+// end: the waiting Claim marks it, and the call that ends the attempt
+// returns the marks in its answer (Record.Waiters), in the same statement,
+// so that the replica that ended it tells the waiting ones at once, and a
+// call that ends an attempt nobody waits for costs nothing more. Only
+// waiting Claims pay for the marks. A mark is a hint: whoever is told
+// decides again with the store.
+type WaitMarker interface {
+	// MarkWaiting adds p.Replica to the record's waiters while the attempt
+	// of p.Token is in progress with its lease live, and reports whether
+	// it is (false: the attempt ended, or the key is absent; the waiter
+	// should decide again at once). A call that ends the attempt after
+	// MarkWaiting returned true returns the mark. The marks are cleared
+	// when a Claim next acquires the record. Errors: ErrUnavailable.
+	MarkWaiting(ctx context.Context, p MarkWaitingParams) (bool, error)
+}
+
+// MarkWaitingParams are the arguments of WaitMarker.MarkWaiting.
+type MarkWaitingParams struct {
+	Key
+	// Token is the token of the attempt the Claim waits for.
+	Token int64
+	// Replica is the waiting Claim's replica (its membership ID).
+	Replica string
+}

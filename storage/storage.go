@@ -103,6 +103,14 @@ type Record struct {
 	// DecideResolve append to it). Only Admin's Inspect and List return
 	// it; the answers of the other methods leave it nil.
 	History []Attempt
+	// Waiters are the replicas (storage.Membership IDs) that marked the
+	// record (WaitMarker) for a Claim waiting for the attempt a call
+	// ended, so that the server tells them. Only the answers of the calls
+	// that end an attempt (Complete, Release, Park, Admin's Invalidate and
+	// Resolve, and batched Completes) carry them, and only when the call
+	// wrote; nil elsewhere, and always on a store that keeps no marks. A
+	// hint: a replica named may have no waiter left.
+	Waiters []string
 }
 
 // ParkReasonMaxAttempts is the ParkReason of a record a Claim parked

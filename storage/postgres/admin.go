@@ -85,7 +85,7 @@ func (s *Store) Inspect(ctx context.Context, k storage.Key) (storage.InspectResu
 	var a answer
 	err := s.run(ctx, "inspect", func(ctx context.Context) error {
 		var err error
-		a, err = scanRecord(s.pool.QueryRow(ctx, inspectSQL, k.Consumer, int16(k.Kind), k.Key, s.offsetMicros()), nil, true)
+		a, err = scanRecord(s.pool.QueryRow(ctx, inspectSQL, k.Consumer, int16(k.Kind), k.Key, s.offsetMicros()), nil, true, false)
 		if errors.Is(err, pgx.ErrNoRows) {
 			a, err = answer{}, nil
 		}
@@ -331,7 +331,7 @@ func (s *Store) List(ctx context.Context, p storage.ListParams) (storage.ListRes
 		res.Now = res.Now.UTC()
 		for rows.Next() {
 			var n int64
-			a, err := scanRecord(rows, []any{&part, &n}, true)
+			a, err := scanRecord(rows, []any{&part, &n}, true, false)
 			if err != nil {
 				return err
 			}

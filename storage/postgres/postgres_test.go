@@ -77,6 +77,10 @@ func TestSweeperConformance(t *testing.T) {
 	storagetest.RunSweeper(t, freshDatabases(pgtest.ServerURL()))
 }
 
+func TestWaitMarkerConformance(t *testing.T) {
+	storagetest.RunWaitMarker(t, sharedDatabase(pgtest.NewDatabase(t)))
+}
+
 func TestMembershipConformance(t *testing.T) {
 	storagetest.RunMembership(t, freshDatabases(pgtest.ServerURL()))
 }
@@ -91,6 +95,9 @@ func TestCockroach(t *testing.T) {
 	})
 	t.Run("Sweeper", func(t *testing.T) {
 		storagetest.RunSweeper(t, freshDatabases(serverURL))
+	})
+	t.Run("WaitMarker", func(t *testing.T) {
+		storagetest.RunWaitMarker(t, sharedDatabase(pgtest.NewDatabaseAt(t, serverURL)))
 	})
 	t.Run("Membership", func(t *testing.T) {
 		storagetest.RunMembership(t, freshDatabases(serverURL))

@@ -288,6 +288,10 @@ var claimOnConflict = `    ON CONFLICT (consumer, kind, key) DO UPDATE SET
         result           = CASE WHEN NOT (` + live("r", "excluded.created_at") + `) THEN NULL ELSE r.result END,
         park_reason      = CASE WHEN ` + claimParks + ` THEN '` + storage.ParkReasonMaxAttempts + `' ELSE '' END,
         max_attempts     = excluded.max_attempts,
+        -- the replicas that waited for the attempt that ended: told by
+        -- whoever ended it (fencedStatement), or they re-decide at the
+        -- lease's end, as this Claim did
+        waiters          = NULL,
         -- takeover: the attempt taken over ended when its lease did, if
         -- someone held its token; a fresh record has no history, and park
         -- appends nothing
@@ -312,6 +316,15 @@ var claimParks = "(" + live("r", "excluded.created_at") + " AND " + attemptsExha
 // small enough for CockroachDB to retry the statement server-side;
 // preImage is the columns of the pre-image (recordColumnsOf("r") where a
 // repeat must see the stored result).
+//
+// The written branch also returns the record's waiters column, last: the
+// replicas with a Claim waiting for the attempt this write ends
+// (markWaitingSQL), which the server tells (storage.Record.Waiters). It is
+// read in the same statement, so a write nobody waits for costs nothing
+// more than a NULL in its answer; the pre-image carries NULL (nothing was
+// ended). The column is not cleared here (PostgreSQL's RETURNING shows the
+// new row, so clearing it would hide it): the next Claim that acquires the
+// record clears it (claimOnConflict).
 func fencedStatement(offset int, input, set, where, preImage string) string {
 	return inlineClock(`
 WITH `+clock(offset)+`,
@@ -322,12 +335,12 @@ w AS (
     FROM i CROSS JOIN clock c
     WHERE `+sameKey("r", "i")+`
       AND `+where+`
-    RETURNING `+recordColumnsNoResultOf("r")+`
+    RETURNING `+recordColumnsNoResultOf("r")+`, r.waiters
 )
-SELECT i.ord, true, c.now, `+recordColumnsOf("w")+`
+SELECT i.ord, true, c.now, `+recordColumnsOf("w")+`, w.waiters
 FROM w JOIN i ON `+sameKey("w", "i")+` CROSS JOIN clock c
 UNION ALL
-SELECT i.ord, false, c.now, `+preImage+`
+SELECT i.ord, false, c.now, `+preImage+`, CAST(NULL AS TEXT[]) AS waiters
 FROM i JOIN idemreg_records r ON `+sameKey("r", "i")+` CROSS JOIN clock c
 WHERE NOT EXISTS (SELECT 1 FROM w WHERE `+sameKey("w", "i")+`)`, offset)
 }
@@ -396,6 +409,25 @@ func leaseWithinTotal(r, now, maxUs string) string {
 // record's, else the default.
 const extendLease = `COALESCE(NULLIF(i.lease_us, 0), NULLIF(r.lease_us, 0), i.default_lease_us)`
 
+// markWaitingSQL: $1 consumer, $2 kind, $3 key, $4 token, $5 replica, $6
+// clock offset µs. It adds the replica to the waiters of the record while
+// the attempt of token is in progress with its lease live (WaitMarker), at
+// most once; it writes nothing, and returns no row, when that attempt has
+// ended, so that the waiter decides again at once. A statement that ends
+// the attempt afterwards locks the row after this write and returns the
+// mark (fencedStatement).
+var markWaitingSQL = `
+WITH clock AS (
+    SELECT now() + CAST($6 AS BIGINT) * INTERVAL '1 microsecond' AS now
+)
+UPDATE idemreg_records AS r SET
+    waiters = CASE WHEN CAST($5 AS TEXT) = ANY(COALESCE(r.waiters, CAST('{}' AS TEXT[]))) THEN r.waiters
+                   ELSE array_append(COALESCE(r.waiters, CAST('{}' AS TEXT[])), CAST($5 AS TEXT)) END
+FROM clock c
+WHERE r.consumer = $1 AND r.kind = $2 AND r.key = $3
+  AND ` + fenced("r", "c.now", "$4") + ` AND ` + notFinal("r") + ` AND ` + leaseLive("r", "c.now") + `
+RETURNING r.token`
+
 // lookupSQL: $1 consumer, $2 kind, $3 key, $4 clock offset µs. Expired rows
 // stay until swept, so DecideLookup checks expiry on what this returns.
 var lookupSQL = `
@@ -447,7 +479,7 @@ const pingSQL = `SELECT 1`
 // call is a single Bind/Execute round trip from its first use.
 var preparedStatements = []string{
 	claimSQL, completeSQL, releaseSQL, extendSQL, parkSQL, lookupSQL, sweepSQL, oldestExpirySQL,
-	claimBatchSQL, completeBatchSQL,
+	claimBatchSQL, completeBatchSQL, markWaitingSQL,
 }
 
 // recordColumnCount is how many columns recordColumnsOf lists.

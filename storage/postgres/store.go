@@ -45,6 +45,7 @@ var (
 	_ storage.Store   = (*Store)(nil)
 	_ storage.Sweeper = (*Store)(nil)
 	_ storage.Batcher = (*Store)(nil)
+	_ storage.WaitMarker = (*Store)(nil)
 )
 
 // Open returns a Store on the database at databaseURL, whose schema Migrate
@@ -343,6 +344,22 @@ func (s *Store) fencedUpdate(ctx context.Context, op string, decide func(answer)
 	}, sql, args...)
 }
 
+// MarkWaiting implements storage.WaitMarker in one statement.
+func (s *Store) MarkWaiting(ctx context.Context, p storage.MarkWaitingParams) (bool, error) {
+	var marked bool
+	err := s.run(ctx, "mark waiting", func(ctx context.Context) error {
+		var token int64
+		err := s.pool.QueryRow(ctx, markWaitingSQL, p.Consumer, int16(p.Kind), p.Key.Key, p.Token, p.Replica, s.offsetMicros()).Scan(&token)
+		if errors.Is(err, pgx.ErrNoRows) {
+			marked = false
+			return nil
+		}
+		marked = err == nil
+		return err
+	})
+	return marked, err
+}
+
 // Lookup decides by storage.DecideLookup on one read.
 func (s *Store) Lookup(ctx context.Context, k storage.Key) (storage.Record, error) {
 	var a answer
@@ -502,9 +519,13 @@ func (s *Store) queryBatch(ctx context.Context, sql string, n int, args ...any) 
 	}
 	defer rows.Close()
 	answers := make([]answer, n)
+	// The statements that can end an attempt return the waiters column
+	// last (fencedStatement).
+	fields := rows.FieldDescriptions()
+	waiters := len(fields) > 0 && fields[len(fields)-1].Name == "waiters"
 	for rows.Next() {
 		var ord int64
-		a, err := scanAnswer(rows, &ord)
+		a, err := scanRecord(rows, []any{&ord}, false, waiters)
 		if err != nil {
 			return nil, err
 		}
@@ -522,12 +543,14 @@ func (s *Store) queryBatch(ctx context.Context, sql string, n int, args ...any) 
 // scanAnswer scans one row of a record statement, after the columns in
 // lead (the ordinal of a batched statement).
 func scanAnswer(row pgx.Row, lead ...any) (answer, error) {
-	return scanRecord(row, lead, false)
+	return scanRecord(row, lead, false, false)
 }
 
 // scanRecord is scanAnswer of a row that ends with the history column
-// when withHistory is set (Inspect, List).
-func scanRecord(row pgx.Row, lead []any, withHistory bool) (answer, error) {
+// when withHistory is set (Inspect, List), or with the waiters column when
+// withWaiters is (fencedStatement): those are kept only in a written row's
+// answer, the waiters of the attempt it ended.
+func scanRecord(row pgx.Row, lead []any, withHistory, withWaiters bool) (answer, error) {
 	var (
 		a           answer
 		r           = &a.rec
@@ -543,8 +566,15 @@ func scanRecord(row pgx.Row, lead []any, withHistory bool) (answer, error) {
 	if withHistory {
 		dest = append(dest, &history)
 	}
+	var waiters []string
+	if withWaiters {
+		dest = append(dest, &waiters)
+	}
 	if err := row.Scan(dest...); err != nil {
 		return answer{}, err
+	}
+	if a.written {
+		r.Waiters = waiters
 	}
 	if withHistory {
 		var err error
