@@ -13,7 +13,6 @@ import (
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/pagetoken"
 	"github.com/idemreg/idemreg/server/internal/reason"
-	"github.com/idemreg/idemreg/server/internal/waiting"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -43,8 +42,9 @@ type AdminService struct {
 	limits Limits
 	// secrets seal and open the page tokens of ListRecords.
 	secrets *claimsecret.Secrets
-	// waiters are woken when an operator ends a key's lease or result.
-	waiters *waiting.Hub
+	// ended wakes the waiters on a key, here and on the replicas that
+	// marked it, when an operator ends its lease or result.
+	ended func(storage.Key, []string)
 	// store is the service's store chain as a storage.Admin, nil when the
 	// store cannot administer records.
 	store storage.Admin
@@ -57,7 +57,7 @@ type AdminService struct {
 // newAdminService returns the AdminService beside svc, on its store chain,
 // checking resolutions' responses against types.
 func newAdminService(svc *Service, types *resulttype.Types) *AdminService {
-	return &AdminService{statuses: svc.statuses, limits: svc.limits, secrets: svc.secrets, waiters: svc.waiters,
+	return &AdminService{statuses: svc.statuses, limits: svc.limits, secrets: svc.secrets, ended: svc.ended,
 		store: svc.store.Admin(), m: svc.metrics, types: types}
 }
 
@@ -107,7 +107,7 @@ func (a *AdminService) InvalidateRecord(ctx context.Context, req *idemregv1.Inva
 	if err != nil {
 		return nil, a.toStatus(ctx, "InvalidateRecord", k, err)
 	}
-	a.waiters.Notify(k) // the lease ended: a waiter takes over
+	a.ended(k, got.Waiters) // the lease ended: a waiter takes over
 	rec, err := toRecord(got, true)
 	if err != nil {
 		return nil, a.toStatus(ctx, "InvalidateRecord", k, err)
@@ -153,7 +153,7 @@ func (a *AdminService) ResolveRecord(ctx context.Context, req *idemregv1.Resolve
 		return nil, a.toStatus(ctx, "ResolveRecord", p.Key, err)
 	}
 	// Released, a waiter takes over; completed, it replays the result.
-	a.waiters.Notify(p.Key)
+	a.ended(p.Key, got.Waiters)
 	rec, err := toRecord(got, true)
 	if err != nil {
 		return nil, a.toStatus(ctx, "ResolveRecord", p.Key, err)

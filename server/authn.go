@@ -14,6 +14,7 @@ import (
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/internal/peers"
 	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/server/policy"
 )
@@ -55,6 +56,9 @@ func IdentityFrom(ctx context.Context) (*access.Identity, bool) {
 // reads no record (DisableReflection turns it off).
 func public(_ context.Context, c interceptors.CallMeta) bool {
 	return c.Service == healthpb.Health_ServiceDesc.ServiceName ||
+		// authenticated by its own seal, under the store's claim key
+		// (server/internal/peers): replicas hold no caller credentials
+		c.Service == peers.ServiceName ||
 		strings.HasPrefix(c.Service, "grpc.reflection.")
 }
 

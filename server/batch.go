@@ -186,7 +186,7 @@ func (s *Service) BatchComplete(ctx context.Context, req *idemregv1.BatchComplet
 			continue
 		}
 		s.quotas.Completed(p)
-		s.waiters.Notify(p.Key)
+		s.ended(p.Key, a.Record.Waiters)
 		rec, err := toRecord(a.Record, true)
 		if err != nil {
 			fail(i, s.toStatus(ctx, "BatchComplete", p.Key, err))

@@ -46,6 +46,7 @@ const (
 	MetricWaitDuration  = "idemreg.wait.duration"
 	MetricWaitsRefused  = "idemreg.waits.refused"
 	MetricParkedRecords = "idemreg.parked_records"
+	MetricPeerWakes     = "idemreg.peer.wakes"
 )
 
 // How a waiting Claim ended, the values of the "ended" attribute of
@@ -78,6 +79,7 @@ const (
 type metrics struct {
 	rateLimited, denied, adminActions, boundRefused metric.Int64Counter
 	waits, waitsRefused, logSampled                 metric.Int64Counter
+	peerWakes                                       metric.Int64Counter
 	waitDuration                                    metric.Float64Histogram
 	connections                                     metric.Int64ObservableUpDownCounter
 	parkedRecords                                   metric.Int64ObservableGauge
@@ -101,6 +103,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
 	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, parked, elapsed, canceled, full, drained, error).")
 	counter(&out.waitsRefused, MetricWaitsRefused, "{claim}", "Claims with a wait answered at once, key in progress, because the replica had --max-waiters waiting (bound=server) or the caller's identity had its share of them (bound=identity, with identity).")
+	counter(&out.peerWakes, MetricPeerWakes, "{key}", "Keys whose end this replica told another replica with a Claim waiting for it, by result (sent, failed, dropped, not_live); all but sent leave the waiters to their re-check.")
 	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams or pending_calls (TOO_MANY_STREAMS), or identity_calls (TOO_MANY_CALLS).")
 	var err error
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),

@@ -86,7 +86,7 @@ func (s *Server) newMembers(lis net.Addr) *membership.Members {
 	}
 	r := s.cfg.Replica
 	return membership.New(ms, membership.Config{
-		ID: cmp.Or(r.ID, membership.NewID()), Address: cmp.Or(r.AdvertiseAddress, advertiseAddress(lis)),
+		ID: r.ID, Address: cmp.Or(r.AdvertiseAddress, advertiseAddress(lis)),
 		Interval: r.HeartbeatInterval, LiveFor: r.MemberLiveFor, Logger: s.cfg.Logger,
 	})
 }

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -24,6 +25,7 @@ import (
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/internal/membership"
+	"github.com/idemreg/idemreg/server/internal/peers"
 	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
@@ -73,6 +75,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("server: %w", err)
 	}
 	cfg.setDefaults()
+	cfg.Replica.ID = cmp.Or(cfg.Replica.ID, membership.NewID())
 	if cfg.File == nil {
 		static := &configfile.Config{Access: cfg.Access, Policy: cfg.Policy}
 		if static.Access == nil {
@@ -174,6 +177,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	}
 	h.SetServingStatus(LivenessService, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(r, h)
+	peers.Register(r, peers.NewReceiver(cfg.Replica.ID, peerKeys{svc.secrets}, svc.waiters.Notify))
 	if !cfg.DisableReflection {
 		reflection.Register(r)
 	}
@@ -211,6 +215,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	loops.Go(func() { s.svc.memory.run(ctx) })
 	if m := s.newMembers(lis.Addr()); m != nil {
 		s.members.Store(m)
+		s.link(ctx, m)
 		loops.Go(func() { m.Run(ctx) })
 	}
 

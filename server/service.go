@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/metric/noop"
@@ -40,6 +41,8 @@ type Service struct {
 	// memory refuses Claims while the heap is near its limit (memory.go).
 	memory  *memoryGuard
 	metrics *metrics
+	// replicas are this replica's peers, set by Serve (peers.go).
+	replicas atomic.Pointer[replicaLink]
 }
 
 // NewService returns the registry service on store, wrapped in the chain
@@ -181,12 +184,17 @@ func (s *Service) Complete(ctx context.Context, req *idemregv1.CompleteRequest) 
 	if err != nil {
 		return nil, err
 	}
-	rec, err := s.fenced(ctx, "Complete", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) { return s.store.Complete(ctx, p) })
+	var waiters []string
+	rec, err := s.fenced(ctx, "Complete", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) {
+		got, err := s.store.Complete(ctx, p)
+		waiters = got.Waiters
+		return got, err
+	})
 	if err != nil {
 		return nil, err
 	}
 	s.quotas.Completed(p)
-	s.waiters.Notify(p.Key)
+	s.ended(p.Key, waiters)
 	return &idemregv1.CompleteResponse{Record: rec}, nil
 }
 
@@ -196,11 +204,16 @@ func (s *Service) Release(ctx context.Context, req *idemregv1.ReleaseRequest) (*
 	if err != nil {
 		return nil, err
 	}
-	rec, err := s.fenced(ctx, "Release", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) { return s.store.Release(ctx, p) })
+	var waiters []string
+	rec, err := s.fenced(ctx, "Release", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) {
+		got, err := s.store.Release(ctx, p)
+		waiters = got.Waiters
+		return got, err
+	})
 	if err != nil {
 		return nil, err
 	}
-	s.waiters.Notify(p.Key)
+	s.ended(p.Key, waiters)
 	return &idemregv1.ReleaseResponse{Record: rec}, nil
 }
 
@@ -232,12 +245,17 @@ func (s *Service) Park(ctx context.Context, req *idemregv1.ParkRequest) (*idemre
 	if err != nil {
 		return nil, err
 	}
-	rec, err := s.fenced(ctx, "Park", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) { return s.store.Park(ctx, p) })
+	var waiters []string
+	rec, err := s.fenced(ctx, "Park", p.Key, p.Token, req.GetClaimSecret(), func() (storage.Record, error) {
+		got, err := s.store.Park(ctx, p)
+		waiters = got.Waiters
+		return got, err
+	})
 	if err != nil {
 		return nil, err
 	}
 	// Claims waiting for the key answer OUTCOME_PARKED now.
-	s.waiters.Notify(p.Key)
+	s.ended(p.Key, waiters)
 	return &idemregv1.ParkResponse{Record: rec}, nil
 }
 

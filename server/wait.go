@@ -81,7 +81,7 @@ func (s *Service) decide(p storage.ClaimParams, r *quota.Reservation) func(conte
 // waitingClaim is a Claim of p that may wait up to wait.
 func (s *Service) waitingClaim(ctx context.Context, p storage.ClaimParams, wait time.Duration, r *quota.Reservation) waiting.Claim {
 	return waiting.Claim{Key: p.Key, Share: waitShare(ctx), End: waitEnd(ctx, wait), Recheck: s.recheck,
-		Decide: s.decide(p, r), Lookup: s.store.Lookup}
+		Decide: s.decide(p, r), Lookup: s.store.Lookup, Mark: s.markFor(p.Key)}
 }
 
 // waited records how a wait that began at start went.

@@ -42,9 +42,9 @@ type Store struct {
 }
 
 var (
-	_ storage.Store   = (*Store)(nil)
-	_ storage.Sweeper = (*Store)(nil)
-	_ storage.Batcher = (*Store)(nil)
+	_ storage.Store      = (*Store)(nil)
+	_ storage.Sweeper    = (*Store)(nil)
+	_ storage.Batcher    = (*Store)(nil)
 	_ storage.WaitMarker = (*Store)(nil)
 )
 

@@ -286,6 +286,26 @@ func (c *Secrets) Sealer(ctx context.Context, gen int64) (cipher.AEAD, error) {
 	return nil, nil
 }
 
+// Generation is the key of generation gen, false when the server
+// accepts no such generation, also after re-reading the keys (at most once
+// per interval, as for a secret). Errors: the store's when the keys cannot
+// be read at all.
+func (c *Secrets) Generation(ctx context.Context, gen int64) (Key, bool, error) {
+	v, err := c.load(ctx)
+	if err != nil {
+		return Key{}, false, err
+	}
+	if k, ok := v.byGeneration(gen, c.now()); ok {
+		return k, true, nil
+	}
+	if nv, ok := c.reread(ctx); ok {
+		if k, ok := nv.byGeneration(gen, c.now()); ok {
+			return k, true, nil
+		}
+	}
+	return Key{}, false, nil
+}
+
 func (v *keyView) verifies(k storage.Key, token int64, got []byte, now time.Time) bool {
 	for _, key := range v.keys {
 		if key.Accepted(now) && hmac.Equal(Derive(key.Key, k, token), got) {

@@ -114,7 +114,9 @@ func (m *Members) Run(ctx context.Context) {
 // Interval).
 func (m *Members) Beat(ctx context.Context) {
 	defer m.readyOnce.Do(func() { close(m.ready) })
-	ctx, cancel := context.WithTimeout(ctx, m.cfg.Interval)
+	// Up to LiveFor: a beat slower than the interval still keeps the row
+	// live, and the ticker skips the beats it overran.
+	ctx, cancel := context.WithTimeout(ctx, m.cfg.LiveFor)
 	defer cancel()
 	err := m.store.Heartbeat(ctx, storage.HeartbeatParams{ID: m.cfg.ID, Address: m.cfg.Address, RemoveAfter: m.cfg.RemoveAfter})
 	if err != nil {

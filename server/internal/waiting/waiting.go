@@ -9,9 +9,15 @@
 //     through this replica (Hub.Notify), at once;
 //   - the holder's lease running out (the Claim's RetryAfter), without
 //     anyone writing;
-//   - a re-check every Claim.Recheck, for changes made
-//     through other replicas: a Lookup, and a Claim when the Lookup shows
-//     the record completed, released or gone;
+//   - a change through another replica that tells this one (Hub.Notify
+//     from server/internal/peers), at once: a waiting Claim marks the
+//     record with its replica (Claim.Mark) before it sleeps, and the
+//     statement that ends the attempt returns the marks to the replica
+//     that ran it;
+//   - a re-check every Claim.Recheck, for changes made through other
+//     replicas that did not tell (unreachable, or a store without marks):
+//     a Lookup, and a Claim when the Lookup shows the record completed,
+//     released or gone;
 //   - the wait, or the request's deadline less a margin, running out: the
 //     answer is then OUTCOME_IN_PROGRESS as without waiting.
 //
@@ -82,6 +88,10 @@ type Hub struct {
 type waitKey struct {
 	changed chan struct{} // closed by Notify
 	refs    int
+	// marked is the token whose attempt this replica has marked the
+	// record for (Claim.Mark), so that the waiters on one key mark it
+	// once between two Notifies; 0 when none has.
+	marked atomic.Int64
 }
 
 // NewHub keeps at most maxWaiters, and perIdentity of each identity when
@@ -166,7 +176,18 @@ type Claim struct {
 	Decide func(ctx context.Context) (storage.ClaimResult, error)
 	// Lookup reads the record, for the re-checks.
 	Lookup func(ctx context.Context, k storage.Key) (storage.Record, error)
+	// Mark, when set, marks the record for this replica while the attempt
+	// of token is in progress (storage.WaitMarker), so that a replica that
+	// ends it tells this one; false when the attempt has ended (decide
+	// again at once). Nil on a store that keeps no marks: changes through
+	// other replicas are then noticed by the re-checks alone.
+	Mark func(ctx context.Context, token int64) (bool, error)
 }
+
+// maxUnmarked bounds the decisions in a row that a refused mark sends
+// back at once (the mark's view and the decision's may differ by a clock
+// tick): the next one sleeps, and the re-checks take over.
+const maxUnmarked = 2
 
 // Outcome is how a wait went: Ended is empty when the first decision
 // needed no wait, Refused the bound that kept the Claim from waiting.
@@ -203,7 +224,10 @@ func (h *Hub) Claim(ctx context.Context, c Claim) (storage.ClaimResult, error, O
 // (c.Decide, registered anew before each) as reasons come, until the key
 // is no longer in progress or the wait ends.
 func (h *Hub) Wait(ctx context.Context, c Claim, j Joined, res storage.ClaimResult, err error) (storage.ClaimResult, error, Outcome) {
-	var o Outcome
+	var (
+		o        Outcome
+		unmarked int
+	)
 	for round := 0; ; round++ {
 		if round > 0 {
 			j = h.Join(c)
@@ -233,6 +257,11 @@ func (h *Hub) Wait(ctx context.Context, c Claim, j Joined, res storage.ClaimResu
 			}
 			return res, err, o
 		}
+		if !h.mark(ctx, c, j.w, res.Record.Token) && unmarked < maxUnmarked {
+			unmarked++
+			h.leave(c.Key, j.w, c.Share)
+			continue // the attempt ended after the decision: decide again
+		}
 		decided := time.Now()
 		o.Ended = h.sleep(ctx, c, j.w, res)
 		h.leave(c.Key, j.w, c.Share)
@@ -241,6 +270,23 @@ func (h *Hub) Wait(ctx context.Context, c Claim, j Joined, res storage.ClaimResu
 			return res, err, o
 		}
 	}
+}
+
+// mark marks the record of c for the attempt of token, once per waitKey,
+// and reports false only when the store says the attempt has ended. A
+// failed mark is no reason to decide again: the re-checks cover it.
+func (h *Hub) mark(ctx context.Context, c Claim, w *waitKey, token int64) bool {
+	if c.Mark == nil || w.marked.Load() == token {
+		return true
+	}
+	ok, err := c.Mark(ctx, token)
+	if err != nil {
+		return true
+	}
+	if ok {
+		w.marked.Store(token)
+	}
+	return ok
 }
 
 // sleep waits on w until a reason to decide again (it returns "") or the

@@ -151,3 +151,66 @@ func TestAnsweredAtOnce(t *testing.T) {
 	}
 	assert.Zero(t, h.Waiting())
 }
+
+// TestMarkOncePerKey: many waiters on one key of this replica mark the
+// record once, for the token they decided on.
+func TestMarkOncePerKey(t *testing.T) {
+	s := open(t)
+	h := waiting.NewHub(100, 100)
+	token := held(t, s, "k")
+	var (
+		mu    sync.Mutex
+		marks []int64
+	)
+	const n = 10
+	done := make(chan waiting.Outcome, n)
+	for i := range n {
+		if i == 1 { // the first is asleep, so it has marked
+			require.Eventually(t, func() bool { return h.Waiting() == 1 }, 10*time.Second, time.Millisecond)
+		}
+		c := claimOf(s, "k", "", time.Minute)
+		c.Mark = func(_ context.Context, tok int64) (bool, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			marks = append(marks, tok)
+			return true, nil
+		}
+		go func() {
+			_, err, o := h.Claim(context.Background(), c)
+			assert.NoError(t, err)
+			done <- o
+		}()
+	}
+	require.Eventually(t, func() bool { return h.Waiting() == n }, 10*time.Second, time.Millisecond)
+	_, err := s.Complete(context.Background(), storage.CompleteParams{Key: params("k").Key, Token: token, Result: []byte("r")})
+	require.NoError(t, err)
+	h.Notify(params("k").Key)
+	for range n {
+		require.Equal(t, waiting.Completed, (<-done).Ended)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, []int64{token}, marks, "the waiters after the first find the key marked")
+}
+
+// TestRefusedMarkDecidesAgain: a mark refused because the attempt ended
+// between the decision and the mark (the Complete came through another
+// replica, which could not see the mark) sends the Claim to decide again
+// at once, not to sleep until a re-check.
+func TestRefusedMarkDecidesAgain(t *testing.T) {
+	s := open(t)
+	h := waiting.NewHub(100, 100)
+	token := held(t, s, "k")
+	c := claimOf(s, "k", "", time.Minute)
+	c.Mark = func(ctx context.Context, tok int64) (bool, error) {
+		// The holder completes just after the decision, before the mark.
+		_, err := s.Complete(ctx, storage.CompleteParams{Key: params("k").Key, Token: tok, Result: []byte("r")})
+		require.NoError(t, err)
+		return false, nil
+	}
+	res, err, o := h.Claim(context.Background(), c)
+	require.NoError(t, err)
+	require.Equal(t, storage.OutcomeCompleted, res.Outcome)
+	require.Equal(t, waiting.Completed, o.Ended)
+	require.NotZero(t, token)
+}
