@@ -18,7 +18,9 @@ type ring struct {
 	keys    map[int64][]byte
 }
 
-func (r ring) Current(context.Context) (int64, []byte, error) { return r.current, r.keys[r.current], nil }
+func (r ring) Current(context.Context) (int64, []byte, error) {
+	return r.current, r.keys[r.current], nil
+}
 
 func (r ring) Generation(_ context.Context, gen int64) ([]byte, bool, error) {
 	k, ok := r.keys[gen]
