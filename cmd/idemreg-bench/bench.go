@@ -52,6 +52,10 @@ type benchConfig struct {
 	// WaiterPairs, the holder/waiter pairs at a time.
 	Waiters, WaiterPairs int
 	WaiterSettle         time.Duration
+	// WaiterRecheck is the spawned servers' --wait-recheck in the waiter
+	// measurement: long, so that only being told explains a fast wake
+	// across replicas.
+	WaiterRecheck time.Duration
 }
 
 const benchUsage = `idemreg-bench drives the registry and hand-written baselines with the same
@@ -201,6 +205,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.IntVar(&cfg.ClientInFlight, "client-in-flight", 0, "the Go client's Batching.MaxInFlight for the idemreg and idemreg-embedded targets (0: the client's default)")
 	fs.IntVar(&cfg.Waiters, "waiters", 0, "after the runs, measure this many woken waiters per server target and replica case (0: none)")
 	fs.IntVar(&cfg.WaiterPairs, "waiter-pairs", 8, "holder/waiter pairs at a time in the waiter measurement")
+	fs.DurationVar(&cfg.WaiterRecheck, "waiter-recheck", 10*time.Second, "the spawned servers' --wait-recheck in the waiter measurement: long, so that a waiter across replicas woken fast was told by the replica that completed its key")
 	fs.DurationVar(&cfg.WaiterSettle, "waiter-settle", 50*time.Millisecond, "how long a holder lets its waiter's Claim start waiting before it completes; a waiter that arrives later counts as woken at once")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err

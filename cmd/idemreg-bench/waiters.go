@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"slices"
 	"time"
 
 	"github.com/idemreg/idemreg/cmd/idemreg-bench/internal/bench"
@@ -22,7 +23,9 @@ type waiterReport struct {
 // benchWaiters measures woken waiters (--waiters) for each server target
 // that is not a -batch one: through the server the holder completes on,
 // and, for idemreg on --database-url, through a second server on the same
-// database, which learns of the Complete only by its re-check.
+// database (replica "other"), which the first tells of the Complete
+// (server/internal/peers); the servers re-check only every
+// --waiter-recheck, so that a fast wake is the telling's.
 func benchWaiters(ctx context.Context, cfg benchConfig, stdout, stderr io.Writer) ([]waiterReport, error) {
 	if cfg.Waiters == 0 {
 		return nil, nil
@@ -52,7 +55,8 @@ func benchWaiters(ctx context.Context, cfg benchConfig, stdout, stderr io.Writer
 		}
 	}
 	if len(out) > 0 {
-		fmt.Fprintf(stdout, "(a waiter through another replica notices the Complete by its re-check, every %s unless the server's --wait-recheck says otherwise)\n", server.DefaultWaitRecheck)
+		fmt.Fprintf(stdout, "(the servers ran with --wait-recheck %s: a waiter through another replica woken sooner was told by the replica the Complete went through; the default re-check is %s)\n",
+			cfg.WaiterRecheck, server.DefaultWaitRecheck)
 	}
 	return out, nil
 }
@@ -66,6 +70,7 @@ func waitersOnce(ctx context.Context, cfg benchConfig, bt benchTarget, replica s
 		if replica == "other" {
 			n = 2
 		}
+		bt.ServerArgs = append(slices.Clone(bt.ServerArgs), "--wait-recheck", cfg.WaiterRecheck.String())
 		for range n {
 			srv, err := spawnServer(ctx, cfg, bt, stderr)
 			if err != nil {
@@ -73,6 +78,12 @@ func waitersOnce(ctx context.Context, cfg benchConfig, bt benchTarget, replica s
 			}
 			defer srv.stop()
 			addrs = append(addrs, srv.addr)
+		}
+		if n > 1 {
+			// Let each read the other's heartbeat (every
+			// server.DefaultHeartbeat): a replica tells only the live
+			// members it knows of.
+			time.Sleep(2*server.DefaultHeartbeat + server.DefaultHeartbeat/2)
 		}
 	}
 	holder, err := bench.NewRegistry(addrs[0], "bench.waiters")

@@ -40,8 +40,9 @@ import (
 	"sync"
 	"time"
 
-	"connectrpc.com/vanguard/vanguardgrpc"
+	"connectrpc.com/vanguard"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/encoding"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 )
@@ -323,13 +324,31 @@ func apiPath(p string) bool {
 	return ok && strings.HasPrefix(p, "/") && strings.Contains(svc, ".") && method != "" && !strings.Contains(method, "/")
 }
 
+// transcoder is vanguardgrpc.NewTranscoder without the internal services
+// (idemreg.internal.*: the replicas' own RPC, which has no descriptor to
+// transcode and is no API).
+func transcoder(g *grpc.Server) (*vanguard.Transcoder, error) {
+	codecs := []string{vanguard.CodecProto}
+	if encoding.GetCodec(vanguard.CodecJSON) != nil {
+		codecs = append(codecs, vanguard.CodecJSON)
+	}
+	var services []*vanguard.Service
+	for name := range g.GetServiceInfo() {
+		if !strings.HasPrefix(name, "idemreg.internal.") {
+			services = append(services, vanguard.NewService(name, g))
+		}
+	}
+	return vanguard.NewTranscoder(services, vanguard.WithDefaultServiceOptions(
+		vanguard.WithTargetCodecs(codecs...), vanguard.WithTargetProtocols(vanguard.ProtocolGRPC)))
+}
+
 // ServeAPI serves the HTTP API (Connect, gRPC-Web, HTTP/JSON) of g on
 // lis under the HTTP listeners' bounds, until stop is called; over TLS
 // with tlsCfg's certificates and client CA (negotiating http/1.1) when it
 // is not nil, so that a client certificate is the same identity as on
 // gRPC.
 func ServeAPI(g *grpc.Server, lis net.Listener, tlsCfg *tls.Config, origins []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
-	h, err := vanguardgrpc.NewTranscoder(g)
+	h, err := transcoder(g)
 	if err != nil {
 		return nil, err
 	}
