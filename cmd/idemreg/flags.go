@@ -26,6 +26,7 @@ var serveFlagGroups = []struct {
 	{"Request limits", []string{"request-timeout", "max-request-timeout", "max-in-flight", "max-in-flight-per-identity",
 		"max-calls-per-identity", "max-quota-consumers-per-identity", "quota-refresh", "stream-workers"}},
 	{"Waiting Claims", []string{"max-waiters", "max-waiters-per-identity", "wait-recheck"}},
+	{"Replicas (membership, waits across replicas)", []string{"advertise-address", "heartbeat-interval", "member-live-for"}},
 	{"Connections", []string{"max-connections", "max-concurrent-streams", "max-pending-calls", "max-public-streams",
 		"max-header-list-size", "connection-timeout", "max-connection-age", "max-connection-idle"}},
 	{"Retention sweeper", []string{"sweep-interval", "sweep-batch-size", "sweep-batch-timeout"}},

@@ -71,6 +71,8 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"readiness ratio above one", []string{"--readiness-max-failure-ratio", "2"}, "failure ratio must be in (0, 1]"},
 		{"no waiters", []string{"--max-waiters", "0"}, "--max-waiters must be positive"},
 		{"re-check too slow", []string{"--wait-recheck", "1m"}, "--wait-recheck must be between"},
+		{"members dead before their next heartbeat", []string{"--heartbeat-interval", "2s", "--member-live-for", "1s"}, "--member-live-for must be more than the heartbeat interval"},
+		{"advertise address without a port", []string{"--advertise-address", "10.0.0.1"}, "--advertise-address must be host:port"},
 		{"quota refresh too often", []string{"--quota-refresh", "10ms"}, "--quota-refresh must be at least 1s"},
 		{"parked count too often", []string{"--parked-count-interval", "10ms"}, "--parked-count-interval must be at least 1s"},
 		{"identity share above the server's", []string{"--max-in-flight", "8", "--max-in-flight-per-identity", "9"}, "--max-in-flight-per-identity must be between 0"},
