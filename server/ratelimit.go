@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"time"
 
@@ -49,10 +50,12 @@ func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerI
 // consumer's, or answers RATE_LIMITED.
 func (s *Server) allow(ctx context.Context, consumer string) error {
 	set := s.accessFor(ctx)
+	replicas := s.replicas()
 	name := ""
 	if id, ok := IdentityFrom(ctx); ok {
 		name = id.Name
 		if l, limited := set.IdentityRateLimit(name); limited && id != access.Anonymous {
+			l = l.Share(replicas)
 			if ok, wait := s.limiter.Allow("identity:"+name, l); !ok {
 				s.metrics.rateLimited.Add(ctx, 1, identityAttr(name))
 				return rateLimited("identity "+quote(reason.Echo(name))+" is over its rate limit of "+l.String(),
@@ -64,6 +67,7 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 	if !limited {
 		return nil
 	}
+	l = l.Share(replicas)
 	if ok, wait := s.limiter.Allow("consumer:"+consumer, l); !ok {
 		s.metrics.rateLimited.Add(ctx, 1, identityAttr(name))
 		return rateLimited("consumer "+quote(reason.Echo(consumer))+" is over its rate limit of "+l.String(),
@@ -72,7 +76,19 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 	return nil
 }
 
+// replicas is the number of live replicas sharing the limits
+// (Config.Replicas), at least 1.
+func (s *Server) replicas() int {
+	if s.cfg.Replicas == nil {
+		return 1
+	}
+	return max(s.cfg.Replicas(), 1)
+}
+
 func rateLimited(msg, subject string, l access.Limit, wait time.Duration, meta map[string]string) error {
+	if l.Replicas > 1 {
+		meta["replicas"] = strconv.Itoa(l.Replicas)
+	}
 	return reason.Status(idemregv1.ErrorReason_ERROR_REASON_RATE_LIMITED, msg, meta,
 		&errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{Subject: subject, Description: l.String()}}},
 		reason.RetryInfo(wait))

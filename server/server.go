@@ -118,6 +118,9 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		// The backend counts: the gauge's count is not a request's store call.
 		parked: newParkedCounts(store, cfg.Logger),
 	}
+	if cfg.Replicas != nil {
+		svc.quotas.ShareWith(cfg.Replicas)
+	}
 	if cfg.RefusalLogRate > 0 {
 		s.accessLog.refusals = newRefusalSampler(cfg.RefusalLogRate)
 	}

@@ -103,6 +103,12 @@ func (s statuses) toStatus(ctx context.Context, method string, k storage.Key, er
 			violations = append(violations, &errdetails.QuotaFailure_Violation{Subject: "consumer:" + exceeded.Consumer, Description: d})
 			what = append(what, d)
 		}
+		if exceeded.Replicas > 1 {
+			// The share of what was left at the last count: another
+			// replica may still admit, and the next count may too.
+			meta["replicas"] = strconv.FormatInt(exceeded.Replicas, 10)
+			what = append(what, fmt.Sprintf("this replica has admitted its share (1/%d of what was left at the last count) of the %d live replicas'", exceeded.Replicas, exceeded.Replicas))
+		}
 		return reason.Status(r,
 			fmt.Sprintf("consumer %q is at its quota: %s; new keys are refused until its records expire, Claims of its live keys still work",
 				exceeded.Consumer, strings.Join(what, "; ")), meta,

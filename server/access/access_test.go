@@ -263,3 +263,35 @@ identities:
 		})
 	}
 }
+
+// TestLimiterShare: a limit shared by n live replicas fills each replica's
+// bucket at 1/n of its rate, with 1/n of its burst (at least one), and a
+// change of n (a replica joining or leaving) applies at once.
+func TestLimiterShare(t *testing.T) {
+	now := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	lim := access.NewLimiter(func() time.Time { return now })
+	l := access.Limit{Rate: 30, Burst: 7, Pattern: "a.*"}
+
+	allowed := func(l access.Limit, d time.Duration) int {
+		n := 0
+		for end := now.Add(d); now.Before(end); now = now.Add(time.Millisecond) {
+			if ok, _ := lim.Allow("a.x", l); ok {
+				n++
+			}
+		}
+		return n
+	}
+	// A bucket's burst, then 10 a second: 3 + 99 in [0, 10 s).
+	require.Equal(t, 3+99, allowed(l.Share(3), 10*time.Second))
+	require.Contains(t, l.Share(3).String(), "one of 3 live replicas, this one allows 10 per second, burst 3")
+	require.Equal(t, l, l.Share(1), "one replica takes the whole limit")
+	require.Equal(t, l.String(), l.Share(1).String())
+
+	// A replica leaves: the two left take half each, from now on.
+	require.InDelta(t, 149, allowed(l.Share(2), 10*time.Second), 1)
+	// A share never rounds the burst to nothing.
+	_, _ = lim.Allow("b", access.Limit{Rate: 1, Burst: 1}.Share(8))
+	ok, wait := lim.Allow("b", access.Limit{Rate: 1, Burst: 1}.Share(8))
+	require.False(t, ok)
+	require.Equal(t, 8*time.Second, wait)
+}

@@ -26,19 +26,52 @@ type Limit struct {
 	Of string
 	// Default is set on DefaultIdentityLimit, which no rule wrote.
 	Default bool
+	// Replicas is how many live replicas share the limit: a Limit of the
+	// config file is the service's, and each replica's bucket takes
+	// 1/Replicas of it (Share). Zero or one: the whole limit.
+	Replicas int
+}
+
+// Share is l as one of n live replicas applies it: each replica's bucket
+// fills at Rate/n and holds Burst/n (rounded up, at least 1), so that a
+// caller spreading its calls over the replicas gets the service's rate,
+// and one that sends every call to one replica gets 1/n of it. n below 2
+// leaves l whole.
+func (l Limit) Share(n int) Limit {
+	if n < 2 {
+		n = 0
+	}
+	l.Replicas = n
+	return l
+}
+
+// bucket is the rate and burst of this replica's bucket under l.
+func (l Limit) bucket() (rate.Limit, int) {
+	n := max(l.Replicas, 1)
+	return rate.Limit(l.Rate / float64(n)), max(1, (l.Burst+n-1)/n)
 }
 
 // String describes l for an error message.
 func (l Limit) String() string {
 	rate := strconv.FormatFloat(l.Rate, 'f', -1, 64)
 	if l.Default {
-		return fmt.Sprintf("%s requests per second, burst %d (the default of each identity; a rate_limits rule of identities replaces it)", rate, l.Burst)
+		return fmt.Sprintf("%s requests per second, burst %d (the default of each identity; a rate_limits rule of identities replaces it)%s", rate, l.Burst, l.shared())
 	}
 	of := ""
 	if l.Of != "" {
 		of = l.Of + " "
 	}
-	return fmt.Sprintf("%s requests per second, burst %d (rate_limits %s%q)", rate, l.Burst, of, l.Pattern)
+	return fmt.Sprintf("%s requests per second, burst %d (rate_limits %s%q)%s", rate, l.Burst, of, l.Pattern, l.shared())
+}
+
+// shared says how a limit shared by replicas is split, for String.
+func (l Limit) shared() string {
+	if l.Replicas < 2 {
+		return ""
+	}
+	r, b := l.bucket()
+	return fmt.Sprintf("; one of %d live replicas, this one allows %s per second, burst %d",
+		l.Replicas, strconv.FormatFloat(float64(r), 'g', 4, 64), b)
 }
 
 // DefaultIdentityLimit is the rate limit of each identity of a Set that
@@ -206,11 +239,13 @@ func (lim *Limiter) Allow(key string, l Limit) (ok bool, wait time.Duration) {
 	b := lim.buckets[key]
 	switch {
 	case b == nil:
-		b = &bucket{lim: rate.NewLimiter(rate.Limit(l.Rate), l.Burst), limit: l}
+		r, burst := l.bucket()
+		b = &bucket{lim: rate.NewLimiter(r, burst), limit: l}
 		lim.buckets[key] = b
 	case b.limit != l:
-		b.lim.SetLimitAt(now, rate.Limit(l.Rate))
-		b.lim.SetBurstAt(now, l.Burst)
+		r, burst := l.bucket()
+		b.lim.SetLimitAt(now, r)
+		b.lim.SetBurstAt(now, burst)
 		b.limit = l
 	}
 	b.last = now
@@ -234,7 +269,8 @@ func (lim *Limiter) Allow(key string, l Limit) (ok bool, wait time.Duration) {
 func (lim *Limiter) prune(now time.Time) {
 	lim.lastPrune = now
 	for c, b := range lim.buckets {
-		refill := time.Duration(math.Ceil(float64(b.limit.Burst) / b.limit.Rate * float64(time.Second)))
+		r, burst := b.limit.bucket()
+		refill := time.Duration(math.Ceil(float64(burst) / float64(r) * float64(time.Second)))
 		if now.Sub(b.last) > refill {
 			delete(lim.buckets, c)
 		}

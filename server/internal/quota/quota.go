@@ -97,6 +97,9 @@ type Quotas struct {
 	followed sync.Map // identity name → *atomic.Int64
 	// epoch counts the periodic refreshes: the clock of idleness.
 	epoch atomic.Int64
+	// replicas counts the live replicas sharing the quotas (ShareWith);
+	// nil is one.
+	replicas func() int
 	// wake asks the loop to count the consumers of fresh now: they were
 	// seen first. Nil in tests that refresh by hand (a send to it never
 	// happens).
@@ -123,6 +126,10 @@ type usage struct {
 	owner                    string
 	baseRecords, baseBytes   atomic.Int64
 	addedRecords, addedBytes atomic.Int64
+	// countedRecords and countedBytes are what this replica had added when
+	// the last count began (zero before the first): what it added since is
+	// added less these, the part of its usage a share of the quota bounds.
+	countedRecords, countedBytes atomic.Int64
 	// seen is the epoch of the last Claim admitted.
 	seen atomic.Int64
 	// uncounted is set until the first Claim that saw the consumer asked
@@ -139,6 +146,19 @@ type usage struct {
 func (u *usage) records() int64 { return u.baseRecords.Load() + u.addedRecords.Load() }
 func (u *usage) bytes() int64   { return u.baseBytes.Load() + u.addedBytes.Load() }
 
+// shared is what this replica counts against a quota when n live replicas
+// share the consumer: the store's last count, plus n times what it added
+// (and reserved) since. Each replica may so add at most 1/n of what the
+// quota had left at the count, and the n together at most all of it,
+// whichever replicas a caller's Claims reach. With n = 1 it is records()
+// plus reserved (bytes alike). u.mu is held.
+func (u *usage) shared(n int64) (records, bytes int64) {
+	countR, countB := u.countedRecords.Load(), u.countedBytes.Load()
+	sinceR := u.addedRecords.Load() - countR + u.reservedRecords
+	sinceB := u.addedBytes.Load() - countB + u.reservedBytes
+	return u.baseRecords.Load() + countR + n*sinceR, u.baseBytes.Load() + countB + n*sinceB
+}
+
 // Reservation is what one admitted Claim holds of its consumer's quota
 // until the store answers it: one record and the Claim's bytes, or nothing
 // for a Claim of a live key admitted at the quota.
@@ -154,6 +174,20 @@ func New(counter storage.UsageCounter, policyFor func(consumer string) policy.Po
 	return &Quotas{counter: counter, policyFor: policyFor, perIdentity: int64(perIdentity), logger: logger, wake: make(chan struct{}, 1)}
 }
 
+// ShareWith makes q take its share of each quota with the live replicas
+// that replicas counts (this one included), rather than the whole quota
+// less what it knows of the others' Claims. Call it before the first
+// Admit.
+func (q *Quotas) ShareWith(replicas func() int) { q.replicas = replicas }
+
+// live is the number of live replicas sharing the quotas, at least 1.
+func (q *Quotas) live() int64 {
+	if q.replicas == nil {
+		return 1
+	}
+	return int64(max(q.replicas(), 1))
+}
+
 // Exceeded is the refusal of a Claim of a new key for a consumer at or
 // over a quota, or for one this replica cannot follow (MaxConsumers set).
 type Exceeded struct {
@@ -166,6 +200,9 @@ type Exceeded struct {
 	// Identity already has MaxConsumers consumers followed, when set.
 	Identity     string
 	MaxConsumers int64
+	// Replicas is the number of live replicas sharing the quota, when
+	// more than one: this replica was at its share of what was left.
+	Replicas int64
 }
 
 // Reason is the reason it is answered with (server/internal/reason).
@@ -216,12 +253,17 @@ func (q *Quotas) Admit(ctx context.Context, store Lookuper, owner string, pol po
 		if epoch := q.epoch.Load(); u.seen.Load() != epoch {
 			u.seen.Store(epoch)
 		}
+		n := q.live()
 		e := &Exceeded{Consumer: p.Consumer, Source: pol.Source}
-		if r := u.records() + u.reservedRecords; pol.MaxRecords > 0 && r >= pol.MaxRecords {
-			e.MaxRecords, e.Records = pol.MaxRecords, r
+		if n > 1 {
+			e.Replicas = n
 		}
-		if b := u.bytes() + u.reservedBytes; pol.MaxBytes > 0 && b >= pol.MaxBytes {
-			e.MaxBytes, e.Bytes = pol.MaxBytes, b
+		sr, sb := u.shared(n)
+		if pol.MaxRecords > 0 && sr >= pol.MaxRecords {
+			e.MaxRecords, e.Records = pol.MaxRecords, u.records()+u.reservedRecords
+		}
+		if pol.MaxBytes > 0 && sb >= pol.MaxBytes {
+			e.MaxBytes, e.Bytes = pol.MaxBytes, u.bytes()+u.reservedBytes
 		}
 		if e.MaxRecords == 0 && e.MaxBytes == 0 {
 			r := &Reservation{u: u, records: 1, bytes: claimBytes(p)}
@@ -419,6 +461,8 @@ func (q *Quotas) count(ctx context.Context, names []string) error {
 		c := counts[name]
 		w.u.baseRecords.Store(c.Records - w.records)
 		w.u.baseBytes.Store(c.Bytes - w.bytes)
+		w.u.countedRecords.Store(w.records)
+		w.u.countedBytes.Store(w.bytes)
 	}
 	q.refreshed.Add(1)
 	return nil

@@ -125,3 +125,63 @@ func TestNoQuota(t *testing.T) {
 	_, _, ok := q.Usage("c")
 	assert.False(t, ok)
 }
+
+// TestSharedByReplicas: three replicas (three Quotas on one store) sharing
+// max_records take a third each of what is left at their last count, so
+// that Claims spread over them stop at the quota, not at three quotas;
+// Claims that all reach one replica get its third, then a third of what
+// the next count leaves.
+func TestSharedByReplicas(t *testing.T) {
+	ctx := context.Background()
+	s := open(t)
+	pol := policy.Policy{MaxRecords: 30, Source: "test"}
+	replicas := make([]*quota.Quotas, 3)
+	for i := range replicas {
+		replicas[i] = quota.New(s, func(string) policy.Policy { return pol }, 10, quiet)
+		replicas[i].WithoutWake()
+		replicas[i].ShareWith(func() int { return len(replicas) })
+	}
+
+	admitted := 0
+	for i := range 90 {
+		if claim(t, replicas[i%3], s, "id", pol, claimParams("spread", fmt.Sprint(i))) == nil {
+			admitted++
+		}
+	}
+	assert.Equal(t, 30, admitted, "spread over the replicas: the quota, not three quotas")
+
+	one := replicas[0]
+	admitted = 0
+	for i := range 30 {
+		err := claim(t, one, s, "id", pol, claimParams("one", fmt.Sprint(i)))
+		if err == nil {
+			admitted++
+			continue
+		}
+		var exceeded *quota.Exceeded
+		require.ErrorAs(t, err, &exceeded)
+		assert.EqualValues(t, 3, exceeded.Replicas)
+		assert.EqualValues(t, 10, exceeded.Records, "what the replica knows, not its share's arithmetic")
+	}
+	assert.Equal(t, 10, admitted, "one replica alone: its third of the quota")
+	require.NoError(t, one.Refresh(ctx))
+	admitted = 0
+	for i := 30; i < 60; i++ {
+		if claim(t, one, s, "id", pol, claimParams("one", fmt.Sprint(i))) == nil {
+			admitted++
+		}
+	}
+	assert.Equal(t, 7, admitted, "after a count of 10: a third of the 20 left, rounded up")
+
+	// One replica alone (the others left) takes the whole quota again.
+	solo := quota.New(s, func(string) policy.Policy { return pol }, 10, quiet)
+	solo.WithoutWake()
+	solo.ShareWith(func() int { return 1 })
+	admitted = 0
+	for i := range 40 {
+		if claim(t, solo, s, "id", pol, claimParams("solo", fmt.Sprint(i))) == nil {
+			admitted++
+		}
+	}
+	assert.Equal(t, 30, admitted)
+}
