@@ -85,12 +85,6 @@ type Config struct {
 	// quota.go): the bound on how late a replica learns of the records
 	// other replicas created.
 	QuotaRefresh time.Duration
-	// Replicas counts the live replicas that share this one's store, this
-	// one included (the store's membership): the config file's rate
-	// limits and quotas are the service's, and each replica takes 1/n of
-	// them (access.Limit.Share, quota.Quotas.ShareWith). Nil is one: the
-	// whole limit on this replica.
-	Replicas func() int
 	// MaxQuotaConsumersPerIdentity bounds the consumers with a quota one
 	// replica follows for each identity (the one whose Claim it saw
 	// first); a consumer idle for QuotaIdleRefreshes refreshes is

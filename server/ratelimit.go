@@ -76,13 +76,14 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 	return nil
 }
 
-// replicas is the number of live replicas sharing the limits
-// (Config.Replicas), at least 1.
+// replicas is the number of live replicas sharing the config file's
+// limits, this one included, as the membership last read them: 1 before
+// Serve, on a store that keeps no membership, and on the embedded store.
 func (s *Server) replicas() int {
-	if s.cfg.Replicas == nil {
-		return 1
+	if m := s.members.Load(); m != nil {
+		return m.Count()
 	}
-	return max(s.cfg.Replicas(), 1)
+	return 1
 }
 
 func rateLimited(msg, subject string, l access.Limit, wait time.Duration, meta map[string]string) error {

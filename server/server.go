@@ -118,9 +118,10 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		// The backend counts: the gauge's count is not a request's store call.
 		parked: newParkedCounts(store, cfg.Logger),
 	}
-	if cfg.Replicas != nil {
-		svc.quotas.ShareWith(cfg.Replicas)
-	}
+	// The config file's rate limits and quotas are the service's: each
+	// replica takes its share from the live members (docs/operations.md,
+	// "Limits across replicas").
+	svc.quotas.ShareWith(s.replicas)
 	if cfg.RefusalLogRate > 0 {
 		s.accessLog.refusals = newRefusalSampler(cfg.RefusalLogRate)
 	}
