@@ -234,18 +234,36 @@ func TestQuotaAcrossReplicas(t *testing.T) {
 	}
 	a, srvA := replica()
 	b, srvB := replica()
-	for _, k := range []string{"k1", "k2", "k3"} {
-		requireAcquired(t, a, "quota.a", k)
-	}
-	require.NoError(t, server.RefreshQuotas(ctx, srvA))
-	requireAcquired(t, b, "quota.a", "k4") // b has not counted yet
+	seeReplicas(t, 2, srvA, srvB)
+	// Each of the two live replicas admits half of what the quota (3) had
+	// left at its last count (none yet): A two new keys, not three.
+	requireAcquired(t, a, "quota.a", "k1")
+	requireAcquired(t, a, "quota.a", "k2")
+	_, err := a.Claim(ctx, quotaClaim("quota.a", "k3"))
+	requireQuotaExceeded(t, err, "quota.a")
+	require.Contains(t, status.Convert(err).Message(), "its share (1/2")
+	requireAcquired(t, b, "quota.a", "k3") // b has not counted yet
 	require.NoError(t, server.RefreshQuotas(ctx, srvB))
 	require.NoError(t, server.RefreshQuotas(ctx, srvA))
 	for _, c := range []idemregv1.RegistryServiceClient{a, b} {
-		_, err := c.Claim(ctx, quotaClaim("quota.a", "k5"))
+		_, err := c.Claim(ctx, quotaClaim("quota.a", "k4"))
 		v := requireQuotaExceeded(t, err, "quota.a")
-		require.Contains(t, v.GetDescription(), "4 known")
+		require.Contains(t, v.GetDescription(), "3 known")
 	}
+}
+
+// seeReplicas waits until each of srvs counts n live replicas, which is
+// what their limits are shared by.
+func seeReplicas(t *testing.T, n int, srvs ...*server.Server) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		for _, s := range srvs {
+			if len(s.Members()) != n {
+				return false
+			}
+		}
+		return true
+	}, 10*time.Second, 5*time.Millisecond)
 }
 
 // TestQuotaRefreshFailureKeepsUsage: when the store cannot count, the
