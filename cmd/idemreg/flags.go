@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"strings"
-	"time"
 
 	"github.com/idemreg/idemreg/server/policy"
 )
@@ -99,29 +98,6 @@ func printFlag(w io.Writer, f *flag.Flag) {
 	fmt.Fprint(w, b.String())
 }
 
-// durationVar binds a duration flag read by policy.ParseDuration, the
-// config file's parser: "90s", "1h30m", and days, "7d" or "1d12h".
-func durationVar(fs *flag.FlagSet, p *time.Duration, name string, value time.Duration, usage string) {
-	*p = value
-	fs.Var(durationValue{p}, name, usage)
-}
-
-type durationValue struct{ p *time.Duration }
-
-func (d durationValue) Set(s string) error {
-	v, err := policy.ParseDuration(s)
-	if err != nil {
-		return err
-	}
-	*d.p = v
-	return nil
-}
-
-func (d durationValue) String() string {
-	if d.p == nil {
-		return "0s"
-	}
-	return policy.FormatDuration(*d.p)
-}
-
-func (durationValue) Type() string { return "duration" }
+// durationVar binds a duration flag read as the config file reads one
+// ("7d" included): policy.DurationVar.
+var durationVar = policy.DurationVar

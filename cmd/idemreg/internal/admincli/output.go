@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"maps"
@@ -252,30 +251,6 @@ func (e *CallError) Error() string {
 // errOutput is the error of an --output neither format.
 var errOutput = errors.New("--output must be table or json")
 
-// durationValue is a duration flag read as the config file reads one
-// (policy.ParseDuration): "90s", "1h30m", "7d", "1d12h".
-type durationValue struct{ p *time.Duration }
-
-func durationVar(fs *flag.FlagSet, p *time.Duration, name string, value time.Duration, usage string) {
-	*p = value
-	fs.Var(durationValue{p}, name, usage)
-}
-
-func (d durationValue) Set(s string) error {
-	v, err := policy.ParseDuration(s)
-	if err != nil {
-		return err
-	}
-	*d.p = v
-	return nil
-}
-
-func (d durationValue) String() string {
-	if d.p == nil {
-		return "0s"
-	}
-	return policy.FormatDuration(*d.p)
-}
-
-// Type names the flag's type for -h.
-func (durationValue) Type() string { return "duration" }
+// durationVar binds a duration flag read as the config file reads one
+// ("7d" included): policy.DurationVar.
+var durationVar = policy.DurationVar
