@@ -47,6 +47,10 @@ const (
 	MetricWaitsRefused  = "idemreg.waits.refused"
 	MetricParkedRecords = "idemreg.parked_records"
 	MetricPeerWakes     = "idemreg.peer.wakes"
+	// MetricPeerWakesReceived counts the Wakes this replica was sent, by
+	// result (server/internal/peers: woken, stale, replayed,
+	// other_replica, unsealed).
+	MetricPeerWakesReceived = "idemreg.peer.wakes.received"
 )
 
 // How a waiting Claim ended, the values of the "ended" attribute of
@@ -79,7 +83,7 @@ const (
 type metrics struct {
 	rateLimited, denied, adminActions, boundRefused metric.Int64Counter
 	waits, waitsRefused, logSampled                 metric.Int64Counter
-	peerWakes                                       metric.Int64Counter
+	peerWakes, peerWakesReceived                    metric.Int64Counter
 	waitDuration                                    metric.Float64Histogram
 	connections                                     metric.Int64ObservableUpDownCounter
 	parkedRecords                                   metric.Int64ObservableGauge
@@ -104,6 +108,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, parked, elapsed, canceled, full, drained, error).")
 	counter(&out.waitsRefused, MetricWaitsRefused, "{claim}", "Claims with a wait answered at once, key in progress, because the replica had --max-waiters waiting (bound=server) or the caller's identity had its share of them (bound=identity, with identity).")
 	counter(&out.peerWakes, MetricPeerWakes, "{key}", "Keys whose end this replica told another replica with a Claim waiting for it, by result (sent, failed, dropped, not_live); all but sent leave the waiters to their re-check.")
+	counter(&out.peerWakesReceived, MetricPeerWakesReceived, "{call}", "Wake calls of other replicas received, by result: woken, or refused as stale (sealed outside the freshness window), replayed (a sequence already taken), unsealed; other_replica wakes nothing. A refused Wake wakes nothing.")
 	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams or pending_calls (TOO_MANY_STREAMS), or identity_calls (TOO_MANY_CALLS).")
 	var err error
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),

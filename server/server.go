@@ -181,7 +181,10 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	}
 	h.SetServingStatus(LivenessService, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(r, h)
-	peers.Register(r, peers.NewReceiver(cfg.Replica.ID, peerKeys{svc.secrets}, svc.waiters.Notify))
+	peers.Register(r, peers.NewReceiver(cfg.Replica.ID, peerKeys{svc.secrets}, svc.waiters.Notify,
+		peers.WithCount(func(result string) {
+			m.peerWakesReceived.Add(context.Background(), 1, attrs(attribute.String("result", result)))
+		})))
 	if !cfg.DisableReflection {
 		reflection.Register(r)
 	}

@@ -3,6 +3,7 @@ package peers
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
@@ -43,8 +44,11 @@ func TestWake(t *testing.T) {
 	var woken []storage.Key
 	r := NewReceiver("b", ours, func(k storage.Key) { woken = append(woken, k) })
 	k := storage.Key{Consumer: "c", Kind: storage.KindOperation, Key: "k"}
+	var seq int64
 	sealWith := func(keys Keys, to string) []byte {
-		b, err := (&sealers{keys: keys}).seal(t.Context(), message{From: "a", To: to, Keys: []wireKey{{Consumer: k.Consumer, Kind: uint8(k.Kind), Key: k.Key}}})
+		seq++
+		m := message{From: "a", To: to, Seq: time.Now().UnixNano() + seq, Keys: []wireKey{{Consumer: k.Consumer, Kind: uint8(k.Kind), Key: k.Key}}}
+		b, err := (&sealers{keys: keys}).seal(t.Context(), m)
 		require.NoError(t, err)
 		return b
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -67,6 +68,9 @@ type Sender struct {
 
 	mu    sync.Mutex
 	peers map[string]*peer // by replica ID
+
+	// seq is the last sequence sealed (next).
+	seq atomic.Int64
 }
 
 type peer struct {
@@ -191,6 +195,20 @@ func (s *Sender) run(p *peer) {
 	}
 }
 
+// next is the sequence of a message sealed now: the clock in Unix
+// nanoseconds, or one more than the last when the clock has not moved on
+// (or stepped back), so that a receiver can refuse any sequence it has
+// already taken from this sender.
+func (s *Sender) next() int64 {
+	for {
+		last := s.seq.Load()
+		n := max(time.Now().UnixNano(), last+1)
+		if s.seq.CompareAndSwap(last, n) {
+			return n
+		}
+	}
+}
+
 func (s *Sender) send(conn *grpc.ClientConn, to string, keys []storage.Key) {
 	m := message{From: s.cfg.Self, To: to, Keys: make([]wireKey, len(keys))}
 	for i, k := range keys {
@@ -198,6 +216,7 @@ func (s *Sender) send(conn *grpc.ClientConn, to string, keys []storage.Key) {
 	}
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.Timeout)
 	defer cancel()
+	m.Seq = s.next() // last, so that the time to get the key is not in the window
 	sealed, err := s.seal.seal(ctx, m)
 	if err == nil {
 		err = conn.Invoke(ctx, wakeMethod, wrapperspb.Bytes(sealed), new(emptypb.Empty))
