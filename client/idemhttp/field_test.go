@@ -2,7 +2,9 @@ package idemhttp
 
 import (
 	"bytes"
+	"encoding/hex"
 	"net/http"
+	"strings"
 	"testing"
 )
 
@@ -88,18 +90,57 @@ func FuzzParseKey(f *testing.F) {
 }
 
 func TestResponseEncoding(t *testing.T) {
-	in := storedResponse{status: 201, header: http.Header{"Content-Type": {"application/json"}, "Link": {"<a>", "<b>"}}, body: []byte(`{"id":1}`)}
+	in := storedResponse{status: 201, header: http.Header{"Content-Type": {"application/json"}, "Link": {"<a>", "<b>"}}, body: []byte(`{"id":1}`), fingerprint: []byte{1, 2, 3}}
 	out, err := decodeResponse(in.encode())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if out.status != 201 || string(out.body) != `{"id":1}` || out.header.Get("Content-Type") != "application/json" ||
-		len(out.header.Values("Link")) != 2 || out.header.Values("Link")[1] != "<b>" {
+		len(out.header.Values("Link")) != 2 || out.header.Values("Link")[1] != "<b>" || !bytes.Equal(out.fingerprint, []byte{1, 2, 3}) {
 		t.Fatalf("decoded %+v", out)
+	}
+	// A response recorded before the fingerprint was kept with it.
+	in.fingerprint = nil
+	if out, err := decodeResponse(in.encode()); err != nil || out.fingerprint != nil || out.status != 201 {
+		t.Fatalf("decoded %+v, %v", out, err)
 	}
 	for _, bad := range [][]byte{nil, {0x08}, []byte("garbage"), {0x08, 0x05}} {
 		if _, err := decodeResponse(bad); err == nil {
 			t.Errorf("decodeResponse(%x) accepted", bad)
 		}
+	}
+}
+
+// RegistryKey joins scope and key so that no two pairs share a registry
+// key, and every pair fits the registry's 256 bytes; DefaultFingerprint,
+// which shares its hash, is unchanged by it (records stored before compare
+// equal).
+func TestRegistryKey(t *testing.T) {
+	pairs := [][2]string{
+		{"alice:x", "K"}, {"alice", "x:K"}, {"alice", ":x:K"}, {"", "alice:x:K"}, {"alice:x:K", ""},
+		{"a", "b"}, {"ab", ""}, {"", "ab"}, {strings.Repeat("s", 4096), strings.Repeat("k", 256)},
+	}
+	seen := map[string][2]string{}
+	for _, p := range pairs {
+		k := RegistryKey(p[0], p[1])
+		if len(k) != 64 {
+			t.Fatalf("RegistryKey(%q, %q) is %d bytes", p[0], p[1], len(k))
+		}
+		if q, ok := seen[k]; ok {
+			t.Fatalf("RegistryKey(%q, %q) = RegistryKey(%q, %q)", p[0], p[1], q[0], q[1])
+		}
+		seen[k] = p
+	}
+
+	r, err := http.NewRequest(http.MethodPost, "/charges?x=1", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The SHA-256 of 4 "POST", 12 "/charges?x=1" and 2 "{}", each length
+	// big-endian on 8 bytes, as the fingerprint has always been.
+	const want = "a7d52f8a1328c91a97018adbf7acc9d27f1e55baa396eee2522dd23881cbb4f1"
+	got := hex.EncodeToString(DefaultFingerprint(r, []byte("{}")))
+	if got != want {
+		t.Fatalf("DefaultFingerprint changed: %s, want %s", got, want)
 	}
 }

@@ -39,10 +39,14 @@ func AttemptFrom(ctx context.Context) (a client.Attempt, ok bool) {
 var errRetryable = errors.New("idemhttp: a retryable response; the key is released")
 
 // Middleware makes each request with an Idempotency-Key run its handler
-// at most once to completion per key, and gives every retry the first
-// one's response. A request with an unsafe method and a key K is claimed
-// as (WithConsumer's consumer, client.KindOperation, K, scoped by
-// WithKeyScope) with the fingerprint of its method, target and body, and:
+// at most once to completion per key and scope, and gives every retry the
+// first one's response. scope says whose keys they are: ScopeBy (the
+// authenticated caller) or, knowingly, Unscoped; Middleware panics on the
+// zero Scope, as on a nil client, since a service built without a scope
+// would replay one caller's responses to another. A request with an unsafe
+// method, a key K and a scope S is claimed as (WithConsumer's consumer,
+// client.KindOperation, RegistryKey(S, K)), its fingerprint (of its
+// method, target and body) recorded with its response, and:
 //
 //   - Acquired: the handler runs with the claim in its context
 //     (AttemptFrom), its lease extended while it runs; its response is
@@ -58,23 +62,37 @@ var errRetryable = errors.New("idemhttp: a retryable response; the key is releas
 //     (client.DefaultInterceptorWait at most, and never past its context)
 //     and gets it; then, or at once with
 //     WithOnceOptions(client.WithInProgressWait(0)), 409 with Retry-After.
-//   - Same key, other method, target or body: 422.
+//   - Same key, other method, target or body: 422, once the first
+//     request's response is recorded (before that, the wait above).
 //   - Parked (an operator must resolve the key): 409 without Retry-After.
 //   - Registry unreachable: 503 with Retry-After; the handler does not run
 //     (WithRegistryUnavailable(client.FailOpen) runs it anyway).
 //   - No key: 400 with WithKeyRequired, else the handler runs as it is.
-//     A key that is not a Structured Field String, or that the registry
-//     refuses (longer than 256 bytes): 400.
+//     A key that is not a Structured Field String, is empty, or is longer
+//     than MaxKeyBytes: 400.
+//   - A key whose scope is empty (ScopeBy's function named no caller): 401,
+//     never claimed.
 //   - A body longer than WithMaxBodyBytes: 413, never claimed.
 //
 // Safe methods (GET, HEAD, OPTIONS, TRACE) pass through: they are
 // idempotent already. A response longer than WithMaxResponseBytes cannot be
 // recorded: it goes to the client as the handler writes it, and the key is
 // completed with a failure (reason RESPONSE_NOT_RECORDED, 500) that its
-// retries get, since the operation did run. Every answer of the middleware
-// itself is application/problem+json (RFC 9457).
-func Middleware(c *client.Client, opts ...Option) func(http.Handler) http.Handler {
+// retries get, since the operation did run. A status the service marks
+// retryable gives the key back without recording anything: the next
+// request with the key runs whatever its payload, so that a request
+// refused as sent (400, 422: DefaultRetryable) can be corrected and sent
+// again with the same key. Every answer of the middleware itself is
+// application/problem+json (RFC 9457).
+func Middleware(c *client.Client, scope Scope, opts ...Option) func(http.Handler) http.Handler {
+	if c == nil {
+		panic("idemhttp.Middleware: nil client")
+	}
+	if !scope.valid() {
+		panic("idemhttp.Middleware: no key scope: pass idemhttp.ScopeBy(the authenticated caller) or, knowing that every caller then shares one key space, idemhttp.Unscoped()")
+	}
 	s := newSettings(opts)
+	s.scope = scope
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			serve(c, s, next, w, r)
@@ -102,9 +120,23 @@ func serve(c *client.Client, s *settings, next http.Handler, w http.ResponseWrit
 		return
 	}
 	key, err := parseKey(lines, s.bareTokens)
+	if err == nil {
+		err = checkKeyLength(key)
+	}
 	if err != nil {
 		writeProblem(w, http.StatusBadRequest, client.ReasonInvalidArgument, "invalid Idempotency-Key: "+err.Error(), 0, nil)
 		return
+	}
+	if !s.scope.unscoped {
+		sc := s.scope.of(r)
+		if sc == "" {
+			// Unscoped, the key would meet every other caller's: refused,
+			// before anything is read or claimed.
+			writeProblem(w, http.StatusUnauthorized, client.ReasonUnauthenticated,
+				"an Idempotency-Key is kept per caller, and this request names no caller: authenticate, then send it again", 0, nil)
+			return
+		}
+		key = RegistryKey(sc, key)
 	}
 	body, ok := readBody(w, r, s.maxBody)
 	if !ok {
@@ -112,11 +144,6 @@ func serve(c *client.Client, s *settings, next http.Handler, w http.ResponseWrit
 	}
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	fp := s.fingerprint(r, body)
-	if s.scope != nil {
-		if sc := s.scope(r); sc != "" {
-			key = sc + ":" + key
-		}
-	}
 
 	var rec *recorder
 	fn := func(ctx context.Context, a client.Attempt) ([]byte, error) {
@@ -130,11 +157,16 @@ func serve(c *client.Client, s *settings, next http.Handler, w http.ResponseWrit
 		case s.retryable(st.status):
 			return nil, errRetryable
 		default:
+			st.fingerprint = fp
 			return st.encode(), nil
 		}
 	}
+	// The fingerprint goes with the recorded response, not to the registry:
+	// the registry keeps a claim's fingerprint after a release, so a request
+	// refused as sent would block its corrected retry with 422 for the whole
+	// retention.
 	onceOpts := append(append([]client.OnceOption(nil), s.onceOpts...),
-		client.WithKind(client.KindOperation), client.WithMessageFingerprint(fp), client.WithResultType(ResponseType))
+		client.WithKind(client.KindOperation), client.WithResultType(ResponseType))
 	res, err := c.Once(r.Context(), s.consumer, key, fn, onceOpts...)
 
 	if rec != nil { // the handler ran: its response goes out whatever the bookkeeping did
@@ -148,7 +180,7 @@ func serve(c *client.Client, s *settings, next http.Handler, w http.ResponseWrit
 		return
 	}
 	if res.Replayed {
-		replay(s, w, r, res, err)
+		replay(s, w, r, fp, res, err)
 		return
 	}
 	if s.failOpen && errors.Is(err, client.ErrUnavailable) {
@@ -199,8 +231,9 @@ var notRecorded = func() *status.Status {
 var replayedHeader = http.Header{ReplayedHeader: {"true"}}
 
 // replay sends a completed key's outcome: the recorded response, or the
-// stored failure as a problem.
-func replay(s *settings, w http.ResponseWriter, r *http.Request, res client.OnceResult, err error) {
+// stored failure as a problem; or 422 when the response was recorded for
+// another request than fp's.
+func replay(s *settings, w http.ResponseWriter, r *http.Request, fp []byte, res client.OnceResult, err error) {
 	if err != nil {
 		st := status.Convert(err)
 		reason := ""
@@ -217,6 +250,16 @@ func replay(s *settings, w http.ResponseWriter, r *http.Request, res client.Once
 			"consumer", res.Record.Consumer, "key", res.Record.Key.Key, "error", derr)
 		writeProblem(w, http.StatusInternalServerError, client.ReasonStoredResultUnreadable,
 			"the stored response of this idempotency key does not decode; the request was not run again", 0, nil)
+		return
+	}
+	// A response recorded before the fingerprint went with it has its
+	// fingerprint in the registry's record.
+	recorded := stored.fingerprint
+	if recorded == nil {
+		recorded = res.Record.Fingerprint
+	}
+	if len(recorded) > 0 && !bytes.Equal(recorded, fp) {
+		answerClaim(s, w, r, client.ErrFingerprintMismatch)
 		return
 	}
 	h := w.Header()

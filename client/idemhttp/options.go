@@ -44,7 +44,7 @@ type settings struct {
 	maxResponse   int
 	replayHeaders []string
 	fingerprint   func(r *http.Request, body []byte) []byte
-	scope         func(r *http.Request) string
+	scope         Scope
 	retryable     func(status int) bool
 	onceOpts      []client.OnceOption
 	failOpen      bool
@@ -109,16 +109,6 @@ func WithFingerprint(fp func(r *http.Request, body []byte) []byte) Option {
 	return func(s *settings) { s.fingerprint = fp }
 }
 
-// WithKeyScope scopes keys by what scope returns for the request, usually
-// the authenticated client's id: the registry key is scope + ":" + the
-// Idempotency-Key, so that one client cannot replay, or collide with,
-// another's response under the same key (the draft's section 5). An empty
-// scope leaves the key as it is. The key must still fit the registry's 256
-// bytes.
-func WithKeyScope(scope func(r *http.Request) string) Option {
-	return func(s *settings) { s.scope = scope }
-}
-
 // WithRetryable says which response statuses give the key back for a retry
 // instead of being recorded (default DefaultRetryable).
 func WithRetryable(retryable func(status int) bool) Option {
@@ -156,19 +146,53 @@ func WithLogger(l *slog.Logger) Option { return func(s *settings) { s.logger = l
 // (path and query, as sent) and its body, each length-prefixed so that no
 // two requests can pass for each other.
 func DefaultFingerprint(r *http.Request, body []byte) []byte {
+	return lengthPrefixedSHA256([]byte(r.Method), []byte(r.URL.RequestURI()), body)
+}
+
+// lengthPrefixedSHA256 is the SHA-256 of parts, each preceded by its length
+// (8 bytes, big-endian): two lists of parts hash alike only if they are the
+// same list, whatever bytes the parts hold.
+func lengthPrefixedSHA256(parts ...[]byte) []byte {
 	h := sha256.New()
-	for _, part := range [][]byte{[]byte(r.Method), []byte(r.URL.RequestURI()), body} {
+	for _, part := range parts {
 		h.Write(binary.BigEndian.AppendUint64(nil, uint64(len(part))))
 		h.Write(part)
 	}
 	return h.Sum(nil)
 }
 
-// DefaultRetryable gives the key back for 408, 425, 429, 502, 503 and 504:
-// answers that say the request was not (fully) processed or may succeed
-// later. Every other status, 500 included, is the operation's outcome and
-// is replayed to every retry, as the gRPC interceptors store INTERNAL.
+// DefaultRetryable gives the key back, instead of recording the answer,
+// for the statuses that are no outcome of the operation:
+//
+//   - 400, 401, 403, 413, 414, 415, 422 and 431: the request was refused
+//     as sent (malformed, not authenticated, not allowed, too large, or
+//     failing validation), so the operation did not start. As Stripe saves
+//     nothing when validation fails, the corrected request, sent with the
+//     same key, runs; recording the refusal would replay it to every retry
+//     for the whole retention.
+//   - 408, 425, 429, 502, 503 and 504: the request was not (fully)
+//     processed, or may succeed later.
+//
+// Every other status, 404, 409 and 500 included, is the operation's outcome
+// and is replayed to every retry, as the gRPC interceptors store INTERNAL.
+// A service whose handler answers one of the first list after acting (a 403
+// that is a decision it must not take twice) records it with WithRetryable,
+// for instance func(s int) bool { return s != 403 && DefaultRetryable(s) }.
 func DefaultRetryable(status int) bool {
+	return refusedAsSent(status) || notProcessed(status)
+}
+
+func refusedAsSent(status int) bool {
+	switch status {
+	case http.StatusBadRequest, http.StatusUnauthorized, http.StatusForbidden,
+		http.StatusRequestEntityTooLarge, http.StatusRequestURITooLong, http.StatusUnsupportedMediaType,
+		http.StatusUnprocessableEntity, http.StatusRequestHeaderFieldsTooLarge:
+		return true
+	}
+	return false
+}
+
+func notProcessed(status int) bool {
 	switch status {
 	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests,
 		http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:

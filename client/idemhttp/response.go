@@ -15,6 +15,7 @@ import (
 //	  uint32 status = 1;
 //	  repeated Header headers = 2;  // the headers WithReplayHeaders chose
 //	  bytes body = 3;
+//	  bytes fingerprint = 4;        // of the request answered; absent in older records
 //	  message Header { string name = 1; string value = 2; }
 //	}
 //
@@ -26,6 +27,9 @@ type storedResponse struct {
 	status int
 	header http.Header
 	body   []byte
+	// fingerprint is the request's that got the response; nil in a
+	// response recorded before it was kept here.
+	fingerprint []byte
 }
 
 func (r storedResponse) encode() []byte {
@@ -43,7 +47,12 @@ func (r storedResponse) encode() []byte {
 		}
 	}
 	b = protowire.AppendTag(b, 3, protowire.BytesType)
-	return protowire.AppendBytes(b, r.body)
+	b = protowire.AppendBytes(b, r.body)
+	if len(r.fingerprint) > 0 {
+		b = protowire.AppendTag(b, 4, protowire.BytesType)
+		b = protowire.AppendBytes(b, r.fingerprint)
+	}
+	return b
 }
 
 var errMalformed = errors.New("not an encoded " + ResponseType)
@@ -97,6 +106,12 @@ func decodeResponse(b []byte) (storedResponse, error) {
 				return r, errMalformed
 			}
 			r.body, b = append([]byte(nil), v...), b[n:]
+		case num == 4 && typ == protowire.BytesType:
+			v, n := protowire.ConsumeBytes(b)
+			if n < 0 {
+				return r, errMalformed
+			}
+			r.fingerprint, b = append([]byte(nil), v...), b[n:]
 		default:
 			n := protowire.ConsumeFieldValue(num, typ, b)
 			if n < 0 {

@@ -36,8 +36,22 @@ type httpService struct {
 	runs atomic.Int64
 }
 
+// Scopes of the tests' services: oneCaller is a service whose every
+// request comes from caller-1 (its authentication is not under test);
+// byCaller scopes keys by the X-Caller header, the caller the service's
+// authentication would have named, empty when none.
+var (
+	oneCaller = idemhttp.ScopeBy(func(*http.Request) string { return "caller-1" })
+	byCaller  = idemhttp.ScopeBy(func(r *http.Request) string { return r.Header.Get("X-Caller") })
+)
+
+// oneCallerKey is the registry key of oneCaller's Idempotency-Key key.
+func oneCallerKey(key string) client.Key {
+	return client.Key{Consumer: idemhttp.DefaultConsumer, Kind: client.KindOperation, Key: idemhttp.RegistryKey("caller-1", key)}
+}
+
 // newHTTPService serves h behind the middleware; h's runs are counted.
-func newHTTPService(t *testing.T, reg *registrytest.Registry, h http.HandlerFunc, opts ...idemhttp.Option) *httpService {
+func newHTTPService(t *testing.T, reg *registrytest.Registry, scope idemhttp.Scope, h http.HandlerFunc, opts ...idemhttp.Option) *httpService {
 	t.Helper()
 	if reg == nil {
 		reg = registrytest.Start(t)
@@ -47,7 +61,7 @@ func newHTTPService(t *testing.T, reg *registrytest.Registry, h http.HandlerFunc
 		s.runs.Add(1)
 		h(w, r)
 	})
-	s.srv = httptest.NewServer(idemhttp.Middleware(reg.Client, opts...)(counted))
+	s.srv = httptest.NewServer(idemhttp.Middleware(reg.Client, scope, opts...)(counted))
 	t.Cleanup(s.srv.Close)
 	return s
 }
@@ -118,7 +132,7 @@ func created(w http.ResponseWriter, r *http.Request) {
 // retry gets the recorded status, the chosen headers and the body, with
 // Idempotent-Replayed: true.
 func TestHTTPFirstRequestThenReplay(t *testing.T) {
-	s := newHTTPService(t, nil, created)
+	s := newHTTPService(t, nil, oneCaller, created)
 	first := s.send(t, http.MethodPost, "/charges", `{"amount":5}`, `"8e03978e-40d5-43e8-bc93-6894a57f9324"`)
 	require.Equal(t, http.StatusCreated, first.status)
 	require.False(t, first.replayed())
@@ -137,7 +151,7 @@ func TestHTTPFirstRequestThenReplay(t *testing.T) {
 	}
 	require.EqualValues(t, 1, s.runs.Load())
 
-	rec, err := s.reg.Client.Lookup(t.Context(), client.Key{Consumer: idemhttp.DefaultConsumer, Kind: client.KindOperation, Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"})
+	rec, err := s.reg.Client.Lookup(t.Context(), oneCallerKey("8e03978e-40d5-43e8-bc93-6894a57f9324"))
 	require.NoError(t, err)
 	require.Equal(t, client.StateCompleted, rec.State)
 	require.Equal(t, idemhttp.ResponseType, rec.Result.Response.Type)
@@ -149,11 +163,12 @@ func TestHTTPFirstRequestThenReplay(t *testing.T) {
 }
 
 // Section 2.6: the result of the first request is replayed "success or
-// error": a 4xx or 500 the handler answered is the operation's outcome.
+// error": a 404, 409 or 500 the handler answered is the operation's
+// outcome. (A request refused as sent is not: TestHTTPRefusedAsSentNotRecorded.)
 func TestHTTPErrorResponseReplayed(t *testing.T) {
-	for _, code := range []int{http.StatusBadRequest, http.StatusNotFound, http.StatusInternalServerError} {
+	for _, code := range []int{http.StatusNotFound, http.StatusConflict, http.StatusInternalServerError} {
 		t.Run(strconv.Itoa(code), func(t *testing.T) {
-			s := newHTTPService(t, nil, func(w http.ResponseWriter, r *http.Request) {
+			s := newHTTPService(t, nil, oneCaller, func(w http.ResponseWriter, r *http.Request) {
 				http.Error(w, "declined", code)
 			})
 			first := s.send(t, http.MethodPost, "/x", "", `"k"`)
@@ -171,7 +186,7 @@ func TestHTTPErrorResponseReplayed(t *testing.T) {
 // the retry runs the handler.
 func TestHTTPRetryableAnswerAndPanicRelease(t *testing.T) {
 	var n atomic.Int64
-	s := newHTTPService(t, nil, func(w http.ResponseWriter, r *http.Request) {
+	s := newHTTPService(t, nil, oneCaller, func(w http.ResponseWriter, r *http.Request) {
 		switch n.Add(1) {
 		case 1:
 			http.Error(w, "busy", http.StatusServiceUnavailable)
@@ -222,7 +237,7 @@ func TestHTTPKeySyntax(t *testing.T) {
 		{name: "an empty String (the registry refuses it)", lines: []string{`""`}},
 		{name: "longer than the registry's 256 bytes", lines: []string{`"` + strings.Repeat("k", 257) + `"`}},
 	}
-	s := newHTTPService(t, nil, created)
+	s := newHTTPService(t, nil, oneCaller, created)
 	runs := int64(0)
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -241,7 +256,7 @@ func TestHTTPKeySyntax(t *testing.T) {
 	}
 
 	t.Run("a bare token with WithBareTokens", func(t *testing.T) {
-		s := newHTTPService(t, nil, created, idemhttp.WithBareTokens())
+		s := newHTTPService(t, nil, oneCaller, created, idemhttp.WithBareTokens())
 		require.Equal(t, http.StatusCreated, s.send(t, http.MethodPost, "/x", "", `order-44`).status)
 		require.True(t, s.send(t, http.MethodPost, "/x", "", `"order-44"`).replayed(), "the token and the String are one key")
 	})
@@ -251,7 +266,7 @@ func TestHTTPKeySyntax(t *testing.T) {
 // is 400; without WithKeyRequired the request runs as it is. Safe methods
 // pass through either way.
 func TestHTTPMissingKey(t *testing.T) {
-	required := newHTTPService(t, nil, created, idemhttp.WithKeyRequired())
+	required := newHTTPService(t, nil, oneCaller, created, idemhttp.WithKeyRequired())
 	a := required.send(t, http.MethodPost, "/x", "")
 	require.Equal(t, http.StatusBadRequest, a.status)
 	require.Equal(t, client.ReasonMissingKey, a.problem(t).Reason)
@@ -260,7 +275,7 @@ func TestHTTPMissingKey(t *testing.T) {
 	require.Equal(t, http.StatusCreated, required.send(t, http.MethodGet, "/x", "", `"k"`).status)
 	require.False(t, required.send(t, http.MethodGet, "/x", "", `"k"`).replayed(), "a GET is not claimed")
 
-	optional := newHTTPService(t, nil, created)
+	optional := newHTTPService(t, nil, oneCaller, created)
 	for range 2 {
 		a := optional.send(t, http.MethodPost, "/x", "")
 		require.Equal(t, http.StatusCreated, a.status)
@@ -272,7 +287,7 @@ func TestHTTPMissingKey(t *testing.T) {
 // Sections 2.4 and 2.7: the key reused with another payload (method,
 // target or body) is 422; the same payload is a retry.
 func TestHTTPKeyReusedWithAnotherPayload(t *testing.T) {
-	s := newHTTPService(t, nil, created)
+	s := newHTTPService(t, nil, oneCaller, created)
 	require.Equal(t, http.StatusCreated, s.send(t, http.MethodPost, "/charges?x=1", `{"amount":5}`, `"k"`).status)
 	for _, tt := range []struct{ name, method, target, body string }{
 		{"another body", http.MethodPost, "/charges?x=1", `{"amount":6}`},
@@ -290,7 +305,7 @@ func TestHTTPKeyReusedWithAnotherPayload(t *testing.T) {
 	require.EqualValues(t, 1, s.runs.Load())
 
 	t.Run("WithFingerprint leaves out what honest retries vary", func(t *testing.T) {
-		s := newHTTPService(t, nil, created, idemhttp.WithFingerprint(func(r *http.Request, body []byte) []byte {
+		s := newHTTPService(t, nil, oneCaller, created, idemhttp.WithFingerprint(func(r *http.Request, body []byte) []byte {
 			return idemhttp.DefaultFingerprint(r, nil) // the body is not part of the operation
 		}))
 		require.Equal(t, http.StatusCreated, s.send(t, http.MethodPost, "/c", `{"sent_at":1}`, `"k"`).status)
@@ -319,7 +334,7 @@ func blockingHTTP() (h http.HandlerFunc, entered chan client.Attempt, release fu
 func TestHTTPConcurrentRequestConflict(t *testing.T) {
 	h, entered, release := blockingHTTP()
 	t.Cleanup(release)
-	s := newHTTPService(t, nil, h, idemhttp.WithOnceOptions(client.WithInProgressWait(0)))
+	s := newHTTPService(t, nil, oneCaller, h, idemhttp.WithOnceOptions(client.WithInProgressWait(0)))
 	firstc := make(chan httpAnswer, 1)
 	go func() { firstc <- sendWith(t, http.DefaultClient, http.MethodPost, s.srv.URL+"/x", "", `"k"`) }()
 	recv(t, entered)
@@ -345,7 +360,7 @@ func TestHTTPConcurrentRequestConflict(t *testing.T) {
 func TestHTTPDuplicateWaitsForTheFirst(t *testing.T) {
 	h, entered, release := blockingHTTP()
 	t.Cleanup(release)
-	s := newHTTPService(t, nil, h)
+	s := newHTTPService(t, nil, oneCaller, h)
 	firstc := make(chan httpAnswer, 1)
 	go func() { firstc <- sendWith(t, http.DefaultClient, http.MethodPost, s.srv.URL+"/x", "", `"k"`) }()
 	recv(t, entered)
@@ -370,7 +385,7 @@ func TestHTTPHeartbeatAndToken(t *testing.T) {
 	reg := registrytest.Start(t, shortLeases())
 	h, entered, release := blockingHTTP()
 	t.Cleanup(release)
-	s := newHTTPService(t, reg, h, idemhttp.WithOnceOptions(client.WithLease(60*time.Millisecond), client.WithInProgressWait(0)))
+	s := newHTTPService(t, reg, oneCaller, h, idemhttp.WithOnceOptions(client.WithLease(60*time.Millisecond), client.WithInProgressWait(0)))
 	firstc := make(chan httpAnswer, 1)
 	go func() { firstc <- sendWith(t, http.DefaultClient, http.MethodPost, s.srv.URL+"/x", "", `"slow"`) }()
 	a := recv(t, entered)
@@ -378,7 +393,7 @@ func TestHTTPHeartbeatAndToken(t *testing.T) {
 	require.EqualValues(t, 1, a.Attempt)
 	require.Equal(t, client.KindOperation, a.Key.Kind)
 
-	k := client.Key{Consumer: idemhttp.DefaultConsumer, Kind: client.KindOperation, Key: "slow"}
+	k := oneCallerKey("slow")
 	rec, err := reg.Client.Lookup(t.Context(), k)
 	require.NoError(t, err)
 	firstExpiry := rec.LeaseExpiresAt
@@ -396,36 +411,168 @@ func TestHTTPHeartbeatAndToken(t *testing.T) {
 	require.EqualValues(t, 1, s.runs.Load())
 }
 
-// Section 5: keys scoped by client, so one client's key neither replays
-// nor collides with another's.
-func TestHTTPKeyScope(t *testing.T) {
-	s := newHTTPService(t, nil, created, idemhttp.WithKeyScope(func(r *http.Request) string { return r.Header.Get("X-Client") }))
-	send := func(clientID string) httpAnswer {
-		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, s.srv.URL+"/x", nil)
-		require.NoError(t, err)
-		req.Header.Set(idemhttp.KeyHeader, `"k"`)
-		req.Header.Set("X-Client", clientID)
-		resp, err := http.DefaultClient.Do(req)
-		require.NoError(t, err)
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return httpAnswer{status: resp.StatusCode, header: resp.Header, body: string(b)}
+// sendAs makes one request as caller (the X-Caller header byCaller reads;
+// none when empty) with the Idempotency-Key key.
+func (s *httpService) sendAs(t *testing.T, caller, body, key string) httpAnswer {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, s.srv.URL+"/charges", strings.NewReader(body))
+	require.NoError(t, err)
+	req.Header.Set(idemhttp.KeyHeader, key)
+	if caller != "" {
+		req.Header.Set("X-Caller", caller)
 	}
-	a1, b1 := send("alice"), send("bob")
-	require.False(t, a1.replayed())
-	require.False(t, b1.replayed())
-	require.NotEqual(t, a1.body, b1.body)
-	a2 := send("alice")
-	require.True(t, a2.replayed())
-	require.Equal(t, a1.body, a2.body)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return httpAnswer{status: resp.StatusCode, header: resp.Header, body: string(b)}
+}
+
+// asCaller answers 201 naming the caller it ran for and the body it got.
+func asCaller(w http.ResponseWriter, r *http.Request) {
+	b, _ := io.ReadAll(r.Body)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, `{"caller":%q,"body":%q}`, r.Header.Get("X-Caller"), b)
+}
+
+// Section 5, issue 35's vulnerability 3: bob sends alice's Idempotency-Key
+// with her body, then with another, under his own credentials. Each of his
+// requests runs as his own: he gets neither her response nor a 422 telling
+// him that her key was used. Her retry still gets her response.
+func TestHTTPOneCallerCannotReplayAnothers(t *testing.T) {
+	s := newHTTPService(t, nil, byCaller, asCaller)
+	alice := s.sendAs(t, "alice", `{"amount":500}`, `"alice-order-1"`)
+	require.Equal(t, http.StatusCreated, alice.status)
+	require.Contains(t, alice.body, `"caller":"alice"`)
+
+	bob := s.sendAs(t, "bob", `{"amount":500}`, `"alice-order-1"`)
+	require.Equal(t, http.StatusCreated, bob.status)
+	require.False(t, bob.replayed(), "bob got alice's response: %s", bob.body)
+	require.Contains(t, bob.body, `"caller":"bob"`, "bob's own request ran")
+
+	probe := s.sendAs(t, "carol", `{"amount":1}`, `"alice-order-1"`)
+	require.Equal(t, http.StatusCreated, probe.status, "another body must not tell carol the key was used: %s", probe.body)
+	require.False(t, probe.replayed())
+	require.EqualValues(t, 3, s.runs.Load())
+
+	again := s.sendAs(t, "alice", `{"amount":500}`, `"alice-order-1"`)
+	require.True(t, again.replayed())
+	require.Equal(t, alice.body, again.body)
+	require.EqualValues(t, 3, s.runs.Load())
+}
+
+// Scope and key are joined unambiguously: scope "alice:x" with key "K" and
+// scope "alice" with key "x:K" (the same string once joined with ":") are
+// two registry keys, each with its own response.
+func TestHTTPScopeAndKeyDoNotCollide(t *testing.T) {
+	s := newHTTPService(t, nil, byCaller, asCaller)
+	first := s.sendAs(t, "alice:x", `{}`, `"K"`)
+	second := s.sendAs(t, "alice", `{}`, `"x:K"`)
+	require.Equal(t, http.StatusCreated, first.status)
+	require.Equal(t, http.StatusCreated, second.status)
+	require.False(t, second.replayed(), "scope alice with key x:K got the response of scope alice:x with key K: %s", second.body)
+	require.Contains(t, second.body, `"caller":"alice"`)
 	require.EqualValues(t, 2, s.runs.Load())
+
+	k1, k2 := idemhttp.RegistryKey("alice:x", "K"), idemhttp.RegistryKey("alice", "x:K")
+	require.NotEqual(t, k1, k2)
+	for _, k := range []string{k1, k2} {
+		rec, err := s.reg.Client.Lookup(t.Context(), client.Key{Consumer: idemhttp.DefaultConsumer, Kind: client.KindOperation, Key: k})
+		require.NoError(t, err, "registry key %s", k)
+		require.Equal(t, client.StateCompleted, rec.State)
+	}
+}
+
+// A request with a key but no caller (ScopeBy's function returns "") is
+// refused with 401 and claims nothing: it is never served unscoped, where
+// its key would meet every other caller's.
+func TestHTTPEmptyScopeRefused(t *testing.T) {
+	s := newHTTPService(t, nil, byCaller, asCaller)
+	a := s.sendAs(t, "", `{"amount":5}`, `"k"`)
+	require.Equal(t, http.StatusUnauthorized, a.status, "body: %s", a.body)
+	require.Equal(t, client.ReasonUnauthenticated, a.problem(t).Reason)
+	require.Zero(t, s.runs.Load())
+	for _, k := range []string{"k", idemhttp.RegistryKey("", "k")} {
+		_, err := s.reg.Client.Lookup(t.Context(), client.Key{Consumer: idemhttp.DefaultConsumer, Kind: client.KindOperation, Key: k})
+		require.ErrorIs(t, err, client.ErrNotFound, "registry key %q was claimed", k)
+	}
+	// Without a key the middleware claims nothing anyway: the request runs.
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, s.srv.URL+"/charges", nil)
+	require.NoError(t, err)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	_ = resp.Body.Close()
+	require.Equal(t, http.StatusCreated, resp.StatusCode)
+}
+
+// A scope is a choice: the zero Scope does not build a middleware.
+func TestHTTPScopeRequired(t *testing.T) {
+	reg := registrytest.Start(t)
+	require.PanicsWithValue(t,
+		"idemhttp.Middleware: no key scope: pass idemhttp.ScopeBy(the authenticated caller) or, knowing that every caller then shares one key space, idemhttp.Unscoped()",
+		func() { idemhttp.Middleware(reg.Client, idemhttp.Scope{}) })
+	require.Panics(t, func() { idemhttp.Middleware(reg.Client, idemhttp.ScopeBy(nil)) })
+
+	// Unscoped, as before scopes were required: the registry key is the
+	// key as sent, and every caller shares it.
+	s := newHTTPService(t, reg, idemhttp.Unscoped(), asCaller)
+	require.False(t, s.sendAs(t, "alice", `{}`, `"shared"`).replayed())
+	require.True(t, s.sendAs(t, "bob", `{}`, `"shared"`).replayed())
+	_, err := reg.Client.Lookup(t.Context(), client.Key{Consumer: idemhttp.DefaultConsumer, Kind: client.KindOperation, Key: "shared"})
+	require.NoError(t, err)
+}
+
+// A request refused as sent (400, 422) records nothing, as Stripe saves
+// nothing when validation fails: the corrected request with the same key
+// runs, and is then the key's outcome. WithRetryable records the refusal
+// again for a service that wants it.
+func TestHTTPRefusedAsSentNotRecorded(t *testing.T) {
+	for _, code := range []int{http.StatusBadRequest, http.StatusUnprocessableEntity} {
+		t.Run(strconv.Itoa(code), func(t *testing.T) {
+			validating := func(w http.ResponseWriter, r *http.Request) {
+				b, _ := io.ReadAll(r.Body)
+				if strings.Contains(string(b), "-") {
+					http.Error(w, "amount must be positive", code)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+				fmt.Fprintf(w, "charged %s", b)
+			}
+			s := newHTTPService(t, nil, oneCaller, validating)
+			require.Equal(t, code, s.send(t, http.MethodPost, "/charges", `-5`, `"k"`).status)
+			again := s.send(t, http.MethodPost, "/charges", `-5`, `"k"`)
+			require.Equal(t, code, again.status)
+			require.False(t, again.replayed(), "the refusal was recorded")
+
+			fixed := s.send(t, http.MethodPost, "/charges", `5`, `"k"`)
+			require.Equal(t, http.StatusCreated, fixed.status, "the corrected retry was blocked: %s", fixed.body)
+			require.False(t, fixed.replayed())
+			require.Equal(t, "charged 5", fixed.body)
+			require.EqualValues(t, 3, s.runs.Load())
+
+			// From then on the key is the corrected request's.
+			require.True(t, s.send(t, http.MethodPost, "/charges", `5`, `"k"`).replayed())
+			reuse := s.send(t, http.MethodPost, "/charges", `-5`, `"k"`)
+			require.Equal(t, http.StatusUnprocessableEntity, reuse.status)
+			require.Equal(t, client.ReasonFingerprintMismatch, reuse.problem(t).Reason)
+			require.EqualValues(t, 3, s.runs.Load())
+
+			stored := newHTTPService(t, nil, oneCaller, validating,
+				idemhttp.WithRetryable(func(st int) bool { return st != code && idemhttp.DefaultRetryable(st) }))
+			require.Equal(t, code, stored.send(t, http.MethodPost, "/charges", `-5`, `"k"`).status)
+			require.True(t, stored.send(t, http.MethodPost, "/charges", `-5`, `"k"`).replayed())
+			require.EqualValues(t, 1, stored.runs.Load())
+		})
+	}
 }
 
 // Bounded buffering: a body over the bound is 413 and never claimed; a
 // response over its bound goes out once, and its retries learn it was not
 // recorded rather than running the operation again.
 func TestHTTPBounds(t *testing.T) {
-	s := newHTTPService(t, nil, func(w http.ResponseWriter, r *http.Request) {
+	s := newHTTPService(t, nil, oneCaller, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain")
 		_, _ = w.Write(bytes.Repeat([]byte("r"), 100))
 	}, idemhttp.WithMaxBodyBytes(16), idemhttp.WithMaxResponseBytes(64))
@@ -434,7 +581,7 @@ func TestHTTPBounds(t *testing.T) {
 	require.Equal(t, http.StatusRequestEntityTooLarge, a.status)
 	require.Equal(t, idemhttp.ReasonBodyTooLarge, a.problem(t).Reason)
 	require.Zero(t, s.runs.Load())
-	_, err := s.reg.Client.Lookup(t.Context(), client.Key{Consumer: idemhttp.DefaultConsumer, Kind: client.KindOperation, Key: "big-body"})
+	_, err := s.reg.Client.Lookup(t.Context(), oneCallerKey("big-body"))
 	require.ErrorIs(t, err, client.ErrNotFound)
 
 	// A chunked body (no Content-Length) is bounded too.
@@ -461,7 +608,7 @@ func TestHTTPBounds(t *testing.T) {
 // handler does not run.
 func TestHTTPRegistryUnavailable(t *testing.T) {
 	reg := registrytest.Start(t)
-	s := newHTTPService(t, reg, created)
+	s := newHTTPService(t, reg, oneCaller, created)
 	require.NoError(t, reg.Stop())
 	a := s.send(t, http.MethodPost, "/x", "", `"k"`)
 	require.Equal(t, http.StatusServiceUnavailable, a.status)
@@ -471,7 +618,7 @@ func TestHTTPRegistryUnavailable(t *testing.T) {
 
 	// Failing open, the handler runs without the registry, with no claim.
 	var attempt atomic.Bool
-	open := newHTTPService(t, reg, func(w http.ResponseWriter, r *http.Request) {
+	open := newHTTPService(t, reg, oneCaller, func(w http.ResponseWriter, r *http.Request) {
 		_, ok := idemhttp.AttemptFrom(r.Context())
 		attempt.Store(ok)
 		b, _ := io.ReadAll(r.Body)
@@ -490,7 +637,7 @@ func TestHTTPRegistryUnavailable(t *testing.T) {
 func TestHTTPRacingDuplicates(t *testing.T) {
 	var mu sync.Mutex
 	ran := map[string]int{}
-	s := newHTTPService(t, nil, func(w http.ResponseWriter, r *http.Request) {
+	s := newHTTPService(t, nil, oneCaller, func(w http.ResponseWriter, r *http.Request) {
 		key := r.Header.Get(idemhttp.KeyHeader)
 		mu.Lock()
 		ran[key]++
@@ -551,7 +698,7 @@ func TestHTTPLeaseLostCancelsTheRequest(t *testing.T) {
 	}
 	entered, ended := make(chan client.Attempt, 2), make(chan run, 2)
 	var n atomic.Int64
-	s := newHTTPService(t, reg, func(w http.ResponseWriter, r *http.Request) {
+	s := newHTTPService(t, reg, oneCaller, func(w http.ResponseWriter, r *http.Request) {
 		a, _ := idemhttp.AttemptFrom(r.Context())
 		entered <- a
 		if n.Add(1) == 1 {
