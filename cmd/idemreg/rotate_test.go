@@ -49,3 +49,51 @@ func TestRotateClaimKey(t *testing.T) {
 
 	require.Error(t, run(t.Context(), []string{"rotate-claim-key", "--data-dir", t.TempDir() + "/missing"}, &out, &errOut))
 }
+
+// TestRotateClaimKeyRefusesShortWindows: an activation sooner than the
+// replicas' claim key refresh, or a grace shorter than --max-lease, would
+// break claims in use (a replica refusing secrets of a key it has not
+// read; a held claim's Complete refused once its key is retired), so
+// rotate-claim-key refuses them, naming the flag and the floor, and adds
+// no generation; --allow-short-rotation takes them, and the defaults
+// pass.
+func TestRotateClaimKeyRefusesShortWindows(t *testing.T) {
+	db := pgtest.NewDatabase(t)
+	s, err := postgres.Open(t.Context(), db)
+	require.NoError(t, err)
+	defer s.Close()
+	generations := func() int {
+		ring, err := s.ClaimKeyRing(t.Context())
+		require.NoError(t, err)
+		return len(ring.Keys)
+	}
+	require.Equal(t, 1, generations())
+
+	for _, tc := range []struct {
+		name string
+		args []string
+		want []string
+	}{
+		{"activation and grace of a second", []string{"--activate-after", "1s", "--grace", "1s"},
+			[]string{"--activate-after 1s is shorter than serve's claim key refresh (30s)", "--grace 1s is shorter than --max-lease (1h0m0s)", "--allow-short-rotation"}},
+		{"grace below the max lease", []string{"--grace", "59m"}, []string{"--grace 59m0s is shorter than --max-lease (1h0m0s)"}},
+		{"grace below a longer max lease", []string{"--max-lease", "3h"}, []string{"--grace 2h0m0s is shorter than --max-lease (3h0m0s)"}},
+		{"activation below the refresh", []string{"--activate-after", "29s"}, []string{"--activate-after 29s is shorter than serve's claim key refresh (30s)"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var out, errOut bytes.Buffer
+			err := run(t.Context(), append([]string{"rotate-claim-key", "--database-url", db}, tc.args...), &out, &errOut)
+			require.Error(t, err)
+			for _, w := range tc.want {
+				require.Contains(t, err.Error(), w)
+			}
+			require.Equal(t, 1, generations(), "a refused rotation adds no generation")
+		})
+	}
+
+	var out, errOut bytes.Buffer
+	require.NoError(t, run(t.Context(), []string{"rotate-claim-key", "--database-url", db, "--activate-after", "1s", "--grace", "1s", "--allow-short-rotation"}, &out, &errOut))
+	require.Equal(t, 2, generations())
+	require.NoError(t, run(t.Context(), []string{"rotate-claim-key", "--database-url", db}, &out, &errOut), "the defaults pass")
+	require.Equal(t, 3, generations())
+}
