@@ -342,6 +342,27 @@ func transcoder(g *grpc.Server) (*vanguard.Transcoder, error) {
 		vanguard.WithTargetCodecs(codecs...), vanguard.WithTargetProtocols(vanguard.ProtocolGRPC)))
 }
 
+// http1Only is tlsCfg for the HTTP API: http/1.1 is the only protocol it
+// negotiates, on tlsCfg and on the config its GetConfigForClient answers
+// with (server.TLSConfig answers that way, so that a rotated certificate is
+// served, with h2 for gRPC: a clone's NextProtos alone was never read).
+func http1Only(tlsCfg *tls.Config) *tls.Config {
+	cfg := tlsCfg.Clone()
+	cfg.NextProtos = []string{"http/1.1"}
+	if get := cfg.GetConfigForClient; get != nil {
+		cfg.GetConfigForClient = func(hello *tls.ClientHelloInfo) (*tls.Config, error) {
+			c, err := get(hello)
+			if c == nil || err != nil {
+				return c, err
+			}
+			c = c.Clone()
+			c.NextProtos = []string{"http/1.1"}
+			return c, nil
+		}
+	}
+	return cfg
+}
+
 // ServeAPI serves the HTTP API (Connect, gRPC-Web, HTTP/JSON) of g on
 // lis under the HTTP listeners' bounds, until stop is called; over TLS
 // with tlsCfg's certificates and client CA (negotiating http/1.1) when it
@@ -362,11 +383,14 @@ func ServeAPI(g *grpc.Server, lis net.Listener, tlsCfg *tls.Config, origins []st
 		MaxHeaderBytes: bounds.MaxHeaderBytes,
 		ErrorLog:       slog.NewLogLogger(logger.With("listener", "http-api").Handler(), slog.LevelDebug),
 	}
+	// HTTP/1.1 only, even if a TLS config offered h2: net/http's HTTP/2
+	// server would hold 250 streams per connection with none of the gRPC
+	// side's bounds (--max-pending-calls, --max-concurrent-streams).
+	srv.Protocols = new(http.Protocols)
+	srv.Protocols.SetHTTP1(true)
 	lis = httpserve.CapConnections(lis, bounds.MaxConnections)
 	if tlsCfg != nil {
-		cfg := tlsCfg.Clone()
-		cfg.NextProtos = []string{"http/1.1"}
-		lis = tls.NewListener(lis, cfg) // *tls.Conn, so that http.Server sets Request.TLS
+		lis = tls.NewListener(lis, http1Only(tlsCfg)) // *tls.Conn, so that http.Server sets Request.TLS
 	}
 	go func() {
 		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
