@@ -35,6 +35,7 @@ var cases = []attackCase{
 	{"claim-key rotation (finding 6)", claimKeyRotation},
 	{"HTTP listener caps (finding 7)", httpListenerCaps},
 	{"console sign-in (finding 8)", consoleSignIn},
+	{"idemhttp: one caller cannot replay another's response (issue 35, vulnerability 3)", idemhttpCrossCaller},
 }
 
 // TestAdversarial starts one serve and runs every attack of cases against
