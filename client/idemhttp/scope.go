@@ -31,8 +31,11 @@ type Scope struct {
 // authentication put in the request's context. Run the middleware after
 // that authentication. A request with a key whose scope is empty (no
 // caller) is refused with 401, reason UNAUTHENTICATED, and nothing is
-// claimed: it is never served unscoped. of runs for every keyed request
-// with an unsafe method, before the body is read.
+// claimed: it is never served unscoped. That 401 carries no
+// WWW-Authenticate, whose challenge only the service's authentication can
+// name: put it in front, so that an unauthenticated caller gets its 401
+// first. of runs for every keyed request with an unsafe method, before the
+// body is read.
 func ScopeBy(of func(r *http.Request) string) Scope { return Scope{of: of} }
 
 // Unscoped shares one key space among every caller of the API: whoever

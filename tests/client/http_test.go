@@ -22,6 +22,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protowire"
 
 	"github.com/idemreg/idemreg/client"
 	"github.com/idemreg/idemreg/client/idemhttp"
@@ -522,6 +523,36 @@ func TestHTTPScopeRequired(t *testing.T) {
 	require.True(t, s.sendAs(t, "bob", `{}`, `"shared"`).replayed())
 	_, err := reg.Client.Lookup(t.Context(), client.Key{Consumer: idemhttp.DefaultConsumer, Kind: client.KindOperation, Key: "shared"})
 	require.NoError(t, err)
+}
+
+// A record the middleware stored before the fingerprint went with the
+// response (the fingerprint in the registry's record, the response without
+// it) keeps replaying under Unscoped, whose registry key is the key as
+// sent, and another payload is still 422.
+func TestHTTPUnscopedRecordsFromBefore(t *testing.T) {
+	reg := registrytest.Start(t)
+	req, err := http.NewRequest(http.MethodPost, "/charges", nil)
+	require.NoError(t, err)
+	fp := idemhttp.DefaultFingerprint(req, []byte(`{"amount":5}`))
+	// idemreg.http.v1.Response{status: 201, body: "old"}, as it was written.
+	old := protowire.AppendTag(nil, 1, protowire.VarintType)
+	old = protowire.AppendVarint(old, http.StatusCreated)
+	old = protowire.AppendTag(old, 3, protowire.BytesType)
+	old = protowire.AppendBytes(old, []byte("old"))
+	_, err = reg.Client.Once(t.Context(), idemhttp.DefaultConsumer, "before", func(context.Context, client.Attempt) ([]byte, error) {
+		return old, nil
+	}, client.WithKind(client.KindOperation), client.WithMessageFingerprint(fp), client.WithResultType(idemhttp.ResponseType))
+	require.NoError(t, err)
+
+	s := newHTTPService(t, reg, idemhttp.Unscoped(), created)
+	a := s.send(t, http.MethodPost, "/charges", `{"amount":5}`, `"before"`)
+	require.Equal(t, http.StatusCreated, a.status)
+	require.True(t, a.replayed())
+	require.Equal(t, "old", a.body)
+	other := s.send(t, http.MethodPost, "/charges", `{"amount":6}`, `"before"`)
+	require.Equal(t, http.StatusUnprocessableEntity, other.status)
+	require.Equal(t, client.ReasonFingerprintMismatch, other.problem(t).Reason)
+	require.Zero(t, s.runs.Load())
 }
 
 // A request refused as sent (400, 422) records nothing, as Stripe saves
