@@ -1,12 +1,16 @@
 package main
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -169,6 +173,82 @@ func TestServeReloadsConfigWhenItChanges(t *testing.T) {
 	require.Equal(t, codes.InvalidArgument, status.Code(twoHours()))
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
 	require.Equal(t, "SIGHUP", p.waitLog(t, "config reloaded")["trigger"])
+
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, p.cmd.Wait())
+}
+
+// TestServeDoesNotTakeAHalfWrittenConfig: a config file rewritten in place
+// by a writer that pauses, longer than --config-poll, after a first part
+// that parses (one identity of two) is not taken half-written: the second
+// identity is never refused meanwhile, the first reload serve logs is the
+// whole file's, and the whole file applies once it has settled (issue 35,
+// weakness 6).
+func TestServeDoesNotTakeAHalfWrittenConfig(t *testing.T) {
+	bin := buildBinary(t)
+	path := filepath.Join(t.TempDir(), "idemreg.yaml")
+	identity := func(name, consumers string) string {
+		return "  - {name: " + name + ", token_hashes: [\"" + access.HashToken(name+"-token") + "\"], consumers: [" + consumers + "]}\n"
+	}
+	require.NoError(t, os.WriteFile(path, []byte("identities:\n"+identity("orders", `"orders.*"`)+identity("billing", `"billing.*"`)), 0o600))
+	const poll = 200 * time.Millisecond
+	p := startServe(t, bin, t.TempDir(), nil, "--config", path, "--config-poll", poll.String())
+	p.waitLog(t, "serving")
+
+	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	billing := metadata.AppendToOutgoingContext(t.Context(), "authorization", "bearer billing-token")
+	var n atomic.Int64
+	claim := func(consumer string) error {
+		_, err := c.Claim(billing, &idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: fmt.Sprint("m-", n.Add(1))})
+		return err
+	}
+	require.NoError(t, claim("billing.inbox"))
+	require.Equal(t, codes.PermissionDenied, status.Code(claim("refunds.inbox")))
+
+	// billing calls all along: none may be refused.
+	stop := make(chan struct{})
+	probed := make(chan error, 1)
+	go func() {
+		var calls int
+		for {
+			select {
+			case <-stop:
+				if calls == 0 {
+					probed <- errors.New("no call made while the file was rewritten")
+				}
+				probed <- nil
+				return
+			default:
+			}
+			if err := claim("billing.inbox"); err != nil {
+				probed <- fmt.Errorf("call %d while the file was rewritten: %w", calls, err)
+				return
+			}
+			calls++
+		}
+	}()
+
+	// The rewrite grants billing refunds.*; its first part, which parses,
+	// ends before billing.
+	first := "identities:\n" + identity("orders", `"orders.*"`)
+	second := identity("billing", `"billing.*", "refunds.*"`)
+	sum := sha256.Sum256([]byte(first + second))
+	whole := hex.EncodeToString(sum[:6])
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_TRUNC, 0)
+	require.NoError(t, err)
+	_, err = f.WriteString(first)
+	require.NoError(t, err)
+	time.Sleep(poll + poll/4) // a pause longer than a poll: at least one poll reads the first part alone
+	_, err = f.WriteString(second)
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
+
+	line := p.waitLog(t, "config reloaded")
+	close(stop)
+	require.NoError(t, <-probed)
+	require.Equal(t, whole, line["version"], "the first reload must be the whole file's, not its first part's")
+	require.Equal(t, []any{"orders", "billing"}, line["identities"])
+	require.NoError(t, claim("refunds.inbox"), "the whole file applies once settled")
 
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
 	require.NoError(t, p.cmd.Wait())

@@ -212,9 +212,12 @@ func loadConfig(cfg *config, logger *slog.Logger) (*configfile.Source, error) {
 // looked at every poll (0: never), and on every SIGHUP, until the returned
 // function is called. A pod cannot always be signalled (a distroless image
 // has no kill), and a ConfigMap's update reaches its files by a symlink
-// swap, which the poll sees as TLS files are seen (server/tlsfiles.go). Each
-// reload is one read and one parse of the file, whose policy and access
-// parts replace those in force together, or not at all.
+// swap, which the poll sees as TLS files are seen (server/tlsfiles.go). A
+// change is taken once the file has read the same for two polls' time, so
+// that a file being written in place is not taken half-written; SIGHUP,
+// which the operator sends once the file is written, takes it at once.
+// Each reload is one read and one parse of the file, whose policy and
+// access parts replace those in force together, or not at all.
 func watchConfig(src *configfile.Source, poll time.Duration, logger *slog.Logger) (stop func()) {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
@@ -233,7 +236,10 @@ func watchConfig(src *configfile.Source, poll time.Duration, logger *slog.Logger
 			case <-hup:
 				reloadConfig(src, logger)
 			case <-tick:
-				c, changed, err := src.ReloadIfChanged()
+				// Two poll intervals of the same bytes: a file written in
+				// place is not taken half-written, even by a writer that
+				// pauses longer than one poll (configfile.ReloadIfChanged).
+				c, changed, err := src.ReloadIfChanged(time.Now(), 2*poll)
 				if changed {
 					logReload(src, c, "file changed", err, logger)
 				}

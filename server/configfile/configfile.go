@@ -19,6 +19,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"go.yaml.in/yaml/v3"
 
@@ -102,6 +103,11 @@ type Source struct {
 	// poll could not read the file, so that a missing file is said once.
 	seen        [sha256.Size]byte
 	readFailing bool
+	// Guarded by mu: a changed content a poll read and has not taken
+	// yet, and when it was first read (ReloadIfChanged's settling).
+	pending      [sha256.Size]byte
+	pendingSince time.Time
+	hasPending   bool
 }
 
 // Open loads the config file at path over base and returns the source
@@ -153,12 +159,21 @@ func (s *Source) Reload() (*Config, error) {
 
 // ReloadIfChanged is Reload when the file's content differs from the
 // content last read (by Open, Reload or ReloadIfChanged, taken or
-// refused), and nothing otherwise: changed says whether it acted. It is
-// what a poll calls, so that a file replaced on disk — written in place,
-// renamed over, or a Kubernetes ConfigMap's ..data symlink swapped — is
-// taken without a signal, and a file refused is refused once, not on every
-// poll. A file that cannot be read is reported once, until it can again.
-func (s *Source) ReloadIfChanged() (c *Config, changed bool, err error) {
+// refused) and has read the same for at least settle, and nothing
+// otherwise: changed says whether it acted. It is what a poll calls, at
+// now, so that a file replaced on disk — written in place, renamed over,
+// or a Kubernetes ConfigMap's ..data symlink swapped — is taken without a
+// signal, and a file refused is refused once, not on every poll. A file
+// that cannot be read is reported once, until it can again.
+//
+// A file written in place is read while it is being written: a first
+// write that ends between two identities parses, and taking it would
+// leave every identity but the first unauthenticated, and the rate limits
+// gone, until the next poll. So a new content is taken only when a poll
+// reads the same bytes as a poll at least settle before it, with every
+// poll between reading them too; any other bytes start the wait again.
+// A writer that pauses for less than settle is never taken half-way.
+func (s *Source) ReloadIfChanged(now time.Time, settle time.Duration) (c *Config, changed bool, err error) {
 	if s.path == "" {
 		return nil, false, nil
 	}
@@ -166,6 +181,7 @@ func (s *Source) ReloadIfChanged() (c *Config, changed bool, err error) {
 	defer s.mu.Unlock()
 	data, err := os.ReadFile(s.path)
 	if err != nil {
+		s.hasPending = false
 		if s.readFailing {
 			return nil, false, nil
 		}
@@ -173,9 +189,18 @@ func (s *Source) ReloadIfChanged() (c *Config, changed bool, err error) {
 		return nil, true, fmt.Errorf("config file: %w", err)
 	}
 	s.readFailing = false
-	if sha256.Sum256(data) == s.seen {
+	sum := sha256.Sum256(data)
+	switch {
+	case sum == s.seen:
+		s.hasPending = false // written back as it was: nothing to take
+		return nil, false, nil
+	case !s.hasPending || sum != s.pending:
+		s.pending, s.pendingSince, s.hasPending = sum, now, true
+		return nil, false, nil
+	case now.Sub(s.pendingSince) < settle:
 		return nil, false, nil
 	}
+	s.hasPending = false
 	c, err = s.take(data)
 	return c, true, err
 }

@@ -208,14 +208,28 @@ func TestReloadIfChanged(t *testing.T) {
 	require.NoError(t, err)
 	first := src.Current()
 	require.Len(t, first.Version, 12)
+	// Polls a second apart that take a content read the same for a second:
+	// the first poll after a change only reads it (settling).
+	now := time.Unix(1_700_000_000, 0)
+	poll := func() (*configfile.Config, bool, error) {
+		now = now.Add(time.Second)
+		return src.ReloadIfChanged(now, time.Second)
+	}
+	settling := func() {
+		t.Helper()
+		_, changed, err := poll()
+		require.NoError(t, err)
+		require.False(t, changed, "a change is taken once a second poll reads it the same")
+	}
 
-	_, changed, err := src.ReloadIfChanged()
+	_, changed, err := poll()
 	require.NoError(t, err)
 	require.False(t, changed, "nothing changed on disk")
 	require.Same(t, first, src.Current())
 
 	m.update("consumers:\n  - {name: a.b, lease: {default: 2m}}\n")
-	got, changed, err := src.ReloadIfChanged()
+	settling()
+	got, changed, err := poll()
 	require.NoError(t, err)
 	require.True(t, changed, "the ..data swap is a change")
 	require.Same(t, got, src.Current())
@@ -223,11 +237,12 @@ func TestReloadIfChanged(t *testing.T) {
 	require.NotEqual(t, first.Version, got.Version)
 
 	m.update("consumers:\n  - {name: a.b, lease: {default: 2h}}\n") // above lease.max
-	_, changed, err = src.ReloadIfChanged()
+	settling()
+	_, changed, err = poll()
 	require.True(t, changed)
 	require.ErrorContains(t, err, "lease.default 2h0m0s is above lease.max")
 	require.Same(t, got, src.Current(), "a broken file changes nothing")
-	_, changed, err = src.ReloadIfChanged()
+	_, changed, err = poll()
 	require.NoError(t, err)
 	require.False(t, changed, "a refused file is refused once, not on every poll")
 	require.Same(t, got, src.Current())
@@ -236,7 +251,8 @@ func TestReloadIfChanged(t *testing.T) {
 	target, err := filepath.EvalSymlinks(path)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(target, []byte("consumers:\n  - {name: a.b, lease: {default: 3m}}\n"), 0o644))
-	_, changed, err = src.ReloadIfChanged()
+	settling()
+	_, changed, err = poll()
 	require.NoError(t, err)
 	require.True(t, changed)
 	require.Equal(t, 3*time.Minute, src.Current().Policy.For("a.b").Lease.Default)
@@ -244,16 +260,83 @@ func TestReloadIfChanged(t *testing.T) {
 	// Gone for a moment: said once, the config in force kept, and taken
 	// again when it is back.
 	require.NoError(t, os.Remove(target))
-	_, changed, err = src.ReloadIfChanged()
+	_, changed, err = poll()
 	require.True(t, changed)
 	require.ErrorContains(t, err, "no such file")
-	_, changed, err = src.ReloadIfChanged()
+	_, changed, err = poll()
 	require.NoError(t, err)
 	require.False(t, changed)
 	require.Equal(t, 3*time.Minute, src.Current().Policy.For("a.b").Lease.Default)
 	m.update("consumers:\n  - {name: a.b, lease: {default: 4m}}\n")
-	_, changed, err = src.ReloadIfChanged()
+	settling()
+	_, changed, err = poll()
 	require.NoError(t, err)
 	require.True(t, changed)
 	require.Equal(t, 4*time.Minute, src.Current().Policy.For("a.b").Lease.Default)
+}
+
+// TestReloadIfChangedWaitsForTheFileToSettle: a file written in place in
+// two parts is read between them, and its first part parses (one identity
+// of two). A poll takes no content that has not read the same for the
+// settling time, so the half file is never taken, and the whole one is
+// once it has settled (issue 35, weakness 6).
+func TestReloadIfChangedWaitsForTheFileToSettle(t *testing.T) {
+	identity := func(name string) string {
+		return "  - {name: " + name + ", token_hashes: [\"" + access.HashToken(name+"-token") + "\"], consumers: [\"" + name + ".*\"]}\n"
+	}
+	dir := t.TempDir()
+	path := filepath.Join(dir, "idemreg.yaml")
+	whole := "identities:\n" + identity("orders") + identity("billing")
+	require.NoError(t, os.WriteFile(path, []byte(whole), 0o600))
+	src, err := configfile.Open(path, base)
+	require.NoError(t, err)
+	inForce := src.Current()
+	const settle = 10 * time.Second
+	now := time.Unix(1_700_000_000, 0)
+	pollAt := func(after time.Duration) (bool, error) {
+		now = now.Add(after)
+		_, changed, err := src.ReloadIfChanged(now, settle)
+		return changed, err
+	}
+
+	// The rewrite's first part: it parses, and names orders alone.
+	half := "identities:\n" + identity("orders")
+	_, err = configfile.Parse([]byte(half), base)
+	require.NoError(t, err, "the half file must parse, or the test shows nothing")
+	require.NoError(t, os.WriteFile(path, []byte(half), 0o600))
+	for range 3 { // read the same by polls over less than the settling time
+		changed, err := pollAt(settle / 4)
+		require.NoError(t, err)
+		require.False(t, changed)
+		require.Same(t, inForce, src.Current(), "a content not yet settled is not taken")
+	}
+	// The second part lands before the half has settled: the wait starts
+	// again from the whole file.
+	rewritten := whole + "rate_limits:\n  - {identities: [billing], rate: 5}\n"
+	require.NoError(t, os.WriteFile(path, []byte(rewritten), 0o600))
+	changed, err := pollAt(settle / 2)
+	require.NoError(t, err)
+	require.False(t, changed, "the half file's wait does not count for the whole one")
+	require.Same(t, inForce, src.Current())
+	changed, err = pollAt(settle / 2)
+	require.NoError(t, err)
+	require.False(t, changed)
+	changed, err = pollAt(settle / 2)
+	require.NoError(t, err)
+	require.True(t, changed, "the whole file is taken once it has read the same for the settling time")
+	_, ok := src.Current().Access.ByName("billing")
+	require.True(t, ok)
+
+	// Written back to the content in force before it settles: nothing to
+	// take, and nothing pending.
+	require.NoError(t, os.WriteFile(path, []byte(half), 0o600))
+	changed, err = pollAt(time.Second)
+	require.NoError(t, err)
+	require.False(t, changed)
+	require.NoError(t, os.WriteFile(path, []byte(rewritten), 0o600))
+	changed, err = pollAt(2 * settle)
+	require.NoError(t, err)
+	require.False(t, changed)
+	_, ok = src.Current().Access.ByName("billing")
+	require.True(t, ok, "the half file never applied")
 }
