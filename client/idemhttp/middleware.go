@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
 	"io"
 	"net/http"
@@ -151,7 +152,7 @@ func serve(c *client.Client, s *settings, next http.Handler, w http.ResponseWrit
 		next.ServeHTTP(rec, r.WithContext(context.WithValue(ctx, attemptKey{}, a)))
 		switch st := rec.stored(s.replayHeaders); {
 		case rec.overflow:
-			return nil, client.Final(notRecorded.Err())
+			return nil, client.Final(notRecorded(fp).Err())
 		case rec.status == 0 && r.Context().Err() != nil:
 			return nil, errRetryable // the client left before the handler answered
 		case s.retryable(st.status):
@@ -218,15 +219,21 @@ func readBody(w http.ResponseWriter, r *http.Request, max int64) ([]byte, bool) 
 	return body, true
 }
 
-// notRecorded is the failure stored for a response too long to record.
-var notRecorded = func() *status.Status {
+// fingerprintMetadata is the ErrorInfo metadata of a stored failure that
+// holds the fingerprint (hex) of the request it answered.
+const fingerprintMetadata = "fingerprint"
+
+// notRecorded is the failure stored for a response too long to record, to
+// the request of fingerprint fp.
+func notRecorded(fp []byte) *status.Status {
 	st := status.New(codes.Internal, "the first response to this Idempotency-Key was too long to record; it was sent once and cannot be replayed")
-	withInfo, err := st.WithDetails(&errdetails.ErrorInfo{Reason: ReasonResponseNotRecorded, Domain: client.ErrorDomain})
+	withInfo, err := st.WithDetails(&errdetails.ErrorInfo{Reason: ReasonResponseNotRecorded, Domain: client.ErrorDomain,
+		Metadata: map[string]string{fingerprintMetadata: hex.EncodeToString(fp)}})
 	if err != nil {
 		return st
 	}
 	return withInfo
-}()
+}
 
 var replayedHeader = http.Header{ReplayedHeader: {"true"}}
 
@@ -238,8 +245,18 @@ func replay(s *settings, w http.ResponseWriter, r *http.Request, fp []byte, res 
 		st := status.Convert(err)
 		reason := ""
 		var e *client.Error
+		recorded := res.Record.Fingerprint // a record stored before the fingerprint went with the result
 		if errors.As(client.FromStatus(st), &e) {
 			reason = e.Reason
+			// The middleware's own failure names the request it answered;
+			// an operator's resolution answers any.
+			if h, ok := e.Metadata[fingerprintMetadata]; ok {
+				recorded, _ = hex.DecodeString(h)
+			}
+		}
+		if len(recorded) > 0 && !bytes.Equal(recorded, fp) {
+			answerClaim(s, w, r, client.ErrFingerprintMismatch)
+			return
 		}
 		writeProblem(w, httpStatus(st.Code()), reason, st.Message(), 0, replayedHeader)
 		return

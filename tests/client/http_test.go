@@ -632,6 +632,9 @@ func TestHTTPBounds(t *testing.T) {
 	require.Equal(t, http.StatusInternalServerError, again.status)
 	require.True(t, again.replayed())
 	require.Equal(t, idemhttp.ReasonResponseNotRecorded, again.problem(t).Reason)
+	other := s.send(t, http.MethodPost, "/x", "other", `"big-answer"`)
+	require.Equal(t, http.StatusUnprocessableEntity, other.status, "the stored failure answers its own request only")
+	require.Equal(t, client.ReasonFingerprintMismatch, other.problem(t).Reason)
 	require.EqualValues(t, 1, s.runs.Load())
 }
 
