@@ -26,6 +26,9 @@ import (
 //     with its stack;
 //  3. deadline: a request without a deadline gets RequestTimeout, a longer
 //     one is clamped to MaxRequestTimeout;
+//     then refusals (refusals.go): a refusal by any step below, of a
+//     caller (identity, or source address) over its RefusalRate, is
+//     answered only after RefusalDelay;
 //  4. authentication (go-grpc-middleware auth, skipped for health and
 //     reflection by selector): the caller's identity from a bearer token
 //     or a verified client certificate, or UNAUTHENTICATED;
@@ -54,6 +57,7 @@ func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 		s.accessLog.unary,
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(panicHandler(logger))),
 		s.deadline,
+		s.refusals.intercept,
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
 		refuseMalformed,
 		selector.UnaryServerInterceptor(s.authorize, protected),

@@ -128,6 +128,17 @@ type Config struct {
 	// written (accesslog.go). Zero means DefaultRefusalLogRate; negative
 	// writes every line.
 	RefusalLogRate int
+	// RefusalRate is how many refusals (UNAUTHENTICATED,
+	// PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT) a second
+	// each caller may draw, an identity or, for a caller without one, a
+	// source address, before each further one is answered only after
+	// RefusalDelay (refusals.go); serve's default is DefaultRefusalRate.
+	// Zero or negative holds none.
+	RefusalRate float64
+	// RefusalDelay is how long a refusal beyond RefusalRate is held, at
+	// most half of what is left of the call's deadline (zero:
+	// DefaultRefusalDelay).
+	RefusalDelay time.Duration
 	// DrainDelay is how long the server keeps serving after reporting
 	// NOT_SERVING on shutdown, so load balancers and Kubernetes endpoints
 	// stop sending new calls before connections are drained (default 0).
@@ -228,6 +239,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.RefusalLogRate == 0 {
 		c.RefusalLogRate = DefaultRefusalLogRate
+	}
+	if c.RefusalDelay <= 0 {
+		c.RefusalDelay = DefaultRefusalDelay
 	}
 	if c.StreamWorkers == 0 {
 		c.StreamWorkers = DefaultStreamWorkers

@@ -51,6 +51,12 @@ const (
 	// result (server/internal/peers: woken, stale, replayed,
 	// other_replica, unsealed).
 	MetricPeerWakesReceived = "idemreg.peer.wakes.received"
+	// MetricRefusalsSlowed counts the refusals of callers over their
+	// budget (refusals.go), by whose budget (by: identity, source) and
+	// result (held, or full: answered at once, the held slots taken);
+	// MetricRefusalsHeld is how many are held now.
+	MetricRefusalsSlowed = "idemreg.refusals.slowed"
+	MetricRefusalsHeld   = "idemreg.refusals.held"
 )
 
 // How a waiting Claim ended, the values of the "ended" attribute of
@@ -83,7 +89,8 @@ const (
 type metrics struct {
 	rateLimited, denied, adminActions, boundRefused metric.Int64Counter
 	waits, waitsRefused, logSampled                 metric.Int64Counter
-	peerWakes, peerWakesReceived                    metric.Int64Counter
+	peerWakes, peerWakesReceived, refusalsSlowed    metric.Int64Counter
+	refusalsHeld                                    metric.Int64UpDownCounter
 	waitDuration                                    metric.Float64Histogram
 	connections                                     metric.Int64ObservableUpDownCounter
 	parkedRecords                                   metric.Int64ObservableGauge
@@ -110,7 +117,11 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.peerWakes, MetricPeerWakes, "{key}", "Keys whose end this replica told another replica with a Claim waiting for it, by result (sent, failed, dropped, not_live); all but sent leave the waiters to their re-check.")
 	counter(&out.peerWakesReceived, MetricPeerWakesReceived, "{call}", "Wake calls of other replicas received, by result: woken, or refused as stale (sealed outside the freshness window), replayed (a sequence already taken), unsealed; other_replica wakes nothing. A refused Wake wakes nothing.")
 	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams or pending_calls (TOO_MANY_STREAMS), or identity_calls (TOO_MANY_CALLS).")
+	counter(&out.refusalsSlowed, MetricRefusalsSlowed, "{call}", "Refusals of callers over their budget (--refusal-rate), by whose budget (by: identity, source) and result: held (answered after --refusal-delay) or full (the held slots taken: answered at once).")
 	var err error
+	out.refusalsHeld, err = m.Int64UpDownCounter(MetricRefusalsHeld, metric.WithUnit("{call}"),
+		metric.WithDescription("Refusals held now, to be answered after the refusal delay."))
+	errs = append(errs, err)
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),
 		metric.WithDescription("How long Claims waited for a key in progress, by how they ended."),
 		metric.WithExplicitBucketBoundaries(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

@@ -56,6 +56,9 @@ type Server struct {
 	public *publicStreams
 	// identityCalls bounds the calls in progress of each identity.
 	identityCalls *identityCalls
+	// refusals holds the refusals of callers over their budget; nil
+	// holds none.
+	refusals *refusalLimiter
 	// listeners are the bounded listeners, by name, once serving: read by
 	// the connections gauge.
 	listeners sync.Map // "grpc", "health" → *limitListener
@@ -113,6 +116,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		accessLog:     accessLogger{logger: cfg.Logger, m: m},
 		public:        newPublicStreams(cfg.Bounds.MaxPublicStreams, m),
 		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
+		refusals:      newRefusalLimiter(cfg.RefusalRate, cfg.RefusalDelay, m),
 		outcomes:      outcomes,
 		window:        newReadinessWindow(cfg.Readiness),
 		// The backend counts: the gauge's count is not a request's store call.

@@ -117,6 +117,8 @@ func defaultConfig() config {
 			ParkedCountInterval:          server.DefaultParkedCountInterval,
 			StreamWorkers:                server.DefaultStreamWorkers,
 			RefusalLogRate:               server.DefaultRefusalLogRate,
+			RefusalRate:                  server.DefaultRefusalRate,
+			RefusalDelay:                 server.DefaultRefusalDelay,
 			Keepalive:                    server.DefaultKeepalive(),
 			Bounds:                       server.DefaultBounds(),
 			ShutdownTimeout:              10 * time.Second,
@@ -209,6 +211,8 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.IntVar(&s.MaxQuotaConsumersPerIdentity, "max-quota-consumers-per-identity", s.MaxQuotaConsumersPerIdentity, "most consumers with a quota (max_records, max_bytes in --config) a replica follows for one identity; beyond it their new keys are refused (QUOTA_EXCEEDED) until one of its consumers is idle for "+strconv.Itoa(server.QuotaIdleRefreshes)+" quota refreshes")
 	offAtZeroVar(fs, &s.ParkedCountInterval, policy.ParseDuration, "parked-count-interval", "how often the parked records of every consumer are counted in the store (from its index of parked records) for the idemreg_parked_records gauge; 0 turns the gauge off")
 	offAtZeroVar(fs, &s.RefusalLogRate, strconv.Atoi, "refusal-log-rate", "access log lines written a second for each identity and refusal code (UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT); the others are counted in idemreg_access_log_sampled_out_total (0: every line)")
+	fs.Float64Var(&s.RefusalRate, "refusal-rate", s.RefusalRate, "refusals (UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT) a second each caller may draw, an identity or, without one, a source IP, before each further one is answered only after --refusal-delay (burst: twice it; 0: never held); idemreg_refusals_slowed_total counts them")
+	durationVar(fs, &s.RefusalDelay, "refusal-delay", s.RefusalDelay, "how long a refusal beyond --refusal-rate is held before it is answered (at most half of what is left of the call's deadline)")
 	offAtZeroVar(fs, &s.StreamWorkers, strconv.Atoi, "stream-workers", "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
 	durationVar(fs, &s.Keepalive.MaxConnectionAge, "max-connection-age", s.Keepalive.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
 	durationVar(fs, &s.Keepalive.MaxConnectionIdle, "max-connection-idle", s.Keepalive.MaxConnectionIdle, "close client connections that have had no call for this long")

@@ -23,7 +23,7 @@ var serveFlagGroups = []struct {
 	{"Leases and retention (the defaults and bounds --config's policy overrides)", []string{"default-lease", "min-lease", "max-lease",
 		"max-lease-total", "default-message-retention", "default-operation-retention", "min-retention", "max-retention", "max-result-bytes"}},
 	{"Request limits", []string{"request-timeout", "max-request-timeout", "max-in-flight", "max-in-flight-per-identity",
-		"max-calls-per-identity", "max-quota-consumers-per-identity", "quota-refresh", "stream-workers"}},
+		"max-calls-per-identity", "max-quota-consumers-per-identity", "quota-refresh", "stream-workers", "refusal-rate", "refusal-delay"}},
 	{"Waiting Claims", []string{"max-waiters", "max-waiters-per-identity", "wait-recheck"}},
 	{"Replicas (membership, waits across replicas)", []string{"advertise-address", "heartbeat-interval", "member-live-for"}},
 	{"Connections", []string{"max-connections", "max-concurrent-streams", "max-pending-calls", "max-public-streams",

@@ -1,0 +1,159 @@
+package server_test
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/servertest"
+)
+
+// fromSource dials addr from another loopback address, so that the
+// server sees another source than the test's other connections.
+func fromSource(ip string) grpc.DialOption {
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}
+	return grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+		return d.DialContext(ctx, "tcp", addr)
+	})
+}
+
+// TestRefusalsHeldPerCaller (issue 35, weakness 8): a caller that draws
+// refusals beyond its budget (RefusalRate 1 a second, burst 2) has each
+// further refusal held for RefusalDelay (a minute here, so that a held
+// call is plainly held), while its own accepted calls and every other
+// caller's calls, refused or not, are answered at once. The budget is the
+// identity's for an authenticated caller and the source address's for
+// one without credentials; a caller holds at most
+// MaxHeldRefusalsPerCaller, the next refusal being answered at once.
+// Before, no refusal was ever held: a closed loop of them ran as fast as
+// the server answered.
+func TestRefusalsHeldPerCaller(t *testing.T) {
+	src := accessFile(t, `
+identities:
+  - {name: team, token_hashes: ["`+access.HashToken("team-token")+`"], consumers: ["team.*"]}
+  - {name: flood, token_hashes: ["`+access.HashToken("flood-token")+`"], consumers: ["flood.*"]}
+`)
+	reader := sdkmetric.NewManualReader()
+	addr, _ := servertest.Serve(t, memStore(t), server.Config{Access: src, RefusalRate: 1, RefusalDelay: time.Minute,
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
+	near := idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))
+	far := idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr, fromSource("127.0.0.2")))
+	as := func(ctx context.Context, token string) context.Context {
+		return metadata.AppendToOutgoingContext(ctx, "authorization", "bearer "+token)
+	}
+	held := func() int64 { return collectSums(t, reader)[server.MetricRefusalsHeld] }
+	// answered calls c, which must not be held: a held one would wait a
+	// minute, and fails here instead.
+	answered := func(ctx context.Context, c idemregv1.RegistryServiceClient, consumer string, want codes.Code) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		_, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k-" + time.Now().String()})
+		require.Equal(t, want, status.Code(err), "%v", err)
+	}
+	// heldCall starts a refused call that is to be held; cancel ends it.
+	heldCall := func(ctx context.Context, c idemregv1.RegistryServiceClient, consumer string) (<-chan error, context.CancelFunc) {
+		ctx, cancel := context.WithTimeout(ctx, 10*time.Minute) // clamped to MaxRequestTimeout: held for half of it
+		done := make(chan error, 1)
+		go func() {
+			_, err := c.Claim(ctx, &idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+			done <- err
+		}()
+		return done, cancel
+	}
+	requireHeld := func(n int64) {
+		t.Helper()
+		require.Eventually(t, func() bool { return held() == n }, 20*time.Second, 5*time.Millisecond, "%d refusals held", n)
+	}
+	requireStillHeld := func(done <-chan error) {
+		t.Helper()
+		select {
+		case err := <-done:
+			t.Fatalf("a refusal over the budget answered at once: %v", err)
+		default:
+		}
+	}
+
+	t.Run("identity", func(t *testing.T) {
+		flood, team := as(t.Context(), "flood-token"), as(t.Context(), "team-token")
+		answered(flood, near, "team.a", codes.PermissionDenied) // the burst
+		answered(flood, near, "team.a", codes.PermissionDenied)
+		done, cancel := heldCall(flood, near, "team.a")
+		requireHeld(1)
+		// Nothing else waits for it: flood's accepted calls, from any
+		// address, and another identity's calls, refused or not.
+		answered(flood, near, "flood.a", codes.OK)
+		answered(flood, far, "flood.a", codes.OK)
+		answered(team, near, "team.a", codes.OK)
+		answered(team, near, "flood.a", codes.PermissionDenied)
+		answered(team, far, "flood.a", codes.PermissionDenied)
+		requireStillHeld(done)
+		// The budget is the identity's, from every address.
+		fromFar, cancelFar := heldCall(flood, far, "team.a")
+		requireHeld(2)
+		requireStillHeld(done)
+		requireStillHeld(fromFar)
+		cancel()
+		cancelFar()
+		require.Equal(t, codes.Canceled, status.Code(<-done))
+		require.Equal(t, codes.Canceled, status.Code(<-fromFar))
+		requireHeld(0)
+	})
+
+	t.Run("source", func(t *testing.T) {
+		nobody := as(t.Context(), "wrong-token")
+		answered(nobody, far, "team.a", codes.Unauthenticated)
+		answered(nobody, far, "team.a", codes.Unauthenticated)
+		done, cancel := heldCall(nobody, far, "team.a")
+		requireHeld(1)
+		// Another source without credentials has a budget of its own.
+		answered(nobody, near, "team.a", codes.Unauthenticated)
+		answered(nobody, near, "team.a", codes.Unauthenticated)
+		answered(as(t.Context(), "team-token"), near, "team.a", codes.OK)
+		requireStillHeld(done)
+		cancel()
+		require.Equal(t, codes.Canceled, status.Code(<-done))
+		requireHeld(0)
+	})
+
+	t.Run("held slots are bounded", func(t *testing.T) {
+		flood := as(t.Context(), "flood-token")
+		ctx, cancel := context.WithTimeout(flood, 10*time.Minute)
+		defer cancel()
+		// Over two connections: one takes MaxConcurrentStreams calls at
+		// once, as many as a caller may hold.
+		conns := []idemregv1.RegistryServiceClient{near, idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))}
+		over := server.MaxHeldRefusalsPerCaller + 8
+		done := make(chan error, over)
+		for i := range over {
+			go func() {
+				_, err := conns[i%2].Claim(ctx, &idemregv1.ClaimRequest{Consumer: "team.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+				done <- err
+			}()
+		}
+		requireHeld(server.MaxHeldRefusalsPerCaller)
+		// The ones beyond the bound (and any within a refilled budget)
+		// are answered, refused, at once.
+		for range over - server.MaxHeldRefusalsPerCaller {
+			require.Equal(t, codes.PermissionDenied, status.Code(<-done))
+		}
+		sums := collectSums(t, reader)
+		require.Positive(t, sums[server.MetricRefusalsSlowed+" by=identity result=full"], "%v", sums)
+		cancel()
+		for range server.MaxHeldRefusalsPerCaller {
+			<-done
+		}
+		requireHeld(0)
+	})
+}
