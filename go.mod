@@ -3,6 +3,7 @@ module github.com/idemreg/idemreg
 go 1.26.8
 
 require (
+	connectrpc.com/connect v1.19.1
 	connectrpc.com/vanguard v0.4.0
 	github.com/cockroachdb/cockroach-go/v2 v2.4.2
 	github.com/cockroachdb/pebble/v2 v2.1.7
@@ -32,7 +33,6 @@ require (
 )
 
 require (
-	connectrpc.com/connect v1.19.1 // indirect
 	github.com/DataDog/zstd v1.5.7 // indirect
 	github.com/RaduBerinde/axisds v0.1.0 // indirect
 	github.com/RaduBerinde/btreemap v0.0.0-20250419174037-3d62b7205d54 // indirect

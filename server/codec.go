@@ -2,11 +2,13 @@ package server
 
 import (
 	"context"
+	"errors"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/encoding"
 	protocodec "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/protoadapt"
 
@@ -75,15 +77,77 @@ func (r *rawRequest) decode(m any) error {
 	}
 	buf := r.data.MaterializeToBuffer(mem.DefaultBufferPool())
 	defer buf.Free()
-	if err := proto.Unmarshal(buf.ReadOnlyData(), msg); err != nil {
-		proto.Reset(msg)
-		name := string(msg.ProtoReflect().Descriptor().FullName())
-		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_MALFORMED_REQUEST,
-			"the request is not a valid encoding of "+name+": "+err.Error(),
-			map[string]string{"message": name})
+	err := proto.Unmarshal(buf.ReadOnlyData(), msg)
+	if err == nil {
+		detail, marked := markedMalformed(msg.ProtoReflect().GetUnknown())
+		if !marked {
+			return nil
+		}
+		err = errors.New(detail)
 	}
-	return nil
+	proto.Reset(msg)
+	name := string(msg.ProtoReflect().Descriptor().FullName())
+	return reason.Status(idemregv1.ErrorReason_ERROR_REASON_MALFORMED_REQUEST,
+		"the request is not a valid encoding of "+name+": "+reason.Echo(err.Error()),
+		map[string]string{"message": name})
 }
+
+// Requests a transcoder in front of the server could not decode. The HTTP
+// API's transcoder decodes a JSON request, or inflates a compressed one,
+// before the server sees it, and answered what it could not decode itself,
+// before any interceptor: no authentication first, no access log line, no
+// metric, a 500. So it hands such a request on instead, as a message that
+// carries only this mark: an unknown field, of the largest number protobuf
+// allows (no message of the API comes near it), whose value says what was
+// wrong. The server refuses a marked request as it refuses bytes that do not
+// decode, inside the interceptor chain. A gRPC caller that sends the mark
+// itself only gets its own request refused.
+const malformedMark = protowire.MaxValidNumber
+
+// MarkMalformed makes msg a request that the server refuses with
+// INVALID_ARGUMENT, reason MALFORMED_REQUEST, quoting detail (cut to
+// MaxEchoedFieldBytes): what a transcoder in front of the server sends for
+// a request it could not decode, so that the refusal is the server's.
+func MarkMalformed(msg proto.Message, detail string) {
+	proto.Reset(msg)
+	b := protowire.AppendTag(nil, malformedMark, protowire.BytesType)
+	msg.ProtoReflect().SetUnknown(protowire.AppendString(b, reason.Echo(detail)))
+}
+
+// markedMalformed returns the detail of the mark among a request's unknown
+// fields, if it has one.
+func markedMalformed(unknown []byte) (string, bool) {
+	for len(unknown) > 0 {
+		num, typ, n := protowire.ConsumeTag(unknown)
+		if n < 0 {
+			return "", false
+		}
+		unknown = unknown[n:]
+		if num == malformedMark && typ == protowire.BytesType {
+			v, m := protowire.ConsumeBytes(unknown)
+			if m < 0 {
+				return "", false
+			}
+			return string(v), true
+		}
+		m := protowire.ConsumeFieldValue(num, typ, unknown)
+		if m < 0 {
+			return "", false
+		}
+		unknown = unknown[m:]
+	}
+	return "", false
+}
+
+// maxRequestBytes is the largest request message the server receives:
+// room for the largest allowed result plus the rest of a request, and for
+// a batch a little over its bound, to be told INVALID_ARGUMENT.
+func maxRequestBytes(l Limits) int { return max(l.MaxResultBytes+64<<10, MaxBatchBytes+1<<20) }
+
+// MaxRequestBytes is the largest request message the server receives,
+// decoded and inflated: the bound a transcoder in front of it must hold
+// too, before it buffers a request for it.
+func (s *Server) MaxRequestBytes() int { return maxRequestBytes(s.cfg.Limits) }
 
 // malformedKey carries a unary request's decoding failure from its
 // handler's decoding to refuseMalformed.

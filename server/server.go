@@ -159,9 +159,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		grpc.StatsHandler(s.accessLog),
 		grpc.ChainUnaryInterceptor(s.unaryInterceptors()...),
 		grpc.ChainStreamInterceptor(s.streamInterceptors()...),
-		// Room for the largest allowed result plus the rest of a request, and for
-		// a batch a little over its bound, to be told INVALID_ARGUMENT.
-		grpc.MaxRecvMsgSize(max(cfg.Limits.MaxResultBytes+64<<10, MaxBatchBytes+1<<20)),
+		grpc.MaxRecvMsgSize(maxRequestBytes(cfg.Limits)),
 		grpc.KeepaliveParams(cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement),
 		grpc.NumStreamWorkers(uint32(max(cfg.StreamWorkers, 0))),

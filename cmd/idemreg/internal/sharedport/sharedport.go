@@ -40,9 +40,7 @@ import (
 	"sync"
 	"time"
 
-	"connectrpc.com/vanguard"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/encoding"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 )
@@ -324,24 +322,6 @@ func apiPath(p string) bool {
 	return ok && strings.HasPrefix(p, "/") && strings.Contains(svc, ".") && method != "" && !strings.Contains(method, "/")
 }
 
-// transcoder is vanguardgrpc.NewTranscoder without the internal services
-// (idemreg.internal.*: the replicas' own RPC, which has no descriptor to
-// transcode and is no API).
-func transcoder(g *grpc.Server) (*vanguard.Transcoder, error) {
-	codecs := []string{vanguard.CodecProto}
-	if encoding.GetCodec(vanguard.CodecJSON) != nil {
-		codecs = append(codecs, vanguard.CodecJSON)
-	}
-	var services []*vanguard.Service
-	for name := range g.GetServiceInfo() {
-		if !strings.HasPrefix(name, "idemreg.internal.") {
-			services = append(services, vanguard.NewService(name, g))
-		}
-	}
-	return vanguard.NewTranscoder(services, vanguard.WithDefaultServiceOptions(
-		vanguard.WithTargetCodecs(codecs...), vanguard.WithTargetProtocols(vanguard.ProtocolGRPC)))
-}
-
 // http1Only is tlsCfg for the HTTP API: http/1.1 is the only protocol it
 // negotiates, on tlsCfg and on the config its GetConfigForClient answers
 // with (server.TLSConfig answers that way, so that a rotated certificate is
@@ -364,17 +344,18 @@ func http1Only(tlsCfg *tls.Config) *tls.Config {
 }
 
 // ServeAPI serves the HTTP API (Connect, gRPC-Web, HTTP/JSON) of g on
-// lis under the HTTP listeners' bounds, until stop is called; over TLS
+// lis under the HTTP listeners' bounds, each request held to maxRequest
+// bytes (the server's, server.MaxRequestBytes), until stop is called; over TLS
 // with tlsCfg's certificates and client CA (negotiating http/1.1) when it
 // is not nil, so that a client certificate is the same identity as on
 // gRPC.
-func ServeAPI(g *grpc.Server, lis net.Listener, tlsCfg *tls.Config, origins []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
-	h, err := transcoder(g)
+func ServeAPI(g *grpc.Server, maxRequest int, lis net.Listener, tlsCfg *tls.Config, origins []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
+	h, err := transcoder(g, maxRequest)
 	if err != nil {
 		return nil, err
 	}
 	srv := &http.Server{
-		Handler:           withCORS(origins, plainJSON(h)),
+		Handler:           withCORS(origins, plainJSON(boundBody(maxRequest, h))),
 		ReadHeaderTimeout: bounds.ReadHeaderTimeout,
 		ReadTimeout:       bounds.ReadTimeout,
 		// A Claim may wait up to 30 s for another holder (MaxWait).

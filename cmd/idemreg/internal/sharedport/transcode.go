@@ -1,0 +1,232 @@
+package sharedport
+
+import (
+	"bytes"
+	"compress/gzip"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"connectrpc.com/connect"
+	"connectrpc.com/vanguard"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/emptypb"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server"
+)
+
+// What the HTTP API reads of a request, before anyone is authenticated.
+// vanguard buffers each message whole, up to 4 GiB by default, and inflates
+// gzip without a bound: a 256 KiB upload inflating to 256 MiB took the
+// server past 1 GiB, and was answered INTERNAL. So a request is held to the
+// gRPC side's receive limit (maxRequest, server.MaxRequestBytes) three
+// times over, each where it is read:
+//
+//   - on the wire, the body: maxRequest plus wireSlack (envelopes and a
+//     compression's overhead on incompressible data);
+//   - inflated: the gzip reader stops one byte past maxRequest;
+//   - buffered: vanguard's own limit, maxRequest plus twice wireSlack, so
+//     that the two above answer first, each INVALID_ARGUMENT, reason
+//     MALFORMED_REQUEST, with a 400. vanguard's own answers only a length
+//     declared beyond it (a gRPC-Web envelope's), RESOURCE_EXHAUSTED, before
+//     it reads the message.
+//
+// A request between maxRequest and the wire's bound reaches grpc-go, which
+// refuses it as it refuses it on the gRPC side (RESOURCE_EXHAUSTED). The
+// server then receives requests uncompressed, so that grpc-go never
+// inflates what vanguard did not.
+const wireSlack = 64 << 10
+
+// transcoder is vanguardgrpc.NewTranscoder without the internal services
+// (idemreg.internal.*: the replicas' own RPC, which has no descriptor to
+// transcode and is no API), with the bounds above, and with requests it
+// cannot decode handed on to the server, marked (server.MarkMalformed), so
+// that the server refuses them after authentication, logged and counted,
+// as it refuses a malformed gRPC request.
+func transcoder(g *grpc.Server, maxRequest int) (*vanguard.Transcoder, error) {
+	codecs := []string{vanguard.CodecProto}
+	if encoding.GetCodec(vanguard.CodecJSON) != nil {
+		codecs = append(codecs, vanguard.CodecJSON)
+	}
+	target := messageRequired(g)
+	var services []*vanguard.Service
+	for name := range g.GetServiceInfo() {
+		if !strings.HasPrefix(name, "idemreg.internal.") {
+			services = append(services, vanguard.NewService(name, target))
+		}
+	}
+	return vanguard.NewTranscoder(services,
+		vanguard.WithCodec(func(r vanguard.TypeResolver) vanguard.Codec { return markingJSON{vanguard.NewJSONCodec(r)} }),
+		vanguard.WithCompression(vanguard.CompressionGzip,
+			func() connect.Compressor { return gzip.NewWriter(io.Discard) },
+			func() connect.Decompressor { return &boundedGzip{limit: int64(maxRequest)} }),
+		vanguard.WithDefaultServiceOptions(
+			vanguard.WithTargetCodecs(codecs...), vanguard.WithTargetProtocols(vanguard.ProtocolGRPC),
+			vanguard.WithNoTargetCompression(),
+			vanguard.WithMaxMessageBufferBytes(uint32(maxRequest+2*wireSlack))))
+}
+
+// tooLarge is the answer to a request over limit bytes, wire or inflated.
+func tooLarge(limit int64) error {
+	r := idemregv1.ErrorReason_ERROR_REASON_MALFORMED_REQUEST
+	err := connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("the request is larger than the %d bytes the server accepts", limit))
+	if d, derr := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: r.Reason(), Domain: idemregv1.ErrorDomain,
+		Metadata: map[string]string{"limit_bytes": strconv.FormatInt(limit, 10)}}); derr == nil {
+		err.AddDetail(d)
+	}
+	return err
+}
+
+// boundBody holds a request's body on the wire to maxRequest plus
+// wireSlack. http.MaxBytesReader also has the connection closed after the
+// answer, rather than the rest of the body read.
+func boundBody(maxRequest int, next http.Handler) http.Handler {
+	limit := int64(maxRequest + wireSlack)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.ContentLength > limit {
+			// vanguard would refuse it unread, RESOURCE_EXHAUSTED and a
+			// 429 (retry later); it is read to the bound instead, so that
+			// every request too large is answered alike.
+			r.ContentLength = -1
+		}
+		r.Body = &wireBody{r: http.MaxBytesReader(w, r.Body, limit), limit: limit}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// wireBody answers a body over its bound with tooLarge, which vanguard
+// sends as it is (any other error it answers 500).
+type wireBody struct {
+	r     io.ReadCloser
+	limit int64
+}
+
+func (b *wireBody) Read(p []byte) (int, error) {
+	n, err := b.r.Read(p)
+	if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
+		err = tooLarge(b.limit)
+	}
+	return n, err
+}
+
+func (b *wireBody) Close() error { return b.r.Close() }
+
+// boundedGzip is vanguard's gzip decompressor, stopped once it has
+// inflated one byte past limit.
+type boundedGzip struct {
+	gz    gzip.Reader
+	limit int64
+	n     int64
+}
+
+func (d *boundedGzip) Reset(r io.Reader) error {
+	d.n = 0
+	return d.gz.Reset(r)
+}
+
+func (d *boundedGzip) Read(p []byte) (int, error) {
+	if d.n > d.limit {
+		return 0, tooLarge(d.limit)
+	}
+	if rest := d.limit + 1 - d.n; int64(len(p)) > rest {
+		p = p[:rest]
+	}
+	n, err := d.gz.Read(p)
+	d.n += int64(n)
+	if d.n > d.limit {
+		return n, tooLarge(d.limit)
+	}
+	return n, err
+}
+
+func (d *boundedGzip) Close() error { return d.gz.Close() }
+
+// markingJSON is vanguard's JSON codec, except that a request that does not
+// decode is handed on marked rather than answered by vanguard (a 500
+// "unknown" echoing the whole value, before any interceptor).
+type markingJSON struct{ *vanguard.JSONCodec }
+
+func (c markingJSON) Unmarshal(data []byte, msg proto.Message) error {
+	if err := c.JSONCodec.Unmarshal(data, msg); err != nil {
+		server.MarkMalformed(msg, "JSON: "+err.Error())
+	}
+	return nil
+}
+
+// messageRequired hands g a request that ends before its first message as
+// a marked message (server.MarkMalformed), which the server refuses
+// MALFORMED_REQUEST after authentication, logged and counted: an empty
+// body (a Connect call's or a gRPC-Web call's), which grpc-go would answer
+// INTERNAL ("cardinality violation") before any interceptor, and a body
+// vanguard stopped reading with an error it hands on rather than answers
+// (one over the wire's bound, without a length). Only unary and
+// server-streaming calls, whose single request message is required, are
+// read so; a client stream may be empty.
+func messageRequired(g *grpc.Server) http.Handler {
+	single := map[string]bool{}
+	for svc, info := range g.GetServiceInfo() {
+		for _, m := range info.Methods {
+			single["/"+svc+"/"+m.Name] = !m.IsClientStream
+		}
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if single[r.URL.Path] {
+			r.Body = &firstMessage{r: r.Body}
+		}
+		g.ServeHTTP(w, r)
+	})
+}
+
+// markedFrame is a gRPC message frame of a request marked malformed with
+// detail.
+func markedFrame(detail string) []byte {
+	m := &emptypb.Empty{}
+	server.MarkMalformed(m, detail)
+	b, err := proto.Marshal(m)
+	if err != nil {
+		// An empty message with one bytes field of bounded text always
+		// encodes; an empty frame still makes the call refused.
+		b = nil
+	}
+	return append(binary.BigEndian.AppendUint32([]byte{0}, uint32(len(b))), b...)
+}
+
+// firstMessage reads a transcoded gRPC body, and replays a marked message
+// in its place when it ends, or fails, before its first byte. vanguard has
+// answered the caller itself when it refused the request (the caller gets
+// that answer, and the server's to the marked message is dropped), or
+// handed its error on in the body.
+type firstMessage struct {
+	r       io.ReadCloser
+	started bool
+	marked  *bytes.Reader
+}
+
+func (b *firstMessage) Read(p []byte) (int, error) {
+	if b.marked != nil {
+		return b.marked.Read(p)
+	}
+	n, err := b.r.Read(p)
+	if !b.started && n == 0 && err != nil {
+		detail := "no request message arrived"
+		if ce := (*connect.Error)(nil); errors.As(err, &ce) {
+			detail = ce.Message()
+		} else if !errors.Is(err, io.EOF) {
+			detail = err.Error()
+		}
+		b.marked = bytes.NewReader(markedFrame(detail))
+		return b.marked.Read(p)
+	}
+	b.started = b.started || n > 0
+	return n, err
+}
+
+func (b *firstMessage) Close() error { return b.r.Close() }

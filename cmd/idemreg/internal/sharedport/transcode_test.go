@@ -1,0 +1,347 @@
+package sharedport
+
+import (
+	"bufio"
+	"bytes"
+	"compress/gzip"
+	"context"
+	"encoding/base64"
+	"encoding/binary"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/storage/pebble"
+)
+
+const apiToken = "sharedport-token-0123456789abcdef"
+
+// apiServer is a real registry server (embedded store in memory) on a
+// loopback port shared as serve shares it: gRPC, and the HTTP API.
+type apiServer struct {
+	base string
+	logs *lines
+}
+
+// lines keeps a server's JSON log lines.
+type lines struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *lines) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+// finished is the server's access log lines ("finished call") so far.
+func (l *lines) finished(t *testing.T) []map[string]any {
+	t.Helper()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []map[string]any
+	sc := bufio.NewScanner(bytes.NewReader(l.buf.Bytes()))
+	sc.Buffer(make([]byte, 64<<10), 4<<20)
+	for sc.Scan() {
+		var line map[string]any
+		require.NoError(t, json.Unmarshal(sc.Bytes(), &line))
+		if line["msg"] == "finished call" {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// startAPI serves a registry whose one identity has apiToken, granted
+// "billing.*", with refusal lines sampled at refusalLogRate a second.
+func startAPI(t *testing.T, refusalLogRate int) *apiServer {
+	t.Helper()
+	store, err := pebble.Open("", pebble.WithInMemory())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	set, err := access.Parse([]byte(`
+identities:
+  - {name: billing, token_hashes: ["` + access.HashToken(apiToken) + `"], consumers: ["billing.*"]}
+`))
+	require.NoError(t, err)
+	logs := &lines{}
+	logger := slog.New(slog.NewJSONHandler(logs, nil))
+	srv, err := server.New(store, server.Config{Logger: logger, Access: set, RefusalLogRate: refusalLogRate})
+	require.NoError(t, err)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	grpcLis, httpLis := Split(lis, nil, time.Second, logger)
+	stop, err := ServeAPI(srv.GRPCServer(), srv.MaxRequestBytes(), httpLis, nil, nil, httpserve.DefaultBounds(), logger)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, grpcLis) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+		stop()
+	})
+	return &apiServer{base: "http://" + lis.Addr().String(), logs: logs}
+}
+
+// answer is what the HTTP API answered a call: the Connect error (code,
+// message, ErrorInfo) or gRPC-Web's status.
+type answer struct {
+	status  int
+	code    string // Connect's code, or gRPC-Web's grpc-status
+	message string
+	info    *errdetails.ErrorInfo
+}
+
+// call POSTs body to a RegistryService method with the token and the
+// headers given, and reads the answer.
+func (s *apiServer) call(t *testing.T, method string, body io.Reader, header ...string) answer {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, s.base+"/idemreg.v1.RegistryService/"+method, body)
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+apiToken)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	res, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	require.NoError(t, err)
+	a := answer{status: res.StatusCode}
+	if strings.HasPrefix(res.Header.Get("Content-Type"), "application/grpc-web") {
+		// The status is in the headers (no message) or in the trailers frame.
+		a.code, a.message = res.Header.Get("Grpc-Status"), res.Header.Get("Grpc-Message")
+		details := res.Header.Get("Grpc-Status-Details-Bin")
+		for len(b) >= 5 {
+			n := binary.BigEndian.Uint32(b[1:5])
+			if b[0]&0x80 != 0 {
+				for l := range strings.SplitSeq(string(b[5:5+n]), "\r\n") {
+					k, v, _ := strings.Cut(l, ":")
+					switch strings.ToLower(k) {
+					case "grpc-status":
+						a.code = strings.TrimSpace(v)
+					case "grpc-message":
+						a.message = strings.TrimSpace(v)
+					case "grpc-status-details-bin":
+						details = strings.TrimSpace(v)
+					}
+				}
+			}
+			b = b[5+n:]
+		}
+		if details != "" {
+			raw, err := base64.RawStdEncoding.DecodeString(strings.TrimRight(details, "="))
+			require.NoError(t, err)
+			a.info = errorInfoOf(t, raw)
+		}
+		return a
+	}
+	var ce struct {
+		Code, Message string
+		Details       []struct{ Type, Value string }
+	}
+	if res.StatusCode != http.StatusOK {
+		require.NoError(t, json.Unmarshal(b, &ce), "%.300s", b)
+	}
+	a.code, a.message = ce.Code, ce.Message
+	for _, d := range ce.Details {
+		if d.Type == "google.rpc.ErrorInfo" {
+			raw, err := base64.RawStdEncoding.DecodeString(strings.TrimRight(d.Value, "="))
+			require.NoError(t, err)
+			a.info = &errdetails.ErrorInfo{}
+			require.NoError(t, proto.Unmarshal(raw, a.info))
+		}
+	}
+	return a
+}
+
+// errorInfoOf is the ErrorInfo of an encoded google.rpc.Status.
+func errorInfoOf(t *testing.T, raw []byte) *errdetails.ErrorInfo {
+	t.Helper()
+	var st spb.Status
+	require.NoError(t, proto.Unmarshal(raw, &st))
+	for _, d := range st.GetDetails() {
+		info := &errdetails.ErrorInfo{}
+		if d.MessageIs(info) {
+			require.NoError(t, d.UnmarshalTo(info))
+			return info
+		}
+	}
+	return nil
+}
+
+// gzipped is b compressed.
+func gzipped(t *testing.T, b []byte) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	w, err := gzip.NewWriterLevel(&buf, gzip.BestCompression)
+	require.NoError(t, err)
+	_, err = w.Write(b)
+	require.NoError(t, err)
+	require.NoError(t, w.Close())
+	return buf.Bytes()
+}
+
+// webFrame is a gRPC-Web message frame.
+func webFrame(compressed bool, msg []byte) []byte {
+	flag := byte(0)
+	if compressed {
+		flag = 1
+	}
+	return append(binary.BigEndian.AppendUint32([]byte{flag}, uint32(len(msg))), msg...)
+}
+
+// TestHTTPAPIRequestBounds: a request that inflates, or arrives, beyond
+// the server's receive limit (5 MiB) is answered INVALID_ARGUMENT with
+// ErrorInfo MALFORMED_REQUEST before it is decoded, whatever the protocol
+// and the encoding; the inflation stops at the limit. Before, vanguard
+// inflated a 64 MiB gzip bomb whole, then decoded it, and answered
+// INTERNAL or unknown (500).
+func TestHTTPAPIRequestBounds(t *testing.T) {
+	s := startAPI(t, 0)
+	const inflated = 64 << 20
+	key := strings.Repeat("k", inflated)
+	jsonBomb := gzipped(t, []byte(`{"consumer":"billing.worker","kind":"KIND_MESSAGE","key":"`+key+`"}`))
+	pb, err := proto.Marshal(&idemregv1.ClaimRequest{Consumer: "billing.worker", Kind: idemregv1.Kind_KIND_MESSAGE, Key: key})
+	require.NoError(t, err)
+	protoBomb := gzipped(t, pb)
+	key = ""
+	pb = nil
+	t.Logf("JSON bomb %d KiB, proto bomb %d KiB, each inflating to %d MiB", len(jsonBomb)>>10, len(protoBomb)>>10, inflated>>20)
+	big := bytes.Repeat([]byte("k"), 8<<20)
+	for _, tc := range []struct {
+		name   string
+		body   func() io.Reader
+		header []string
+		web    bool
+	}{
+		{"Connect JSON, gzip", func() io.Reader { return bytes.NewReader(jsonBomb) },
+			[]string{"Content-Type", "application/json", "Content-Encoding", "gzip"}, false},
+		{"Connect proto, gzip", func() io.Reader { return bytes.NewReader(protoBomb) },
+			[]string{"Content-Type", "application/proto", "Connect-Protocol-Version", "1", "Content-Encoding", "gzip"}, false},
+		{"gRPC-Web, gzip message", func() io.Reader { return bytes.NewReader(webFrame(true, protoBomb)) },
+			[]string{"Content-Type", "application/grpc-web+proto", "Grpc-Encoding", "gzip"}, true},
+		{"Connect JSON, 8 MiB without a length", func() io.Reader { return io.MultiReader(strings.NewReader(`{"key":"`), bytes.NewReader(big)) },
+			[]string{"Content-Type", "application/json"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var before, after runtime.MemStats
+			runtime.GC()
+			runtime.ReadMemStats(&before)
+			a := s.call(t, "Claim", tc.body(), tc.header...)
+			runtime.ReadMemStats(&after)
+			if tc.web {
+				require.Equal(t, http.StatusOK, a.status)
+				require.Equal(t, "3", a.code, "INVALID_ARGUMENT: %s", a.message)
+			} else {
+				require.Equal(t, http.StatusBadRequest, a.status, "%+v", a)
+				require.Equal(t, "invalid_argument", a.code, "%+v", a)
+			}
+			require.NotNil(t, a.info, "an ErrorInfo: %+v", a)
+			require.Equal(t, idemregv1.ReasonMalformedRequest, a.info.GetReason())
+			require.Contains(t, a.message, "larger than the")
+			// Everything this process allocated meanwhile, client and
+			// server: a few times the limit, never the bomb (inflating it
+			// whole allocates twice its size).
+			allocated := after.TotalAlloc - before.TotalAlloc
+			t.Logf("allocated %d MiB", allocated>>20)
+			require.Less(t, allocated, uint64(inflated))
+		})
+	}
+}
+
+// TestHTTPAPIBadJSON: JSON that does not decode into the request is the
+// caller's mistake: 400, invalid_argument, ErrorInfo MALFORMED_REQUEST,
+// quoting at most 256 bytes of the decoder's error, refused after
+// authentication (no credentials: unauthenticated), and logged like any
+// refusal. Before, vanguard answered it 500 "unknown", echoing a 1 MB
+// value whole, with no ErrorInfo, and the server logged an ERROR.
+func TestHTTPAPIBadJSON(t *testing.T) {
+	s := startAPI(t, 0)
+	for _, tc := range []struct{ name, method, body string }{
+		{"broken", "Claim", `{"consumer":`},
+		{"duration in hours", "Claim", `{"consumer":"billing.worker","kind":"KIND_MESSAGE","key":"k","lease":"1h"}`},
+		{"int64 overflow", "Complete", `{"consumer":"billing.worker","kind":"KIND_MESSAGE","key":"k","token":"99999999999999999999999"}`},
+		{"unknown enum number", "Claim", `{"consumer":"billing.worker","kind":99999999999,"key":"k"}`},
+		{"1 MB value", "Claim", `{"consumer":"billing.worker","kind":"KIND_MESSAGE","key":"k","lease":"` + strings.Repeat("9", 1<<20) + `"}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := s.call(t, tc.method, strings.NewReader(tc.body), "Content-Type", "application/json")
+			require.Equal(t, http.StatusBadRequest, a.status, "%.300s", a.message)
+			require.Equal(t, "invalid_argument", a.code)
+			require.NotNil(t, a.info, "an ErrorInfo")
+			require.Equal(t, idemregv1.ReasonMalformedRequest, a.info.GetReason())
+			require.Equal(t, "idemreg.v1."+tc.method+"Request", a.info.GetMetadata()["message"])
+			require.Less(t, len(a.message), 512, a.message)
+		})
+	}
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, s.base+"/idemreg.v1.RegistryService/Claim", strings.NewReader(`{"consumer":`))
+	require.NoError(t, err)
+	req.Header.Set("Content-Type", "application/json")
+	res, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	_ = res.Body.Close()
+	require.Equal(t, http.StatusUnauthorized, res.StatusCode, "authentication first")
+
+	var refused int
+	for _, line := range s.logs.finished(t) {
+		require.NotEqual(t, "INTERNAL", line["grpc.code"], "%v", line)
+		if line["grpc.code"] == "INVALID_ARGUMENT" && line["identity"] == "billing" {
+			refused++
+			require.Equal(t, "INFO", line["level"])
+			require.Less(t, len(line["grpc.error"].(string)), 512)
+		}
+	}
+	require.Equal(t, 5, refused, "each refusal has its access log line")
+}
+
+// TestHTTPAPIEmptyMessage: a call with no request message (an empty
+// gRPC-Web or Connect body) is INVALID_ARGUMENT, MALFORMED_REQUEST, after
+// authentication, its line INFO and sampled. Before, grpc-go answered it
+// INTERNAL "cardinality violation", and the server logged an ERROR line
+// for every one.
+func TestHTTPAPIEmptyMessage(t *testing.T) {
+	const rate = 3
+	s := startAPI(t, rate)
+	web := s.call(t, "Claim", http.NoBody, "Content-Type", "application/grpc-web+proto")
+	require.Equal(t, "3", web.code, "INVALID_ARGUMENT: %s", web.message)
+	require.NotNil(t, web.info)
+	require.Equal(t, idemregv1.ReasonMalformedRequest, web.info.GetReason())
+	connectJSON := s.call(t, "Claim", http.NoBody, "Content-Type", "application/json")
+	require.Equal(t, http.StatusBadRequest, connectJSON.status)
+	require.Equal(t, "invalid_argument", connectJSON.code)
+	require.Equal(t, idemregv1.ReasonMalformedRequest, connectJSON.info.GetReason())
+
+	for range 100 {
+		a := s.call(t, "Lookup", http.NoBody, "Content-Type", "application/grpc-web+proto")
+		require.Equal(t, "3", a.code)
+	}
+	var lookups int
+	for _, line := range s.logs.finished(t) {
+		require.NotEqual(t, "INTERNAL", line["grpc.code"], "%v", line)
+		require.Equal(t, "INFO", line["level"], "%v", line)
+		if line["grpc.method"] == "Lookup" {
+			lookups++
+		}
+	}
+	// 100 calls: at most rate lines a second of them.
+	require.Less(t, lookups, 100, "the lines are sampled")
+}
