@@ -169,7 +169,9 @@ rate_limits:
 // 8 callers, alone and beside 64 callers of flood sending Claims of a
 // consumer it may not use as fast as they are answered, on one server with
 // the logger at INFO writing JSON to a file. An op is one of team's Claims;
-// calls/s is team's, refused/s the flood's.
+// calls/s is team's, refused/s the flood's. beside_flood holds no refusal
+// (RefusalRate 0, as before issue 35); beside_flood_held has serve's
+// default, DefaultRefusalRate, beyond which flood's refusals are held.
 //
 //	go test -run '^$' -bench NeighbourOfRefusalFlood -benchtime 3s ./server/
 func BenchmarkNeighbourOfRefusalFlood(b *testing.B) {
@@ -180,8 +182,17 @@ identities:
 rate_limits: # team measures its throughput: above the default rate of an identity
   - {identities: [team], rate: 1000000000, burst: 1000000000}
 `)
-	for _, flooded := range []bool{false, true} {
-		b.Run(map[bool]string{false: "alone", true: "beside_flood"}[flooded], func(b *testing.B) {
+	for _, bc := range []struct {
+		name        string
+		flooded     bool
+		refusalRate float64
+	}{
+		{"alone", false, server.DefaultRefusalRate},
+		{"beside_flood", true, 0},
+		{"beside_flood_held", true, server.DefaultRefusalRate},
+	} {
+		flooded := bc.flooded
+		b.Run(bc.name, func(b *testing.B) {
 			f, err := os.Create(b.TempDir() + "/log.json")
 			require.NoError(b, err)
 			b.Cleanup(func() { _ = f.Close() })
@@ -189,7 +200,7 @@ rate_limits: # team measures its throughput: above the default rate of an identi
 			store, err := pebble.Open("", pebble.WithInMemory(), pebble.WithLogger(slog.New(slog.DiscardHandler)))
 			require.NoError(b, err)
 			b.Cleanup(func() { _ = store.Close() })
-			addr, _ := servertest.Serve(b, store, server.Config{Logger: logger, Access: src})
+			addr, _ := servertest.Serve(b, store, server.Config{Logger: logger, Access: src, RefusalRate: bc.refusalRate})
 			team := idemregv1.NewRegistryServiceClient(servertest.Dial(b, addr))
 			floodConn := idemregv1.NewRegistryServiceClient(servertest.Dial(b, addr))
 
