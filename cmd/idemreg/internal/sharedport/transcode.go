@@ -127,8 +127,26 @@ type boundedGzip struct {
 	n     int64
 }
 
+// Reset first inflates the message into nothing, to count it, when it is
+// buffered whole (vanguard hands it so): a bomb is then refused before a
+// byte of it is kept, where vanguard's buffer, growing by doubling, would
+// have taken three times the limit (measured: 17 MiB above the idle
+// server for one bomb, 64 MiB for four). A message under the limit is
+// inflated twice, which only a compressed request costs.
 func (d *boundedGzip) Reset(r io.Reader) error {
 	d.n = 0
+	if b, ok := r.(*bytes.Buffer); ok {
+		if err := d.gz.Reset(bytes.NewReader(b.Bytes())); err != nil {
+			return err
+		}
+		n, err := io.Copy(io.Discard, io.LimitReader(&d.gz, d.limit+1))
+		if err != nil {
+			return err
+		}
+		if n > d.limit {
+			return tooLarge(d.limit)
+		}
+	}
 	return d.gz.Reset(r)
 }
 
