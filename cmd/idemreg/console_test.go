@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -20,6 +21,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 )
@@ -64,29 +66,46 @@ func TestServeConsoleRefuses(t *testing.T) {
 	require.NoError(t, os.WriteFile(certOnly, []byte("identities:\n  - name: svc\n    dns_names: [svc.example]\n    admin: [\"billing.*\"]\n"), 0o600))
 	err := runBriefly(t, "serve", "--console-listen", freeAddr(t), "--config", certOnly, "--sweep-interval", "0")
 	require.ErrorContains(t, err, "all authenticate by client certificate, which a browser's sign-in cannot present: sign operators in through a trusted proxy (--console-proxy-header")
-	err = runBriefly(t, "serve", "--console-listen", freeAddr(t), "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=svc", "--sweep-interval", "0")
+	err = runBriefly(t, "serve", "--console-listen", freeAddr(t), "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=svc",
+		"--console-proxy-secret-file", proxySecretFile(t, dir), "--sweep-interval", "0")
 	require.ErrorContains(t, err, "the server has no identities")
+	// A proxy without its secret: refused at start, on loopback too.
+	err = runBriefly(t, "serve", "--console-listen", freeAddr(t), "--config", certOnly, "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=svc", "--sweep-interval", "0")
+	require.ErrorContains(t, err, "--console-proxy-header needs --console-proxy-secret-file")
 }
 
 // TestConsoleProxyFlags: proxy sign-in is off unless --console-proxy-header
-// names the header, needs a user mapping, and believes the header from
-// loopback only when the console listens on loopback.
+// names the header, needs a user mapping and the proxy's secret (on
+// loopback too, where port-forwards arrive), and believes the header from
+// the proxy's addresses alone when --console-proxy-from names them.
 func TestConsoleProxyFlags(t *testing.T) {
+	dir := t.TempDir()
+	secret := proxySecretFile(t, dir)
+	short := filepath.Join(dir, "short")
+	require.NoError(t, os.WriteFile(short, []byte("0123456789abcdef0123456789abcde\n"), 0o600))
+	header := func(h, users string, more ...string) []string {
+		return append([]string{"--console-proxy-header", h, "--console-proxy-user", users, "--console-proxy-secret-file", secret}, more...)
+	}
 	cases := []struct {
 		name string
 		args []string
 		err  string
 	}{
 		{"off", []string{"--console-listen", "127.0.0.1:7351"}, ""},
-		{"loopback sidecar", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*@example.com=oncall"}, ""},
-		{"remote with the proxy's addresses", []string{"--console-listen", "0.0.0.0:7351", "--console-allow-remote", "--console-proxy-header", "X-Auth-Request-User", "--console-proxy-user", "alice=oncall", "--console-proxy-from", "10.0.0.0/8, 192.168.1.7"}, ""},
-		{"remote without them", []string{"--console-listen", "0.0.0.0:7351", "--console-allow-remote", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=oncall"}, "name the proxy's addresses in --console-proxy-from"},
-		{"no mapping", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email"}, "--console-proxy-user: no USER=IDENTITY entry"},
-		{"bad mapping", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "alice"}, `"alice" is not USER=IDENTITY`},
-		{"bad address", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=x", "--console-proxy-from", "proxy.local"}, "neither a CIDR nor an address"},
-		{"authorization", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "authorization", "--console-proxy-user", "*=x"}, "is not a header a proxy names its user in"},
-		{"no console", []string{"--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=x"}, "--console-proxy-header needs --console-listen"},
+		{"loopback sidecar", append([]string{"--console-listen", "127.0.0.1:7351"}, header("X-Forwarded-Email", "*@example.com=oncall")...), ""},
+		{"loopback without the secret", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*@example.com=oncall"}, "--console-proxy-header needs --console-proxy-secret-file"},
+		{"secret too short", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=x", "--console-proxy-secret-file", short}, "holds 31 bytes: the proxy's secret must have at least 32"},
+		{"secret file missing", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=x", "--console-proxy-secret-file", filepath.Join(dir, "missing")}, "--console-proxy-secret-file: open"},
+		{"remote with the proxy's addresses", append([]string{"--console-listen", "0.0.0.0:7351", "--console-allow-remote"}, header("X-Auth-Request-User", "alice=oncall", "--console-proxy-from", "10.0.0.0/8, 192.168.1.7")...), ""},
+		{"remote, the secret alone", append([]string{"--console-listen", "0.0.0.0:7351", "--console-allow-remote"}, header("X-Forwarded-Email", "*=oncall")...), ""},
+		{"no mapping", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-secret-file", secret}, "--console-proxy-user: no USER=IDENTITY entry"},
+		{"bad mapping", append([]string{"--console-listen", "127.0.0.1:7351"}, header("X-Forwarded-Email", "alice")...), `"alice" is not USER=IDENTITY`},
+		{"bad address", append([]string{"--console-listen", "127.0.0.1:7351"}, header("X-Forwarded-Email", "*=x", "--console-proxy-from", "proxy.local")...), "neither a CIDR nor an address"},
+		{"authorization", append([]string{"--console-listen", "127.0.0.1:7351"}, header("authorization", "*=x")...), "is not a header a proxy names its user in"},
+		{"the secret's header", append([]string{"--console-listen", "127.0.0.1:7351"}, header("x-idemreg-proxy-secret", "*=x")...), "is not a header a proxy names its user in"},
+		{"no console", header("X-Forwarded-Email", "*=x"), "--console-proxy-header needs --console-listen"},
 		{"mapping without header", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-user", "*=x"}, "need --console-proxy-header"},
+		{"secret without header", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-secret-file", secret}, "need --console-proxy-header"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -100,8 +119,21 @@ func TestConsoleProxyFlags(t *testing.T) {
 				return
 			}
 			require.ErrorContains(t, err, tc.err)
+			require.NotContains(t, err.Error(), testProxySecret, "the secret is never quoted")
 		})
 	}
+}
+
+// testProxySecret is the secret of the tests' proxy.
+const testProxySecret = "7f3c9a0e5b1d4c8f2a6e0b9d3c7f1a5e8b2d6c0f4a9e3b7d1c5f8a2e6b0d4c9f"
+
+// proxySecretFile writes testProxySecret, as echo would, to a file in
+// dir and returns its path.
+func proxySecretFile(t *testing.T, dir string) string {
+	t.Helper()
+	path := filepath.Join(dir, "console-proxy-secret")
+	require.NoError(t, os.WriteFile(path, []byte(testProxySecret+"\n"), 0o600))
+	return path
 }
 
 // startServeConsole runs serve with args and a console until the test
@@ -171,8 +203,9 @@ func TestServeConsoleTLS(t *testing.T) {
 
 // TestServeConsoleCertificateIdentities runs the console where every
 // identity authenticates by client certificate: operators sign in through
-// a trusted proxy's header (a sidecar on loopback), mapped to the identity
-// the console then acts as.
+// a trusted proxy's header (a sidecar on loopback) sent with the proxy's
+// secret, mapped to the identity the console then acts as; from loopback
+// without the secret the header signs nobody in.
 func TestServeConsoleCertificateIdentities(t *testing.T) {
 	dir := t.TempDir()
 	testCA(t, dir, map[string]string{"billing": "spiffe://test/billing"})
@@ -184,18 +217,36 @@ func TestServeConsoleCertificateIdentities(t *testing.T) {
 	listen := freeAddr(t)
 	base, logs := startServeConsole(t, dir, listen, "--config", cfgFile,
 		"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem"), "--tls-client-ca", filepath.Join(dir, "ca.pem"),
-		"--console-proxy-header", "X-Auth-Request-User", "--console-proxy-user", "*@ops.example.com=oncall")
+		"--console-proxy-header", "X-Auth-Request-User", "--console-proxy-user", "*@ops.example.com=oncall",
+		"--console-proxy-secret-file", proxySecretFile(t, dir))
 
 	claimed := claimEventually(t, idemregv1.NewRegistryServiceClient(mtlsConn(t, dir, "billing", listen)))
 	jar, err := cookiejar.New(nil)
 	require.NoError(t, err)
 	browser := &http.Client{Jar: jar}
 	u := base + "/record?" + url.Values{"consumer": {"billing.payment-worker"}, "kind": {"KIND_OPERATION"}, "key": {"charge:order-42"}}.Encode()
-	code, body := consoleGet(t, browser, u, "X-Auth-Request-User", "alice@ops.example.com")
+
+	// A port-forward (kubectl port-forward, ssh -L) arrives on loopback as
+	// the proxy does: the header without the proxy's secret, or with a
+	// wrong one, signs nobody in (issue 35, weakness 4).
+	for name, secret := range map[string]string{"no secret": "", "wrong secret": strings.Repeat("0", len(testProxySecret))} {
+		header := []string{"X-Auth-Request-User", "alice@ops.example.com"}
+		if secret != "" {
+			header = append(header, console.ProxySecretHeader, secret)
+		}
+		code, body := consoleGet(t, browser, u, header...)
+		require.Equal(t, http.StatusForbidden, code, "%s: %s", name, body)
+		require.NotContains(t, body, `id="identity"`, name)
+		require.NotContains(t, body, `<dd id="token">`, name)
+	}
+	require.Contains(t, logs.String(), `"reason":"proxy header without the proxy's secret"`)
+
+	code, body := consoleGet(t, browser, u, "X-Auth-Request-User", "alice@ops.example.com", console.ProxySecretHeader, testProxySecret)
 	require.Equal(t, http.StatusOK, code, body)
 	require.Contains(t, body, `<b id="identity">oncall</b>`)
 	require.Contains(t, body, `<dd id="token">`+strconv.FormatInt(claimed.GetToken(), 10)+`</dd>`)
 	require.Contains(t, logs.String(), `"via":"proxy"`)
+	require.NotContains(t, logs.String(), testProxySecret, "the secret is never logged")
 
 	code, body = consoleGet(t, browser, u)
 	require.Equal(t, http.StatusOK, code)

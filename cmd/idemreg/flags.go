@@ -32,7 +32,7 @@ var serveFlagGroups = []struct {
 	{"Health, readiness and shutdown", []string{"readiness-window", "readiness-min-calls", "readiness-max-failure-ratio",
 		"drain-delay", "shutdown-timeout"}},
 	{"Telemetry and logs", []string{"metrics-listen", "log-level", "log-format", "refusal-log-rate", "parked-count-interval"}},
-	{"Operator console", []string{"console-listen", "console-allow-remote", "console-proxy-header", "console-proxy-user", "console-proxy-from"}},
+	{"Operator console", []string{"console-listen", "console-allow-remote", "console-proxy-header", "console-proxy-user", "console-proxy-secret-file", "console-proxy-from"}},
 	{"HTTP listeners (metrics, console, pprof, and the HTTP API's side of --listen)", []string{"http-max-connections",
 		"http-read-header-timeout", "http-read-timeout", "http-write-timeout", "http-idle-timeout", "http-max-header-bytes"}},
 	{"Profiling", []string{"pprof-listen", "pprof-allow-remote"}},

@@ -288,13 +288,13 @@ func TestConsoleBulkInBrowser(t *testing.T) {
 
 // TestConsoleNarrowInBrowser reads the console at 400 px wide, in
 // Tokyo's time zone, signed in by a trusted proxy's header
-// (X-Forwarded-Email, as oauth2-proxy sets it): no page is wider than the
+// (X-Forwarded-Email, as oauth2-proxy sets it) with its secret: no page is wider than the
 // viewport, states are words and times are the browser's local time to
 // the second, relative, with the exact UTC instant in their title.
 func TestConsoleNarrowInBrowser(t *testing.T) {
 	needBrowser(t)
 
-	e := setup(t, true, withProxy(console.LoopbackPrefixes...))
+	e := setup(t, true, withProxy())
 	key := "refund:" + strings.Repeat("0123456789abcdef", 12) // a long key with no place to break
 	retried := e.retried(t, key, "worker-"+strings.Repeat("x", 60), "worker-2")
 	_, err := e.registry().Park(oncall(t), &idemregv1.ParkRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_OPERATION, Key: key,
@@ -317,6 +317,7 @@ func TestConsoleNarrowInBrowser(t *testing.T) {
 	}
 	dir := artifactDir(t)
 	runBrowser(t, "narrow.mjs", &seen, "CONSOLE_URL="+e.console.URL, "PROXY_HEADER="+proxyHeader, "PROXY_USER=alice@example.com",
+		"PROXY_SECRET_HEADER="+console.ProxySecretHeader, "PROXY_SECRET="+proxySecret,
 		"KEY="+key, "SCREENSHOT_DIR="+dir)
 	t.Logf("screenshots: %s/console-400px-*.png", dir)
 

@@ -169,8 +169,8 @@ func New(cfg Config) (*Console, error) {
 	if cfg.Conn == nil {
 		return nil, errors.New("console: Conn is required")
 	}
-	if cfg.Proxy != nil && (cfg.ActAs == nil || cfg.Proxy.Header == "" || cfg.Proxy.Identity == nil || len(cfg.Proxy.Trusted) == 0) {
-		return nil, errors.New("console: Proxy needs ActAs, a Header, an Identity mapping and Trusted addresses")
+	if cfg.Proxy != nil && (cfg.ActAs == nil || cfg.Proxy.Header == "" || cfg.Proxy.Identity == nil || len(cfg.Proxy.Secret) < MinProxySecretSize) {
+		return nil, fmt.Errorf("console: Proxy needs ActAs, a Header, an Identity mapping and a Secret of at least %d bytes", MinProxySecretSize)
 	}
 	if cfg.StuckAfter == 0 {
 		cfg.StuckAfter = DefaultStuckAfter

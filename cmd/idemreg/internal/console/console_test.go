@@ -87,6 +87,12 @@ func (s *syncBuffer) Write(p []byte) (int, error) {
 	return s.b.Write(p)
 }
 
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
 // lines decodes the JSON log lines whose msg is msg.
 func (s *syncBuffer) lines(t *testing.T, msg string) []map[string]any {
 	t.Helper()

@@ -1,6 +1,8 @@
 package console
 
 import (
+	"crypto/sha256"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"net/http"
@@ -13,12 +15,19 @@ import (
 // ProxySignIn signs operators in from a header that a trusted reverse
 // proxy sets after authenticating them (oauth2-proxy's X-Forwarded-Email
 // or X-Auth-Request-User, an identity-aware proxy's user header). The
-// header is believed only from the proxy's own addresses: a request that
-// carries it from anywhere else is refused, as a forgery.
+// header is believed only from a request that carries the proxy's secret
+// in ProxySecretHeader: a request that carries the user's header without
+// it is refused, as a forgery. A source address proves nothing by itself:
+// kubectl port-forward and ssh -L, the ways to reach a console on
+// loopback, arrive on loopback too.
 type ProxySignIn struct {
 	// Header names the header, as the proxy sets it.
 	Header string
-	// Trusted are the addresses the proxy connects from.
+	// Secret is what the proxy sends in ProxySecretHeader on every
+	// request: at least MinProxySecretSize bytes. Never logged.
+	Secret []byte
+	// Trusted, when not empty, are the addresses the proxy connects from:
+	// a request from any other is refused, its secret notwithstanding.
 	Trusted []netip.Prefix
 	// Identity maps the header's user to the identity of the config file
 	// the console acts as, or an error saying why the user is refused
@@ -26,8 +35,15 @@ type ProxySignIn struct {
 	Identity func(user string) (identity string, err error)
 }
 
-// LoopbackPrefixes are the addresses of a proxy on the same host (or pod).
-var LoopbackPrefixes = []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("::1/128")}
+// ProxySecretHeader is the header the trusted proxy sends its secret in
+// (nginx's proxy_set_header, Envoy's request_headers_to_add, oauth2-proxy's
+// injectRequestHeaders).
+const ProxySecretHeader = "X-Idemreg-Proxy-Secret"
+
+// MinProxySecretSize is the shortest proxy secret taken: 32 bytes, as
+// `openssl rand -hex 32` writes twice that, so that it cannot be guessed
+// through the console's answers.
+const MinProxySecretSize = 32
 
 // UserMap maps a proxy's users to identities: an exact user
 // ("alice@example.com"), a domain ("*@example.com") or anyone ("*"), in
@@ -117,7 +133,14 @@ func (c *Console) proxySession(w http.ResponseWriter, r *http.Request) (s *sessi
 	if len(values) == 0 {
 		return nil, true
 	}
-	if !c.trustedProxy(r) {
+	if !p.vouches(r) {
+		// The secret header's value is not logged: a proxy misconfigured
+		// with a secret one character off would write the real one here.
+		c.cfg.Logger.Warn("console sign-in refused", "reason", "proxy header without the proxy's secret", "header", p.Header, "remote", r.RemoteAddr)
+		c.refuse(w, r, http.StatusForbidden, "the sign-in header "+p.Header+" is only believed from the console's proxy, which sends its secret in "+ProxySecretHeader+", and this request did not come from it")
+		return nil, false
+	}
+	if len(p.Trusted) > 0 && !c.trustedProxy(r) {
 		c.cfg.Logger.Warn("console sign-in refused", "reason", "proxy header from an untrusted address", "header", p.Header, "remote", r.RemoteAddr)
 		c.refuse(w, r, http.StatusForbidden, "the sign-in header "+p.Header+" is only believed from the console's proxy, and this request did not come from it")
 		return nil, false
@@ -155,6 +178,18 @@ func (c *Console) proxySession(w http.ResponseWriter, r *http.Request) (s *sessi
 	}
 	c.cfg.Logger.Info("console sign-in", "identity", identity, "user", user, "via", "proxy", "remote", r.RemoteAddr)
 	return s, true
+}
+
+// vouches says whether r carries the proxy's secret, once. The digests
+// are compared, in constant time, so that neither the secret's bytes nor
+// its length can be found from how long a refusal takes.
+func (p *ProxySignIn) vouches(r *http.Request) bool {
+	got := r.Header.Values(ProxySecretHeader)
+	if len(got) != 1 || len(p.Secret) < MinProxySecretSize {
+		return false
+	}
+	a, b := sha256.Sum256([]byte(got[0])), sha256.Sum256(p.Secret)
+	return subtle.ConstantTimeCompare(a[:], b[:]) == 1
 }
 
 func (c *Console) trustedProxy(r *http.Request) bool {

@@ -150,7 +150,7 @@ func (c *Console) signInPage(w http.ResponseWriter, r *http.Request) {
 		http.Redirect(w, r, "/", http.StatusSeeOther)
 		return
 	}
-	if p := c.cfg.Proxy; p != nil && len(r.Header.Values(p.Header)) > 0 && c.trustedProxy(r) {
+	if p := c.cfg.Proxy; p != nil && len(r.Header.Values(p.Header)) > 0 && p.vouches(r) && (len(p.Trusted) == 0 || c.trustedProxy(r)) {
 		// The proxy vouches for this request: the pages sign it in.
 		http.Redirect(w, r, "/", http.StatusSeeOther)
 		return

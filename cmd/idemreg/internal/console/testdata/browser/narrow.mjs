@@ -1,5 +1,5 @@
 // Reads the console at 400 px wide in Tokyo's time zone, signed in by a
-// proxy's header, for TestConsoleNarrowInBrowser (browser_test.go): the
+// proxy's header and secret, for TestConsoleNarrowInBrowser (browser_test.go): the
 // status page, the records page and a record, each checked for horizontal
 // overflow, and the record's state and times as a person reads them.
 import { env, run, overflow } from "./lib.mjs";
@@ -8,7 +8,7 @@ const seen = { pages: {} };
 await run(seen, {
   viewport: { width: 400, height: 800 },
   timezoneId: "Asia/Tokyo",
-  extraHTTPHeaders: { [env("PROXY_HEADER")]: env("PROXY_USER") },
+  extraHTTPHeaders: { [env("PROXY_HEADER")]: env("PROXY_USER"), [env("PROXY_SECRET_HEADER")]: env("PROXY_SECRET") },
 }, async (page) => {
   const base = env("CONSOLE_URL");
   const visit = async (name, path) => {
