@@ -35,6 +35,9 @@ var cases = []attackCase{
 	{"claim-key rotation (finding 6)", claimKeyRotation},
 	{"HTTP listener caps (finding 7)", httpListenerCaps},
 	{"console sign-in (finding 8)", consoleSignIn},
+	{"console proxy sign-in from a port-forward (issue 35, weakness 4)", consoleProxyPortForward},
+	{"config file written in place in two parts (issue 35, weakness 6)", configWrittenInPlace},
+	{"claim-key rotation shorter than a lease (issue 35, weakness 7)", shortClaimKeyRotation},
 	{"idemhttp: one caller cannot replay another's response (issue 35, vulnerability 3)", idemhttpCrossCaller},
 }
 
