@@ -27,6 +27,9 @@ var cases = []attackCase{
 	{"batch item refusal hides nothing (finding 4)", batchItemRefusal},
 	{"control characters in results (finding 10)", controlCharactersInResults},
 	{"refusal flood, sampled logs (finding 9)", refusalFlood},
+	{"refusal flood of an identity, held (issue 35, weakness 8)", identityRefusalFlood},
+	{"refusal flood of a source without credentials, held (issue 35, weakness 8)", sourceRefusalFlood},
+	{"replayed peer Wake (issue 35, weakness 3)", wakeReplay},
 	// Before finding 2's case: alpha's invented consumers take its share of
 	// followed consumers, and alpha.quota would be refused from then on.
 	{"concurrent batches do not overshoot a quota (finding 5)", concurrentBatchQuota},

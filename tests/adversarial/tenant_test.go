@@ -351,9 +351,9 @@ func controlCharactersInResults(t *testing.T, s *suite) {
 // second for alpha's refusals (plus one per second boundary), counts
 // every refusal in idemreg_auth_denied_total and every line left out in
 // idemreg_access_log_sampled_out_total; the neighbour's throughput is
-// measured and logged, not bounded: a refused call still costs a gRPC
-// call's CPU and nothing slows a caller that ignores its refusals
-// (design.md, "Known gaps"), so the figure is what this machine shows.
+// measured and logged here, and bounded by the cases that follow
+// (identityRefusalFlood, sourceRefusalFlood: refusals beyond a caller's
+// --refusal-rate are held).
 func refusalFlood(t *testing.T, s *suite) {
 	deniedBefore := s.metric(t, "idemreg_auth_denied_total", `code="PERMISSION_DENIED"`)
 	sampledBefore := s.metric(t, "idemreg_access_log_sampled_out_total", `code="PERMISSION_DENIED"`)
