@@ -64,7 +64,9 @@ func serveWire(t *testing.T, self string, keys Keys, opts ...ReceiverOption) *wi
 func (w *wire) tell(t *testing.T, keys Keys, k storage.Key) {
 	t.Helper()
 	told := make(chan string, 1)
-	s := NewSender(t.Context(), SenderConfig{Self: "a", Keys: keys, Creds: insecure.NewCredentials(),
+	// A timeout far over DefaultTimeout: on a loaded machine under -race
+	// the first call, dial included, can take longer than 250 ms.
+	s := NewSender(t.Context(), SenderConfig{Self: "a", Keys: keys, Creds: insecure.NewCredentials(), Timeout: 30 * time.Second,
 		Address: func(string) (string, bool) { return w.addr, true },
 		Count:   func(result string, _ int) { told <- result }})
 	s.Tell(k, []string{"b"})
