@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -348,6 +349,11 @@ func (c Config) Validate() error {
 	// would never look before its wait ends.
 	if w := c.WaitRecheck; w > 0 && (w < time.Millisecond || w > MaxWait) {
 		bad("WaitRecheck", w, fmt.Sprintf("must be between 1ms and %v, the longest wait", MaxWait))
+	}
+	// NaN would compare false to every bound and make a bucket of no
+	// size; an infinite rate is no budget, which zero says.
+	if math.IsNaN(c.RefusalRate) || math.IsInf(c.RefusalRate, 0) {
+		bad("RefusalRate", c.RefusalRate, "must be a finite number (0 holds no refusal)")
 	}
 	c.Replica.validate(bad)
 	errs = append(errs, c.Bounds.Validate(), c.Readiness.Validate())

@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"errors"
+	"math"
 	"testing"
 	"time"
 
@@ -29,6 +30,8 @@ func TestConfigValidate(t *testing.T) {
 		{name: "negative waiters", cfg: server.Config{MaxWaiters: -1}, field: "MaxWaiters", err: "must not be negative"},
 		{name: "re-check spins", cfg: server.Config{WaitRecheck: time.Microsecond}, field: "WaitRecheck", err: "must be between 1ms and 30s"},
 		{name: "re-check never", cfg: server.Config{WaitRecheck: time.Minute}, field: "WaitRecheck", err: "must be between 1ms and 30s"},
+		{name: "refusal rate NaN", cfg: server.Config{RefusalRate: math.NaN()}, field: "RefusalRate", err: "must be a finite number"},
+		{name: "refusal rate infinite", cfg: server.Config{RefusalRate: math.Inf(1)}, field: "RefusalRate", err: "must be a finite number"},
 		{name: "keepalive defaults", cfg: server.Config{Keepalive: server.DefaultKeepalive()}},
 		{name: "negative connection age", cfg: func() server.Config {
 			c := server.Config{Keepalive: server.DefaultKeepalive()}
