@@ -116,8 +116,11 @@ func consoleProxyPortForward(t *testing.T, _ *suite) {
 	require.NoError(t, os.WriteFile(secretFile, []byte(secret+"\n"), 0o600))
 	proxyArgs := []string{"--config", cfg, "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*@example.com=alpha"}
 
-	// No secret: serve does not start.
-	out, err := exec.Command(buildBinary(t), append([]string{"serve", "--listen", freeAddr(t), "--data-dir", filepath.Join(dir, "refused"), "--console-listen", freeAddr(t)}, proxyArgs...)...).CombinedOutput()
+	// No secret: serve does not start (and, if it did, is stopped after
+	// 30 s, failing the case rather than hanging it).
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, buildBinary(t), append([]string{"serve", "--listen", freeAddr(t), "--data-dir", filepath.Join(dir, "refused"), "--console-listen", freeAddr(t)}, proxyArgs...)...).CombinedOutput()
 	require.Error(t, err)
 	require.Contains(t, string(out), "--console-proxy-header needs --console-proxy-secret-file")
 
