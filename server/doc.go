@@ -18,8 +18,10 @@
 //   - otelgrpc's stats handler opens the span and measures the call, and
 //     accesslog.go's writes the line per finished call;
 //   - the unary chain (chain.go, in order): recovery; deadline.go
-//     (the request's budget); authn.go (the caller's identity from a bearer
-//     token or a client certificate); codec.go's refusal of the malformed;
+//     (the request's budget); refusals.go (a refusal by what follows,
+//     beyond its caller's budget, held before it is answered); authn.go
+//     (the caller's identity from a bearer token or a client
+//     certificate); codec.go's refusal of the malformed;
 //     authz.go (may the identity use the consumer?); bounds.go (calls in
 //     progress per identity); ratelimit.go (the identity's and the
 //     consumer's token buckets). For a batch, authz.go and ratelimit.go
