@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idemreg/idemreg/server"
+	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
@@ -31,24 +32,22 @@ const (
 // rotationBounds refuses a rotation whose windows break claims in use,
 // unless allowShort. An activation sooner than a replica's refresh lets
 // one issue secrets under a key the others do not know yet, which they
-// refuse. A grace shorter than --max-lease retires the old key while a
-// claim taken under it, with a single lease and no Extend, may still be
-// held, and its Complete is then refused. The floor is the max lease and
-// not max_lease_total (a day by default): that bound is a backstop for a
-// holder stuck extending forever, and a grace of a day would keep a
-// leaked key alive that long on every rotation; a consumer that extends
-// its claims past --max-lease needs a --grace above its max_lease_total
-// (docs/operations.md, "Rotating the claim key").
-func rotationBounds(activate, grace, maxLease time.Duration, allowShort bool) error {
+// refuse. A grace shorter than the longest lease (--max-lease, or a
+// consumer's lease.max in --config, whichever is longer) retires the old
+// key while a claim taken under it, with a single lease and no Extend, may
+// still be held, and its Complete is then refused. The floor is the
+// longest lease and not max_lease_total (a day by default): that bound is
+// a backstop for a holder stuck extending forever, and a grace of a day
+// would keep a leaked key alive that long on every rotation; a consumer
+// that extends its claims past its lease needs a --grace above its
+// max_lease_total (docs/operations.md, "Rotating the claim key").
+func rotationBounds(activate, grace, longest time.Duration, source string, allowShort bool) error {
 	var errs []error
 	if activate < 0 {
 		errs = append(errs, fmt.Errorf("--activate-after must not be negative, got %s", policy.FormatDuration(activate)))
 	}
 	if grace <= 0 {
 		errs = append(errs, fmt.Errorf("--grace must be positive, got %s", policy.FormatDuration(grace)))
-	}
-	if maxLease <= 0 {
-		errs = append(errs, fmt.Errorf("--max-lease must be positive, got %s", policy.FormatDuration(maxLease)))
 	}
 	if len(errs) > 0 || allowShort {
 		return errors.Join(errs...)
@@ -57,9 +56,9 @@ func rotationBounds(activate, grace, maxLease time.Duration, allowShort bool) er
 		errs = append(errs, fmt.Errorf("--activate-after %s is shorter than serve's claim key refresh (%s): a replica that has not read the new key yet would refuse the secrets another issues under it; give at least %s (default %s), or --allow-short-rotation",
 			policy.FormatDuration(activate), policy.FormatDuration(server.DefaultClaimKeyRefresh), policy.FormatDuration(server.DefaultClaimKeyRefresh), policy.FormatDuration(defaultActivateAfter)))
 	}
-	if grace < maxLease {
-		errs = append(errs, fmt.Errorf("--grace %s is shorter than --max-lease (%s): a claim taken before the activation could still be held when its key is retired, and its Complete would be refused (CLAIM_SECRET_INVALID); give at least %s (default %s), or --allow-short-rotation",
-			policy.FormatDuration(grace), policy.FormatDuration(maxLease), policy.FormatDuration(maxLease), policy.FormatDuration(defaultRotationGrace)))
+	if grace < longest {
+		errs = append(errs, fmt.Errorf("--grace %s is shorter than %s (%s): a claim taken before the activation could still be held when its key is retired, and its Complete would be refused (CLAIM_SECRET_INVALID); give at least %s (default %s), or --allow-short-rotation",
+			policy.FormatDuration(grace), source, policy.FormatDuration(longest), policy.FormatDuration(longest), policy.FormatDuration(defaultRotationGrace)))
 	}
 	return errors.Join(errs...)
 }
@@ -72,16 +71,27 @@ func rotateCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer)
 	cfg.bindCommon(fs)
 	var activate, grace time.Duration
 	var allowShort bool
-	maxLease := server.DefaultMaxLease
+	l := &cfg.Server.Limits
 	durationVar(fs, &activate, "activate-after", defaultActivateAfter, "how long the new key is accepted but not issued under, so every replica reads it first: at least serve's claim key refresh ("+policy.FormatDuration(server.DefaultClaimKeyRefresh)+")")
 	durationVar(fs, &grace, "grace", defaultRotationGrace, "how long the replaced key stays accepted once the new one is current: at least --max-lease, and the longest a claim is held (a consumer's max_lease_total, since Extend keeps the claim's secret) plus a page token's use")
-	durationVar(fs, &maxLease, "max-lease", maxLease, "serve's --max-lease (read from the same $IDEMREG_MAX_LEASE): --grace must be at least this long")
-	fs.BoolVar(&allowShort, "allow-short-rotation", false, "allow --activate-after below serve's claim key refresh and --grace below --max-lease: claims held meanwhile may fail with CLAIM_SECRET_INVALID (a leaked key to retire at once)")
+	durationVar(fs, &l.MaxLease, "max-lease", l.MaxLease, "serve's --max-lease (read from the same $IDEMREG_MAX_LEASE): --grace must be at least this long")
+	fs.StringVar(&cfg.PolicyFile, "config", cfg.PolicyFile, "serve's config file (read from the same $IDEMREG_CONFIG), if any: --grace must also cover its consumers' longest lease.max")
+	fs.BoolVar(&allowShort, "allow-short-rotation", false, "allow --activate-after below serve's claim key refresh and --grace below the longest lease (--max-lease, lease.max in --config): claims held meanwhile may fail with CLAIM_SECRET_INVALID (a leaked key to retire at once)")
 	return func(ctx context.Context, stdout, stderr io.Writer) error {
 		if err := cfg.Validate(); err != nil {
 			return err
 		}
-		if err := rotationBounds(activate, grace, maxLease, allowShort); err != nil {
+		longest, source := l.MaxLease, "--max-lease"
+		if cfg.PolicyFile != "" {
+			file, err := configfile.Load(cfg.PolicyFile, l.Policy())
+			if err != nil {
+				return err
+			}
+			if file.Policy.LongestLease() > longest {
+				longest, source = file.Policy.LongestLease(), "the longest lease.max of --config"
+			}
+		}
+		if err := rotationBounds(activate, grace, longest, source, allowShort); err != nil {
 			return err
 		}
 		if cfg.DatabaseURL == "" {

@@ -2,6 +2,8 @@ package main
 
 import (
 	"bytes"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -69,11 +71,14 @@ func TestRotateClaimKeyRefusesShortWindows(t *testing.T) {
 	}
 	require.Equal(t, 1, generations())
 
+	longLease := filepath.Join(t.TempDir(), "idemreg.yaml")
+	require.NoError(t, os.WriteFile(longLease, []byte("consumers:\n  - {prefix: batch., lease: {max: 3h}}\n"), 0o600))
 	for _, tc := range []struct {
 		name string
 		args []string
 		want []string
 	}{
+		{"grace below a consumer's lease.max", []string{"--config", longLease}, []string{"--grace 2h0m0s is shorter than the longest lease.max of --config (3h0m0s)"}},
 		{"activation and grace of a second", []string{"--activate-after", "1s", "--grace", "1s"},
 			[]string{"--activate-after 1s is shorter than serve's claim key refresh (30s)", "--grace 1s is shorter than --max-lease (1h0m0s)", "--allow-short-rotation"}},
 		{"grace below the max lease", []string{"--grace", "59m"}, []string{"--grace 59m0s is shorter than --max-lease (1h0m0s)"}},
@@ -96,4 +101,6 @@ func TestRotateClaimKeyRefusesShortWindows(t *testing.T) {
 	require.Equal(t, 2, generations())
 	require.NoError(t, run(t.Context(), []string{"rotate-claim-key", "--database-url", db}, &out, &errOut), "the defaults pass")
 	require.Equal(t, 3, generations())
+	require.NoError(t, run(t.Context(), []string{"rotate-claim-key", "--database-url", db, "--config", longLease, "--grace", "3h"}, &out, &errOut))
+	require.Equal(t, 4, generations())
 }

@@ -158,6 +158,21 @@ func (s *Set) Defaults() Policy { return s.defaults }
 // Len returns the number of consumer entries (names and prefixes).
 func (s *Set) Len() int { return len(s.exact) + len(s.prefixes) }
 
+// LongestLease is the largest lease.max of the defaults and of every
+// consumer entry: the longest a claim may be held, under this set,
+// without an Extend. A rotation's grace must cover it (idemreg
+// rotate-claim-key).
+func (s *Set) LongestLease() time.Duration {
+	longest := s.defaults.Lease.Max
+	for _, p := range s.exact {
+		longest = max(longest, p.Lease.Max)
+	}
+	for _, pp := range s.prefixes {
+		longest = max(longest, pp.policy.Lease.Max)
+	}
+	return longest
+}
+
 func (s *Set) sortPrefixes() {
 	slices.SortFunc(s.prefixes, func(a, b prefixPolicy) int {
 		if c := cmp.Compare(len(b.prefix), len(a.prefix)); c != 0 {

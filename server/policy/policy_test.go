@@ -283,3 +283,20 @@ func FuzzParse(f *testing.F) {
 		require.NoError(t, set.Defaults().Validate())
 	})
 }
+
+// TestLongestLease: the largest lease.max of the defaults and of every
+// entry, names and prefixes alike.
+func TestLongestLease(t *testing.T) {
+	set, err := policy.Parse([]byte(example), base())
+	require.NoError(t, err)
+	require.Equal(t, time.Hour, set.LongestLease(), "no entry raises the flags' max lease")
+	for _, doc := range []string{
+		"consumers:\n  - {name: a.b, lease: {max: 3h}}\n",
+		"consumers:\n  - {prefix: a., lease: {max: 3h}}\n  - {name: b.c, lease: {max: 2h}}\n",
+		"defaults:\n  lease: {max: 3h}\n",
+	} {
+		set, err := policy.Parse([]byte(doc), base())
+		require.NoError(t, err, doc)
+		require.Equal(t, 3*time.Hour, set.LongestLease(), doc)
+	}
+}
