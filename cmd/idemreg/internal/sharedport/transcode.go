@@ -56,7 +56,7 @@ func transcoder(g *grpc.Server, maxRequest int) (*vanguard.Transcoder, error) {
 	if encoding.GetCodec(vanguard.CodecJSON) != nil {
 		codecs = append(codecs, vanguard.CodecJSON)
 	}
-	target := messageRequired(g)
+	target := messageRequired(g, maxRequest)
 	var services []*vanguard.Service
 	for name := range g.GetServiceInfo() {
 		if !strings.HasPrefix(name, "idemreg.internal.") {
@@ -179,28 +179,63 @@ func (c markingJSON) Unmarshal(data []byte, msg proto.Message) error {
 	return nil
 }
 
-// messageRequired hands g a request that ends before its first message as
-// a marked message (server.MarkMalformed), which the server refuses
-// MALFORMED_REQUEST after authentication, logged and counted: an empty
-// body (a Connect call's or a gRPC-Web call's), which grpc-go would answer
-// INTERNAL ("cardinality violation") before any interceptor, and a body
-// vanguard stopped reading with an error it hands on rather than answers
-// (one over the wire's bound, without a length). Only unary and
-// server-streaming calls, whose single request message is required, are
-// read so; a client stream may be empty.
-func messageRequired(g *grpc.Server) http.Handler {
+// messageRequired reads a unary or server-streaming call's request
+// message, whose single message is required, before g runs, and hands g a
+// marked message (server.MarkMalformed) in its place when there is none,
+// which the server refuses MALFORMED_REQUEST after authentication, logged
+// and counted: an empty body (a Connect call's or a gRPC-Web call's),
+// which grpc-go would answer INTERNAL ("cardinality violation") before any
+// interceptor, and a body vanguard stopped reading with an error (one
+// over the wire's bound without a length, which vanguard hands on rather
+// than answers, or one it refused and answered itself: the caller has that
+// answer, and the server's is dropped). A client stream may be empty, and
+// is handed on as it comes.
+//
+// It is read here, on the handler's goroutine, because vanguard answers a
+// request it refuses while the request is read, and grpc-go reads on a
+// goroutine of its own while its handler may answer too (a cancelled
+// call): the race detector caught the two writing the response's headers
+// at once.
+func messageRequired(g *grpc.Server, maxRequest int) http.Handler {
 	single := map[string]bool{}
 	for svc, info := range g.GetServiceInfo() {
 		for _, m := range info.Methods {
 			single["/"+svc+"/"+m.Name] = !m.IsClientStream
 		}
 	}
+	// vanguard's buffer bound, and a message's envelope.
+	limit := int64(maxRequest + 2*wireSlack + 5)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if single[r.URL.Path] {
-			r.Body = &firstMessage{r: r.Body}
+			r.Body = readMessage(r.Body, limit)
 		}
 		g.ServeHTTP(w, r)
 	})
+}
+
+// readMessage reads body, a transcoded gRPC request of one message, and
+// returns it to be read again, or a marked message when it had none.
+func readMessage(body io.ReadCloser, limit int64) io.ReadCloser {
+	b, err := io.ReadAll(io.LimitReader(body, limit+1))
+	detail := ""
+	switch {
+	case err != nil:
+		detail = err.Error()
+		if ce := (*connect.Error)(nil); errors.As(err, &ce) {
+			detail = ce.Message()
+		}
+	case len(b) == 0:
+		detail = "no request message arrived"
+	case int64(len(b)) > limit:
+		detail = fmt.Sprintf("the request is larger than the %d bytes the server accepts", limit)
+	}
+	if detail != "" {
+		b = markedFrame(detail)
+	}
+	return struct {
+		io.Reader
+		io.Closer
+	}{bytes.NewReader(b), body}
 }
 
 // markedFrame is a gRPC message frame of a request marked malformed with
@@ -216,35 +251,3 @@ func markedFrame(detail string) []byte {
 	}
 	return append(binary.BigEndian.AppendUint32([]byte{0}, uint32(len(b))), b...)
 }
-
-// firstMessage reads a transcoded gRPC body, and replays a marked message
-// in its place when it ends, or fails, before its first byte. vanguard has
-// answered the caller itself when it refused the request (the caller gets
-// that answer, and the server's to the marked message is dropped), or
-// handed its error on in the body.
-type firstMessage struct {
-	r       io.ReadCloser
-	started bool
-	marked  *bytes.Reader
-}
-
-func (b *firstMessage) Read(p []byte) (int, error) {
-	if b.marked != nil {
-		return b.marked.Read(p)
-	}
-	n, err := b.r.Read(p)
-	if !b.started && n == 0 && err != nil {
-		detail := "no request message arrived"
-		if ce := (*connect.Error)(nil); errors.As(err, &ce) {
-			detail = ce.Message()
-		} else if !errors.Is(err, io.EOF) {
-			detail = err.Error()
-		}
-		b.marked = bytes.NewReader(markedFrame(detail))
-		return b.marked.Read(p)
-	}
-	b.started = b.started || n > 0
-	return n, err
-}
-
-func (b *firstMessage) Close() error { return b.r.Close() }
