@@ -62,6 +62,13 @@ type Bounds struct {
 	// (DefaultMaxCallsPerIdentity). It applies when the server has
 	// identities; anonymous callers of an open server are one caller.
 	MaxCallsPerIdentity int
+	// MaxHealthConnectionsPerSource bounds the connections one source
+	// address holds open on the health listener; a new one beyond it is
+	// closed at once, so that a flood from one source cannot take every
+	// slot of MaxConnections from the kubelet's probes, which come from
+	// the node's address (DefaultMaxHealthConnectionsPerSource; at most
+	// MaxConnections).
+	MaxHealthConnectionsPerSource int
 	// MaxPendingCalls bounds the calls whose request message has not
 	// arrived whole yet, over both listeners: each (gRPC, health) holds at
 	// most half, so that a flood of one leaves the other its share. A call
@@ -86,6 +93,11 @@ const (
 	// client process behind a ClusterIP Service; 128 of them fit.
 	// MaxPendingCalls bounds what their held calls pin.
 	DefaultMaxConnections = 128
+	// DefaultMaxHealthConnectionsPerSource: an eighth of
+	// DefaultMaxConnections, so that it takes eight sources to fill the
+	// health listener; a kubelet opens a connection per probe, three
+	// probes at most at once.
+	DefaultMaxHealthConnectionsPerSource = DefaultMaxConnections / 8
 	// DefaultMaxPublicStreams: enough for the watchers and grpcurl
 	// sessions of operators, far below what would matter in memory.
 	DefaultMaxPublicStreams = 64
@@ -128,6 +140,8 @@ func DefaultBounds() Bounds {
 		ConnectionTimeout:    DefaultConnectionTimeout,
 		MaxCallsPerIdentity:  DefaultMaxCallsPerIdentity,
 		MaxPendingCalls:      DefaultMaxPendingCalls,
+
+		MaxHealthConnectionsPerSource: DefaultMaxHealthConnectionsPerSource,
 	}
 }
 
@@ -144,6 +158,9 @@ func (b *Bounds) setDefaults() {
 	}
 	if b.MaxPublicStreams == 0 {
 		b.MaxPublicStreams = d.MaxPublicStreams
+	}
+	if b.MaxHealthConnectionsPerSource == 0 {
+		b.MaxHealthConnectionsPerSource = d.MaxHealthConnectionsPerSource
 	}
 	if b.ConnectionTimeout == 0 {
 		b.ConnectionTimeout = d.ConnectionTimeout
@@ -165,6 +182,9 @@ func (b Bounds) Validate() error {
 	}
 	if b.MaxConnections < 0 {
 		errs = append(errs, fmt.Errorf("the connection bound must be positive, got %d", b.MaxConnections))
+	}
+	if b.MaxHealthConnectionsPerSource < 0 {
+		errs = append(errs, fmt.Errorf("the bound on one source's health connections must be positive, got %d", b.MaxHealthConnectionsPerSource))
 	}
 	if b.MaxPublicStreams < 0 {
 		errs = append(errs, fmt.Errorf("the bound on streams without credentials must be positive, got %d", b.MaxPublicStreams))
@@ -246,6 +266,61 @@ func (c *limitedConn) Close() error {
 	err := c.Conn.Close()
 	c.once.Do(c.release)
 	return err
+}
+
+// sourceLimitListener closes at once a connection whose source address
+// (its IP) holds n open already. Under a limitListener, such a connection
+// takes its slot only for a moment: a flood from one source leaves the
+// others the rest.
+type sourceLimitListener struct {
+	net.Listener
+	n       int
+	mu      sync.Mutex
+	sources map[string]int
+}
+
+func limitSources(l net.Listener, n int) *sourceLimitListener {
+	return &sourceLimitListener{Listener: l, n: n, sources: map[string]int{}}
+}
+
+func (l *sourceLimitListener) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		src := sourceIP(c.RemoteAddr())
+		l.mu.Lock()
+		admit := l.sources[src] < l.n
+		if admit {
+			l.sources[src]++
+		}
+		l.mu.Unlock()
+		if !admit {
+			_ = c.Close()
+			continue
+		}
+		return &limitedConn{Conn: c, release: func() {
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			if l.sources[src]--; l.sources[src] <= 0 {
+				delete(l.sources, src)
+			}
+		}}, nil
+	}
+}
+
+// sourceIP is the source a per-source bound counts: the remote IP (a NAT
+// or a proxy in front is one source).
+func sourceIP(a net.Addr) string {
+	if t, ok := a.(*net.TCPAddr); ok {
+		return t.IP.String()
+	}
+	host, _, err := net.SplitHostPort(a.String())
+	if err != nil {
+		return a.String()
+	}
+	return host
 }
 
 // publicStreams bounds the streaming calls that need no credentials.

@@ -30,7 +30,9 @@ const LivenessService = "liveness"
 // other probes that should not need credentials. It reports the same
 // statuses as the health service of the main listener, under the same
 // bounds (its connections are counted apart, its Watch streams with those
-// of the main listener).
+// of the main listener), and one source address holds at most
+// MaxHealthConnectionsPerSource of its connections, so that a flood from
+// one source leaves the kubelet's probes a slot.
 func (s *Server) ServeHealth(lis net.Listener) error {
 	// The same codec as the main listener, so that a malformed check is
 	// INVALID_ARGUMENT there too (codec.go).
@@ -44,7 +46,7 @@ func (s *Server) ServeHealth(lis net.Listener) error {
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))
 	g := grpc.NewServer(opts...)
 	healthpb.RegisterHealthServer(decodingRegistrar{g}, s.health)
-	lis = s.limitConnections("health", lis)
+	lis = s.limitConnections("health", limitSources(lis, min(s.cfg.Bounds.MaxHealthConnectionsPerSource, s.cfg.Bounds.MaxConnections)))
 	go func() { <-s.done; g.Stop() }()
 	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return err

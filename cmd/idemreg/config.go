@@ -70,6 +70,10 @@ type config struct {
 	// "*") whose pages may call the HTTP API from another origin; empty:
 	// same-origin pages only.
 	HTTPAPICORSOrigins string
+	// MaxConnectingPerSource bounds the connections of one source address
+	// on --listen still being told apart, gRPC from the HTTP API
+	// (sharedport.Split).
+	MaxConnectingPerSource int
 	// HTTP bounds the metrics, console and pprof listeners, and the HTTP
 	// API's side of the gRPC port.
 	HTTP httpserve.Bounds
@@ -97,6 +101,8 @@ func defaultConfig() config {
 		// As often as the TLS files are looked at; a ConfigMap update
 		// takes the kubelet's sync period (about a minute) to land anyway.
 		ConfigPoll: 10 * time.Second,
+
+		MaxConnectingPerSource: sharedport.DefaultMaxSniffingPerSource,
 
 		HTTP:           httpserve.DefaultBounds(),
 		SQLBatchSize:   postgres.DefaultBatchSize,
@@ -172,8 +178,11 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.BoolVar(&c.ConsoleAllowRemote, "console-allow-remote", c.ConsoleAllowRemote, "allow --console-listen on an address that is not loopback: the console speaks plaintext HTTP, so sign-in tokens and records cross the network unencrypted")
 	fs.BoolVar(&c.DisableHTTPAPI, "disable-http-api", c.DisableHTTPAPI, "answer only gRPC on --listen: no Connect protocol, gRPC-Web or HTTP/JSON (HTTP/1.1) beside it")
 	fs.StringVar(&c.HTTPAPICORSOrigins, "http-api-cors-origins", c.HTTPAPICORSOrigins, "browser origins (https://app.example.com, comma-separated, or *) whose pages may call the HTTP API on --listen; empty: none but the same origin")
+	fs.IntVar(&c.MaxConnectingPerSource, "max-connecting-per-source", c.MaxConnectingPerSource, "most connections of one source IP on --listen whose first bytes (TLS ClientHello, HTTP/2 preface or HTTP/1.1 request) have not arrived yet, of the "+strconv.Itoa(sharedport.MaxSniffing)+" at once; beyond it its new ones are closed at once, so that a source that connects and sends nothing keeps no other waiting")
 	h := &c.HTTP
-	fs.IntVar(&h.MaxConnections, "http-max-connections", h.MaxConnections, "most connections each HTTP listener (metrics, console, pprof) holds open; one beyond it is closed at once")
+	fs.IntVar(&h.MaxConnections, "http-max-connections", h.MaxConnections, "most connections each HTTP listener (metrics, console, pprof, the HTTP API) holds open; at it a new one takes the place of an idle one, or is closed at once if none is idle")
+	fs.IntVar(&h.MaxConnectionsPerSource, "http-max-connections-per-source", h.MaxConnectionsPerSource, "most connections one source IP holds open on each HTTP listener; at it its new one takes the place of one of its idle ones, or is closed at once if none is idle")
+	durationVar(fs, &h.MaxConnectionAge, "http-max-connection-age", h.MaxConnectionAge, "HTTP listeners: a kept-alive connection idle after this long is closed (each request renews --http-idle-timeout)")
 	durationVar(fs, &h.ReadHeaderTimeout, "http-read-header-timeout", h.ReadHeaderTimeout, "HTTP listeners: longest a request's headers, or a new connection's first request, may take to arrive")
 	durationVar(fs, &h.ReadTimeout, "http-read-timeout", h.ReadTimeout, "HTTP listeners: longest a whole request, body included, may take to arrive")
 	durationVar(fs, &h.WriteTimeout, "http-write-timeout", h.WriteTimeout, "HTTP listeners: longest a response may take, from the end of the request's headers (a pprof profile or trace may ask for at most this long)")
@@ -220,6 +229,7 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.Var(uint32Value{&b.MaxHeaderListSize}, "max-header-list-size", "largest header list of one call, in bytes (names, values and 32 bytes per field); a call over it is refused before any handler")
 	fs.Var(uint32Value{&b.MaxConcurrentStreams}, "max-concurrent-streams", "most calls open at once on one connection; clients queue beyond it")
 	fs.IntVar(&b.MaxConnections, "max-connections", b.MaxConnections, "most connections each listener (gRPC, health) holds open; beyond it new ones wait to be accepted")
+	fs.IntVar(&b.MaxHealthConnectionsPerSource, "max-health-connections-per-source", b.MaxHealthConnectionsPerSource, "most connections one source IP holds open on --health-listen, of its --max-connections; beyond it its new ones are closed at once, so that a flood from one source leaves the kubelet's probes a slot")
 	fs.IntVar(&b.MaxPublicStreams, "max-public-streams", b.MaxPublicStreams, "most health Watch and reflection streams (which need no credentials) open at once; beyond it they fail with RESOURCE_EXHAUSTED")
 	fs.IntVar(&b.MaxCallsPerIdentity, "max-calls-per-identity", b.MaxCallsPerIdentity, "most calls one identity of --config has in progress at once; beyond it they fail with RESOURCE_EXHAUSTED (TOO_MANY_CALLS)")
 	fs.IntVar(&b.MaxPendingCalls, "max-pending-calls", b.MaxPendingCalls, "most calls whose request message has not arrived yet, both listeners (gRPC, health) together, half on each; beyond it they fail at once with RESOURCE_EXHAUSTED (TOO_MANY_STREAMS), before credentials are checked")
@@ -348,6 +358,9 @@ func (c *config) Validate() error {
 	}
 	if err := c.HTTP.Validate(); err != nil {
 		errs = append(errs, err)
+	}
+	if c.MaxConnectingPerSource <= 0 {
+		errs = append(errs, fmt.Errorf("--max-connecting-per-source must be positive, got %d", c.MaxConnectingPerSource))
 	}
 	errs = append(errs, c.commandLineBounds()...)
 	if err := c.Server.Validate(); err != nil {

@@ -27,14 +27,15 @@ var serveFlagGroups = []struct {
 	{"Waiting Claims", []string{"max-waiters", "max-waiters-per-identity", "wait-recheck"}},
 	{"Replicas (membership, waits across replicas)", []string{"advertise-address", "heartbeat-interval", "member-live-for"}},
 	{"Connections", []string{"max-connections", "max-concurrent-streams", "max-pending-calls", "max-public-streams",
-		"max-header-list-size", "connection-timeout", "max-connection-age", "max-connection-idle"}},
+		"max-header-list-size", "connection-timeout", "max-connection-age", "max-connection-idle", "max-connecting-per-source",
+		"max-health-connections-per-source"}},
 	{"Retention sweeper", []string{"sweep-interval", "sweep-batch-size", "sweep-batch-timeout"}},
 	{"Health, readiness and shutdown", []string{"readiness-window", "readiness-min-calls", "readiness-max-failure-ratio",
 		"drain-delay", "shutdown-timeout"}},
 	{"Telemetry and logs", []string{"metrics-listen", "log-level", "log-format", "refusal-log-rate", "parked-count-interval"}},
 	{"Operator console", []string{"console-listen", "console-allow-remote", "console-proxy-header", "console-proxy-user", "console-proxy-secret-file", "console-proxy-from"}},
 	{"HTTP listeners (metrics, console, pprof, and the HTTP API's side of --listen)", []string{"http-max-connections",
-		"http-read-header-timeout", "http-read-timeout", "http-write-timeout", "http-idle-timeout", "http-max-header-bytes"}},
+		"http-max-connections-per-source", "http-max-connection-age", "http-read-header-timeout", "http-read-timeout", "http-write-timeout", "http-idle-timeout", "http-max-header-bytes"}},
 	{"Profiling", []string{"pprof-listen", "pprof-allow-remote"}},
 }
 

@@ -19,8 +19,9 @@ import (
 )
 
 // TestServeHTTPBounds: serve's HTTP listeners hold
-// at most --http-max-connections each, and close one beyond it at once; a
-// slot comes back when a connection closes; a form whose body is sent a
+// at most --http-max-connections each, a new one taking the place of one
+// that sends nothing (httpserve's TestConnectionCaps: closed at once when
+// every one is busy); a slot comes back when a connection closes; a form whose body is sent a
 // byte at a time is cut at --http-read-timeout. On main 5,000 idle
 // connections were all held, and the slow body kept its connection until
 // it was complete.
@@ -65,15 +66,21 @@ func TestServeHTTPBounds(t *testing.T) {
 			idle[i] = c
 		}
 		// The listener accepts in order: the idle ones hold every slot
-		// (each is accepted before the next connection is).
+		// (each is accepted before the next connection is). A new one
+		// takes the place of the one silent longest rather than being
+		// refused: on main, idle connections shut every caller out.
 		extra, err := net.Dial("tcp", metricsAddr)
 		require.NoError(t, err)
 		defer extra.Close()
 		_, _ = io.WriteString(extra, "GET /metrics HTTP/1.1\r\nHost: metrics\r\n\r\n")
 		require.NoError(t, extra.SetReadDeadline(time.Now().Add(30*time.Second))) // a guard against a hang
 		n, err := extra.Read(make([]byte, 1))
-		require.Zero(t, n, "a connection beyond the cap is not served")
-		require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "a connection beyond the cap is closed at once, not held: %v", err)
+		require.Equal(t, 1, n, "a connection at the cap is served: %v", err)
+		require.NoError(t, idle[0].SetReadDeadline(time.Now().Add(30*time.Second)))
+		n, err = idle[0].Read(make([]byte, 1))
+		require.Zero(t, n, "the connection silent longest made room")
+		require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "it was closed at once, not held: %v", err)
+		_ = extra.Close()
 
 		require.NoError(t, idle[0].Close())
 		require.Eventually(t, func() bool { return scrape() == nil }, 10*time.Second, 20*time.Millisecond,

@@ -123,7 +123,8 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	grpcLis := lis
 	if !cfg.DisableHTTPAPI {
 		var httpLis net.Listener
-		grpcLis, httpLis = sharedport.Split(lis, srvCfg.TLS, cfg.Server.Bounds.ConnectionTimeout, logger)
+		grpcLis, httpLis = sharedport.Split(lis, srvCfg.TLS, cfg.Server.Bounds.ConnectionTimeout, logger,
+			sharedport.WithMaxSniffingPerSource(cfg.MaxConnectingPerSource))
 		origins, _ := sharedport.CORSOrigins(cfg.HTTPAPICORSOrigins) // checked by Validate
 		stopAPI, err := sharedport.ServeAPI(srv.GRPCServer(), srv.MaxRequestBytes(), httpLis, srvCfg.TLS, origins, cfg.HTTP, logger)
 		if err != nil {

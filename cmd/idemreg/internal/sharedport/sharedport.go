@@ -45,16 +45,38 @@ import (
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 )
 
-// maxSniffing bounds the opened connections being told apart at once (each
+// MaxSniffing bounds the opened connections being told apart at once (each
 // for at most Split's timeout).
-const maxSniffing = 256
+const MaxSniffing = 256
+
+// DefaultMaxSniffingPerSource is the default share of MaxSniffing one
+// source address may hold: a quarter, so that it takes four sources that
+// connect and send nothing to keep the others from connecting, while a
+// proxy or a NAT in front, whose clients send their first bytes at once,
+// is never near it.
+const DefaultMaxSniffingPerSource = MaxSniffing / 4
+
+// SplitOption configures Split.
+type SplitOption func(*portSplit)
+
+// WithMaxSniffingPerSource bounds the connections of one source address
+// (httpserve.Source) being told apart at once (DefaultMaxSniffingPerSource;
+// at most MaxSniffing): a new one beyond it is closed at once, so that a
+// source that connects and sends nothing cannot keep the others waiting
+// for the timeout.
+func WithMaxSniffingPerSource(n int) SplitOption {
+	return func(p *portSplit) { p.perSource = min(n, MaxSniffing) }
+}
 
 // Split accepts on lis and hands each connection to the gRPC side or
 // to the HTTP side. tlsCfg is the gRPC server's TLS configuration, nil for
 // plaintext. Closing either returned listener closes lis.
-func Split(lis net.Listener, tlsCfg *tls.Config, timeout time.Duration, logger *slog.Logger) (grpcSide, httpSide net.Listener) {
+func Split(lis net.Listener, tlsCfg *tls.Config, timeout time.Duration, logger *slog.Logger, opts ...SplitOption) (grpcSide, httpSide net.Listener) {
 	p := &portSplit{lis: lis, tls: tlsCfg, timeout: timeout, logger: logger, done: make(chan struct{}),
-		sniffing: make(chan struct{}, maxSniffing)}
+		sniffing: make(chan struct{}, MaxSniffing), perSource: DefaultMaxSniffingPerSource, sources: map[string]int{}}
+	for _, o := range opts {
+		o(p)
+	}
 	p.grpc, p.http = &sideListener{p: p, conns: make(chan net.Conn)}, &sideListener{p: p, conns: make(chan net.Conn)}
 	go p.accept()
 	return p.grpc, p.http
@@ -68,8 +90,12 @@ type portSplit struct {
 	grpc, http *sideListener
 	// sniffing bounds the connections being told apart, so that clients
 	// that connect and send nothing hold a slot for timeout at most, and
-	// no more than maxSniffing of them at once.
+	// no more than MaxSniffing of them at once; sources counts them by
+	// source, each at most perSource.
 	sniffing  chan struct{}
+	perSource int
+	mu        sync.Mutex
+	sources   map[string]int
 	done      chan struct{}
 	closeOnce sync.Once
 	err       error
@@ -83,10 +109,36 @@ func (p *portSplit) accept() {
 			p.close(err)
 			return
 		}
+		src := httpserve.Source(c.RemoteAddr())
+		if !p.admit(src) {
+			<-p.sniffing
+			_ = c.Close()
+			continue
+		}
 		go func() {
-			defer func() { <-p.sniffing }()
+			defer func() { p.release(src); <-p.sniffing }()
 			p.route(c)
 		}()
+	}
+}
+
+// admit counts a connection of src being told apart, unless src has its
+// share already.
+func (p *portSplit) admit(src string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.sources[src] >= p.perSource {
+		return false
+	}
+	p.sources[src]++
+	return true
+}
+
+func (p *portSplit) release(src string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.sources[src]--; p.sources[src] <= 0 {
+		delete(p.sources, src)
 	}
 }
 
@@ -369,7 +421,9 @@ func ServeAPI(g *grpc.Server, maxRequest int, lis net.Listener, tlsCfg *tls.Conf
 	// side's bounds (--max-pending-calls, --max-concurrent-streams).
 	srv.Protocols = new(http.Protocols)
 	srv.Protocols.SetHTTP1(true)
-	lis = httpserve.CapConnections(lis, bounds.MaxConnections)
+	capped := httpserve.CapConnections(lis, bounds)
+	srv.ConnState = capped.ConnState
+	lis = capped
 	if tlsCfg != nil {
 		lis = tls.NewListener(lis, http1Only(tlsCfg)) // *tls.Conn, so that http.Server sets Request.TLS
 	}
