@@ -216,7 +216,7 @@ func (s *Sender) send(conn *grpc.ClientConn, to string, keys []storage.Key) {
 	}
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.Timeout)
 	defer cancel()
-	m.Seq = s.next() // last, so that the time to get the key is not in the window
+	m.Seq = s.next() // at the send, not when the keys were queued: the receiver measures its age
 	sealed, err := s.seal.seal(ctx, m)
 	if err == nil {
 		err = conn.Invoke(ctx, wakeMethod, wrapperspb.Bytes(sealed), new(emptypb.Empty))
