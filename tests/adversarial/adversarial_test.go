@@ -45,6 +45,10 @@ var cases = []attackCase{
 	{"config file written in place in two parts (issue 35, weakness 6)", configWrittenInPlace},
 	{"claim-key rotation shorter than a lease (issue 35, weakness 7)", shortClaimKeyRotation},
 	{"idemhttp: one caller cannot replay another's response (issue 35, vulnerability 3)", idemhttpCrossCaller},
+	{"TLS: HTTP/2 flood on the HTTP side (issue 35, vulnerability 2)", tlsHTTP2Flood},
+	{"idle keep-alive flood on the HTTP API (issue 35, weakness 5)", keepAliveFlood},
+	{"slowloris of one source while another dials (issue 35, weakness 5)", sniffingSlowloris},
+	{"health probe under a flood of one source (issue 35, weakness 5)", healthProbeUnderFlood},
 }
 
 // TestAdversarial starts one serve and runs every attack of cases against

@@ -37,8 +37,8 @@ import (
 const (
 	maxConnections = 32 // --max-connections, per listener
 	// httpMaxConnections is --http-max-connections: each HTTP listener's
-	// (metrics here) cap on open connections.
-	httpMaxConnections = 8
+	// (metrics, the HTTP API) cap on open connections.
+	httpMaxConnections = 16
 	// maxPendingCalls is --max-pending-calls: calls whose message has not
 	// arrived, half of them per gRPC listener.
 	maxPendingCalls = server.DefaultMaxPendingCalls
@@ -211,6 +211,7 @@ func startSuite(t *testing.T) *suite {
 		"--data-dir", filepath.Join(dir, "data"), "--config", cfg,
 		"--max-connections", strconv.Itoa(maxConnections),
 		"--http-max-connections", strconv.Itoa(httpMaxConnections),
+		"--http-max-connections-per-source", strconv.Itoa(httpMaxConnectionsPerSource),
 		"--max-pending-calls", strconv.Itoa(maxPendingCalls),
 		"--max-concurrent-streams", strconv.Itoa(maxStreams),
 		"--max-header-list-size", strconv.Itoa(maxHeaderList),
