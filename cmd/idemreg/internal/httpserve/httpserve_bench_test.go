@@ -25,7 +25,7 @@ import (
 //	go test ./cmd/idemreg/ -run '^$' -bench BenchmarkHTTPIdleConnections -benchtime 1x
 func BenchmarkHTTPIdleConnections(b *testing.B) {
 	uncapped := DefaultBounds()
-	uncapped.MaxConnections = 1 << 30
+	uncapped.MaxConnections, uncapped.MaxConnectionsPerSource = 1<<30, 1<<30
 	for _, tc := range []struct {
 		name   string
 		bounds Bounds
