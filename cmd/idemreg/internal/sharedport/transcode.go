@@ -214,28 +214,58 @@ func messageRequired(g *grpc.Server, maxRequest int) http.Handler {
 }
 
 // readMessage reads body, a transcoded gRPC request of one message, and
-// returns it to be read again, or a marked message when it had none.
+// returns it to be read again, or a marked message when it had none or was
+// not one message.
 func readMessage(body io.ReadCloser, limit int64) io.ReadCloser {
-	b, err := io.ReadAll(io.LimitReader(body, limit+1))
-	detail := ""
-	switch {
-	case err != nil:
-		detail = err.Error()
-		if ce := (*connect.Error)(nil); errors.As(err, &ce) {
-			detail = ce.Message()
-		}
-	case len(b) == 0:
-		detail = "no request message arrived"
-	case int64(len(b)) > limit:
-		detail = fmt.Sprintf("the request is larger than the %d bytes the server accepts", limit)
-	}
+	frame, detail := readFrame(body, limit)
 	if detail != "" {
-		b = markedFrame(detail)
+		frame = markedFrame(detail)
 	}
 	return struct {
 		io.Reader
 		io.Closer
-	}{bytes.NewReader(b), body}
+	}{bytes.NewReader(frame), body}
+}
+
+// readFrame reads the one gRPC message frame of body into a buffer of its
+// size (read whole, a buffer growing by doubling took twice the message),
+// then the body's end; or says why it could not.
+func readFrame(body io.Reader, limit int64) ([]byte, string) {
+	var head [5]byte
+	if n, err := io.ReadFull(body, head[:]); err != nil {
+		if n == 0 && errors.Is(err, io.EOF) {
+			return nil, "no request message arrived"
+		}
+		return nil, readFailure(err)
+	}
+	n := int64(binary.BigEndian.Uint32(head[1:]))
+	if n > limit {
+		return nil, fmt.Sprintf("the request is larger than the %d bytes the server accepts", limit)
+	}
+	frame := make([]byte, 5+n)
+	copy(frame, head[:])
+	if _, err := io.ReadFull(body, frame[5:]); err != nil {
+		return nil, readFailure(err)
+	}
+	// The body's end is read here too: asked for more, vanguard reads the
+	// next message, and answers one that is broken.
+	var more [1]byte
+	switch _, err := io.ReadFull(body, more[:]); {
+	case err == nil:
+		return nil, "more than one request message arrived"
+	case !errors.Is(err, io.EOF):
+		return nil, readFailure(err)
+	}
+	return frame, ""
+}
+
+// readFailure is what a body that failed says: vanguard's error, or the
+// wire's (tooLarge), by its message.
+func readFailure(err error) string {
+	if ce := (*connect.Error)(nil); errors.As(err, &ce) {
+		return ce.Message()
+	}
+	return err.Error()
 }
 
 // markedFrame is a gRPC message frame of a request marked malformed with

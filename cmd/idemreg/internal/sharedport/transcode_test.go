@@ -344,6 +344,13 @@ func TestHTTPAPIEmptyMessage(t *testing.T) {
 	require.Equal(t, "invalid_argument", connectJSON.code)
 	require.Equal(t, idemregv1.ReasonMalformedRequest, connectJSON.info.GetReason())
 
+	// Two messages where one is required: malformed too.
+	msg, err := proto.Marshal(&idemregv1.LookupRequest{Consumer: "billing.worker", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+	require.NoError(t, err)
+	two := s.call(t, "Lookup", bytes.NewReader(append(webFrame(false, msg), webFrame(false, msg)...)), "Content-Type", "application/grpc-web+proto")
+	require.Equal(t, "3", two.code, "INVALID_ARGUMENT: %s", two.message)
+	require.Equal(t, idemregv1.ReasonMalformedRequest, two.info.GetReason())
+
 	for range 100 {
 		a := s.call(t, "Lookup", http.NoBody, "Content-Type", "application/grpc-web+proto")
 		require.Equal(t, "3", a.code)
