@@ -74,10 +74,10 @@ func stillOpen(conns []net.Conn, d time.Duration) int {
 // sniffingSlowloris (issue 35, weakness 5): one source opens 300
 // connections to the gRPC port and sends nothing. Bound: it holds at most
 // a quarter (64) of the 256 connections being told apart, the others
-// closed at once; a client of another source is served at once, before
-// any silent one reaches --connection-timeout (2 s here), where before it
-// waited for them; the neighbour keeps at least 20% of its throughput
-// while the source re-opens its connections as they close.
+// closed at once; a client of another source is served at once, within
+// half of --connection-timeout (2 s here), where before it waited for the
+// silent ones to time out; the neighbour keeps at least 20% of its
+// throughput while the source re-opens its connections as they close.
 func sniffingSlowloris(t *testing.T, s *suite) {
 	var silent []net.Conn
 	for range maxSniffing + 44 {
@@ -93,7 +93,9 @@ func sniffingSlowloris(t *testing.T, s *suite) {
 	took := time.Since(start)
 	require.NoError(t, err)
 	t.Logf("a client of another source behind %d silent connections was served after %v", len(silent), took.Round(time.Millisecond))
-	require.Less(t, took, connectionTimeout, "served before any silent connection timed out")
+	// Before, it waited for the first silent ones to time out (measured
+	// 1.99 s: they were accepted a moment before it dialled).
+	require.Less(t, took, connectionTimeout/2, "served long before any silent connection timed out")
 	open := stillOpen(silent, connectionTimeout/2)
 	t.Logf("the silent source held %d connections (bound %d)", open, maxSniffingPerSource)
 	require.LessOrEqual(t, open, maxSniffingPerSource)
