@@ -171,7 +171,8 @@ rate_limits:
 // the logger at INFO writing JSON to a file. An op is one of team's Claims;
 // calls/s is team's, refused/s the flood's. beside_flood holds no refusal
 // (RefusalRate 0, as before issue 35); beside_flood_held has serve's
-// default, DefaultRefusalRate, beyond which flood's refusals are held.
+// default, DefaultRefusalRate, beyond which flood's refusals are held;
+// beside_wide_flood_held is flood with 256 callers over 4 connections.
 //
 //	go test -run '^$' -bench NeighbourOfRefusalFlood -benchtime 3s ./server/
 func BenchmarkNeighbourOfRefusalFlood(b *testing.B) {
@@ -183,13 +184,15 @@ rate_limits: # team measures its throughput: above the default rate of an identi
   - {identities: [team], rate: 1000000000, burst: 1000000000}
 `)
 	for _, bc := range []struct {
-		name        string
-		flooded     bool
-		refusalRate float64
+		name                string
+		flooded             bool
+		refusalRate         float64
+		floodConns, callers int
 	}{
-		{"alone", false, server.DefaultRefusalRate},
-		{"beside_flood", true, 0},
-		{"beside_flood_held", true, server.DefaultRefusalRate},
+		{"alone", false, server.DefaultRefusalRate, 0, 0},
+		{"beside_flood", true, 0, 1, 64},
+		{"beside_flood_held", true, server.DefaultRefusalRate, 1, 64},
+		{"beside_wide_flood_held", true, server.DefaultRefusalRate, 4, 256},
 	} {
 		flooded := bc.flooded
 		b.Run(bc.name, func(b *testing.B) {
@@ -202,7 +205,10 @@ rate_limits: # team measures its throughput: above the default rate of an identi
 			b.Cleanup(func() { _ = store.Close() })
 			addr, _ := servertest.Serve(b, store, server.Config{Logger: logger, Access: src, RefusalRate: bc.refusalRate})
 			team := idemregv1.NewRegistryServiceClient(servertest.Dial(b, addr))
-			floodConn := idemregv1.NewRegistryServiceClient(servertest.Dial(b, addr))
+			var floodConns []idemregv1.RegistryServiceClient
+			for range bc.floodConns {
+				floodConns = append(floodConns, idemregv1.NewRegistryServiceClient(servertest.Dial(b, addr)))
+			}
 
 			stop := make(chan struct{})
 			var refused atomic.Int64
@@ -210,7 +216,8 @@ rate_limits: # team measures its throughput: above the default rate of an identi
 			if flooded {
 				ctx := metadata.AppendToOutgoingContext(b.Context(), "authorization", "bearer flood-token")
 				req := &idemregv1.ClaimRequest{Consumer: "team.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"}
-				for range 64 {
+				for i := range bc.callers {
+					floodConn := floodConns[i%len(floodConns)]
 					floods.Go(func() {
 						for {
 							select {

@@ -18,9 +18,9 @@ import (
 )
 
 // BenchmarkHeldRefusals measures what the refusals the server holds cost
-// it (refusals.go): raw peers without credentials, one per loopback
-// source (127.0.0.2, ...), each with MaxHeldRefusalsPerCaller Claims
-// refused UNAUTHENTICATED, all but a budget of 2 held, until the server
+// it (refusals.go): raw peers without credentials from a few loopback
+// sources (127.0.0.2, ...), each connection with 64 Claims refused
+// UNAUTHENTICATED, all but a budget of 2 a source held, until the server
 // holds MaxHeldRefusals of them; it reports the heap in use and the
 // goroutine stacks per held refusal after a collection, and the process's
 // resident memory. The raw peers keep nothing per call.
@@ -40,13 +40,15 @@ identities:
 	reader := sdkmetric.NewManualReader()
 	addr, _ := servertest.Serve(b, memStore(b), server.Config{Access: src, RefusalRate: 1, RefusalDelay: time.Hour,
 		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
-	// One source more than the bound needs: a connection takes 64
-	// streams (MaxConcurrentStreams), two of which are the budget's.
+	// Connections of 64 streams (MaxConcurrentStreams) from as many
+	// sources as the bound needs, one more than that, and one connection
+	// more than they need for the budget (2 a source).
 	sources := server.MaxHeldRefusals/server.MaxHeldRefusalsPerCaller + 1
+	conns := server.MaxHeldRefusals/60 + 1
 	before := memNow()
 	var peers []*rawPeer
-	for i := range sources {
-		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0." + strconv.Itoa(2+i))}}
+	for i := range conns {
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0." + strconv.Itoa(2+i%sources))}}
 		c, err := d.Dial("tcp", addr)
 		require.NoError(b, err)
 		p := &rawPeer{conn: c, fr: http2.NewFramer(c, c), next: 1}
@@ -55,7 +57,7 @@ identities:
 		require.NoError(b, err)
 		require.NoError(b, p.fr.WriteSettings())
 		peers = append(peers, p)
-		for range server.MaxHeldRefusalsPerCaller {
+		for range 64 {
 			_, err := p.open("/idemreg.v1.RegistryService/Claim", 0, true)
 			require.NoError(b, err)
 		}

@@ -131,14 +131,17 @@ identities:
 		flood := as(t.Context(), "flood-token")
 		ctx, cancel := context.WithTimeout(flood, 10*time.Minute)
 		defer cancel()
-		// Over two connections: one takes MaxConcurrentStreams calls at
-		// once, as many as a caller may hold.
-		conns := []idemregv1.RegistryServiceClient{near, idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))}
+		// Over as many connections as that takes: one takes
+		// MaxConcurrentStreams (64) calls at once.
 		over := server.MaxHeldRefusalsPerCaller + 8
+		var conns []idemregv1.RegistryServiceClient
+		for range over/60 + 1 {
+			conns = append(conns, idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr)))
+		}
 		done := make(chan error, over)
 		for i := range over {
 			go func() {
-				_, err := conns[i%2].Claim(ctx, &idemregv1.ClaimRequest{Consumer: "team.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
+				_, err := conns[i%len(conns)].Claim(ctx, &idemregv1.ClaimRequest{Consumer: "team.a", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "k"})
 				done <- err
 			}()
 		}
