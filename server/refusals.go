@@ -22,16 +22,19 @@ import (
 // calls refused before it (or to its own refusals). So each caller gets
 // a budget of refusals, a token bucket of RefusalRate a second (burst
 // twice that): beyond it, a refusal is answered only after RefusalDelay,
-// and a closed loop of them falls to a few calls a second on each of its
-// streams, its CPU with it. Accepted calls are never held, and neither is
+// and a closed loop of them falls to about a call a second on each of
+// its streams, its CPU with it. Accepted calls are never held, and neither is
 // anything a caller within its budget is refused.
 //
 // The caller is its identity when it has one (the budget follows it from
 // every address it calls from), its source address (the remote IP) when
 // it has none: UNAUTHENTICATED, an open server's anonymous callers, the
-// peers' Wake. Held refusals are bounded, per caller (MaxHeldRefusalsPerCaller)
-// and in all (MaxHeldRefusals), so that holding cannot become a memory attack: a
-// refusal beyond them is answered at once, and counted.
+// peers' Wake. Held refusals are bounded, per caller
+// (MaxHeldRefusalsPerCaller) and in all (MaxHeldRefusals), so that
+// holding cannot become a memory attack: a refusal beyond them is
+// answered at once, and counted. Only unary calls are held: a streaming
+// method is public, bounded in number (MaxPublicStreams), or refused at
+// once (chain.go).
 
 // DefaultRefusalRate is the refusals a second a caller (an identity, or
 // a source address for a caller without one) may draw before they are
