@@ -12,6 +12,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/emptypb"
@@ -101,6 +102,10 @@ func TestWakeReplayRefusedAcrossReplicas(t *testing.T) {
 	a := startPeer(t, db, replicaConfig(slowRecheck))
 	b := startPeer(t, db, bcfg)
 	toB := tap.forwardTo(t, b.addr)
+	// Connected before A's first Wake, which has DefaultTimeout (250 ms)
+	// for the tap's forwarding too.
+	toB.Connect()
+	require.Eventually(t, func() bool { return toB.GetState() == connectivity.Ready }, 10*time.Second, time.Millisecond)
 	require.Eventually(t, func() bool { return len(a.srv.Members()) == 2 && len(b.srv.Members()) == 2 }, 10*time.Second, 5*time.Millisecond)
 
 	// A genuine Wake: A releases the key a Claim waits for on B.
