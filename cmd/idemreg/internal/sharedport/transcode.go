@@ -17,6 +17,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/encoding"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/known/emptypb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
@@ -197,10 +199,19 @@ func (c markingJSON) Unmarshal(data []byte, msg proto.Message) error {
 // call): the race detector caught the two writing the response's headers
 // at once.
 func messageRequired(g *grpc.Server, maxRequest int) http.Handler {
+	// From the API's descriptors, not g's service info: the server
+	// registers its unary methods as client streams, to answer a call with
+	// no message itself (server/codec.go, decodingRegistrar).
 	single := map[string]bool{}
-	for svc, info := range g.GetServiceInfo() {
-		for _, m := range info.Methods {
-			single["/"+svc+"/"+m.Name] = !m.IsClientStream
+	for svc := range g.GetServiceInfo() {
+		d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(svc))
+		sd, ok := d.(protoreflect.ServiceDescriptor)
+		if err != nil || !ok {
+			continue // no descriptor: not transcoded either
+		}
+		for i := range sd.Methods().Len() {
+			m := sd.Methods().Get(i)
+			single["/"+svc+"/"+string(m.Name())] = !m.IsStreamingClient()
 		}
 	}
 	// vanguard's buffer bound, and a message's envelope.
