@@ -41,7 +41,21 @@ type rawPeer struct {
 
 func dialRaw(t testing.TB, addr string) *rawPeer {
 	t.Helper()
-	c, err := net.Dial("tcp", addr)
+	return dialRawFrom(t, addr, "")
+}
+
+// dialRawFrom is dialRaw from the loopback address ip ("" for the
+// system's choice), so that the server sees another source: a listener
+// that holds one source to a share of its connections (the health
+// listener's MaxHealthConnectionsPerSource) takes the connections of
+// several.
+func dialRawFrom(t testing.TB, addr, ip string) *rawPeer {
+	t.Helper()
+	d := net.Dialer{}
+	if ip != "" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(ip)}
+	}
+	c, err := d.Dial("tcp", addr)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	p := &rawPeer{conn: c, fr: http2.NewFramer(c, c), next: 1}
