@@ -15,7 +15,6 @@ import (
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 
-	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/reason"
 )
 
@@ -133,22 +132,15 @@ func (a accessLogger) unary(ctx context.Context, req any, _ *grpc.UnaryServerInf
 
 func (a accessLogger) finished(ctx context.Context, cl *callLog, err error) {
 	code := status.Code(err)
-	// kind is the code the line is leveled and sampled by: a call gRPC
-	// refused for its number of messages is the caller's malformed
-	// request, whatever code grpc-go sent it.
-	kind := code
-	if cardinalityViolation(err) {
-		kind = codes.InvalidArgument
-	}
-	lvl := codeLevel(kind)
+	lvl := codeLevel(code)
 	if !a.logger.Enabled(ctx, lvl) {
 		return
 	}
 	var sampledOut int64
-	if a.refusals != nil && sampled(kind) {
-		ok, before := a.refusals.admit(time.Now(), cl.identity, kind)
+	if a.refusals != nil && sampled(code) {
+		ok, before := a.refusals.admit(time.Now(), cl.identity, code)
 		if !ok {
-			a.m.logSampled.Add(ctx, 1, codeAttr(kind))
+			a.m.logSampled.Add(ctx, 1, codeAttr(code))
 			return
 		}
 		sampledOut = before
@@ -173,27 +165,10 @@ func (a accessLogger) finished(ctx context.Context, cl *callLog, err error) {
 	if err != nil {
 		attrs = append(attrs, slog.String("grpc.error", reason.Bounded(status.Convert(err).Message(), MaxStatusMessageBytes)))
 	}
-	if kind != code {
-		attrs = append(attrs, slog.String("reason", idemregv1.ErrorReason_ERROR_REASON_MALFORMED_REQUEST.Reason()))
-	}
 	if sampledOut > 0 {
 		attrs = append(attrs, slog.Int64("log.sampled_out", sampledOut))
 	}
 	a.logger.LogAttrs(ctx, lvl, "finished call", attrs...)
-}
-
-// cardinalityViolation reports whether err is grpc-go's refusal of a unary
-// or server-streaming call that sent no request message, or more than
-// one: a caller's malformed request (an HTTP/2 stream whose HEADERS end
-// it, an empty gRPC-Web body), which grpc-go answers INTERNAL itself
-// before any handler or interceptor runs (stream.go, serverStream.RecvMsg,
-// which writes the status before it returns to the handler), so that
-// nothing in between can change the code sent. Its line is the one of a
-// malformed request: INFO and sampled, never an unsampled ERROR a caller
-// can make the server write at will.
-func cardinalityViolation(err error) bool {
-	st, ok := status.FromError(err)
-	return ok && st.Code() == codes.Internal && strings.HasPrefix(st.Message(), "cardinality violation: received ")
 }
 
 // Sampling the lines of refused calls. A caller can send refused calls as

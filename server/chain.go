@@ -89,3 +89,29 @@ func panicHandler(logger *slog.Logger) recovery.RecoveryHandlerFuncContext {
 		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 }
+
+// chainUnary chains interceptors, outermost first, into one: the server
+// runs the same chain for its unary methods whether grpc-go calls them as
+// unary or the server carries them as client streams (carriedUnary).
+func chainUnary(interceptors ...grpc.UnaryServerInterceptor) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		next := handler
+		for i := len(interceptors) - 1; i >= 0; i-- {
+			in, h := interceptors[i], next
+			next = func(ctx context.Context, req any) (any, error) { return in(ctx, req, info, h) }
+		}
+		return next(ctx, req)
+	}
+}
+
+// chainStream chains stream interceptors, outermost first, into one.
+func chainStream(interceptors ...grpc.StreamServerInterceptor) grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		next := handler
+		for i := len(interceptors) - 1; i >= 0; i-- {
+			in, h := interceptors[i], next
+			next = func(srv any, ss grpc.ServerStream) error { return in(srv, ss, info, h) }
+		}
+		return next(srv, ss)
+	}
+}

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"io"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/encoding"
@@ -53,8 +54,12 @@ func (c requestCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	return c.proto.Unmarshal(data, v)
 }
 
-// rawRequest is a request's bytes as they arrived.
-type rawRequest struct{ data mem.BufferSlice }
+// rawRequest is a request's bytes as they arrived, or, for a call that did
+// not send exactly one message, why not (missing).
+type rawRequest struct {
+	data    mem.BufferSlice
+	missing string
+}
 
 func (r *rawRequest) free() {
 	r.data.Free()
@@ -75,15 +80,19 @@ func (r *rawRequest) decode(m any) error {
 	default:
 		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
-	buf := r.data.MaterializeToBuffer(mem.DefaultBufferPool())
-	defer buf.Free()
-	err := proto.Unmarshal(buf.ReadOnlyData(), msg)
-	if err == nil {
-		detail, marked := markedMalformed(msg.ProtoReflect().GetUnknown())
-		if !marked {
-			return nil
+	var err error
+	if r.missing != "" {
+		err = errors.New(r.missing)
+	} else {
+		buf := r.data.MaterializeToBuffer(mem.DefaultBufferPool())
+		defer buf.Free()
+		if err = proto.Unmarshal(buf.ReadOnlyData(), msg); err == nil {
+			detail, marked := markedMalformed(msg.ProtoReflect().GetUnknown())
+			if !marked {
+				return nil
+			}
+			err = errors.New(detail)
 		}
-		err = errors.New(detail)
 	}
 	proto.Reset(msg)
 	name := string(msg.ProtoReflect().Descriptor().FullName())
@@ -166,21 +175,105 @@ func refuseMalformed(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next
 // decode their requests themselves, from the rawRequest of requestCodec:
 // a unary request inside the interceptor chain, a stream's messages as the
 // handler receives them. It is also what reflection.Register needs.
-type decodingRegistrar struct{ *grpc.Server }
+//
+// A unary method is registered as a client stream (carriedUnary), and a
+// server stream as a bidirectional one (singleStream), so that a call that
+// sends no message, or more than one, is the server's to answer:
+// registered as they are, grpc-go refuses it itself, INTERNAL
+// ("cardinality violation"), written in serverStream.RecvMsg before any
+// handler or interceptor runs. Anyone could send one (an HTTP/2 stream
+// whose HEADERS end it), and get the status the docs keep for the
+// server's own faults.
+type decodingRegistrar struct {
+	*grpc.Server
+	carried *carriedUnary
+}
 
 func (r decodingRegistrar) RegisterService(sd *grpc.ServiceDesc, impl any) {
 	d := *sd
-	d.Methods = make([]grpc.MethodDesc, len(sd.Methods))
-	for i, m := range sd.Methods {
-		d.Methods[i] = grpc.MethodDesc{MethodName: m.MethodName, Handler: decodingUnary(m.Handler)}
-	}
-	d.Streams = make([]grpc.StreamDesc, len(sd.Streams))
-	for i, s := range sd.Streams {
+	d.Methods = nil
+	d.Streams = make([]grpc.StreamDesc, 0, len(sd.Streams)+len(sd.Methods))
+	for _, s := range sd.Streams {
 		h := s.Handler
-		s.Handler = func(srv any, ss grpc.ServerStream) error { return h(srv, decodingStream{ss}) }
-		d.Streams[i] = s
+		if s.ClientStreams {
+			s.Handler = func(srv any, ss grpc.ServerStream) error { return h(srv, decodingStream{ss}) }
+		} else {
+			// A server stream's one request, received as a unary call's.
+			s.ClientStreams = true
+			s.Handler = func(srv any, ss grpc.ServerStream) error { return h(srv, singleStream{ss}) }
+		}
+		d.Streams = append(d.Streams, s)
+	}
+	for _, m := range sd.Methods {
+		d.Streams = append(d.Streams, grpc.StreamDesc{StreamName: m.MethodName, ClientStreams: true,
+			Handler: r.carried.handler(decodingUnary(m.Handler))})
+		r.carried.methods["/"+sd.ServiceName+"/"+m.MethodName] = true
 	}
 	r.Server.RegisterService(&d, impl)
+}
+
+// carriedUnary runs the unary methods a decodingRegistrar registered as
+// client streams: each under the unary interceptor chain it was given (the
+// one the server would have run), and past the server's stream
+// interceptors (streams), which are for its real streams. Its methods are
+// filled at registration, before the server serves, and only read after.
+type carriedUnary struct {
+	unary   grpc.UnaryServerInterceptor
+	methods map[string]bool
+}
+
+func newCarriedUnary(unary grpc.UnaryServerInterceptor) *carriedUnary {
+	return &carriedUnary{unary: unary, methods: map[string]bool{}}
+}
+
+// handler runs h, a unary handler, on the stream's one message.
+func (c *carriedUnary) handler(h grpc.MethodHandler) grpc.StreamHandler {
+	return func(srv any, ss grpc.ServerStream) error {
+		reply, err := h(srv, ss.Context(), oneMessage(ss), c.unary)
+		if err != nil {
+			return err
+		}
+		return ss.SendMsg(reply)
+	}
+}
+
+// streams is the server's stream interceptor: chain for its streams, none
+// for the unary methods it carries.
+func (c *carriedUnary) streams(chain grpc.StreamServerInterceptor) grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		if c.methods[info.FullMethod] {
+			return handler(srv, ss)
+		}
+		return chain(srv, ss, info, handler)
+	}
+}
+
+// oneMessage receives a unary call's request into a rawRequest, as
+// grpc-go's unary path would, except that no message, or a second one,
+// makes it a request that does not decode (missing), refused
+// MALFORMED_REQUEST inside the interceptor chain, after authentication.
+func oneMessage(ss grpc.ServerStream) func(any) error {
+	return func(m any) error {
+		raw := m.(*rawRequest)
+		if err := ss.RecvMsg(raw); err != nil {
+			if !errors.Is(err, io.EOF) {
+				return err // gRPC's own: too large, bad compression
+			}
+			raw.missing = "no request message arrived"
+			return nil
+		}
+		var extra rawRequest
+		err := ss.RecvMsg(&extra)
+		extra.free()
+		switch {
+		case err == nil:
+			raw.free()
+			raw.missing = "more than one request message arrived"
+		case !errors.Is(err, io.EOF):
+			return err
+		}
+		return nil
+	}
 }
 
 // decodingUnary runs a generated unary handler on the request's bytes. The
@@ -193,7 +286,7 @@ func decodingUnary(h grpc.MethodHandler) grpc.MethodHandler {
 		var raw rawRequest
 		defer raw.free()
 		if err := dec(&raw); err != nil {
-			return nil, err // gRPC's own: too large, bad compression, cardinality
+			return nil, err // gRPC's own: too large, bad compression
 		}
 		var malformed error
 		decode := func(m any) error {
@@ -219,6 +312,20 @@ type decodingStream struct{ grpc.ServerStream }
 func (s decodingStream) RecvMsg(m any) error {
 	var raw rawRequest
 	if err := s.ServerStream.RecvMsg(&raw); err != nil {
+		raw.free()
+		return err
+	}
+	return raw.decode(m)
+}
+
+// singleStream receives a server stream's one request message as
+// oneMessage receives a unary call's: no message, or a second one, is the
+// stream's MALFORMED_REQUEST status.
+type singleStream struct{ grpc.ServerStream }
+
+func (s singleStream) RecvMsg(m any) error {
+	var raw rawRequest
+	if err := oneMessage(s.ServerStream)(&raw); err != nil {
 		raw.free()
 		return err
 	}

@@ -36,16 +36,17 @@ const LivenessService = "liveness"
 func (s *Server) ServeHealth(lis net.Listener) error {
 	// The same codec as the main listener, so that a malformed check is
 	// INVALID_ARGUMENT there too (codec.go).
+	carried := newCarriedUnary(refuseMalformed)
 	opts := append(s.cfg.Bounds.serverOptions(newPendingCalls(s.cfg.Bounds.MaxPendingCalls/2, s.metrics)),
 		grpc.ForceServerCodecV2(newRequestCodec()),
-		grpc.UnaryInterceptor(refuseMalformed),
-		grpc.ChainStreamInterceptor(s.public.intercept),
+		grpc.UnaryInterceptor(carried.unary),
+		grpc.StreamInterceptor(carried.streams(s.public.intercept)),
 		// A health request is a service name.
 		grpc.MaxRecvMsgSize(healthMaxRecvMsgSize),
 		grpc.KeepaliveParams(s.cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))
 	g := grpc.NewServer(opts...)
-	healthpb.RegisterHealthServer(decodingRegistrar{g}, s.health)
+	healthpb.RegisterHealthServer(decodingRegistrar{Server: g, carried: carried}, s.health)
 	lis = s.limitConnections("health", limitSources(lis, min(s.cfg.Bounds.MaxHealthConnectionsPerSource, s.cfg.Bounds.MaxConnections)))
 	go func() { <-s.done; g.Stop() }()
 	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {

@@ -149,6 +149,9 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	}, m.parkedRecords); err != nil {
 		return nil, fmt.Errorf("server: metrics: %w", err)
 	}
+	// The unary methods are carried as client streams (codec.go,
+	// decodingRegistrar) and run this chain themselves.
+	carried := newCarriedUnary(chainUnary(s.unaryInterceptors()...))
 	opts := []grpc.ServerOption{
 		// otelgrpc first: the access log's line, written at the call's
 		// end, carries the span it opened.
@@ -157,8 +160,8 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 			otelgrpc.WithTracerProvider(cfg.TracerProvider),
 			otelgrpc.WithFilter(filters.Not(filters.HealthCheck())))),
 		grpc.StatsHandler(s.accessLog),
-		grpc.ChainUnaryInterceptor(s.unaryInterceptors()...),
-		grpc.ChainStreamInterceptor(s.streamInterceptors()...),
+		grpc.UnaryInterceptor(carried.unary),
+		grpc.StreamInterceptor(carried.streams(chainStream(s.streamInterceptors()...))),
 		grpc.MaxRecvMsgSize(maxRequestBytes(cfg.Limits)),
 		grpc.KeepaliveParams(cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement),
@@ -174,7 +177,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	}
 	opts = append(opts, grpc.Creds(inProcessCreds{creds})) // InProcess
 	g := grpc.NewServer(opts...)
-	r := decodingRegistrar{g}
+	r := decodingRegistrar{Server: g, carried: carried}
 	idemregv1.RegisterRegistryServiceServer(r, svc)
 	idemregv1.RegisterAdminServiceServer(r, newAdminService(svc, cfg.ResultTypes))
 	h := health.NewServer()
