@@ -74,9 +74,15 @@ func heldCallsProbe(b *testing.B, heldConns, field int) {
 	before := memNow()
 	var peers []*rawPeer
 	accepted, refused := 0, 0
+	// From several sources (127.0.0.2, ...), none at the health
+	// listener's MaxHealthConnectionsPerSource, which closes a source's
+	// connections beyond it at once: the probe measures what the held
+	// calls of many connections cost, as peers behind many addresses
+	// would hold them.
+	sources := heldConns/bounds.MaxHealthConnectionsPerSource + 1
 	for _, addr := range addrs {
-		for range heldConns {
-			p := dialRaw(b, addr)
+		for i := range heldConns {
+			p := dialRawFrom(b, addr, "127.0.0."+strconv.Itoa(2+i%sources))
 			peers = append(peers, p)
 			n := int(bounds.MaxConcurrentStreams)
 			for range n {
