@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"crypto/tls"
 	"strings"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
@@ -76,6 +77,32 @@ func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
 	}
 	noteIdentity(ctx, id.Name)
 	return context.WithValue(context.WithValue(ctx, identityKey{}, id), configKey{}, snap), nil
+}
+
+// Authenticates reports whether a call of fullMethod ("/package.Service/Method")
+// over a TLS connection in state (nil without TLS), with these
+// Authorization header values, would pass authentication: the method is
+// public, identities are not enforced, or its credentials name an identity.
+// It is what a transcoder in front of the server asks before it reads a
+// request's body, so that an unknown caller's body is never read or
+// inflated; the server's own authentication of the call still decides.
+func (s *Server) Authenticates(fullMethod string, state *tls.ConnectionState, authorization []string) bool {
+	ctx := context.Background()
+	if public(ctx, interceptors.NewServerCallMeta(fullMethod, nil, nil)) {
+		return true
+	}
+	// What grpc-go's ServeHTTP gives the call of the peer and metadata
+	// that identify reads (not its address).
+	p := &peer.Peer{}
+	if state != nil {
+		p.AuthInfo = credentials.TLSInfo{State: *state}
+	}
+	ctx = peer.NewContext(ctx, p)
+	if len(authorization) > 0 {
+		ctx = metadata.NewIncomingContext(ctx, metadata.MD{"authorization": authorization})
+	}
+	_, err := identify(ctx, s.snapshot().access)
+	return err == nil
 }
 
 func identify(ctx context.Context, set *access.Set) (*access.Identity, error) {

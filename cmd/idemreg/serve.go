@@ -126,7 +126,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 		grpcLis, httpLis = sharedport.Split(lis, srvCfg.TLS, cfg.Server.Bounds.ConnectionTimeout, logger,
 			sharedport.WithMaxSniffingPerSource(cfg.MaxConnectingPerSource))
 		origins, _ := sharedport.CORSOrigins(cfg.HTTPAPICORSOrigins) // checked by Validate
-		stopAPI, err := sharedport.ServeAPI(srv.GRPCServer(), srv.MaxRequestBytes(), httpLis, srvCfg.TLS, origins, cfg.HTTP, logger)
+		stopAPI, err := sharedport.ServeAPI(srv.GRPCServer(), srv, srv.MaxRequestBytes(), httpLis, srvCfg.TLS, origins, cfg.HTTP, logger)
 		if err != nil {
 			_ = lis.Close()
 			return err

@@ -397,12 +397,13 @@ func http1Only(tlsCfg *tls.Config) *tls.Config {
 
 // ServeAPI serves the HTTP API (Connect, gRPC-Web, HTTP/JSON) of g on
 // lis under the HTTP listeners' bounds, each request held to maxRequest
-// bytes (the server's, server.MaxRequestBytes), until stop is called; over TLS
+// bytes (the server's, server.MaxRequestBytes), the body of a caller
+// callers does not know left unread, until stop is called; over TLS
 // with tlsCfg's certificates and client CA (negotiating http/1.1) when it
 // is not nil, so that a client certificate is the same identity as on
 // gRPC.
-func ServeAPI(g *grpc.Server, maxRequest int, lis net.Listener, tlsCfg *tls.Config, origins []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
-	h, err := transcoder(g, maxRequest)
+func ServeAPI(g *grpc.Server, callers Callers, maxRequest int, lis net.Listener, tlsCfg *tls.Config, origins []string, bounds httpserve.Bounds, logger *slog.Logger) (stop func(), err error) {
+	h, err := transcoder(g, callers, maxRequest)
 	if err != nil {
 		return nil, err
 	}

@@ -35,7 +35,7 @@ func BenchmarkGRPCTransport(b *testing.B) {
 		"native": func(b *testing.B, g *grpc.Server, lis net.Listener) { go func() { _ = g.Serve(lis) }() },
 		"split": func(b *testing.B, g *grpc.Server, lis net.Listener) {
 			grpcLis, httpLis := Split(lis, nil, time.Second, slog.New(slog.DiscardHandler))
-			stop, err := ServeAPI(g, 4<<20, httpLis, nil, nil, httpserve.DefaultBounds(), slog.New(slog.DiscardHandler))
+			stop, err := ServeAPI(g, nil, 4<<20, httpLis, nil, nil, httpserve.DefaultBounds(), slog.New(slog.DiscardHandler))
 			require.NoError(b, err)
 			b.Cleanup(stop)
 			go func() { _ = g.Serve(grpcLis) }()

@@ -3,6 +3,7 @@ package sharedport
 import (
 	"bytes"
 	"compress/gzip"
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -36,10 +37,16 @@ import (
 //     compression's overhead on incompressible data);
 //   - inflated: the gzip reader stops one byte past maxRequest;
 //   - buffered: vanguard's own limit, maxRequest plus twice wireSlack, so
-//     that the two above answer first, each INVALID_ARGUMENT, reason
-//     MALFORMED_REQUEST, with a 400. vanguard's own answers only a length
+//     that the two above come first. vanguard's own answers only a length
 //     declared beyond it (a gRPC-Web envelope's), RESOURCE_EXHAUSTED, before
 //     it reads the message.
+//
+// A request over the first two is handed on to the server marked
+// (server.MarkMalformed), as JSON that does not decode is, and refused
+// there: INVALID_ARGUMENT, reason MALFORMED_REQUEST, a 400, after
+// authentication and under the caller's refusal budget (server/refusals.go),
+// so that a tenant sending bombs is held like any caller refused too often.
+// And none of it is read before the caller is known (messageRequired).
 //
 // A request between maxRequest and the wire's bound reaches grpc-go, which
 // refuses it as it refuses it on the gRPC side (RESOURCE_EXHAUSTED). The
@@ -47,18 +54,25 @@ import (
 // inflates what vanguard did not.
 const wireSlack = 64 << 10
 
+// Callers tells from a request's connection and headers alone whether the
+// server will know its caller: server.(*Server).Authenticates.
+type Callers interface {
+	Authenticates(fullMethod string, state *tls.ConnectionState, authorization []string) bool
+}
+
 // transcoder is vanguardgrpc.NewTranscoder without the internal services
 // (idemreg.internal.*: the replicas' own RPC, which has no descriptor to
 // transcode and is no API), with the bounds above, and with requests it
 // cannot decode handed on to the server, marked (server.MarkMalformed), so
 // that the server refuses them after authentication, logged and counted,
-// as it refuses a malformed gRPC request.
-func transcoder(g *grpc.Server, maxRequest int) (*vanguard.Transcoder, error) {
+// as it refuses a malformed gRPC request. The body of a call whose caller
+// callers does not know is not read at all (nil callers: every body is).
+func transcoder(g *grpc.Server, callers Callers, maxRequest int) (*vanguard.Transcoder, error) {
 	codecs := []string{vanguard.CodecProto}
 	if encoding.GetCodec(vanguard.CodecJSON) != nil {
 		codecs = append(codecs, vanguard.CodecJSON)
 	}
-	target := messageRequired(g, maxRequest)
+	target := messageRequired(g, callers, maxRequest)
 	var services []*vanguard.Service
 	for name := range g.GetServiceInfo() {
 		if !strings.HasPrefix(name, "idemreg.internal.") {
@@ -76,10 +90,18 @@ func transcoder(g *grpc.Server, maxRequest int) (*vanguard.Transcoder, error) {
 			vanguard.WithMaxMessageBufferBytes(uint32(maxRequest+2*wireSlack))))
 }
 
-// tooLarge is the answer to a request over limit bytes, wire or inflated.
+// tooLargeDetail is what the server's refusal of a request over limit
+// bytes, wire or inflated, says of it.
+func tooLargeDetail(limit int64) string {
+	return fmt.Sprintf("the request is larger than the %d bytes the server accepts", limit)
+}
+
+// tooLarge is the error of a body read past limit bytes: vanguard hands it
+// to messageRequired, which hands the server a message marked with its
+// text; were vanguard to answer it itself, it would answer this.
 func tooLarge(limit int64) error {
 	r := idemregv1.ErrorReason_ERROR_REASON_MALFORMED_REQUEST
-	err := connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("the request is larger than the %d bytes the server accepts", limit))
+	err := connect.NewError(connect.CodeInvalidArgument, errors.New(tooLargeDetail(limit)))
 	if d, derr := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: r.Reason(), Domain: idemregv1.ErrorDomain,
 		Metadata: map[string]string{"limit_bytes": strconv.FormatInt(limit, 10)}}); derr == nil {
 		err.AddDetail(d)
@@ -127,6 +149,10 @@ type boundedGzip struct {
 	gz    gzip.Reader
 	limit int64
 	n     int64
+	// over is what is read in place of a message over limit: a message
+	// marked too large, which the server refuses (vanguard would answer
+	// an error itself, before authentication and outside any budget).
+	over *bytes.Reader
 }
 
 // Reset first inflates the message into nothing, to count it, when it is
@@ -136,7 +162,7 @@ type boundedGzip struct {
 // server for one bomb, 64 MiB for four). A message under the limit is
 // inflated twice, which only a compressed request costs.
 func (d *boundedGzip) Reset(r io.Reader) error {
-	d.n = 0
+	d.n, d.over = 0, nil
 	if b, ok := r.(*bytes.Buffer); ok {
 		if err := d.gz.Reset(bytes.NewReader(b.Bytes())); err != nil {
 			return err
@@ -146,13 +172,17 @@ func (d *boundedGzip) Reset(r io.Reader) error {
 			return err
 		}
 		if n > d.limit {
-			return tooLarge(d.limit)
+			d.over = bytes.NewReader(markedMessage(tooLargeDetail(d.limit)))
+			return nil
 		}
 	}
 	return d.gz.Reset(r)
 }
 
 func (d *boundedGzip) Read(p []byte) (int, error) {
+	if d.over != nil {
+		return d.over.Read(p)
+	}
 	if d.n > d.limit {
 		return 0, tooLarge(d.limit)
 	}
@@ -175,6 +205,13 @@ func (d *boundedGzip) Close() error { return d.gz.Close() }
 type markingJSON struct{ *vanguard.JSONCodec }
 
 func (c markingJSON) Unmarshal(data []byte, msg proto.Message) error {
+	if bytes.HasPrefix(data, markTag) {
+		// A message boundedGzip marked too large: no JSON begins with
+		// the tag's first byte (0xFA), and its detail is kept.
+		if err := proto.Unmarshal(data, msg); err == nil {
+			return nil
+		}
+	}
 	if err := c.JSONCodec.Unmarshal(data, msg); err != nil {
 		server.MarkMalformed(msg, "JSON: "+err.Error())
 	}
@@ -198,7 +235,7 @@ func (c markingJSON) Unmarshal(data []byte, msg proto.Message) error {
 // goroutine of its own while its handler may answer too (a cancelled
 // call): the race detector caught the two writing the response's headers
 // at once.
-func messageRequired(g *grpc.Server, maxRequest int) http.Handler {
+func messageRequired(g *grpc.Server, callers Callers, maxRequest int) http.Handler {
 	// From the API's descriptors, not g's service info: the server
 	// registers its unary methods as client streams, to answer a call with
 	// no message itself (server/codec.go, decodingRegistrar).
@@ -217,11 +254,33 @@ func messageRequired(g *grpc.Server, maxRequest int) http.Handler {
 	// vanguard's buffer bound, and a message's envelope.
 	limit := int64(maxRequest + 2*wireSlack + 5)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if single[r.URL.Path] {
+		switch {
+		case callers != nil && !callers.Authenticates(r.URL.Path, r.TLS, r.Header.Values("Authorization")):
+			// Nothing of an unknown caller's body is read, let alone
+			// inflated: g's chain answers UNAUTHENTICATED, logs it
+			// sampled, counts it and holds it under the source's refusal
+			// budget, as for a gRPC caller without credentials. Should
+			// g know the caller after all (a config reload in between),
+			// the message it gets is refused, never served.
+			r.Body = unread(r.Body, single[r.URL.Path])
+		case single[r.URL.Path]:
 			r.Body = readMessage(r.Body, limit)
 		}
 		g.ServeHTTP(w, r)
 	})
+}
+
+// unread stands for body, none of which is read: a message marked unread
+// when the call has one, nothing otherwise.
+func unread(body io.ReadCloser, single bool) io.ReadCloser {
+	var frame []byte
+	if single {
+		frame = markedFrame("the request was not read: its caller was not authenticated")
+	}
+	return struct {
+		io.Reader
+		io.Closer
+	}{bytes.NewReader(frame), body}
 }
 
 // readMessage reads body, a transcoded gRPC request of one message, and
@@ -282,13 +341,27 @@ func readFailure(err error) string {
 // markedFrame is a gRPC message frame of a request marked malformed with
 // detail.
 func markedFrame(detail string) []byte {
+	b := markedMessage(detail)
+	return append(binary.BigEndian.AppendUint32([]byte{0}, uint32(len(b))), b...)
+}
+
+// markedMessage is the protobuf encoding of a request marked malformed
+// with detail.
+func markedMessage(detail string) []byte {
 	m := &emptypb.Empty{}
 	server.MarkMalformed(m, detail)
 	b, err := proto.Marshal(m)
 	if err != nil {
 		// An empty message with one bytes field of bounded text always
-		// encodes; an empty frame still makes the call refused.
-		b = nil
+		// encodes; an empty one still makes the call refused.
+		return nil
 	}
-	return append(binary.BigEndian.AppendUint32([]byte{0}, uint32(len(b))), b...)
+	return b
 }
+
+// markTag is how a marked message begins: the mark's field tag, without
+// its length.
+var markTag = func() []byte {
+	b := markedMessage("")
+	return b[:len(b)-1]
+}()

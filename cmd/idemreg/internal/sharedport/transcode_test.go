@@ -15,6 +15,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -37,6 +38,7 @@ const apiToken = "sharedport-token-0123456789abcdef"
 type apiServer struct {
 	base string
 	logs *lines
+	srv  *server.Server
 }
 
 // lines keeps a server's JSON log lines.
@@ -88,7 +90,7 @@ identities:
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	grpcLis, httpLis := Split(lis, nil, time.Second, logger)
-	stop, err := ServeAPI(srv.GRPCServer(), srv.MaxRequestBytes(), httpLis, nil, nil, httpserve.DefaultBounds(), logger)
+	stop, err := ServeAPI(srv.GRPCServer(), srv, srv.MaxRequestBytes(), httpLis, nil, nil, httpserve.DefaultBounds(), logger)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -98,7 +100,7 @@ identities:
 		require.NoError(t, <-done)
 		stop()
 	})
-	return &apiServer{base: "http://" + lis.Addr().String(), logs: logs}
+	return &apiServer{base: "http://" + lis.Addr().String(), logs: logs, srv: srv}
 }
 
 // answer is what the HTTP API answered a call: the Connect error (code,
@@ -111,13 +113,17 @@ type answer struct {
 }
 
 // call POSTs body to a RegistryService method with the token and the
-// headers given, and reads the answer.
+// headers given (an empty value removes the header), and reads the answer.
 func (s *apiServer) call(t *testing.T, method string, body io.Reader, header ...string) answer {
 	t.Helper()
 	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, s.base+"/idemreg.v1.RegistryService/"+method, body)
 	require.NoError(t, err)
 	req.Header.Set("Authorization", "Bearer "+apiToken)
 	for i := 0; i+1 < len(header); i += 2 {
+		if header[i+1] == "" {
+			req.Header.Del(header[i]) // without credentials
+			continue
+		}
 		req.Header.Set(header[i], header[i+1])
 	}
 	res, err := http.DefaultClient.Do(req)
@@ -212,9 +218,12 @@ func webFrame(compressed bool, msg []byte) []byte {
 // TestHTTPAPIRequestBounds: a request that inflates, or arrives, beyond
 // the server's receive limit (5 MiB) is answered INVALID_ARGUMENT with
 // ErrorInfo MALFORMED_REQUEST before it is decoded, whatever the protocol
-// and the encoding; the inflation stops at the limit. Before, vanguard
-// inflated a 64 MiB gzip bomb whole, then decoded it, and answered
-// INTERNAL or unknown (500).
+// and the encoding; the inflation stops at the limit. The refusal is the
+// server's, after authentication (the ErrorInfo names the message, the
+// access log has the identity's line), so that the caller's refusal
+// budget holds it. Before, vanguard inflated a 64 MiB gzip bomb whole,
+// then decoded it, and answered INTERNAL or unknown (500); then it
+// answered a bomb itself, before authentication, outside any budget.
 func TestHTTPAPIRequestBounds(t *testing.T) {
 	s := startAPI(t, 0)
 	const inflated = 64 << 20
@@ -263,6 +272,7 @@ func TestHTTPAPIRequestBounds(t *testing.T) {
 			require.NotNil(t, a.info, "an ErrorInfo: %+v", a)
 			require.Equal(t, idemregv1.ReasonMalformedRequest, a.info.GetReason())
 			require.Contains(t, a.message, "larger than the")
+			require.Equal(t, "idemreg.v1.ClaimRequest", a.info.GetMetadata()["message"], "the server's refusal: %+v", a)
 			allocated := after.TotalAlloc - before.TotalAlloc
 			t.Logf("allocated %d KiB", allocated>>10)
 			require.Less(t, allocated, tc.maxAlloc)
@@ -280,6 +290,100 @@ func TestHTTPAPIRequestBounds(t *testing.T) {
 		a := s.call(t, "Claim", bytes.NewReader(webFrame(true, gzipped(t, msg))), "Content-Type", "application/grpc-web+proto", "Grpc-Encoding", "gzip")
 		require.Equal(t, "0", a.code, "%+v", a)
 	})
+	require.Eventually(t, func() bool {
+		var refused int
+		for _, line := range s.logs.finished(t) {
+			if line["grpc.code"] == "INVALID_ARGUMENT" && line["identity"] == "billing" {
+				refused++
+			}
+		}
+		return refused == 4
+	}, 10*time.Second, 10*time.Millisecond, "each refusal is the server's, with its access log line")
+}
+
+// countingBody counts what is read of a request's body.
+type countingBody struct {
+	io.ReadCloser
+	n *atomic.Int64
+}
+
+func (b countingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	b.n.Add(int64(n))
+	return n, err
+}
+
+// TestHTTPAPIUnknownCallerBodyUnread: a call without credentials, or with
+// a token no identity has, is answered UNAUTHENTICATED (401) by the
+// server's chain, its access log line written, without a byte of its
+// body read: a gzip bomb (64 KiB inflating to 64 MiB) costs an anonymous
+// peer's target nothing to inflate. Before, the transcoder read and inflated the whole body
+// (5 MiB of it, to count it) before the server refused the caller.
+func TestHTTPAPIUnknownCallerBodyUnread(t *testing.T) {
+	s := startAPI(t, 0)
+	const inflated = 64 << 20
+	pb, err := proto.Marshal(&idemregv1.ClaimRequest{Consumer: "billing.worker", Kind: idemregv1.Kind_KIND_MESSAGE, Key: strings.Repeat("k", inflated)})
+	require.NoError(t, err)
+	bomb := gzipped(t, pb)
+	pb = nil
+	t.Logf("bomb %d KiB, inflating to %d MiB", len(bomb)>>10, inflated>>20)
+
+	// The real transcoder over s's server, on a listener of its own whose
+	// handler counts what the transcoder reads of each body.
+	h, err := transcoder(s.srv.GRPCServer(), s.srv, s.srv.MaxRequestBytes())
+	require.NoError(t, err)
+	var read atomic.Int64
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	hs := &http.Server{Handler: boundBody(s.srv.MaxRequestBytes(), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r.Body = countingBody{r.Body, &read}
+		h.ServeHTTP(w, r)
+	}))}
+	go func() { _ = hs.Serve(lis) }()
+	t.Cleanup(func() { _ = hs.Close() })
+	counted := &apiServer{base: "http://" + lis.Addr().String(), logs: s.logs}
+
+	for _, tc := range []struct {
+		name   string
+		body   []byte
+		header []string
+		web    bool
+	}{
+		{"Connect proto", bomb, []string{"Content-Type", "application/proto", "Connect-Protocol-Version", "1", "Content-Encoding", "gzip"}, false},
+		{"gRPC-Web", webFrame(true, bomb), []string{"Content-Type", "application/grpc-web+proto", "Grpc-Encoding", "gzip"}, true},
+		{"Connect proto, unknown token", bomb, []string{"Content-Type", "application/proto", "Connect-Protocol-Version", "1", "Content-Encoding", "gzip",
+			"Authorization", "Bearer not-a-token"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			read.Store(0)
+			a := counted.call(t, "Claim", bytes.NewReader(tc.body), append([]string{"Authorization", ""}, tc.header...)...)
+			if tc.web {
+				require.Equal(t, "16", a.code, "UNAUTHENTICATED: %+v", a)
+			} else {
+				require.Equal(t, http.StatusUnauthorized, a.status, "%+v", a)
+				require.Equal(t, "unauthenticated", a.code, "%+v", a)
+			}
+			require.Zero(t, read.Load(), "bytes of the body read")
+		})
+	}
+	// The line is written once the status is sent, after the answer.
+	require.Eventually(t, func() bool {
+		var lines int
+		for _, line := range s.logs.finished(t) {
+			if line["grpc.code"] == "UNAUTHENTICATED" {
+				lines++
+			}
+		}
+		return lines == 3
+	}, 10*time.Second, 10*time.Millisecond, "each refusal is the server's, with its access log line")
+
+	// A known caller's is read as before.
+	read.Store(0)
+	msg, err := proto.Marshal(&idemregv1.ClaimRequest{Consumer: "billing.worker", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "known"})
+	require.NoError(t, err)
+	a := counted.call(t, "Claim", bytes.NewReader(msg), "Content-Type", "application/proto", "Connect-Protocol-Version", "1")
+	require.Equal(t, http.StatusOK, a.status, "%+v", a)
+	require.Equal(t, int64(len(msg)), read.Load())
 }
 
 // TestHTTPAPIBadJSON: JSON that does not decode into the request is the
