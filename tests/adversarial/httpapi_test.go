@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"strconv"
@@ -42,6 +43,11 @@ type httpAnswer struct {
 // postHTTP POSTs body to a RegistryService method on serve's gRPC port with
 // the headers given (name, value, ...) and reads the answer.
 func postHTTP(ctx context.Context, s *suite, method string, body []byte, header ...string) (httpAnswer, error) {
+	return postHTTPWith(ctx, http.DefaultClient, s, method, body, header...)
+}
+
+// postHTTPWith is postHTTP with the client c (another source address).
+func postHTTPWith(ctx context.Context, c *http.Client, s *suite, method string, body []byte, header ...string) (httpAnswer, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+s.addr+"/idemreg.v1.RegistryService/"+method, bytes.NewReader(body))
 	if err != nil {
 		return httpAnswer{}, err
@@ -49,7 +55,7 @@ func postHTTP(ctx context.Context, s *suite, method string, body []byte, header 
 	for i := 0; i+1 < len(header); i += 2 {
 		req.Header.Set(header[i], header[i+1])
 	}
-	res, err := http.DefaultClient.Do(req)
+	res, err := c.Do(req)
 	if err != nil {
 		return httpAnswer{}, err
 	}
@@ -111,22 +117,30 @@ func gzipBytes(t *testing.T, b []byte) []byte {
 	return buf.Bytes()
 }
 
-// httpCompressionBomb (issue 35, vulnerability 1): 4 anonymous workers
-// POST compression bombs, each about 256 KiB on the wire inflating to
-// 256 MiB, in turn a Connect JSON call (Content-Encoding: gzip), a Connect
-// proto call and a gRPC-Web call (a gzip message), as fast as they are
-// answered. Bound: each is answered INVALID_ARGUMENT with ErrorInfo
-// MALFORMED_REQUEST (gRPC-Web: grpc-status 3), never a 5xx; serve's peak
-// resident memory grows by at most 5 MiB per upload in flight, twice that
-// for the -race binary's shadow memory (measured 16–17 MiB for 4; the
-// plain binary's under 1 MiB: a bomb is counted, never kept).
-// Before: 1,026 MiB for one and 2,857 MiB for four (the plain binary), the
-// answer RESOURCE_EXHAUSTED after inflating it whole. The neighbour's
-// share is measured and logged, not bounded (5–12%): each bomb still costs
-// inflating 5 MiB to count it, in a closed loop from 4 workers on a 2-core
-// machine, the race detector's server and this process's client included,
-// and nothing limits how fast an anonymous peer may send requests the HTTP
-// API refuses.
+// httpCompressionBomb (issue 35, vulnerability 1): workers POST
+// compression bombs, each about 256 KiB on the wire inflating to 256 MiB,
+// in turn a Connect JSON call (Content-Encoding: gzip), a Connect proto
+// call and a gRPC-Web call (a gzip message), as fast as they are answered.
+//
+// As alpha, 4 at once, 3 times, serve otherwise idle: each is answered
+// INVALID_ARGUMENT with ErrorInfo MALFORMED_REQUEST (gRPC-Web: grpc-status
+// 3), never a 5xx, and serve's peak resident memory grows by at most 5 MiB
+// per upload in flight, twice that for the -race binary's shadow memory
+// (measured 16–17 MiB for 4; the plain binary's under 1 MiB: a bomb is
+// counted, never kept). Before: 1,026 MiB for one and 2,857 MiB for four
+// (the plain binary), the answer RESOURCE_EXHAUSTED after inflating it
+// whole. Then alpha's 4 workers send bombs beside the neighbour: its share
+// is measured and logged, not bounded, since each of alpha's bombs costs
+// inflating 5 MiB to count it, and alpha's refusal budget (--refusal-rate,
+// 100 a second) is more than 4 workers send.
+//
+// Without credentials, from a source of their own (127.0.0.2), 4 workers
+// beside the neighbour: each bomb is answered UNAUTHENTICATED (401;
+// gRPC-Web grpc-status 16) with none of it read, and held under the
+// source's refusal budget. Bound: the neighbour keeps at least half its
+// throughput (neighbourShareUnderRefusals). Before, each anonymous bomb
+// was inflated to 5 MiB to count it and answered at once: the neighbour
+// kept 5–12%.
 func httpCompressionBomb(t *testing.T, s *suite) {
 	const inflated, workers = 256 << 20, 4
 	key := bytes.Repeat([]byte("k"), inflated)
@@ -148,27 +162,48 @@ func httpCompressionBomb(t *testing.T, s *suite) {
 	}
 	t.Logf("bombs of %d KiB (JSON), %d KiB (proto), each inflating to %d MiB", len(jsonBomb)>>10, len(protoBomb)>>10, inflated>>20)
 
-	send := func(ctx context.Context, i int) error {
+	// send sends the i-th bomb with c, as the identity of token ("": none).
+	send := func(ctx context.Context, c *http.Client, token string, i int) error {
 		b := bombs[i%len(bombs)]
-		a, err := postHTTP(ctx, s, "Claim", b.body, b.header...)
+		header := b.header
+		if token != "" {
+			header = append(header[:len(header):len(header)], "Authorization", "Bearer "+token)
+		}
+		a, err := postHTTPWith(ctx, c, s, "Claim", b.body, header...)
 		if err != nil {
 			return err
 		}
-		if b.web && (a.status != http.StatusOK || a.code != "3") || !b.web && (a.status != http.StatusBadRequest || a.code != "invalid_argument" || a.reason != idemregv1.ReasonMalformedRequest) {
-			return fmt.Errorf("a bomb answered %+v", a)
+		switch {
+		case token == "" && b.web:
+			if a.status != http.StatusOK || a.code != "16" {
+				return fmt.Errorf("an anonymous bomb answered %+v", a)
+			}
+		case token == "":
+			if a.status != http.StatusUnauthorized || a.code != "unauthenticated" || a.reason != idemregv1.ReasonUnauthenticated {
+				return fmt.Errorf("an anonymous bomb answered %+v", a)
+			}
+		case b.web:
+			if a.status != http.StatusOK || a.code != "3" {
+				return fmt.Errorf("a bomb answered %+v", a)
+			}
+		default:
+			if a.status != http.StatusBadRequest || a.code != "invalid_argument" || a.reason != idemregv1.ReasonMalformedRequest {
+				return fmt.Errorf("a bomb answered %+v", a)
+			}
 		}
 		return nil
 	}
 
-	// Memory: 3 waves of 4 at once, serve otherwise idle; the peak
-	// resident memory from here on (VmHWM, reset).
+	// Memory: 3 waves of 4 at once as alpha (an anonymous bomb is not
+	// read), serve otherwise idle; the peak resident memory from here on
+	// (VmHWM, reset).
 	require.NoError(t, os.WriteFile(fmt.Sprintf("/proc/%d/clear_refs", s.cmd.Process.Pid), []byte("5"), 0))
 	before := residentBytes(t, s)
 	for wave := range 3 {
 		var wg sync.WaitGroup
 		errs := make([]error, workers)
 		for w := range workers {
-			wg.Go(func() { errs[w] = send(t.Context(), wave*workers+w) })
+			wg.Go(func() { errs[w] = send(t.Context(), http.DefaultClient, alphaToken, wave*workers+w) })
 		}
 		wg.Wait()
 		for _, err := range errs {
@@ -180,31 +215,45 @@ func httpCompressionBomb(t *testing.T, s *suite) {
 	t.Logf("%d bombs, %d at once: serve's peak resident memory %d KiB above before (bound %d MiB)", 3*workers, workers, grown>>10, bound>>20)
 	require.LessOrEqual(t, grown, int64(bound))
 
-	// The neighbour, while the workers send bombs as fast as they are
-	// answered.
-	var sent atomic.Int64
-	s.underAttack(t, 0, func(ctx context.Context, ready func()) {
-		var wg sync.WaitGroup
-		for w := range workers {
-			wg.Go(func() {
-				for i := w; i < 10_000 && ctx.Err() == nil; i++ {
-					err := send(ctx, i)
-					if ctx.Err() != nil {
-						return
+	// flood has the workers send bombs with c as token's identity, as fast
+	// as they are answered, beside the neighbour.
+	flood := func(t *testing.T, c *http.Client, token string, minShare float64) {
+		var sent atomic.Int64
+		s.underAttack(t, minShare, func(ctx context.Context, ready func()) {
+			var wg sync.WaitGroup
+			for w := range workers {
+				wg.Go(func() {
+					for i := w; i < 10_000 && ctx.Err() == nil; i++ {
+						err := send(ctx, c, token, i)
+						if ctx.Err() != nil {
+							return
+						}
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						if sent.Add(1) == workers {
+							ready()
+						}
 					}
-					if err != nil {
-						t.Error(err)
-						return
-					}
-					if sent.Add(1) == workers {
-						ready()
-					}
-				}
-			})
-		}
-		wg.Wait()
+				})
+			}
+			wg.Wait()
+		})
+		t.Logf("%d bombs answered under the neighbour", sent.Load())
+	}
+	// alpha's first: its refusal budget refills while the anonymous flood
+	// runs, for the cases after this one.
+	t.Run("as alpha", func(t *testing.T) { flood(t, http.DefaultClient, alphaToken, 0) })
+	t.Run("without credentials", func(t *testing.T) {
+		before := s.metric(t, "idemreg_refusals_slowed_total", `by="source"`, `result="held"`)
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.2")}}
+		tr := &http.Transport{DialContext: d.DialContext}
+		defer tr.CloseIdleConnections()
+		flood(t, &http.Client{Transport: tr}, "", neighbourShareUnderRefusals)
+		held := s.metric(t, "idemreg_refusals_slowed_total", `by="source"`, `result="held"`) - before
+		t.Logf("%.0f of the anonymous bombs' refusals held", held)
 	})
-	t.Logf("%d bombs answered under the neighbour", sent.Load())
 }
 
 // peakResidentBytes is serve's peak resident set size (VmHWM).
