@@ -43,6 +43,8 @@ func (s *Server) ServeHealth(lis net.Listener) error {
 		grpc.StreamInterceptor(carried.streams(s.public.intercept)),
 		// A health request is a service name.
 		grpc.MaxRecvMsgSize(healthMaxRecvMsgSize),
+		// After serverOptions' MaxConcurrentStreams, which it replaces.
+		grpc.MaxConcurrentStreams(HealthMaxConcurrentStreams),
 		grpc.KeepaliveParams(s.cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))
 	g := grpc.NewServer(opts...)
@@ -54,6 +56,16 @@ func (s *Server) ServeHealth(lis net.Listener) error {
 	}
 	return nil
 }
+
+// HealthMaxConcurrentStreams bounds the calls of one connection to the
+// health listener. A probe opens a connection for a check or two (the
+// kubelet one per probe); with the main listener's 64, one source's
+// MaxHealthConnectionsPerSource connections held the listener's whole
+// share of pending calls (16 × 64 = 1,024), and the probes were refused
+// TOO_MANY_STREAMS. With 4, all of MaxConnections (128 × 4 = 512) cannot
+// take that share: only connection slots can keep a probe out, and a
+// source holds at most its share of those.
+const HealthMaxConcurrentStreams = 4
 
 // healthMaxRecvMsgSize bounds a request on the health listener: a
 // HealthCheckRequest is one service name.

@@ -106,10 +106,25 @@ func TestHeldCallsBounded(t *testing.T) {
 	require.NoError(t, check(t, healthAddr), "a flood of the gRPC port leaves the health port its share")
 	requireStatus(t, check(t, grpcAddr), codes.ResourceExhausted, idemregv1.ReasonTooManyStreams)
 
-	_, held, refused = flood(healthAddr)
-	require.Equal(t, share, held, "the health listener holds its share of pending calls")
-	require.Equal(t, conns*streams-share, refused)
-	requireStatus(t, check(t, healthAddr), codes.ResourceExhausted, idemregv1.ReasonTooManyStreams)
+	// The health listener: each connection carries at most
+	// HealthMaxConcurrentStreams calls, so that no set of its connections
+	// (at most MaxConnections) holds its share, and the probe is
+	// answered. With 64 a connection, as on --listen, one source's
+	// MaxHealthConnectionsPerSource connections held all 1,024 and the
+	// probe was refused TOO_MANY_STREAMS.
+	// All but one of its connection slots: those, not calls, are what
+	// keeps a probe out now (a source holds MaxHealthConnectionsPerSource).
+	healthConns := int(bounds.MaxConnections) - 1
+	require.Less(t, healthConns*server.HealthMaxConcurrentStreams, share)
+	var healthHeld int
+	for i := range healthConns {
+		p := dialRawFrom(t, healthAddr, "127.0.0."+strconv.Itoa(2+i/bounds.MaxHealthConnectionsPerSource))
+		h, r := hold(t, p, server.HealthMaxConcurrentStreams)
+		healthHeld += h
+		require.Zero(t, r)
+	}
+	require.Equal(t, healthConns*server.HealthMaxConcurrentStreams, healthHeld, "the health listener holds what its connections carry")
+	require.NoError(t, check(t, healthAddr), "the probe is answered while every health connection holds its calls")
 
 	require.NoError(t, grpcPeers[0].conn.Close())
 	require.Eventually(t, func() bool { return check(t, grpcAddr) == nil }, 10*time.Second, 10*time.Millisecond,
@@ -140,4 +155,32 @@ func TestPendingCallSlotsReturn(t *testing.T) {
 	held, refused := hold(t, p, 6)
 	require.Equal(t, 4, held, "the listener's half of 8, with 6 Watch streams open")
 	require.Equal(t, 2, refused)
+}
+
+// TestHealthProbeUnderHeldCalls (issue 35, weakness 5): one source's
+// MaxHealthConnectionsPerSource connections to the health listener, each
+// opening the main listener's MaxConcurrentStreams calls whose request
+// never comes, hold HealthMaxConcurrentStreams calls a connection, and the
+// kubelet's probe from another address is answered. Before, they held the
+// listener's whole share of pending calls (16 × 64 = 1,024), and the probe
+// was refused TOO_MANY_STREAMS until they closed.
+func TestHealthProbeUnderHeldCalls(t *testing.T) {
+	bounds := server.DefaultBounds()
+	srv, err := server.New(memStore(t), server.Config{HealthInterval: time.Hour, Bounds: bounds})
+	require.NoError(t, err)
+	_, healthAddr := servePair(t, srv)
+	calls := int(bounds.MaxConcurrentStreams)
+	held := 0
+	for range bounds.MaxHealthConnectionsPerSource {
+		p := dialRawFrom(t, healthAddr, "127.0.0.2")
+		for range calls {
+			_, err := p.open("/grpc.health.v1.Health/Check", 0, false)
+			require.NoError(t, err)
+		}
+		answered, err := p.resetsBefore()
+		require.NoError(t, err)
+		held += calls - len(answered)
+	}
+	require.Equal(t, bounds.MaxHealthConnectionsPerSource*server.HealthMaxConcurrentStreams, held)
+	require.NoError(t, check(t, healthAddr), "the probe is answered")
 }
