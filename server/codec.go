@@ -3,12 +3,18 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"math"
+	"strconv"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
 	protocodec "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/protoadapt"
@@ -81,24 +87,28 @@ func (r *rawRequest) decode(m any) error {
 		return reason.Status(idemregv1.ErrorReason_ERROR_REASON_INTERNAL, "internal error", nil)
 	}
 	var err error
+	var tooLarge int64
 	if r.missing != "" {
 		err = errors.New(r.missing)
 	} else {
 		buf := r.data.MaterializeToBuffer(mem.DefaultBufferPool())
 		defer buf.Free()
 		if err = proto.Unmarshal(buf.ReadOnlyData(), msg); err == nil {
-			detail, marked := markedMalformed(msg.ProtoReflect().GetUnknown())
+			m, marked := markOf(msg.ProtoReflect().GetUnknown())
 			if !marked {
 				return nil
 			}
-			err = errors.New(detail)
+			err, tooLarge = errors.New(m.detail), m.limit
 		}
 	}
 	proto.Reset(msg)
 	name := string(msg.ProtoReflect().Descriptor().FullName())
+	meta := map[string]string{"message": name}
+	if tooLarge > 0 {
+		meta[limitBytesKey] = strconv.FormatInt(tooLarge, 10)
+	}
 	return reason.Status(idemregv1.ErrorReason_ERROR_REASON_MALFORMED_REQUEST,
-		"the request is not a valid encoding of "+name+": "+reason.Echo(err.Error()),
-		map[string]string{"message": name})
+		"the request is not a valid encoding of "+name+": "+reason.Echo(err.Error()), meta)
 }
 
 // Requests a transcoder in front of the server could not decode. The HTTP
@@ -123,29 +133,75 @@ func MarkMalformed(msg proto.Message, detail string) {
 	msg.ProtoReflect().SetUnknown(protowire.AppendString(b, reason.Echo(detail)))
 }
 
-// markedMalformed returns the detail of the mark among a request's unknown
-// fields, if it has one.
-func markedMalformed(unknown []byte) (string, bool) {
+// MarkTooLarge makes msg a request refused as MarkMalformed's, for a
+// request larger than limit bytes (on the wire, or inflated), whose
+// ErrorInfo says the limit (limit_bytes). Reading or inflating such a
+// request up to the limit cost the server what hundreds of refused calls
+// cost, so its refusal is held whatever its caller's budget
+// (refusals.go).
+func MarkTooLarge(msg proto.Message, limit int64) {
+	MarkMalformed(msg, fmt.Sprintf("the request is larger than the %d bytes the server accepts", limit))
+	b := msg.ProtoReflect().GetUnknown()
+	b = protowire.AppendTag(b, tooLargeMark, protowire.VarintType)
+	msg.ProtoReflect().SetUnknown(protowire.AppendVarint(b, uint64(limit)))
+}
+
+// tooLargeMark is the field beside malformedMark that MarkTooLarge adds.
+const tooLargeMark = malformedMark - 1
+
+// limitBytesKey is the ErrorInfo metadata of a refusal of a request too
+// large: the limit, in bytes.
+const limitBytesKey = "limit_bytes"
+
+// mark is what a transcoder's mark says.
+type mark struct {
+	detail string
+	limit  int64 // MarkTooLarge's, or 0
+}
+
+// markOf returns the mark among a request's unknown fields, if it has one.
+func markOf(unknown []byte) (m mark, marked bool) {
 	for len(unknown) > 0 {
 		num, typ, n := protowire.ConsumeTag(unknown)
 		if n < 0 {
-			return "", false
+			return m, marked
 		}
 		unknown = unknown[n:]
-		if num == malformedMark && typ == protowire.BytesType {
-			v, m := protowire.ConsumeBytes(unknown)
-			if m < 0 {
-				return "", false
+		switch {
+		case num == malformedMark && typ == protowire.BytesType:
+			v, k := protowire.ConsumeBytes(unknown)
+			if k < 0 {
+				return m, marked
 			}
-			return string(v), true
+			m.detail, marked = string(v), true
+		case num == tooLargeMark && typ == protowire.VarintType:
+			v, k := protowire.ConsumeVarint(unknown)
+			if k < 0 {
+				return m, marked
+			}
+			m.limit = int64(min(v, math.MaxInt64))
 		}
-		m := protowire.ConsumeFieldValue(num, typ, unknown)
-		if m < 0 {
-			return "", false
+		k := protowire.ConsumeFieldValue(num, typ, unknown)
+		if k < 0 {
+			return m, marked
 		}
-		unknown = unknown[m:]
+		unknown = unknown[k:]
 	}
-	return "", false
+	return m, marked
+}
+
+// refusedTooLarge reports whether err refuses a request marked too large.
+func refusedTooLarge(err error) bool {
+	st, ok := status.FromError(err)
+	if !ok || st.Code() != codes.InvalidArgument {
+		return false
+	}
+	for _, d := range st.Details() {
+		if info, ok := d.(*errdetails.ErrorInfo); ok && info.GetMetadata()[limitBytesKey] != "" {
+			return true
+		}
+	}
+	return false
 }
 
 // maxRequestBytes is the largest request message the server receives:

@@ -84,7 +84,7 @@ func FuzzRequestCodec(f *testing.F) {
 
 		// A request the protobuf runtime decodes is refused only when it
 		// carries a transcoder's mark (MarkMalformed).
-		_, hasMark := markedMalformed(want.ProtoReflect().GetUnknown())
+		_, hasMark := markOf(want.ProtoReflect().GetUnknown())
 		if wantErr == nil && !hasMark {
 			require.NoError(t, err)
 			require.True(t, proto.Equal(want, got), "decoded as the protobuf runtime does")

@@ -172,7 +172,7 @@ func (d *boundedGzip) Reset(r io.Reader) error {
 			return err
 		}
 		if n > d.limit {
-			d.over = bytes.NewReader(markedMessage(tooLargeDetail(d.limit)))
+			d.over = bytes.NewReader(tooLargeMessage(d.limit))
 			return nil
 		}
 	}
@@ -287,10 +287,7 @@ func unread(body io.ReadCloser, single bool) io.ReadCloser {
 // returns it to be read again, or a marked message when it had none or was
 // not one message.
 func readMessage(body io.ReadCloser, limit int64) io.ReadCloser {
-	frame, detail := readFrame(body, limit)
-	if detail != "" {
-		frame = markedFrame(detail)
-	}
+	frame := readFrame(body, limit)
 	return struct {
 		io.Reader
 		io.Closer
@@ -299,49 +296,64 @@ func readMessage(body io.ReadCloser, limit int64) io.ReadCloser {
 
 // readFrame reads the one gRPC message frame of body into a buffer of its
 // size (read whole, a buffer growing by doubling took twice the message),
-// then the body's end; or says why it could not.
-func readFrame(body io.Reader, limit int64) ([]byte, string) {
+// then the body's end; or returns a marked frame that says why it could
+// not.
+func readFrame(body io.Reader, limit int64) []byte {
 	var head [5]byte
 	if n, err := io.ReadFull(body, head[:]); err != nil {
 		if n == 0 && errors.Is(err, io.EOF) {
-			return nil, "no request message arrived"
+			return markedFrame("no request message arrived")
 		}
-		return nil, readFailure(err)
+		return failedFrame(err)
 	}
 	n := int64(binary.BigEndian.Uint32(head[1:]))
 	if n > limit {
-		return nil, fmt.Sprintf("the request is larger than the %d bytes the server accepts", limit)
+		return frameOf(tooLargeMessage(limit))
 	}
 	frame := make([]byte, 5+n)
 	copy(frame, head[:])
 	if _, err := io.ReadFull(body, frame[5:]); err != nil {
-		return nil, readFailure(err)
+		return failedFrame(err)
 	}
 	// The body's end is read here too: asked for more, vanguard reads the
 	// next message, and answers one that is broken.
 	var more [1]byte
 	switch _, err := io.ReadFull(body, more[:]); {
 	case err == nil:
-		return nil, "more than one request message arrived"
+		return markedFrame("more than one request message arrived")
 	case !errors.Is(err, io.EOF):
-		return nil, readFailure(err)
+		return failedFrame(err)
 	}
-	return frame, ""
+	return frame
 }
 
-// readFailure is what a body that failed says: vanguard's error, or the
-// wire's (tooLarge), by its message.
-func readFailure(err error) string {
-	if ce := (*connect.Error)(nil); errors.As(err, &ce) {
-		return ce.Message()
+// failedFrame is the marked frame of a body that failed: too large (the
+// wire's bound, tooLarge), or vanguard's error, by its message.
+func failedFrame(err error) []byte {
+	ce := (*connect.Error)(nil)
+	if !errors.As(err, &ce) {
+		return markedFrame(err.Error())
 	}
-	return err.Error()
+	for _, d := range ce.Details() {
+		if v, derr := d.Value(); derr == nil {
+			if info, ok := v.(*errdetails.ErrorInfo); ok {
+				if limit, perr := strconv.ParseInt(info.GetMetadata()["limit_bytes"], 10, 64); perr == nil {
+					return frameOf(tooLargeMessage(limit))
+				}
+			}
+		}
+	}
+	return markedFrame(ce.Message())
 }
 
 // markedFrame is a gRPC message frame of a request marked malformed with
 // detail.
 func markedFrame(detail string) []byte {
-	b := markedMessage(detail)
+	return frameOf(markedMessage(detail))
+}
+
+// frameOf is the gRPC message frame of the encoded message b.
+func frameOf(b []byte) []byte {
 	return append(binary.BigEndian.AppendUint32([]byte{0}, uint32(len(b))), b...)
 }
 
@@ -350,10 +362,22 @@ func markedFrame(detail string) []byte {
 func markedMessage(detail string) []byte {
 	m := &emptypb.Empty{}
 	server.MarkMalformed(m, detail)
+	return encodeMarked(m)
+}
+
+// tooLargeMessage is the protobuf encoding of a request marked too large
+// for limit bytes (server.MarkTooLarge), whose refusal the server holds.
+func tooLargeMessage(limit int64) []byte {
+	m := &emptypb.Empty{}
+	server.MarkTooLarge(m, limit)
+	return encodeMarked(m)
+}
+
+func encodeMarked(m proto.Message) []byte {
 	b, err := proto.Marshal(m)
 	if err != nil {
-		// An empty message with one bytes field of bounded text always
-		// encodes; an empty one still makes the call refused.
+		// An empty message with bounded unknown fields always encodes; an
+		// empty one still makes the call refused.
 		return nil
 	}
 	return b
