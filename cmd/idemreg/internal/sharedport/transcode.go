@@ -261,7 +261,11 @@ func messageRequired(g *grpc.Server, callers Callers, maxRequest int) http.Handl
 			// sampled, counts it and holds it under the source's refusal
 			// budget, as for a gRPC caller without credentials. Should
 			// g know the caller after all (a config reload in between),
-			// the message it gets is refused, never served.
+			// the message it gets is refused, never served. Its
+			// connection is closed after the answer, rather than the
+			// rest of the body read to keep it (net/http reads up to
+			// 256 KiB of it).
+			w.Header().Set("Connection", "close")
 			r.Body = unread(r.Body, single[r.URL.Path])
 		case single[r.URL.Path]:
 			r.Body = readMessage(r.Body, limit)
