@@ -137,8 +137,8 @@ func MarkMalformed(msg proto.Message, detail string) {
 // request larger than limit bytes (on the wire, or inflated), whose
 // ErrorInfo says the limit (limit_bytes). Reading or inflating such a
 // request up to the limit cost the server what hundreds of refused calls
-// cost, so its refusal is held whatever its caller's budget
-// (refusals.go).
+// cost, and its refusal costs its caller's refusal budget as many
+// (refusalCost: more than the default budget's burst, so it is held).
 func MarkTooLarge(msg proto.Message, limit int64) {
 	MarkMalformed(msg, fmt.Sprintf("the request is larger than the %d bytes the server accepts", limit))
 	b := msg.ProtoReflect().GetUnknown()
@@ -190,18 +190,21 @@ func markOf(unknown []byte) (m mark, marked bool) {
 	return m, marked
 }
 
-// refusedTooLarge reports whether err refuses a request marked too large.
-func refusedTooLarge(err error) bool {
-	st, ok := status.FromError(err)
-	if !ok || st.Code() != codes.InvalidArgument {
-		return false
+// refusedTooLarge returns the limit of a refusal err of a request marked
+// too large.
+func refusedTooLarge(err error) (limit int64, ok bool) {
+	st, isStatus := status.FromError(err)
+	if !isStatus || st.Code() != codes.InvalidArgument {
+		return 0, false
 	}
 	for _, d := range st.Details() {
-		if info, ok := d.(*errdetails.ErrorInfo); ok && info.GetMetadata()[limitBytesKey] != "" {
-			return true
+		if info, isInfo := d.(*errdetails.ErrorInfo); isInfo {
+			if limit, perr := strconv.ParseInt(info.GetMetadata()[limitBytesKey], 10, 64); perr == nil {
+				return limit, true
+			}
 		}
 	}
-	return false
+	return 0, false
 }
 
 // maxRequestBytes is the largest request message the server receives:

@@ -98,18 +98,52 @@ func (r *refusalLimiter) intercept(ctx context.Context, req any, _ *grpc.UnarySe
 	if r == nil || err == nil || !sampled(status.Code(err)) {
 		return resp, err
 	}
-	r.hold(ctx, refusedTooLarge(err))
+	r.hold(ctx, refusalCost(ctx, err))
 	return resp, err
 }
 
-// hold holds a refusal of a caller over its budget, and a refusal of a
-// request too large whatever the budget (bounded alike): reading or
-// inflating one up to the limit (5 MiB) costs the server what hundreds of
-// other refusals cost, so that 4 callers sending them in a loop, within a
-// budget counted in calls, took a neighbour to 6–12% of its throughput.
-func (r *refusalLimiter) hold(ctx context.Context, tooLarge bool) {
+// refusalByteCost is the bytes a transcoder took in for a refused request
+// that cost the refusal budget one more refusal.
+const refusalByteCost = 16 << 10
+
+// requestBytesKey carries what a transcoder in front of the server took in
+// for a request (WithRequestBytes).
+type requestBytesKey struct{}
+
+// WithRequestBytes notes, in the context a request reaches the server with
+// (grpc.Server.ServeHTTP's), the bytes a transcoder in front of it took in
+// for the request, or that its caller sent it, before the server saw it:
+// a refusal of the request costs its caller's refusal budget a refusal per
+// refusalByteCost of them. An HTTP caller the server does not know,
+// sending 256 KiB bodies it never reads, could otherwise make a closed loop
+// of them at the budget's rate of refusals, each costing the server what
+// dozens of gRPC refusals cost.
+func WithRequestBytes(ctx context.Context, n int64) context.Context {
+	return context.WithValue(ctx, requestBytesKey{}, n)
+}
+
+// refusalCost is how many refusals of its caller's budget the refusal err
+// of the request of ctx takes: one, and one per refusalByteCost of what a
+// transcoder took in for it, or of the limit of a request marked too large
+// (read or inflated up to the limit: more than any budget's burst, so
+// always held).
+func refusalCost(ctx context.Context, err error) int {
+	n, _ := ctx.Value(requestBytesKey{}).(int64)
+	if limit, ok := refusedTooLarge(err); ok {
+		n = max(n, limit)
+	}
+	return 1 + int(min(n, 1<<30)/refusalByteCost)
+}
+
+// hold holds a refusal of a caller over its budget, each refusal taking
+// cost of it (refusalCost): a refusal of a request too large, reading or
+// inflating which up to the limit (5 MiB) costs the server what hundreds
+// of other refusals cost, is held whatever the budget, where 4 callers
+// sending them in a loop, within a budget counted in calls, took a
+// neighbour to 6–12% of its throughput.
+func (r *refusalLimiter) hold(ctx context.Context, cost int) {
 	caller, by := refusedCaller(ctx)
-	if ok, _ := r.buckets.Allow(caller, r.limit); ok && !tooLarge {
+	if ok, _ := r.buckets.AllowN(caller, r.limit, cost); ok {
 		return
 	}
 	if !r.take(caller) {

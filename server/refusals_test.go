@@ -165,9 +165,11 @@ identities:
 // TestTooLargeRefusalHeld: a request a transcoder marked too large
 // (server.MarkTooLarge: read or inflated up to the limit, which costs the
 // server what hundreds of refusals cost) is refused INVALID_ARGUMENT,
-// MALFORMED_REQUEST, with limit_bytes, and held whatever its caller's
-// budget, while another malformed request of the same caller, within its
-// budget, is answered at once. Before, an authenticated tenant's gzip
+// MALFORMED_REQUEST, with limit_bytes, and costs its caller's refusal
+// budget 321 refusals (5 MiB at 16 KiB each): more than the default
+// budget's burst (200), so it is held from the first, while another
+// malformed request of the same caller, within its budget, is answered at
+// once. Before, an authenticated tenant's gzip
 // bombs within a budget counted in calls were never held: 4 callers took a
 // neighbour to 6–12% of its throughput (make adversarial).
 func TestTooLargeRefusalHeld(t *testing.T) {
@@ -176,7 +178,7 @@ identities:
   - {name: team, token_hashes: ["`+access.HashToken("team-token")+`"], consumers: ["team.*"]}
 `)
 	reader := sdkmetric.NewManualReader()
-	addr, _ := servertest.Serve(t, memStore(t), server.Config{Access: src, RefusalRate: 1000, RefusalDelay: time.Minute,
+	addr, _ := servertest.Serve(t, memStore(t), server.Config{Access: src, RefusalRate: server.DefaultRefusalRate, RefusalDelay: time.Minute,
 		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
 	c := idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))
 	ctx := metadata.AppendToOutgoingContext(t.Context(), "authorization", "bearer team-token")

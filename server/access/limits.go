@@ -234,6 +234,12 @@ func NewLimiter(now func() time.Time) *Limiter {
 // is refused, wait is how long until one would be allowed. A changed limit
 // (a reload) applies to the bucket from now on.
 func (lim *Limiter) Allow(key string, l Limit) (ok bool, wait time.Duration) {
+	return lim.AllowN(key, l, 1)
+}
+
+// AllowN is Allow for a request that costs n tokens; one that costs more
+// than the burst is never allowed.
+func (lim *Limiter) AllowN(key string, l Limit, n int) (ok bool, wait time.Duration) {
 	now := lim.now()
 	lim.mu.Lock()
 	b := lim.buckets[key]
@@ -254,7 +260,7 @@ func (lim *Limiter) Allow(key string, l Limit) (ok bool, wait time.Duration) {
 	}
 	lim.mu.Unlock()
 
-	r := b.lim.ReserveN(now, 1)
+	r := b.lim.ReserveN(now, n)
 	if !r.OK() {
 		return false, time.Second
 	}

@@ -3,6 +3,7 @@ package sharedport
 import (
 	"bytes"
 	"compress/gzip"
+	"context"
 	"crypto/tls"
 	"encoding/binary"
 	"errors"
@@ -115,6 +116,7 @@ func tooLarge(limit int64) error {
 func boundBody(maxRequest int, next http.Handler) http.Handler {
 	limit := int64(maxRequest + wireSlack)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r = r.WithContext(context.WithValue(r.Context(), sentKey{}, r.ContentLength))
 		if r.ContentLength > limit {
 			// vanguard would refuse it unread, RESOURCE_EXHAUSTED and a
 			// 429 (retry later); it is read to the bound instead, so that
@@ -125,6 +127,10 @@ func boundBody(maxRequest int, next http.Handler) http.Handler {
 		next.ServeHTTP(w, r)
 	})
 }
+
+// sentKey carries the length a request declared (-1: none) past the
+// transcoder, whose own request to the server declares none.
+type sentKey struct{}
 
 // wireBody answers a body over its bound with tooLarge, which vanguard
 // sends as it is (any other error it answers 500).
@@ -265,7 +271,15 @@ func messageRequired(g *grpc.Server, callers Callers, maxRequest int) http.Handl
 			// connection is closed after the answer, rather than the
 			// rest of the body read to keep it (net/http reads up to
 			// 256 KiB of it).
+			// What it sent costs its source's refusal budget (a 256 KiB
+			// body 17 refusals), so that a loop of large bodies is held
+			// sooner than one of small calls.
 			w.Header().Set("Connection", "close")
+			sent, _ := r.Context().Value(sentKey{}).(int64) // vanguard's request has no length
+			if sent < 0 {
+				sent = wireSlack // chunked: what the connection buffers, about
+			}
+			r = r.WithContext(server.WithRequestBytes(r.Context(), sent))
 			r.Body = unread(r.Body, single[r.URL.Path])
 		case single[r.URL.Path]:
 			r.Body = readMessage(r.Body, limit)

@@ -20,6 +20,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/protobuf/proto"
@@ -75,6 +77,12 @@ func (l *lines) finished(t *testing.T) []map[string]any {
 // "billing.*", with refusal lines sampled at refusalLogRate a second.
 func startAPI(t *testing.T, refusalLogRate int) *apiServer {
 	t.Helper()
+	return startAPIWith(t, func(c *server.Config) { c.RefusalLogRate = refusalLogRate })
+}
+
+// startAPIWith is startAPI with the server's config as configure leaves it.
+func startAPIWith(t *testing.T, configure func(*server.Config)) *apiServer {
+	t.Helper()
 	store, err := pebble.Open("", pebble.WithInMemory())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })
@@ -85,7 +93,9 @@ identities:
 	require.NoError(t, err)
 	logs := &lines{}
 	logger := slog.New(slog.NewJSONHandler(logs, nil))
-	srv, err := server.New(store, server.Config{Logger: logger, Access: set, RefusalLogRate: refusalLogRate})
+	cfg := server.Config{Logger: logger, Access: set}
+	configure(&cfg)
+	srv, err := server.New(store, cfg)
 	require.NoError(t, err)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -384,6 +394,62 @@ func TestHTTPAPIUnknownCallerBodyUnread(t *testing.T) {
 	a := counted.call(t, "Claim", bytes.NewReader(msg), "Content-Type", "application/proto", "Connect-Protocol-Version", "1")
 	require.Equal(t, http.StatusOK, a.status, "%+v", a)
 	require.Equal(t, int64(len(msg)), read.Load())
+}
+
+// TestHTTPAPIUnknownCallerBodyCosts: what an unknown caller sends costs
+// its source's refusal budget a refusal per 16 KiB, though none of it is
+// read: with a budget of 10 a second (burst 20), a 256 KiB body (17) is
+// answered at once, and the next is held. Counted in calls (1 each), a
+// loop of 256 KiB bodies was held only at the budget's rate of calls.
+func TestHTTPAPIUnknownCallerBodyCosts(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	s := startAPIWith(t, func(c *server.Config) {
+		c.RefusalRate, c.RefusalDelay = 10, time.Minute
+		c.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	})
+	held := func() int64 {
+		var rm metricdata.ResourceMetrics
+		require.NoError(t, reader.Collect(t.Context(), &rm))
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if d, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == server.MetricRefusalsHeld {
+					var n int64
+					for _, dp := range d.DataPoints {
+						n += dp.Value
+					}
+					return n
+				}
+			}
+		}
+		return 0
+	}
+	body := bytes.Repeat([]byte{1}, 256<<10)
+	headers := []string{"Authorization", "", "Content-Type", "application/proto", "Connect-Protocol-Version", "1"}
+	a := s.call(t, "Claim", bytes.NewReader(body), headers...)
+	require.Equal(t, http.StatusUnauthorized, a.status, "%+v", a)
+	require.Zero(t, held(), "the first, within the budget, is answered at once")
+
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.base+"/idemreg.v1.RegistryService/Claim", bytes.NewReader(body))
+		if err == nil {
+			req.Header.Set("Content-Type", "application/proto")
+			req.Header.Set("Connect-Protocol-Version", "1")
+			var res *http.Response
+			if res, err = http.DefaultClient.Do(req); err == nil {
+				_ = res.Body.Close()
+			}
+		}
+		done <- err
+	}()
+	require.Eventually(t, func() bool { return held() == 1 }, 20*time.Second, 5*time.Millisecond, "the second is held")
+	select {
+	case err := <-done:
+		t.Fatalf("answered while held: %v", err)
+	default:
+	}
 }
 
 // TestHTTPAPIBadJSON: JSON that does not decode into the request is the
