@@ -13,7 +13,9 @@
 //     reflection), Serve runs it and drains it;
 //   - pending.go: the listener's tap refuses a call beyond MaxPendingCalls
 //     before gRPC reads it;
-//   - codec.go: the request is decoded; one that does not decode is kept
+//   - codec.go: the request is received (a unary method is carried as a
+//     client stream, so that a call with no message, or two, is the
+//     server's to refuse) and decoded; one that does not decode is kept
 //     and refused at step 5, after authentication;
 //   - otelgrpc's stats handler opens the span and measures the call, and
 //     accesslog.go's writes the line per finished call;
