@@ -301,7 +301,9 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 		heldConns, heldHeaders           = 2, 8 << 10       // under the header bound
 		watchConns, watchStreams         = 2, 40            // under the stream bound
 	)
-	heldStreams := int(bounds.MaxConcurrentStreams) + 16
+	// A connection's stream bound: the health listener's is
+	// HealthMaxConcurrentStreams.
+	streamBound := map[string]int{addrs[0]: int(bounds.MaxConcurrentStreams), addrs[1]: server.HealthMaxConcurrentStreams}
 	type result struct {
 		kind     string
 		answers  map[uint32]answer
@@ -309,7 +311,9 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 		refused  int // streams reset with REFUSED_STREAM
 		syncErr  error
 		accepted int
+		bound    int // the connection's stream bound
 	}
+	watchStreamsSent := 0
 	results := make(chan result, len(addrs)*(bigConns+heldConns+watchConns))
 	var wg sync.WaitGroup
 	// open starts the streams; a connection the server closed refuses
@@ -336,11 +340,12 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 				results <- result{kind: "big headers", answers: a, codes: c}
 			})
 		}
+		bound := streamBound[addr]
 		for range heldConns {
 			// Unary calls whose request never comes: held open.
 			p := dialRaw(t, addr)
 			wg.Go(func() {
-				ids, _ := open(p, "/grpc.health.v1.Health/Check", heldStreams, heldHeaders, false)
+				ids, _ := open(p, "/grpc.health.v1.Health/Check", bound+16, heldHeaders, false)
 				reset, err := p.resetsBefore()
 				refused := 0
 				for _, r := range reset {
@@ -348,13 +353,15 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 						refused++
 					}
 				}
-				results <- result{kind: "held", refused: refused, accepted: len(ids) - len(reset), syncErr: err}
+				results <- result{kind: "held", refused: refused, accepted: len(ids) - len(reset), syncErr: err, bound: bound}
 			})
 		}
+		streams := min(watchStreams, bound)
+		watchStreamsSent += watchConns * streams
 		for range watchConns {
 			p := dialRaw(t, addr)
 			wg.Go(func() {
-				ids, _ := open(p, watchMethod, watchStreams, 0, true)
+				ids, _ := open(p, watchMethod, streams, 0, true)
 				a, c := p.await(ids)
 				results <- result{kind: "watch", answers: a, codes: c}
 			})
@@ -376,8 +383,8 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 			require.Equal(t, bigStreams, count(r.answers, answerReset)+count(r.answers, answerConnGone), "%v", r.answers)
 		case "held":
 			require.NoError(t, r.syncErr)
-			require.Equal(t, heldStreams-int(bounds.MaxConcurrentStreams), r.refused, "streams beyond the per-connection bound are refused")
-			require.Equal(t, int(bounds.MaxConcurrentStreams), r.accepted)
+			require.Equal(t, 16, r.refused, "streams beyond the per-connection bound are refused")
+			require.Equal(t, r.bound, r.accepted)
 		case "watch":
 			require.Zero(t, count(r.answers, answerReset), "%v", r.answers)
 			served += count(r.answers, answerServed)
@@ -390,7 +397,7 @@ func TestAnonymousPeersCannotExhaustMemory(t *testing.T) {
 		}
 	}
 	require.Equal(t, bounds.MaxPublicStreams, served, "Watch streams are served up to the bound, over both listeners")
-	require.Equal(t, len(addrs)*watchConns*watchStreams-bounds.MaxPublicStreams, tooMany,
+	require.Equal(t, watchStreamsSent-bounds.MaxPublicStreams, tooMany,
 		"the other Watch streams fail at once with RESOURCE_EXHAUSTED")
 }
 
