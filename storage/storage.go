@@ -353,6 +353,98 @@ func CompleteBatch(ctx context.Context, s Store, ps []CompleteParams) []Complete
 	return out
 }
 
+// Op is one item of a mixed batch (Batch): a Claim, or a Complete.
+// Exactly one of the two is set.
+type Op struct {
+	Claim    *ClaimParams
+	Complete *CompleteParams
+}
+
+// OpAnswer is one item's answer of Batch: for a Claim, what Claim would
+// have returned (Claim, Err); for a Complete, what Complete would have
+// returned (Record, Err).
+type OpAnswer struct {
+	Claim  ClaimResult
+	Record Record
+	Err    error
+}
+
+// MixedBatcher is implemented by stores that decide Claims and Completes
+// together: one transaction and one commit (one synced write) for all the
+// items of a batch that fit, so that concurrent Claims and Completes share
+// a round trip and a commit. Items are decided as Batcher's are: each as
+// its single call would be, items on one key in their order (a key appears
+// at most once in one transaction; a later item on it is decided after the
+// earlier one's transaction), and one item's error is its answer alone.
+type MixedBatcher interface {
+	// Batch returns one answer per item of ops, in order.
+	Batch(ctx context.Context, ops []Op) []OpAnswer
+}
+
+// Batch decides ops on s: in one batch when s is a MixedBatcher; else the
+// Claims and the Completes each as a batch (Batcher) or one by one, in
+// rounds that keep the order of items on one key.
+func Batch(ctx context.Context, s Store, ops []Op) []OpAnswer {
+	if b, ok := s.(MixedBatcher); ok {
+		return b.Batch(ctx, ops)
+	}
+	out := make([]OpAnswer, len(ops))
+	for _, round := range opRounds(ops) {
+		var (
+			ci, di []int
+			cs     []ClaimParams
+			ds     []CompleteParams
+		)
+		for _, i := range round {
+			if p := ops[i].Claim; p != nil {
+				ci, cs = append(ci, i), append(cs, *p)
+			} else if p := ops[i].Complete; p != nil {
+				di, ds = append(di, i), append(ds, *p)
+			}
+		}
+		if len(ds) > 0 {
+			for j, a := range CompleteBatch(ctx, s, ds) {
+				out[di[j]] = OpAnswer{Record: a.Record, Err: a.Err}
+			}
+		}
+		if len(cs) > 0 {
+			for j, a := range ClaimBatch(ctx, s, cs) {
+				out[ci[j]] = OpAnswer{Claim: a.Result, Err: a.Err}
+			}
+		}
+	}
+	return out
+}
+
+// Key returns the key the item names.
+func (o Op) Key() Key {
+	if o.Claim != nil {
+		return o.Claim.Key
+	}
+	if o.Complete != nil {
+		return o.Complete.Key
+	}
+	return Key{}
+}
+
+// opRounds splits ops into rounds in which each key appears once: round k
+// holds the k-th item of each key, so that running the rounds in order
+// keeps the order of the items on one key.
+func opRounds(ops []Op) [][]int {
+	var rounds [][]int
+	seen := make(map[Key]int, len(ops))
+	for i, o := range ops {
+		k := o.Key()
+		r := seen[k]
+		seen[k] = r + 1
+		if r == len(rounds) {
+			rounds = append(rounds, nil)
+		}
+		rounds[r] = append(rounds[r], i)
+	}
+	return rounds
+}
+
 // ClaimKeys is implemented by stores that keep the registry's claim keys:
 // random bytes created on first use and then the same for every server
 // that shares the store, across restarts. The server derives each claim's

@@ -1746,6 +1746,280 @@ func (*BatchCompleteResult_Response) isBatchCompleteResult_Result() {}
 
 func (*BatchCompleteResult_Error) isBatchCompleteResult_Result() {}
 
+type BatchRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Items         []*BatchItem           `protobuf:"bytes,1,rep,name=items" json:"items,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchRequest) Reset() {
+	*x = BatchRequest{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchRequest) ProtoMessage() {}
+
+func (x *BatchRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchRequest.ProtoReflect.Descriptor instead.
+func (*BatchRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *BatchRequest) GetItems() []*BatchItem {
+	if x != nil {
+		return x.Items
+	}
+	return nil
+}
+
+// BatchItem is one Claim or one Complete of a Batch.
+type BatchItem struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Item:
+	//
+	//	*BatchItem_Claim
+	//	*BatchItem_Complete
+	Item          isBatchItem_Item `protobuf_oneof:"item"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchItem) Reset() {
+	*x = BatchItem{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchItem) ProtoMessage() {}
+
+func (x *BatchItem) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchItem.ProtoReflect.Descriptor instead.
+func (*BatchItem) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *BatchItem) GetItem() isBatchItem_Item {
+	if x != nil {
+		return x.Item
+	}
+	return nil
+}
+
+func (x *BatchItem) GetClaim() *ClaimRequest {
+	if x != nil {
+		if x, ok := x.Item.(*BatchItem_Claim); ok {
+			return x.Claim
+		}
+	}
+	return nil
+}
+
+func (x *BatchItem) GetComplete() *CompleteRequest {
+	if x != nil {
+		if x, ok := x.Item.(*BatchItem_Complete); ok {
+			return x.Complete
+		}
+	}
+	return nil
+}
+
+type isBatchItem_Item interface {
+	isBatchItem_Item()
+}
+
+type BatchItem_Claim struct {
+	Claim *ClaimRequest `protobuf:"bytes,1,opt,name=claim,oneof"`
+}
+
+type BatchItem_Complete struct {
+	Complete *CompleteRequest `protobuf:"bytes,2,opt,name=complete,oneof"`
+}
+
+func (*BatchItem_Claim) isBatchItem_Item() {}
+
+func (*BatchItem_Complete) isBatchItem_Item() {}
+
+type BatchResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per item, in order.
+	Results       []*BatchItemResult `protobuf:"bytes,1,rep,name=results" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchResponse) Reset() {
+	*x = BatchResponse{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchResponse) ProtoMessage() {}
+
+func (x *BatchResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchResponse.ProtoReflect.Descriptor instead.
+func (*BatchResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *BatchResponse) GetResults() []*BatchItemResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+type BatchItemResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Result:
+	//
+	//	*BatchItemResult_Claim
+	//	*BatchItemResult_Complete
+	//	*BatchItemResult_Error
+	Result        isBatchItemResult_Result `protobuf_oneof:"result"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchItemResult) Reset() {
+	*x = BatchItemResult{}
+	mi := &file_idemreg_v1_registry_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchItemResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchItemResult) ProtoMessage() {}
+
+func (x *BatchItemResult) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_registry_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchItemResult.ProtoReflect.Descriptor instead.
+func (*BatchItemResult) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_registry_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *BatchItemResult) GetResult() isBatchItemResult_Result {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *BatchItemResult) GetClaim() *ClaimResponse {
+	if x != nil {
+		if x, ok := x.Result.(*BatchItemResult_Claim); ok {
+			return x.Claim
+		}
+	}
+	return nil
+}
+
+func (x *BatchItemResult) GetComplete() *CompleteResponse {
+	if x != nil {
+		if x, ok := x.Result.(*BatchItemResult_Complete); ok {
+			return x.Complete
+		}
+	}
+	return nil
+}
+
+func (x *BatchItemResult) GetError() *status.Status {
+	if x != nil {
+		if x, ok := x.Result.(*BatchItemResult_Error); ok {
+			return x.Error
+		}
+	}
+	return nil
+}
+
+type isBatchItemResult_Result interface {
+	isBatchItemResult_Result()
+}
+
+type BatchItemResult_Claim struct {
+	// The answer to a claim item.
+	Claim *ClaimResponse `protobuf:"bytes,1,opt,name=claim,oneof"`
+}
+
+type BatchItemResult_Complete struct {
+	// The answer to a complete item.
+	Complete *CompleteResponse `protobuf:"bytes,2,opt,name=complete,oneof"`
+}
+
+type BatchItemResult_Error struct {
+	// What the item's Claim or Complete would have answered as an error,
+	// details included.
+	Error *status.Status `protobuf:"bytes,3,opt,name=error,oneof"`
+}
+
+func (*BatchItemResult_Claim) isBatchItemResult_Result() {}
+
+func (*BatchItemResult_Complete) isBatchItemResult_Result() {}
+
+func (*BatchItemResult_Error) isBatchItemResult_Result() {}
+
 var File_idemreg_v1_registry_proto protoreflect.FileDescriptor
 
 const file_idemreg_v1_registry_proto_rawDesc = "" +
@@ -1856,6 +2130,19 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\x13BatchCompleteResult\x12:\n" +
 	"\bresponse\x18\x01 \x01(\v2\x1c.idemreg.v1.CompleteResponseH\x00R\bresponse\x12*\n" +
 	"\x05error\x18\x02 \x01(\v2\x12.google.rpc.StatusH\x00R\x05errorB\b\n" +
+	"\x06result\";\n" +
+	"\fBatchRequest\x12+\n" +
+	"\x05items\x18\x01 \x03(\v2\x15.idemreg.v1.BatchItemR\x05items\"\x80\x01\n" +
+	"\tBatchItem\x120\n" +
+	"\x05claim\x18\x01 \x01(\v2\x18.idemreg.v1.ClaimRequestH\x00R\x05claim\x129\n" +
+	"\bcomplete\x18\x02 \x01(\v2\x1b.idemreg.v1.CompleteRequestH\x00R\bcompleteB\x06\n" +
+	"\x04item\"F\n" +
+	"\rBatchResponse\x125\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.idemreg.v1.BatchItemResultR\aresults\"\xb6\x01\n" +
+	"\x0fBatchItemResult\x121\n" +
+	"\x05claim\x18\x01 \x01(\v2\x19.idemreg.v1.ClaimResponseH\x00R\x05claim\x12:\n" +
+	"\bcomplete\x18\x02 \x01(\v2\x1c.idemreg.v1.CompleteResponseH\x00R\bcomplete\x12*\n" +
+	"\x05error\x18\x03 \x01(\v2\x12.google.rpc.StatusH\x00R\x05errorB\b\n" +
 	"\x06result*B\n" +
 	"\x04Kind\x12\x14\n" +
 	"\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n" +
@@ -1871,7 +2158,7 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\x10OUTCOME_ACQUIRED\x10\x01\x12\x17\n" +
 	"\x13OUTCOME_IN_PROGRESS\x10\x02\x12\x15\n" +
 	"\x11OUTCOME_COMPLETED\x10\x03\x12\x12\n" +
-	"\x0eOUTCOME_PARKED\x10\x042\xba\x04\n" +
+	"\x0eOUTCOME_PARKED\x10\x042\xf8\x04\n" +
 	"\x0fRegistryService\x12<\n" +
 	"\x05Claim\x12\x18.idemreg.v1.ClaimRequest\x1a\x19.idemreg.v1.ClaimResponse\x12E\n" +
 	"\bComplete\x12\x1b.idemreg.v1.CompleteRequest\x1a\x1c.idemreg.v1.CompleteResponse\x12B\n" +
@@ -1881,7 +2168,8 @@ const file_idemreg_v1_registry_proto_rawDesc = "" +
 	"\x06Lookup\x12\x19.idemreg.v1.LookupRequest\x1a\x1a.idemreg.v1.LookupResponse\x12K\n" +
 	"\n" +
 	"BatchClaim\x12\x1d.idemreg.v1.BatchClaimRequest\x1a\x1e.idemreg.v1.BatchClaimResponse\x12T\n" +
-	"\rBatchComplete\x12 .idemreg.v1.BatchCompleteRequest\x1a!.idemreg.v1.BatchCompleteResponseB>Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1\x92\x03\x04\b\x02 \x03b\beditionsp\xe8\a"
+	"\rBatchComplete\x12 .idemreg.v1.BatchCompleteRequest\x1a!.idemreg.v1.BatchCompleteResponse\x12<\n" +
+	"\x05Batch\x12\x18.idemreg.v1.BatchRequest\x1a\x19.idemreg.v1.BatchResponseB>Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1\x92\x03\x04\b\x02 \x03b\beditionsp\xe8\a"
 
 var (
 	file_idemreg_v1_registry_proto_rawDescOnce sync.Once
@@ -1896,7 +2184,7 @@ func file_idemreg_v1_registry_proto_rawDescGZIP() []byte {
 }
 
 var file_idemreg_v1_registry_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_idemreg_v1_registry_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_idemreg_v1_registry_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_idemreg_v1_registry_proto_goTypes = []any{
 	(Kind)(0),                     // 0: idemreg.v1.Kind
 	(State)(0),                    // 1: idemreg.v1.State
@@ -1923,26 +2211,30 @@ var file_idemreg_v1_registry_proto_goTypes = []any{
 	(*BatchCompleteRequest)(nil),  // 22: idemreg.v1.BatchCompleteRequest
 	(*BatchCompleteResponse)(nil), // 23: idemreg.v1.BatchCompleteResponse
 	(*BatchCompleteResult)(nil),   // 24: idemreg.v1.BatchCompleteResult
-	(*timestamppb.Timestamp)(nil), // 25: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 26: google.protobuf.Duration
-	(*status.Status)(nil),         // 27: google.rpc.Status
+	(*BatchRequest)(nil),          // 25: idemreg.v1.BatchRequest
+	(*BatchItem)(nil),             // 26: idemreg.v1.BatchItem
+	(*BatchResponse)(nil),         // 27: idemreg.v1.BatchResponse
+	(*BatchItemResult)(nil),       // 28: idemreg.v1.BatchItemResult
+	(*timestamppb.Timestamp)(nil), // 29: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 30: google.protobuf.Duration
+	(*status.Status)(nil),         // 31: google.rpc.Status
 }
 var file_idemreg_v1_registry_proto_depIdxs = []int32{
 	3,  // 0: idemreg.v1.Result.response:type_name -> idemreg.v1.Response
 	4,  // 1: idemreg.v1.Result.failure:type_name -> idemreg.v1.Failure
 	0,  // 2: idemreg.v1.Record.kind:type_name -> idemreg.v1.Kind
 	1,  // 3: idemreg.v1.Record.state:type_name -> idemreg.v1.State
-	25, // 4: idemreg.v1.Record.created_at:type_name -> google.protobuf.Timestamp
-	25, // 5: idemreg.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
-	25, // 6: idemreg.v1.Record.completed_at:type_name -> google.protobuf.Timestamp
-	25, // 7: idemreg.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
+	29, // 4: idemreg.v1.Record.created_at:type_name -> google.protobuf.Timestamp
+	29, // 5: idemreg.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
+	29, // 6: idemreg.v1.Record.completed_at:type_name -> google.protobuf.Timestamp
+	29, // 7: idemreg.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
 	5,  // 8: idemreg.v1.Record.result:type_name -> idemreg.v1.Result
 	0,  // 9: idemreg.v1.ClaimRequest.kind:type_name -> idemreg.v1.Kind
-	26, // 10: idemreg.v1.ClaimRequest.lease:type_name -> google.protobuf.Duration
-	26, // 11: idemreg.v1.ClaimRequest.retention:type_name -> google.protobuf.Duration
-	26, // 12: idemreg.v1.ClaimRequest.wait:type_name -> google.protobuf.Duration
+	30, // 10: idemreg.v1.ClaimRequest.lease:type_name -> google.protobuf.Duration
+	30, // 11: idemreg.v1.ClaimRequest.retention:type_name -> google.protobuf.Duration
+	30, // 12: idemreg.v1.ClaimRequest.wait:type_name -> google.protobuf.Duration
 	2,  // 13: idemreg.v1.ClaimResponse.outcome:type_name -> idemreg.v1.Outcome
-	26, // 14: idemreg.v1.ClaimResponse.retry_after:type_name -> google.protobuf.Duration
+	30, // 14: idemreg.v1.ClaimResponse.retry_after:type_name -> google.protobuf.Duration
 	6,  // 15: idemreg.v1.ClaimResponse.record:type_name -> idemreg.v1.Record
 	0,  // 16: idemreg.v1.CompleteRequest.kind:type_name -> idemreg.v1.Kind
 	5,  // 17: idemreg.v1.CompleteRequest.result:type_name -> idemreg.v1.Result
@@ -1950,7 +2242,7 @@ var file_idemreg_v1_registry_proto_depIdxs = []int32{
 	0,  // 19: idemreg.v1.ReleaseRequest.kind:type_name -> idemreg.v1.Kind
 	6,  // 20: idemreg.v1.ReleaseResponse.record:type_name -> idemreg.v1.Record
 	0,  // 21: idemreg.v1.ExtendRequest.kind:type_name -> idemreg.v1.Kind
-	26, // 22: idemreg.v1.ExtendRequest.lease:type_name -> google.protobuf.Duration
+	30, // 22: idemreg.v1.ExtendRequest.lease:type_name -> google.protobuf.Duration
 	6,  // 23: idemreg.v1.ExtendResponse.record:type_name -> idemreg.v1.Record
 	0,  // 24: idemreg.v1.ParkRequest.kind:type_name -> idemreg.v1.Kind
 	6,  // 25: idemreg.v1.ParkResponse.record:type_name -> idemreg.v1.Record
@@ -1959,32 +2251,41 @@ var file_idemreg_v1_registry_proto_depIdxs = []int32{
 	7,  // 28: idemreg.v1.BatchClaimRequest.requests:type_name -> idemreg.v1.ClaimRequest
 	21, // 29: idemreg.v1.BatchClaimResponse.results:type_name -> idemreg.v1.BatchClaimResult
 	8,  // 30: idemreg.v1.BatchClaimResult.response:type_name -> idemreg.v1.ClaimResponse
-	27, // 31: idemreg.v1.BatchClaimResult.error:type_name -> google.rpc.Status
+	31, // 31: idemreg.v1.BatchClaimResult.error:type_name -> google.rpc.Status
 	9,  // 32: idemreg.v1.BatchCompleteRequest.requests:type_name -> idemreg.v1.CompleteRequest
 	24, // 33: idemreg.v1.BatchCompleteResponse.results:type_name -> idemreg.v1.BatchCompleteResult
 	10, // 34: idemreg.v1.BatchCompleteResult.response:type_name -> idemreg.v1.CompleteResponse
-	27, // 35: idemreg.v1.BatchCompleteResult.error:type_name -> google.rpc.Status
-	7,  // 36: idemreg.v1.RegistryService.Claim:input_type -> idemreg.v1.ClaimRequest
-	9,  // 37: idemreg.v1.RegistryService.Complete:input_type -> idemreg.v1.CompleteRequest
-	11, // 38: idemreg.v1.RegistryService.Release:input_type -> idemreg.v1.ReleaseRequest
-	13, // 39: idemreg.v1.RegistryService.Extend:input_type -> idemreg.v1.ExtendRequest
-	15, // 40: idemreg.v1.RegistryService.Park:input_type -> idemreg.v1.ParkRequest
-	17, // 41: idemreg.v1.RegistryService.Lookup:input_type -> idemreg.v1.LookupRequest
-	19, // 42: idemreg.v1.RegistryService.BatchClaim:input_type -> idemreg.v1.BatchClaimRequest
-	22, // 43: idemreg.v1.RegistryService.BatchComplete:input_type -> idemreg.v1.BatchCompleteRequest
-	8,  // 44: idemreg.v1.RegistryService.Claim:output_type -> idemreg.v1.ClaimResponse
-	10, // 45: idemreg.v1.RegistryService.Complete:output_type -> idemreg.v1.CompleteResponse
-	12, // 46: idemreg.v1.RegistryService.Release:output_type -> idemreg.v1.ReleaseResponse
-	14, // 47: idemreg.v1.RegistryService.Extend:output_type -> idemreg.v1.ExtendResponse
-	16, // 48: idemreg.v1.RegistryService.Park:output_type -> idemreg.v1.ParkResponse
-	18, // 49: idemreg.v1.RegistryService.Lookup:output_type -> idemreg.v1.LookupResponse
-	20, // 50: idemreg.v1.RegistryService.BatchClaim:output_type -> idemreg.v1.BatchClaimResponse
-	23, // 51: idemreg.v1.RegistryService.BatchComplete:output_type -> idemreg.v1.BatchCompleteResponse
-	44, // [44:52] is the sub-list for method output_type
-	36, // [36:44] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	31, // 35: idemreg.v1.BatchCompleteResult.error:type_name -> google.rpc.Status
+	26, // 36: idemreg.v1.BatchRequest.items:type_name -> idemreg.v1.BatchItem
+	7,  // 37: idemreg.v1.BatchItem.claim:type_name -> idemreg.v1.ClaimRequest
+	9,  // 38: idemreg.v1.BatchItem.complete:type_name -> idemreg.v1.CompleteRequest
+	28, // 39: idemreg.v1.BatchResponse.results:type_name -> idemreg.v1.BatchItemResult
+	8,  // 40: idemreg.v1.BatchItemResult.claim:type_name -> idemreg.v1.ClaimResponse
+	10, // 41: idemreg.v1.BatchItemResult.complete:type_name -> idemreg.v1.CompleteResponse
+	31, // 42: idemreg.v1.BatchItemResult.error:type_name -> google.rpc.Status
+	7,  // 43: idemreg.v1.RegistryService.Claim:input_type -> idemreg.v1.ClaimRequest
+	9,  // 44: idemreg.v1.RegistryService.Complete:input_type -> idemreg.v1.CompleteRequest
+	11, // 45: idemreg.v1.RegistryService.Release:input_type -> idemreg.v1.ReleaseRequest
+	13, // 46: idemreg.v1.RegistryService.Extend:input_type -> idemreg.v1.ExtendRequest
+	15, // 47: idemreg.v1.RegistryService.Park:input_type -> idemreg.v1.ParkRequest
+	17, // 48: idemreg.v1.RegistryService.Lookup:input_type -> idemreg.v1.LookupRequest
+	19, // 49: idemreg.v1.RegistryService.BatchClaim:input_type -> idemreg.v1.BatchClaimRequest
+	22, // 50: idemreg.v1.RegistryService.BatchComplete:input_type -> idemreg.v1.BatchCompleteRequest
+	25, // 51: idemreg.v1.RegistryService.Batch:input_type -> idemreg.v1.BatchRequest
+	8,  // 52: idemreg.v1.RegistryService.Claim:output_type -> idemreg.v1.ClaimResponse
+	10, // 53: idemreg.v1.RegistryService.Complete:output_type -> idemreg.v1.CompleteResponse
+	12, // 54: idemreg.v1.RegistryService.Release:output_type -> idemreg.v1.ReleaseResponse
+	14, // 55: idemreg.v1.RegistryService.Extend:output_type -> idemreg.v1.ExtendResponse
+	16, // 56: idemreg.v1.RegistryService.Park:output_type -> idemreg.v1.ParkResponse
+	18, // 57: idemreg.v1.RegistryService.Lookup:output_type -> idemreg.v1.LookupResponse
+	20, // 58: idemreg.v1.RegistryService.BatchClaim:output_type -> idemreg.v1.BatchClaimResponse
+	23, // 59: idemreg.v1.RegistryService.BatchComplete:output_type -> idemreg.v1.BatchCompleteResponse
+	27, // 60: idemreg.v1.RegistryService.Batch:output_type -> idemreg.v1.BatchResponse
+	52, // [52:61] is the sub-list for method output_type
+	43, // [43:52] is the sub-list for method input_type
+	43, // [43:43] is the sub-list for extension type_name
+	43, // [43:43] is the sub-list for extension extendee
+	0,  // [0:43] is the sub-list for field type_name
 }
 
 func init() { file_idemreg_v1_registry_proto_init() }
@@ -2004,13 +2305,22 @@ func file_idemreg_v1_registry_proto_init() {
 		(*BatchCompleteResult_Response)(nil),
 		(*BatchCompleteResult_Error)(nil),
 	}
+	file_idemreg_v1_registry_proto_msgTypes[23].OneofWrappers = []any{
+		(*BatchItem_Claim)(nil),
+		(*BatchItem_Complete)(nil),
+	}
+	file_idemreg_v1_registry_proto_msgTypes[25].OneofWrappers = []any{
+		(*BatchItemResult_Claim)(nil),
+		(*BatchItemResult_Complete)(nil),
+		(*BatchItemResult_Error)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idemreg_v1_registry_proto_rawDesc), len(file_idemreg_v1_registry_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   22,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

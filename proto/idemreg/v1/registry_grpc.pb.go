@@ -39,6 +39,7 @@ const (
 	RegistryService_Lookup_FullMethodName        = "/idemreg.v1.RegistryService/Lookup"
 	RegistryService_BatchClaim_FullMethodName    = "/idemreg.v1.RegistryService/BatchClaim"
 	RegistryService_BatchComplete_FullMethodName = "/idemreg.v1.RegistryService/BatchComplete"
+	RegistryService_Batch_FullMethodName         = "/idemreg.v1.RegistryService/Batch"
 )
 
 // RegistryServiceClient is the client API for RegistryService service.
@@ -88,6 +89,18 @@ type RegistryServiceClient interface {
 	BatchClaim(ctx context.Context, in *BatchClaimRequest, opts ...grpc.CallOption) (*BatchClaimResponse, error)
 	// BatchComplete completes many claims in one call, like BatchClaim.
 	BatchComplete(ctx context.Context, in *BatchCompleteRequest, opts ...grpc.CallOption) (*BatchCompleteResponse, error)
+	// Batch claims and completes many keys in one call, and the store
+	// decides them together: in one transaction with one commit (one synced
+	// write on the embedded store) when they fit, so that a service's
+	// concurrent Claims and Completes share a round trip and a commit. One
+	// result per item, in order, each what the item's Claim or Complete
+	// would have answered (an error with the same details). Items are
+	// independent as in BatchClaim; items on one key are decided in their
+	// order, each after the one before it (a Complete, then a Claim of the
+	// same key, finds the completed record). An item that is neither a claim
+	// nor a complete is answered INVALID_ARGUMENT alone. Bounds as
+	// BatchClaim's.
+	Batch(ctx context.Context, in *BatchRequest, opts ...grpc.CallOption) (*BatchResponse, error)
 }
 
 type registryServiceClient struct {
@@ -178,6 +191,16 @@ func (c *registryServiceClient) BatchComplete(ctx context.Context, in *BatchComp
 	return out, nil
 }
 
+func (c *registryServiceClient) Batch(ctx context.Context, in *BatchRequest, opts ...grpc.CallOption) (*BatchResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BatchResponse)
+	err := c.cc.Invoke(ctx, RegistryService_Batch_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // RegistryServiceServer is the server API for RegistryService service.
 // All implementations must embed UnimplementedRegistryServiceServer
 // for forward compatibility.
@@ -225,6 +248,18 @@ type RegistryServiceServer interface {
 	BatchClaim(context.Context, *BatchClaimRequest) (*BatchClaimResponse, error)
 	// BatchComplete completes many claims in one call, like BatchClaim.
 	BatchComplete(context.Context, *BatchCompleteRequest) (*BatchCompleteResponse, error)
+	// Batch claims and completes many keys in one call, and the store
+	// decides them together: in one transaction with one commit (one synced
+	// write on the embedded store) when they fit, so that a service's
+	// concurrent Claims and Completes share a round trip and a commit. One
+	// result per item, in order, each what the item's Claim or Complete
+	// would have answered (an error with the same details). Items are
+	// independent as in BatchClaim; items on one key are decided in their
+	// order, each after the one before it (a Complete, then a Claim of the
+	// same key, finds the completed record). An item that is neither a claim
+	// nor a complete is answered INVALID_ARGUMENT alone. Bounds as
+	// BatchClaim's.
+	Batch(context.Context, *BatchRequest) (*BatchResponse, error)
 	mustEmbedUnimplementedRegistryServiceServer()
 }
 
@@ -258,6 +293,9 @@ func (UnimplementedRegistryServiceServer) BatchClaim(context.Context, *BatchClai
 }
 func (UnimplementedRegistryServiceServer) BatchComplete(context.Context, *BatchCompleteRequest) (*BatchCompleteResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method BatchComplete not implemented")
+}
+func (UnimplementedRegistryServiceServer) Batch(context.Context, *BatchRequest) (*BatchResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Batch not implemented")
 }
 func (UnimplementedRegistryServiceServer) mustEmbedUnimplementedRegistryServiceServer() {}
 func (UnimplementedRegistryServiceServer) testEmbeddedByValue()                         {}
@@ -424,6 +462,24 @@ func _RegistryService_BatchComplete_Handler(srv interface{}, ctx context.Context
 	return interceptor(ctx, in, info, handler)
 }
 
+func _RegistryService_Batch_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BatchRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServiceServer).Batch(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: RegistryService_Batch_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServiceServer).Batch(ctx, req.(*BatchRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // RegistryService_ServiceDesc is the grpc.ServiceDesc for RegistryService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -462,6 +518,10 @@ var RegistryService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "BatchComplete",
 			Handler:    _RegistryService_BatchComplete_Handler,
+		},
+		{
+			MethodName: "Batch",
+			Handler:    _RegistryService_Batch_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -28,7 +28,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file idemreg/v1/registry.proto.
  */
 export const file_idemreg_v1_registry: GenFile = /*@__PURE__*/
-  fileDesc("ChlpZGVtcmVnL3YxL3JlZ2lzdHJ5LnByb3RvEgppZGVtcmVnLnYxIiYKCFJlc3BvbnNlEgwKBHR5cGUYASABKAkSDAoEZGF0YRgCIAEoDCI5CgdGYWlsdXJlEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCRIPCgdkZXRhaWxzGAMgAygMImUKBlJlc3VsdBIoCghyZXNwb25zZRgBIAEoCzIULmlkZW1yZWcudjEuUmVzcG9uc2VIABImCgdmYWlsdXJlGAIgASgLMhMuaWRlbXJlZy52MS5GYWlsdXJlSABCCQoHb3V0Y29tZSKvAwoGUmVjb3JkEhAKCGNvbnN1bWVyGAEgASgJEh4KBGtpbmQYAiABKA4yEC5pZGVtcmVnLnYxLktpbmQSCwoDa2V5GAMgASgJEiAKBXN0YXRlGAQgASgOMhEuaWRlbXJlZy52MS5TdGF0ZRITCgtmaW5nZXJwcmludBgFIAEoDBINCgV0b2tlbhgGIAEoAxIPCgdhdHRlbXB0GAcgASgDEg4KBmhvbGRlchgIIAEoCRIuCgpjcmVhdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBI0ChBsZWFzZV9leHBpcmVzX2F0GAogASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIwCgxjb21wbGV0ZWRfYXQYCyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmV4cGlyZXNfYXQYDCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiIKBnJlc3VsdBgNIAEoCzISLmlkZW1yZWcudjEuUmVzdWx0EhMKC3BhcmtfcmVhc29uGA4gASgJIocCCgxDbGFpbVJlcXVlc3QSEAoIY29uc3VtZXIYASABKAkSHgoEa2luZBgCIAEoDjIQLmlkZW1yZWcudjEuS2luZBILCgNrZXkYAyABKAkSEwoLZmluZ2VycHJpbnQYBCABKAwSKAoFbGVhc2UYBSABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SLAoJcmV0ZW50aW9uGAYgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBmhvbGRlchgHIAEoCRISCgpyZXF1ZXN0X2lkGAggASgJEicKBHdhaXQYCSABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24irgEKDUNsYWltUmVzcG9uc2USJAoHb3V0Y29tZRgBIAEoDjITLmlkZW1yZWcudjEuT3V0Y29tZRINCgV0b2tlbhgCIAEoAxIuCgtyZXRyeV9hZnRlchgDIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIiCgZyZWNvcmQYBCABKAsyEi5pZGVtcmVnLnYxLlJlY29yZBIUCgxjbGFpbV9zZWNyZXQYBSABKAwimQEKD0NvbXBsZXRlUmVxdWVzdBIQCghjb25zdW1lchgBIAEoCRIeCgRraW5kGAIgASgOMhAuaWRlbXJlZy52MS5LaW5kEgsKA2tleRgDIAEoCRINCgV0b2tlbhgEIAEoAxIiCgZyZXN1bHQYBSABKAsyEi5pZGVtcmVnLnYxLlJlc3VsdBIUCgxjbGFpbV9zZWNyZXQYBiABKAwiNgoQQ29tcGxldGVSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZCJ0Cg5SZWxlYXNlUmVxdWVzdBIQCghjb25zdW1lchgBIAEoCRIeCgRraW5kGAIgASgOMhAuaWRlbXJlZy52MS5LaW5kEgsKA2tleRgDIAEoCRINCgV0b2tlbhgEIAEoAxIUCgxjbGFpbV9zZWNyZXQYBSABKAwiNQoPUmVsZWFzZVJlc3BvbnNlEiIKBnJlY29yZBgBIAEoCzISLmlkZW1yZWcudjEuUmVjb3JkIp0BCg1FeHRlbmRSZXF1ZXN0EhAKCGNvbnN1bWVyGAEgASgJEh4KBGtpbmQYAiABKA4yEC5pZGVtcmVnLnYxLktpbmQSCwoDa2V5GAMgASgJEg0KBXRva2VuGAQgASgDEigKBWxlYXNlGAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhQKDGNsYWltX3NlY3JldBgGIAEoDCI0Cg5FeHRlbmRSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZCKBAQoLUGFya1JlcXVlc3QSEAoIY29uc3VtZXIYASABKAkSHgoEa2luZBgCIAEoDjIQLmlkZW1yZWcudjEuS2luZBILCgNrZXkYAyABKAkSDQoFdG9rZW4YBCABKAMSDgoGcmVhc29uGAUgASgJEhQKDGNsYWltX3NlY3JldBgGIAEoDCIyCgxQYXJrUmVzcG9uc2USIgoGcmVjb3JkGAEgASgLMhIuaWRlbXJlZy52MS5SZWNvcmQiTgoNTG9va3VwUmVxdWVzdBIQCghjb25zdW1lchgBIAEoCRIeCgRraW5kGAIgASgOMhAuaWRlbXJlZy52MS5LaW5kEgsKA2tleRgDIAEoCSI0Cg5Mb29rdXBSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZCI/ChFCYXRjaENsYWltUmVxdWVzdBIqCghyZXF1ZXN0cxgBIAMoCzIYLmlkZW1yZWcudjEuQ2xhaW1SZXF1ZXN0IkMKEkJhdGNoQ2xhaW1SZXNwb25zZRItCgdyZXN1bHRzGAEgAygLMhwuaWRlbXJlZy52MS5CYXRjaENsYWltUmVzdWx0InAKEEJhdGNoQ2xhaW1SZXN1bHQSLQoIcmVzcG9uc2UYASABKAsyGS5pZGVtcmVnLnYxLkNsYWltUmVzcG9uc2VIABIjCgVlcnJvchgCIAEoCzISLmdvb2dsZS5ycGMuU3RhdHVzSABCCAoGcmVzdWx0IkUKFEJhdGNoQ29tcGxldGVSZXF1ZXN0Ei0KCHJlcXVlc3RzGAEgAygLMhsuaWRlbXJlZy52MS5Db21wbGV0ZVJlcXVlc3QiSQoVQmF0Y2hDb21wbGV0ZVJlc3BvbnNlEjAKB3Jlc3VsdHMYASADKAsyHy5pZGVtcmVnLnYxLkJhdGNoQ29tcGxldGVSZXN1bHQidgoTQmF0Y2hDb21wbGV0ZVJlc3VsdBIwCghyZXNwb25zZRgBIAEoCzIcLmlkZW1yZWcudjEuQ29tcGxldGVSZXNwb25zZUgAEiMKBWVycm9yGAIgASgLMhIuZ29vZ2xlLnJwYy5TdGF0dXNIAEIICgZyZXN1bHQqQgoES2luZBIUChBLSU5EX1VOU1BFQ0lGSUVEEAASEAoMS0lORF9NRVNTQUdFEAESEgoOS0lORF9PUEVSQVRJT04QAipcCgVTdGF0ZRIVChFTVEFURV9VTlNQRUNJRklFRBAAEhUKEVNUQVRFX0lOX1BST0dSRVNTEAESEwoPU1RBVEVfQ09NUExFVEVEEAISEAoMU1RBVEVfUEFSS0VEEAMqfAoHT3V0Y29tZRIXChNPVVRDT01FX1VOU1BFQ0lGSUVEEAASFAoQT1VUQ09NRV9BQ1FVSVJFRBABEhcKE09VVENPTUVfSU5fUFJPR1JFU1MQAhIVChFPVVRDT01FX0NPTVBMRVRFRBADEhIKDk9VVENPTUVfUEFSS0VEEAQyugQKD1JlZ2lzdHJ5U2VydmljZRI8CgVDbGFpbRIYLmlkZW1yZWcudjEuQ2xhaW1SZXF1ZXN0GhkuaWRlbXJlZy52MS5DbGFpbVJlc3BvbnNlEkUKCENvbXBsZXRlEhsuaWRlbXJlZy52MS5Db21wbGV0ZVJlcXVlc3QaHC5pZGVtcmVnLnYxLkNvbXBsZXRlUmVzcG9uc2USQgoHUmVsZWFzZRIaLmlkZW1yZWcudjEuUmVsZWFzZVJlcXVlc3QaGy5pZGVtcmVnLnYxLlJlbGVhc2VSZXNwb25zZRI/CgZFeHRlbmQSGS5pZGVtcmVnLnYxLkV4dGVuZFJlcXVlc3QaGi5pZGVtcmVnLnYxLkV4dGVuZFJlc3BvbnNlEjkKBFBhcmsSFy5pZGVtcmVnLnYxLlBhcmtSZXF1ZXN0GhguaWRlbXJlZy52MS5QYXJrUmVzcG9uc2USPwoGTG9va3VwEhkuaWRlbXJlZy52MS5Mb29rdXBSZXF1ZXN0GhouaWRlbXJlZy52MS5Mb29rdXBSZXNwb25zZRJLCgpCYXRjaENsYWltEh0uaWRlbXJlZy52MS5CYXRjaENsYWltUmVxdWVzdBoeLmlkZW1yZWcudjEuQmF0Y2hDbGFpbVJlc3BvbnNlElQKDUJhdGNoQ29tcGxldGUSIC5pZGVtcmVnLnYxLkJhdGNoQ29tcGxldGVSZXF1ZXN0GiEuaWRlbXJlZy52MS5CYXRjaENvbXBsZXRlUmVzcG9uc2VCPlo1Z2l0aHViLmNvbS9pZGVtcmVnL2lkZW1yZWcvcHJvdG8vaWRlbXJlZy92MTtpZGVtcmVndjGSAwQIAiADYghlZGl0aW9uc3DoBw", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_google_rpc_status]);
+  fileDesc("ChlpZGVtcmVnL3YxL3JlZ2lzdHJ5LnByb3RvEgppZGVtcmVnLnYxIiYKCFJlc3BvbnNlEgwKBHR5cGUYASABKAkSDAoEZGF0YRgCIAEoDCI5CgdGYWlsdXJlEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCRIPCgdkZXRhaWxzGAMgAygMImUKBlJlc3VsdBIoCghyZXNwb25zZRgBIAEoCzIULmlkZW1yZWcudjEuUmVzcG9uc2VIABImCgdmYWlsdXJlGAIgASgLMhMuaWRlbXJlZy52MS5GYWlsdXJlSABCCQoHb3V0Y29tZSKvAwoGUmVjb3JkEhAKCGNvbnN1bWVyGAEgASgJEh4KBGtpbmQYAiABKA4yEC5pZGVtcmVnLnYxLktpbmQSCwoDa2V5GAMgASgJEiAKBXN0YXRlGAQgASgOMhEuaWRlbXJlZy52MS5TdGF0ZRITCgtmaW5nZXJwcmludBgFIAEoDBINCgV0b2tlbhgGIAEoAxIPCgdhdHRlbXB0GAcgASgDEg4KBmhvbGRlchgIIAEoCRIuCgpjcmVhdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBI0ChBsZWFzZV9leHBpcmVzX2F0GAogASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIwCgxjb21wbGV0ZWRfYXQYCyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmV4cGlyZXNfYXQYDCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiIKBnJlc3VsdBgNIAEoCzISLmlkZW1yZWcudjEuUmVzdWx0EhMKC3BhcmtfcmVhc29uGA4gASgJIocCCgxDbGFpbVJlcXVlc3QSEAoIY29uc3VtZXIYASABKAkSHgoEa2luZBgCIAEoDjIQLmlkZW1yZWcudjEuS2luZBILCgNrZXkYAyABKAkSEwoLZmluZ2VycHJpbnQYBCABKAwSKAoFbGVhc2UYBSABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SLAoJcmV0ZW50aW9uGAYgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBmhvbGRlchgHIAEoCRISCgpyZXF1ZXN0X2lkGAggASgJEicKBHdhaXQYCSABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24irgEKDUNsYWltUmVzcG9uc2USJAoHb3V0Y29tZRgBIAEoDjITLmlkZW1yZWcudjEuT3V0Y29tZRINCgV0b2tlbhgCIAEoAxIuCgtyZXRyeV9hZnRlchgDIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIiCgZyZWNvcmQYBCABKAsyEi5pZGVtcmVnLnYxLlJlY29yZBIUCgxjbGFpbV9zZWNyZXQYBSABKAwimQEKD0NvbXBsZXRlUmVxdWVzdBIQCghjb25zdW1lchgBIAEoCRIeCgRraW5kGAIgASgOMhAuaWRlbXJlZy52MS5LaW5kEgsKA2tleRgDIAEoCRINCgV0b2tlbhgEIAEoAxIiCgZyZXN1bHQYBSABKAsyEi5pZGVtcmVnLnYxLlJlc3VsdBIUCgxjbGFpbV9zZWNyZXQYBiABKAwiNgoQQ29tcGxldGVSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZCJ0Cg5SZWxlYXNlUmVxdWVzdBIQCghjb25zdW1lchgBIAEoCRIeCgRraW5kGAIgASgOMhAuaWRlbXJlZy52MS5LaW5kEgsKA2tleRgDIAEoCRINCgV0b2tlbhgEIAEoAxIUCgxjbGFpbV9zZWNyZXQYBSABKAwiNQoPUmVsZWFzZVJlc3BvbnNlEiIKBnJlY29yZBgBIAEoCzISLmlkZW1yZWcudjEuUmVjb3JkIp0BCg1FeHRlbmRSZXF1ZXN0EhAKCGNvbnN1bWVyGAEgASgJEh4KBGtpbmQYAiABKA4yEC5pZGVtcmVnLnYxLktpbmQSCwoDa2V5GAMgASgJEg0KBXRva2VuGAQgASgDEigKBWxlYXNlGAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhQKDGNsYWltX3NlY3JldBgGIAEoDCI0Cg5FeHRlbmRSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZCKBAQoLUGFya1JlcXVlc3QSEAoIY29uc3VtZXIYASABKAkSHgoEa2luZBgCIAEoDjIQLmlkZW1yZWcudjEuS2luZBILCgNrZXkYAyABKAkSDQoFdG9rZW4YBCABKAMSDgoGcmVhc29uGAUgASgJEhQKDGNsYWltX3NlY3JldBgGIAEoDCIyCgxQYXJrUmVzcG9uc2USIgoGcmVjb3JkGAEgASgLMhIuaWRlbXJlZy52MS5SZWNvcmQiTgoNTG9va3VwUmVxdWVzdBIQCghjb25zdW1lchgBIAEoCRIeCgRraW5kGAIgASgOMhAuaWRlbXJlZy52MS5LaW5kEgsKA2tleRgDIAEoCSI0Cg5Mb29rdXBSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZCI/ChFCYXRjaENsYWltUmVxdWVzdBIqCghyZXF1ZXN0cxgBIAMoCzIYLmlkZW1yZWcudjEuQ2xhaW1SZXF1ZXN0IkMKEkJhdGNoQ2xhaW1SZXNwb25zZRItCgdyZXN1bHRzGAEgAygLMhwuaWRlbXJlZy52MS5CYXRjaENsYWltUmVzdWx0InAKEEJhdGNoQ2xhaW1SZXN1bHQSLQoIcmVzcG9uc2UYASABKAsyGS5pZGVtcmVnLnYxLkNsYWltUmVzcG9uc2VIABIjCgVlcnJvchgCIAEoCzISLmdvb2dsZS5ycGMuU3RhdHVzSABCCAoGcmVzdWx0IkUKFEJhdGNoQ29tcGxldGVSZXF1ZXN0Ei0KCHJlcXVlc3RzGAEgAygLMhsuaWRlbXJlZy52MS5Db21wbGV0ZVJlcXVlc3QiSQoVQmF0Y2hDb21wbGV0ZVJlc3BvbnNlEjAKB3Jlc3VsdHMYASADKAsyHy5pZGVtcmVnLnYxLkJhdGNoQ29tcGxldGVSZXN1bHQidgoTQmF0Y2hDb21wbGV0ZVJlc3VsdBIwCghyZXNwb25zZRgBIAEoCzIcLmlkZW1yZWcudjEuQ29tcGxldGVSZXNwb25zZUgAEiMKBWVycm9yGAIgASgLMhIuZ29vZ2xlLnJwYy5TdGF0dXNIAEIICgZyZXN1bHQiNAoMQmF0Y2hSZXF1ZXN0EiQKBWl0ZW1zGAEgAygLMhUuaWRlbXJlZy52MS5CYXRjaEl0ZW0ibwoJQmF0Y2hJdGVtEikKBWNsYWltGAEgASgLMhguaWRlbXJlZy52MS5DbGFpbVJlcXVlc3RIABIvCghjb21wbGV0ZRgCIAEoCzIbLmlkZW1yZWcudjEuQ29tcGxldGVSZXF1ZXN0SABCBgoEaXRlbSI9Cg1CYXRjaFJlc3BvbnNlEiwKB3Jlc3VsdHMYASADKAsyGy5pZGVtcmVnLnYxLkJhdGNoSXRlbVJlc3VsdCKeAQoPQmF0Y2hJdGVtUmVzdWx0EioKBWNsYWltGAEgASgLMhkuaWRlbXJlZy52MS5DbGFpbVJlc3BvbnNlSAASMAoIY29tcGxldGUYAiABKAsyHC5pZGVtcmVnLnYxLkNvbXBsZXRlUmVzcG9uc2VIABIjCgVlcnJvchgDIAEoCzISLmdvb2dsZS5ycGMuU3RhdHVzSABCCAoGcmVzdWx0KkIKBEtpbmQSFAoQS0lORF9VTlNQRUNJRklFRBAAEhAKDEtJTkRfTUVTU0FHRRABEhIKDktJTkRfT1BFUkFUSU9OEAIqXAoFU3RhdGUSFQoRU1RBVEVfVU5TUEVDSUZJRUQQABIVChFTVEFURV9JTl9QUk9HUkVTUxABEhMKD1NUQVRFX0NPTVBMRVRFRBACEhAKDFNUQVRFX1BBUktFRBADKnwKB091dGNvbWUSFwoTT1VUQ09NRV9VTlNQRUNJRklFRBAAEhQKEE9VVENPTUVfQUNRVUlSRUQQARIXChNPVVRDT01FX0lOX1BST0dSRVNTEAISFQoRT1VUQ09NRV9DT01QTEVURUQQAxISCg5PVVRDT01FX1BBUktFRBAEMvgECg9SZWdpc3RyeVNlcnZpY2USPAoFQ2xhaW0SGC5pZGVtcmVnLnYxLkNsYWltUmVxdWVzdBoZLmlkZW1yZWcudjEuQ2xhaW1SZXNwb25zZRJFCghDb21wbGV0ZRIbLmlkZW1yZWcudjEuQ29tcGxldGVSZXF1ZXN0GhwuaWRlbXJlZy52MS5Db21wbGV0ZVJlc3BvbnNlEkIKB1JlbGVhc2USGi5pZGVtcmVnLnYxLlJlbGVhc2VSZXF1ZXN0GhsuaWRlbXJlZy52MS5SZWxlYXNlUmVzcG9uc2USPwoGRXh0ZW5kEhkuaWRlbXJlZy52MS5FeHRlbmRSZXF1ZXN0GhouaWRlbXJlZy52MS5FeHRlbmRSZXNwb25zZRI5CgRQYXJrEhcuaWRlbXJlZy52MS5QYXJrUmVxdWVzdBoYLmlkZW1yZWcudjEuUGFya1Jlc3BvbnNlEj8KBkxvb2t1cBIZLmlkZW1yZWcudjEuTG9va3VwUmVxdWVzdBoaLmlkZW1yZWcudjEuTG9va3VwUmVzcG9uc2USSwoKQmF0Y2hDbGFpbRIdLmlkZW1yZWcudjEuQmF0Y2hDbGFpbVJlcXVlc3QaHi5pZGVtcmVnLnYxLkJhdGNoQ2xhaW1SZXNwb25zZRJUCg1CYXRjaENvbXBsZXRlEiAuaWRlbXJlZy52MS5CYXRjaENvbXBsZXRlUmVxdWVzdBohLmlkZW1yZWcudjEuQmF0Y2hDb21wbGV0ZVJlc3BvbnNlEjwKBUJhdGNoEhguaWRlbXJlZy52MS5CYXRjaFJlcXVlc3QaGS5pZGVtcmVnLnYxLkJhdGNoUmVzcG9uc2VCPlo1Z2l0aHViLmNvbS9pZGVtcmVnL2lkZW1yZWcvcHJvdG8vaWRlbXJlZy92MTtpZGVtcmVndjGSAwQIAiADYghlZGl0aW9uc3DoBw", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_google_rpc_status]);
 
 /**
  * Response is a successful result: a type name and bytes, for example a
@@ -787,6 +787,115 @@ export const BatchCompleteResultSchema: GenMessage<BatchCompleteResult> = /*@__P
   messageDesc(file_idemreg_v1_registry, 21);
 
 /**
+ * @generated from message idemreg.v1.BatchRequest
+ */
+export type BatchRequest = Message<"idemreg.v1.BatchRequest"> & {
+  /**
+   * @generated from field: repeated idemreg.v1.BatchItem items = 1;
+   */
+  items: BatchItem[];
+};
+
+/**
+ * Describes the message idemreg.v1.BatchRequest.
+ * Use `create(BatchRequestSchema)` to create a new message.
+ */
+export const BatchRequestSchema: GenMessage<BatchRequest> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_registry, 22);
+
+/**
+ * BatchItem is one Claim or one Complete of a Batch.
+ *
+ * @generated from message idemreg.v1.BatchItem
+ */
+export type BatchItem = Message<"idemreg.v1.BatchItem"> & {
+  /**
+   * @generated from oneof idemreg.v1.BatchItem.item
+   */
+  item: {
+    /**
+     * @generated from field: idemreg.v1.ClaimRequest claim = 1;
+     */
+    value: ClaimRequest;
+    case: "claim";
+  } | {
+    /**
+     * @generated from field: idemreg.v1.CompleteRequest complete = 2;
+     */
+    value: CompleteRequest;
+    case: "complete";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message idemreg.v1.BatchItem.
+ * Use `create(BatchItemSchema)` to create a new message.
+ */
+export const BatchItemSchema: GenMessage<BatchItem> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_registry, 23);
+
+/**
+ * @generated from message idemreg.v1.BatchResponse
+ */
+export type BatchResponse = Message<"idemreg.v1.BatchResponse"> & {
+  /**
+   * One per item, in order.
+   *
+   * @generated from field: repeated idemreg.v1.BatchItemResult results = 1;
+   */
+  results: BatchItemResult[];
+};
+
+/**
+ * Describes the message idemreg.v1.BatchResponse.
+ * Use `create(BatchResponseSchema)` to create a new message.
+ */
+export const BatchResponseSchema: GenMessage<BatchResponse> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_registry, 24);
+
+/**
+ * @generated from message idemreg.v1.BatchItemResult
+ */
+export type BatchItemResult = Message<"idemreg.v1.BatchItemResult"> & {
+  /**
+   * @generated from oneof idemreg.v1.BatchItemResult.result
+   */
+  result: {
+    /**
+     * The answer to a claim item.
+     *
+     * @generated from field: idemreg.v1.ClaimResponse claim = 1;
+     */
+    value: ClaimResponse;
+    case: "claim";
+  } | {
+    /**
+     * The answer to a complete item.
+     *
+     * @generated from field: idemreg.v1.CompleteResponse complete = 2;
+     */
+    value: CompleteResponse;
+    case: "complete";
+  } | {
+    /**
+     * What the item's Claim or Complete would have answered as an error,
+     * details included.
+     *
+     * @generated from field: google.rpc.Status error = 3;
+     */
+    value: Status;
+    case: "error";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message idemreg.v1.BatchItemResult.
+ * Use `create(BatchItemResultSchema)` to create a new message.
+ */
+export const BatchItemResultSchema: GenMessage<BatchItemResult> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_registry, 25);
+
+/**
  * Kind says what the key names.
  *
  * @generated from enum idemreg.v1.Kind
@@ -1016,6 +1125,26 @@ export const RegistryService: GenService<{
     methodKind: "unary";
     input: typeof BatchCompleteRequestSchema;
     output: typeof BatchCompleteResponseSchema;
+  },
+  /**
+   * Batch claims and completes many keys in one call, and the store
+   * decides them together: in one transaction with one commit (one synced
+   * write on the embedded store) when they fit, so that a service's
+   * concurrent Claims and Completes share a round trip and a commit. One
+   * result per item, in order, each what the item's Claim or Complete
+   * would have answered (an error with the same details). Items are
+   * independent as in BatchClaim; items on one key are decided in their
+   * order, each after the one before it (a Complete, then a Claim of the
+   * same key, finds the completed record). An item that is neither a claim
+   * nor a complete is answered INVALID_ARGUMENT alone. Bounds as
+   * BatchClaim's.
+   *
+   * @generated from rpc idemreg.v1.RegistryService.Batch
+   */
+  batch: {
+    methodKind: "unary";
+    input: typeof BatchRequestSchema;
+    output: typeof BatchResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_idemreg_v1_registry, 0);
