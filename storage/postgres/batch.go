@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"log/slog"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -12,390 +13,499 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// Coalescing.
+// Coalescing: one queue, one transaction, one commit.
 //
-// Each statement costs a round trip, a commit and the database's fixed
+// Each transaction costs a round trip, a commit and the database's fixed
 // work per statement; a multi-row statement pays them once for all its
-// rows. So concurrent Claims, and concurrent Completes, that arrive
-// together are sent as one statement (claimBatchSQL, completeBatchSQL), and
-// each caller still gets the answer for its own key, classified by the same
-// storage.Decide* function as a single call's.
+// rows. So concurrent Claims and Completes that arrive together are sent as
+// one transaction: the Claims as one multi-row statement (claimBatchSQL)
+// and the Completes as another (completeBatchSQL), pipelined in one
+// pgx.Batch under one Sync, which PostgreSQL and CockroachDB run as one
+// implicit transaction with one commit. Each caller still gets the answer
+// for its own key, classified by the same storage.Decide* function as a
+// single call's. At any moment about half of a service's calls are
+// Completes: one queue for both kinds makes each batch twice the size two
+// queues would, and halves the commits.
 //
-// When batches form: each kind (Claim, Complete) has a number of statement
-// slots (WithBatching; one by default). A call that finds a slot of its kind
-// free and nobody queued runs alone, with the single-row statement, so a
-// lone caller waits for nothing and pays nothing. Otherwise it joins the
-// pending batch of its kind, which is sent as soon as any of these happens:
-// a statement of its kind finishes and frees a slot, the batch reaches
-// maxSize calls, or the first call in it has waited window (a statement
-// stuck on a row lock then does not hold the others up for long).
+// When batches form: the queue has a number of statement slots
+// (WithBatching; DefaultBatchInFlight). A call that finds a slot free,
+// nobody queued and its key idle runs alone, with the single-row
+// statement, so a lone caller waits for nothing and pays nothing.
+// Otherwise it joins the pending batch, which is sent as soon as any of
+// these happens: a transaction finishes and frees a slot, the batch
+// reaches maxSize items or maxBytes, or the first item in it has waited
+// window (a statement stuck on a row lock then does not hold the others up
+// for long). The items of an explicit batch (ClaimBatch, CompleteBatch,
+// Batch) join the same pending batch, all at once.
 //
-// Why one slot: the database's cost is per statement as much as per row,
-// so one statement of each kind at a time makes the batches as large as the
-// load allows, and statements per call fall as the load grows. More slots
-// cost more CPU per call; measured in docs/benchmarks.md.
+// Why one slot: the database's cost is per transaction as much as per
+// row, so one transaction at a time makes the batches as large as the load
+// allows, and commits per call fall as the load grows; measured in
+// docs/benchmarks.md.
 //
-// Calls on a key already pending wait for the next batch (PostgreSQL
-// refuses an ON CONFLICT DO UPDATE that affects a row twice, and two
-// operations on one key must be ordered anyway). A batch is sorted by key,
+// A key appears at most once in a transaction (PostgreSQL refuses an ON
+// CONFLICT DO UPDATE that affects a row twice, and two operations on one
+// key must be ordered anyway): a key is busy from the moment its item is
+// queued until its answer is final, retries and a run alone included, and
+// an item on a busy key waits, in its order, until the key is idle again.
+// So an explicit batch's Complete and then Claim of one key are decided in
+// that order, the Claim in a later transaction. A batch is sorted by key,
 // so concurrent batches lock rows in the same order and rarely deadlock.
 //
 // Size: a batch carries at most DefaultBatchBytes of parameters
 // (CockroachDB refuses a pgwire message over 16 MiB, and 64 results of up
-// to 1 MiB would exceed it). A pending batch that reaches the bound is sent
-// at once, and a batch over it when sent is split in halves, so a call
-// with a large result travels alone or with few others.
+// to 1 MiB would exceed it) and at most MaxExplicitBatch items. A pending
+// batch that reaches a bound is sent at once, and a batch over it when sent
+// is split in halves, so an item with a large result travels alone or with
+// few others.
 //
 // Failures: a batch is one implicit transaction, so a serialization failure
 // or a deadlock rolled all of it back. It is split in two halves, retried
-// after a jittered pause, recursively; a single call left over runs alone,
+// after a jittered pause, recursively; a single item left over runs alone,
 // through the single-row statement and its own retry loop (run), with its
 // caller's context. The conflicting key is so isolated in a few steps while
-// the others still share statements. A batch the database refused because
-// of one member's input (a data exception, an integrity violation, a
-// program limit: memberError) is split the same way, without the pause: the
-// member left alone gets its own error from the single-row statement, and
-// the others their normal answers. Any other error (the connection lost,
-// the database shutting down) is every member's answer, as it would be for
-// a single call. A call whose context ends while
-// it waits returns the context's error; if its batch was not sent yet it
-// is dropped from it, and if it was, the outcome is as ambiguous as that of
-// a single statement cut off mid-flight (see semantics.md). A batch's
-// statement runs under a context that ends when every member's context has
-// ended, or at the latest of their deadlines.
+// the others still share transactions. A batch the database refused
+// because of one member's input (a data exception, an integrity violation,
+// a program limit: memberError) is split the same way, without the pause:
+// the member left alone gets its own error from the single-row statement,
+// and the others their normal answers. Any other error (the connection
+// lost, the database shutting down) is every member's answer, as it would
+// be for a single call. A caller whose context ends while it waits returns
+// the context's error; if its items were not sent yet they are dropped,
+// and if they were, the outcome is as ambiguous as that of a single
+// statement cut off mid-flight (see semantics.md). A batch's transaction
+// runs under a context that ends when every member's context has ended, or
+// at the latest of their deadlines.
 
 // Defaults of WithBatching.
 const (
-	// DefaultBatchSize is the largest number of calls in one statement.
+	// DefaultBatchSize is how many items a pending batch gathers before it
+	// is sent without waiting for a slot.
 	DefaultBatchSize = 64
-	// DefaultBatchWindow is the longest a call waits for its batch to be
-	// sent while its kind's statement slots are busy.
+	// DefaultBatchWindow is the longest an item waits for its batch to be
+	// sent while the statement slots are busy.
 	DefaultBatchWindow = 10 * time.Millisecond
-	// DefaultBatchInFlight is the number of statement slots of each kind.
+	// DefaultBatchInFlight is the number of statement slots of the queue.
 	DefaultBatchInFlight = 1
-	// DefaultBatchBytes bounds the parameters of one batched statement.
+	// DefaultBatchBytes bounds the parameters of one batch.
 	DefaultBatchBytes = 8 << 20
 )
 
-// coalescer holds what the batchers of one store share: their settings,
-// the mutex that guards their queues, and their statistics.
-type coalescer struct {
+// MaxExplicitBatch is the most items one transaction carries; the byte
+// bound may split it more.
+const MaxExplicitBatch = 1000
+
+// item is one Claim or Complete in the queue.
+type item struct {
+	op   storage.Op
+	key  storage.Key
+	size int // bytes of its parameters in a batched statement
+	g    *group
+
+	where place // guarded by queue.mu
+
+	// The answer, written by the transaction that decided the item before
+	// answered is set; again asks for a run alone (a stale pre-image).
+	ans      storage.OpAnswer
+	again    bool
+	answered atomic.Bool
+}
+
+// place is where an item is in the queue.
+type place uint8
+
+const (
+	placeNone     place = iota
+	placePending        // in the pending batch
+	placeDeferred       // waiting for its key to be idle
+	placeSent           // in a transaction
+)
+
+// group is the caller an item answers: a unary call, or an explicit batch.
+// Its items share the caller's context, and done is closed when the last
+// of them is answered.
+type group struct {
+	ctx  context.Context
+	left atomic.Int64
+	done chan struct{}
+}
+
+// answer marks it answered; the last answer of its group wakes the caller.
+func (it *item) answer() {
+	it.answered.Store(true)
+	if it.g.left.Add(-1) == 0 {
+		close(it.g.done)
+	}
+}
+
+// unary is a single call's group and item, allocated together.
+type unary struct {
+	g  group
+	it item
+}
+
+// queue coalesces the store's Claims and Completes.
+type queue struct {
 	maxSize  int
-	maxBytes int // parameters of one batched statement
+	maxBytes int // parameters of one batch
 	window   time.Duration
-	limit    int // statement slots per kind
+	limit    int // statement slots
+	logger   *slog.Logger
 
-	mu sync.Mutex
+	// alone runs one item with the single-row statement and its retries,
+	// and sets its answer.
+	alone func(context.Context, *item)
+	// exec runs items (distinct keys, sorted) as one transaction. When it
+	// returns nil it has set every item's answer, or its again; otherwise
+	// it has set none.
+	exec func(context.Context, []*item) error
 
-	// batches and batchedCalls count the statements sent for more than one
-	// call and the calls they carried, for tests and the bench.
-	batches, batchedCalls atomic.Int64
+	mu       sync.Mutex
+	inFlight int // transactions running, alone or batched
+	pending  []*item
+	bytes    int // sum of the pending items' sizes
+	busy     map[storage.Key]struct{}
+	deferred []*item // on a busy key, in their order
+	timer    *time.Timer
+	armed    bool
+
+	// batches and batchedItems count the transactions sent for more than
+	// one item and the items they carried, mixed the batches that held
+	// both kinds, for tests and the bench.
+	batches, batchedItems, mixed atomic.Int64
 	// splits counts batches split after a serialization failure or a
 	// deadlock, memberSplits those split after a member's input was
-	// refused, and largestBytes is the most parameter bytes one batched
-	// statement carried.
+	// refused, and largestBytes is the most parameter bytes one batch
+	// carried.
 	splits, memberSplits, largestBytes atomic.Int64
 }
 
-// acquireLocked takes a statement slot of b's kind if one is free.
-func (b *batcher[P, R]) acquireLocked() bool {
-	if b.inFlight >= b.c.limit {
+func newQueue(maxSize, maxBytes int, window time.Duration, limit int, logger *slog.Logger,
+	alone func(context.Context, *item), exec func(context.Context, []*item) error,
+) *queue {
+	q := &queue{maxSize: max(maxSize, 1), maxBytes: maxBytes, window: window, limit: max(limit, 1), logger: logger,
+		alone: alone, exec: exec, busy: map[storage.Key]struct{}{}}
+	q.timer = time.AfterFunc(time.Hour, q.windowEnded)
+	q.timer.Stop()
+	return q
+}
+
+// enter takes a slot for a call that may run alone: a slot is free, nobody
+// is queued and its key is idle. The caller runs it, then calls leave.
+func (q *queue) enter(key storage.Key) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(q.pending) != 0 || len(q.deferred) != 0 || q.inFlight >= q.limit {
 		return false
 	}
-	b.inFlight++
+	if _, busy := q.busy[key]; busy {
+		return false
+	}
+	q.inFlight++
+	q.busy[key] = struct{}{}
 	return true
 }
 
-// release frees a slot and hands it to the pending batch, if any.
-func (b *batcher[P, R]) release() {
-	b.c.mu.Lock()
-	b.inFlight--
-	var send func()
-	if b.inFlight < b.c.limit {
-		if send = b.takeLocked(); send != nil {
-			b.inFlight++
-		}
-	}
-	b.c.mu.Unlock()
+// leave ends a call that ran alone (enter).
+func (q *queue) leave(key storage.Key) {
+	q.mu.Lock()
+	delete(q.busy, key)
+	send := q.finishLocked()
+	q.mu.Unlock()
 	if send != nil {
 		go send()
 	}
 }
 
-// call is one caller waiting in a batch.
-type call[P, R any] struct {
-	ctx  context.Context
-	p    P
-	key  storage.Key
-	size int             // bytes of its parameters in a batched statement
-	done chan outcome[R] // buffered: the sender never blocks
-}
-
-// outcome is a call's answer; alone asks the caller to run its call by
-// itself, with the single-row statement.
-type outcome[R any] struct {
-	r     R
-	err   error
-	alone bool
-}
-
-// batcher coalesces the calls of one kind (Claim or Complete).
-type batcher[P, R any] struct {
-	c     *coalescer
-	s     *Store
-	op    string
-	keyOf func(P) storage.Key
-	// sizeOf is the bytes a call's parameters add to a batched statement.
-	sizeOf func(P) int
-	// alone runs one call with the single-row statement and its retries.
-	alone func(context.Context, P) (R, error)
-	// exec runs one statement for calls (distinct keys, sorted). When it
-	// returns nil it has sent every call its outcome; otherwise it has sent
-	// none.
-	exec func(context.Context, []*call[P, R]) error
-
-	// Guarded by c.mu.
-	inFlight int // statements of this kind running, alone or batched
-	pending  []*call[P, R]
-	bytes    int // sum of the pending calls' sizes
-	keys     map[storage.Key]struct{}
-	deferred []*call[P, R] // keys already pending, for the next batch
-	timer    *time.Timer
-	armed    bool
-}
-
-func newBatcher[P, R any](c *coalescer, s *Store, op string, keyOf func(P) storage.Key, sizeOf func(P) int,
-	alone func(context.Context, P) (R, error), exec func(context.Context, []*call[P, R]) error,
-) *batcher[P, R] {
-	b := &batcher[P, R]{c: c, s: s, op: op, keyOf: keyOf, sizeOf: sizeOf, alone: alone, exec: exec, keys: map[storage.Key]struct{}{}}
-	b.timer = time.AfterFunc(time.Hour, b.windowEnded)
-	b.timer.Stop()
-	return b
-}
-
-// do runs one call: alone when a slot is free and nobody waits, in a batch
-// otherwise.
-func (b *batcher[P, R]) do(ctx context.Context, p P) (R, error) {
-	c := b.c
-	c.mu.Lock()
-	if len(b.pending) == 0 && len(b.deferred) == 0 && b.acquireLocked() {
-		c.mu.Unlock()
-		defer b.release()
-		return b.alone(ctx, p)
+// one decides op in the queue, alone when enter allows it.
+func (q *queue) one(ctx context.Context, op storage.Op, runAlone func() storage.OpAnswer) storage.OpAnswer {
+	key := op.Key()
+	if q.enter(key) {
+		defer q.leave(key)
+		return runAlone()
 	}
-	cl := &call[P, R]{ctx: ctx, p: p, key: b.keyOf(p), size: b.sizeOf(p), done: make(chan outcome[R], 1)}
-	b.addLocked(cl)
-	var send func()
-	if len(b.pending) >= c.maxSize || b.bytes >= c.maxBytes {
-		b.inFlight++ // over the limit: a full batch does not wait for a slot
-		send = b.takeLocked()
-	} else if !b.armed {
-		b.armed = true
-		b.timer.Reset(c.window)
-	}
-	c.mu.Unlock()
+	u := &unary{}
+	u.g.ctx, u.g.done = ctx, make(chan struct{})
+	u.g.left.Store(1)
+	u.it = item{op: op, key: key, size: opBytes(op), g: &u.g}
+	q.mu.Lock()
+	q.addLocked(&u.it)
+	send := q.kickLocked()
+	q.mu.Unlock()
 	if send != nil {
 		go send()
 	}
 	select {
-	case o := <-cl.done:
-		if o.alone {
-			return b.alone(ctx, p)
-		}
-		return o.r, o.err
+	case <-u.g.done:
+		return u.it.ans
 	case <-ctx.Done():
-		c.mu.Lock()
-		b.dropLocked(cl)
-		c.mu.Unlock()
-		var zero R
-		return zero, fmt.Errorf("postgres %s: %w", b.op, ctx.Err())
+		q.mu.Lock()
+		q.dropLocked(&u.it)
+		q.mu.Unlock()
+		if u.it.answered.Load() {
+			return u.it.ans
+		}
+		return storage.OpAnswer{Err: fmt.Errorf("postgres %s: %w", opName(op), ctx.Err())}
 	}
 }
 
-// MaxExplicitBatch is the most items of an explicit batch (ClaimBatch,
-// CompleteBatch) one statement carries; the byte bound may split it more.
-const MaxExplicitBatch = 1000
-
-// many runs the items of an explicit batch, bypassing the slots: the
-// caller asked for them together, so they go out together. Round k holds
-// the k-th item of each key, so items on one key run in their order, each
-// after the statement of the one before it; each round is one statement
-// (split by the size bound and on failures as in send). A single item left
-// alone runs through the single-row statement.
-func (b *batcher[P, R]) many(ctx context.Context, ps []P) ([]R, []error) {
-	rs, errs := make([]R, len(ps)), make([]error, len(ps))
-	var rounds [][]int
-	seen := make(map[storage.Key]int, len(ps))
-	for i, p := range ps {
-		k := b.keyOf(p)
-		r := seen[k]
-		seen[k] = r + 1
-		if r == len(rounds) {
-			rounds = append(rounds, nil)
-		}
-		rounds[r] = append(rounds[r], i)
+// many decides the items of an explicit batch in the queue: they join the
+// pending batch together, and items on one key are decided in their order,
+// each in a later transaction than the one before it.
+func (q *queue) many(ctx context.Context, ops []storage.Op) []storage.OpAnswer {
+	out := make([]storage.OpAnswer, len(ops))
+	if len(ops) == 0 {
+		return out
 	}
-	for _, round := range rounds {
-		for len(round) > 0 {
-			chunk := round[:min(len(round), MaxExplicitBatch)]
-			round = round[len(chunk):]
-			if len(chunk) == 1 {
-				i := chunk[0]
-				rs[i], errs[i] = b.alone(ctx, ps[i])
-				continue
-			}
-			calls := make([]*call[P, R], len(chunk))
-			for j, i := range chunk {
-				calls[j] = &call[P, R]{ctx: ctx, p: ps[i], key: b.keyOf(ps[i]), size: b.sizeOf(ps[i]), done: make(chan outcome[R], 1)}
-			}
-			b.send(slices.Clone(calls)) // send sorts its slice
-			for j, cl := range calls {
-				i := chunk[j]
-				select {
-				case o := <-cl.done:
-					if o.alone {
-						rs[i], errs[i] = b.alone(ctx, ps[i])
-					} else {
-						rs[i], errs[i] = o.r, o.err
-					}
-				case <-ctx.Done(): // send gave up on calls whose context ended
-					errs[i] = fmt.Errorf("postgres %s: %w", b.op, ctx.Err())
-				}
-			}
+	g := &group{ctx: ctx, done: make(chan struct{})}
+	g.left.Store(int64(len(ops)))
+	items := make([]item, len(ops))
+	for i, op := range ops {
+		items[i] = item{op: op, key: op.Key(), size: opBytes(op), g: g}
+	}
+	q.mu.Lock()
+	for i := range items {
+		q.addLocked(&items[i])
+	}
+	send := q.kickLocked()
+	q.mu.Unlock()
+	if send != nil {
+		go send()
+	}
+	select {
+	case <-g.done:
+	case <-ctx.Done():
+		q.mu.Lock()
+		for i := range items {
+			q.dropLocked(&items[i])
+		}
+		q.mu.Unlock()
+	}
+	for i := range items {
+		if items[i].answered.Load() {
+			out[i] = items[i].ans
+		} else {
+			out[i].Err = fmt.Errorf("postgres %s: %w", opName(ops[i]), ctx.Err())
 		}
 	}
-	return rs, errs
+	return out
 }
 
-// dropLocked removes a call whose caller left from the queue, if its batch
-// was not sent yet.
-func (b *batcher[P, R]) dropLocked(cl *call[P, R]) {
-	if i := slices.Index(b.pending, cl); i >= 0 {
-		b.pending = slices.Delete(b.pending, i, i+1)
-		b.bytes -= cl.size
-		delete(b.keys, cl.key)
+// addLocked queues it: pending, or deferred while its key is busy.
+func (q *queue) addLocked(it *item) {
+	if _, busy := q.busy[it.key]; busy {
+		it.where = placeDeferred
+		q.deferred = append(q.deferred, it)
 		return
 	}
-	if i := slices.Index(b.deferred, cl); i >= 0 {
-		b.deferred = slices.Delete(b.deferred, i, i+1)
-	}
+	q.busy[it.key] = struct{}{}
+	it.where = placePending
+	q.pending = append(q.pending, it)
+	q.bytes += it.size
 }
 
-func (b *batcher[P, R]) addLocked(cl *call[P, R]) {
-	if _, dup := b.keys[cl.key]; dup {
-		b.deferred = append(b.deferred, cl)
+// kickLocked returns the function that sends the pending batch when it
+// should go now (a slot is free, or it is full), else arms the window.
+func (q *queue) kickLocked() func() {
+	switch {
+	case len(q.pending) == 0:
+		return nil
+	case q.inFlight < q.limit,
+		len(q.pending) >= q.maxSize || q.bytes >= q.maxBytes: // a full batch does not wait for a slot
+		q.inFlight++
+		return q.takeLocked()
+	}
+	if !q.armed {
+		q.armed = true
+		q.timer.Reset(q.window)
+	}
+	return nil
+}
+
+// dropLocked removes an item whose caller left from the queue, unless it
+// was sent.
+func (q *queue) dropLocked(it *item) {
+	switch it.where {
+	case placePending:
+		if i := slices.Index(q.pending, it); i >= 0 {
+			q.pending = slices.Delete(q.pending, i, i+1)
+		}
+		q.bytes -= it.size
+		delete(q.busy, it.key)
+		q.promoteLocked()
+	case placeDeferred:
+		if i := slices.Index(q.deferred, it); i >= 0 {
+			q.deferred = slices.Delete(q.deferred, i, i+1)
+		}
+	default:
 		return
 	}
-	b.keys[cl.key] = struct{}{}
-	b.pending = append(b.pending, cl)
-	b.bytes += cl.size
+	it.where = placeNone
+}
+
+// promoteLocked moves the deferred items whose key is idle into the
+// pending batch, the first of each key only.
+func (q *queue) promoteLocked() {
+	if len(q.deferred) == 0 {
+		return
+	}
+	kept := q.deferred[:0]
+	for _, it := range q.deferred {
+		if _, busy := q.busy[it.key]; busy {
+			kept = append(kept, it)
+			continue
+		}
+		q.busy[it.key] = struct{}{}
+		it.where = placePending
+		q.pending = append(q.pending, it)
+		q.bytes += it.size
+	}
+	clear(q.deferred[len(kept):])
+	q.deferred = kept
+	if len(q.pending) > 0 && !q.armed {
+		q.armed = true
+		q.timer.Reset(q.window)
+	}
 }
 
 // takeLocked removes the pending batch, if any, and returns the function
-// that sends it and then releases its slot; c.mu is held. The deferred
-// calls move up into the next pending batch, whose window starts now.
-func (b *batcher[P, R]) takeLocked() func() {
-	if len(b.pending) == 0 {
+// that sends it and then frees its slot and its keys; the caller has
+// counted the slot.
+func (q *queue) takeLocked() func() {
+	if len(q.pending) == 0 {
 		return nil
 	}
-	batch := b.pending
-	b.pending, b.bytes = nil, 0
-	clear(b.keys)
-	deferred := b.deferred
-	b.deferred = nil
-	for _, cl := range deferred {
-		b.addLocked(cl)
+	batch := q.pending
+	q.pending, q.bytes = nil, 0
+	for _, it := range batch {
+		it.where = placeSent
 	}
-	if len(b.pending) > 0 {
-		b.armed = true
-		b.timer.Reset(b.c.window)
-	} else if b.armed {
-		b.armed = false
-		b.timer.Stop()
+	if q.armed {
+		q.armed = false
+		q.timer.Stop()
 	}
 	return func() {
-		defer b.release()
-		b.send(batch)
+		q.send(batch)
+		q.mu.Lock()
+		for _, it := range batch {
+			delete(q.busy, it.key)
+		}
+		send := q.finishLocked()
+		q.mu.Unlock()
+		// The keys are idle before the callers wake, so that a caller's
+		// next call on its key need not wait for them.
+		for _, it := range batch {
+			it.answer()
+		}
+		if send != nil {
+			go send()
+		}
 	}
 }
 
-// windowEnded sends the pending batch whether or not a slot is free.
-func (b *batcher[P, R]) windowEnded() {
-	c := b.c
-	c.mu.Lock()
-	b.armed = false
-	send := b.takeLocked()
-	if send != nil {
-		b.inFlight++
+// finishLocked frees a slot after a transaction (its keys freed), moves the
+// deferred items whose keys are idle up, and hands the slot to the pending
+// batch, if any.
+func (q *queue) finishLocked() func() {
+	q.inFlight--
+	q.promoteLocked()
+	if q.inFlight >= q.limit || len(q.pending) == 0 {
+		return nil
 	}
-	c.mu.Unlock()
+	q.inFlight++
+	return q.takeLocked()
+}
+
+// windowEnded sends the pending batch whether or not a slot is free.
+func (q *queue) windowEnded() {
+	q.mu.Lock()
+	q.armed = false
+	send := q.takeLocked()
+	if send != nil {
+		q.inFlight++
+	}
+	q.mu.Unlock()
 	if send != nil {
 		send()
 	}
 }
 
-// send runs batch as one statement, splitting it when it is over the size
-// bound, on serialization failures and on a member's refused input.
-func (b *batcher[P, R]) send(batch []*call[P, R]) {
-	live := batch[:0]
-	for _, cl := range batch {
-		if cl.ctx.Err() == nil { // the others' callers have returned
-			live = append(live, cl)
+// send decides batch as one transaction, splitting it when it is over a
+// bound, on serialization failures and on a member's refused input. It
+// sets every item's answer.
+func (q *queue) send(batch []*item) {
+	live := batch
+	for i, it := range batch {
+		if it.g.ctx.Err() != nil { // its caller has returned
+			if len(live) == len(batch) {
+				live = slices.Clone(batch[:i])
+			}
+			it.ans.Err = fmt.Errorf("postgres %s: %w", opName(it.op), it.g.ctx.Err())
+			continue
+		}
+		if len(live) != len(batch) {
+			live = append(live, it)
 		}
 	}
 	switch len(live) {
 	case 0:
 		return
 	case 1:
-		live[0].done <- outcome[R]{alone: true}
+		q.alone(live[0].g.ctx, live[0])
 		return
 	}
-	slices.SortFunc(live, func(x, y *call[P, R]) int { return compareKeys(x.key, y.key) })
+	slices.SortFunc(live, func(x, y *item) int { return compareKeys(x.key, y.key) })
 	size := 0
-	for _, cl := range live {
-		size += cl.size
+	for _, it := range live {
+		size += it.size
 	}
-	if size > b.c.maxBytes {
-		b.split(live)
+	if size > q.maxBytes || len(live) > MaxExplicitBatch {
+		q.split(live)
 		return
 	}
 	ctx, cancel := batchContext(live)
 	defer cancel()
-	b.c.batches.Add(1)
-	b.c.batchedCalls.Add(int64(len(live)))
-	for largest := b.c.largestBytes.Load(); int64(size) > largest; largest = b.c.largestBytes.Load() {
-		if b.c.largestBytes.CompareAndSwap(largest, int64(size)) {
+	q.batches.Add(1)
+	q.batchedItems.Add(int64(len(live)))
+	for largest := q.largestBytes.Load(); int64(size) > largest; largest = q.largestBytes.Load() {
+		if q.largestBytes.CompareAndSwap(largest, int64(size)) {
 			break
 		}
 	}
-	err := b.exec(ctx, live)
+	err := q.exec(ctx, live)
 	switch {
 	case err == nil:
+		for _, it := range live {
+			if it.again {
+				it.again = false
+				q.alone(it.g.ctx, it)
+			}
+		}
 		return
 	case retryable(err):
-		b.c.splits.Add(1)
-		b.s.logger.DebugContext(ctx, "postgres: batch conflicted, splitting it", "op", b.op, "calls", len(live), "error", err)
+		q.splits.Add(1)
+		q.logger.DebugContext(ctx, "postgres: batch conflicted, splitting it", "items", len(live), "error", err)
 		_ = sleep(ctx, backoff(1))
-		b.split(live)
+		q.split(live)
 		return
 	case memberError(err):
-		b.c.memberSplits.Add(1)
-		b.s.logger.DebugContext(ctx, "postgres: batch refused, splitting it to find the member", "op", b.op, "calls", len(live), "error", err)
-		b.split(live)
+		q.memberSplits.Add(1)
+		q.logger.DebugContext(ctx, "postgres: batch refused, splitting it to find the member", "items", len(live), "error", err)
+		q.split(live)
 		return
 	}
-	err = failure(b.op, err)
-	for _, cl := range live {
-		cl.done <- outcome[R]{err: err}
+	err = failure("batch", err)
+	for _, it := range live {
+		it.ans = storage.OpAnswer{Err: err}
 	}
 }
 
 // split sends the two halves of batch concurrently.
-func (b *batcher[P, R]) split(batch []*call[P, R]) {
+func (q *queue) split(batch []*item) {
 	half := len(batch) / 2
 	var wg sync.WaitGroup
-	wg.Go(func() { b.send(batch[:half]) })
-	b.send(batch[half:])
+	wg.Go(func() { q.send(batch[:half]) })
+	q.send(batch[half:])
 	wg.Wait()
 }
 
@@ -407,6 +517,27 @@ func compareKeys(x, y storage.Key) int {
 		return c
 	}
 	return cmp.Compare(x.Key, y.Key)
+}
+
+// opName names op's kind in errors.
+func opName(op storage.Op) string {
+	if op.Claim != nil {
+		return "claim"
+	}
+	return "complete"
+}
+
+// opBytes is the bytes op adds to a batched statement: its variable-length
+// values, and for each array element its 4-byte length and 8 bytes per
+// fixed value.
+func opBytes(op storage.Op) int {
+	if p := op.Claim; p != nil {
+		return len(p.Consumer) + len(p.Key.Key) + len(p.Fingerprint) + len(p.Holder) + len(p.RequestID) + 9*4 + 4*8
+	}
+	if p := op.Complete; p != nil {
+		return len(p.Consumer) + len(p.Key.Key) + len(p.Result) + 5*4 + 2*8
+	}
+	return 0
 }
 
 // retryable reports a failure that rolled the statement back and that
@@ -423,7 +554,7 @@ func retryable(err error) bool {
 // for what one of its rows carried, so that a batch holding that row must
 // not fail the others: a data exception (SQLSTATE class 22, such as a NUL
 // byte in a text value), an integrity constraint violation (23) or a
-// program limit (54). The statement was rolled back whole.
+// program limit (54). The transaction was rolled back whole.
 func memberError(err error) bool {
 	switch code := sqlState(err); {
 	case len(code) != 5:
@@ -434,14 +565,24 @@ func memberError(err error) bool {
 	return false
 }
 
-// batchContext is the context of a batch's statement: it ends when every
+// batchContext is the context of a batch's transaction: it ends when every
 // member's context has ended, and at the latest of their deadlines when
-// they all have one. Values are not carried over.
-func batchContext[P, R any](calls []*call[P, R]) (context.Context, context.CancelFunc) {
+// they all have one. Values are not carried over. An explicit batch's
+// items share their caller's context, watched once.
+func batchContext(items []*item) (context.Context, context.CancelFunc) {
 	ctx, cancel := context.WithCancel(context.Background())
-	var latest time.Time
-	for _, cl := range calls {
-		d, ok := cl.ctx.Deadline()
+	var (
+		latest time.Time
+		groups = make([]*group, 0, min(len(items), 16))
+	)
+	for _, it := range items {
+		if len(groups) > 0 && groups[len(groups)-1] == it.g || slices.Contains(groups, it.g) {
+			continue
+		}
+		groups = append(groups, it.g)
+	}
+	for _, g := range groups {
+		d, ok := g.ctx.Deadline()
 		if !ok {
 			latest = time.Time{}
 			break
@@ -455,10 +596,10 @@ func batchContext[P, R any](calls []*call[P, R]) (context.Context, context.Cance
 		ctx, cancelDeadline = context.WithDeadline(ctx, latest)
 	}
 	var left atomic.Int64
-	left.Store(int64(len(calls)))
-	stops := make([]func() bool, len(calls))
-	for i, cl := range calls {
-		stops[i] = context.AfterFunc(cl.ctx, func() {
+	left.Store(int64(len(groups)))
+	stops := make([]func() bool, len(groups))
+	for i, g := range groups {
+		stops[i] = context.AfterFunc(g.ctx, func() {
 			if left.Add(-1) == 0 {
 				cancel()
 			}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -17,8 +18,9 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// fakeOps records what a batcher sent where, without a database: exec
-// answers each call with its key, alone answers "alone:"+key.
+// fakeOps records what a queue sent where, without a database: exec
+// answers each item with its key, alone answers "alone:"+key. Keys are
+// Claims, and Completes when they start with "complete-".
 type fakeOps struct {
 	mu      sync.Mutex
 	batches [][]string // keys of each exec, in order
@@ -29,11 +31,23 @@ type fakeOps struct {
 	hold chan struct{}
 }
 
-func (f *fakeOps) keyOf(p string) storage.Key {
-	return storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: p}
+func fakeOp(k string) storage.Op {
+	key := storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: k}
+	if strings.HasPrefix(k, "complete-") {
+		return storage.Op{Complete: &storage.CompleteParams{Key: key}}
+	}
+	if n := fakeSize(k); n >= 1<<20 {
+		return storage.Op{Complete: &storage.CompleteParams{Key: key, Result: make([]byte, n)}}
+	}
+	return storage.Op{Claim: &storage.ClaimParams{Key: key}}
 }
 
-func (f *fakeOps) runAlone(ctx context.Context, p string) (string, error) {
+func fakeAnswer(s string) storage.OpAnswer {
+	return storage.OpAnswer{Claim: storage.ClaimResult{Record: storage.Record{Holder: s}}}
+}
+
+func (f *fakeOps) runAlone(ctx context.Context, it *item) {
+	p := it.key.Key
 	f.mu.Lock()
 	f.alone = append(f.alone, p)
 	hold := f.hold
@@ -42,16 +56,17 @@ func (f *fakeOps) runAlone(ctx context.Context, p string) (string, error) {
 		select {
 		case <-hold:
 		case <-ctx.Done():
-			return "", ctx.Err()
+			it.ans = storage.OpAnswer{Err: ctx.Err()}
+			return
 		}
 	}
-	return "alone:" + p, nil
+	it.ans = fakeAnswer("alone:" + p)
 }
 
-func (f *fakeOps) exec(_ context.Context, calls []*call[string, string]) error {
-	keys := make([]string, len(calls))
-	for i, cl := range calls {
-		keys[i] = cl.p
+func (f *fakeOps) exec(_ context.Context, items []*item) error {
+	keys := make([]string, len(items))
+	for i, it := range items {
+		keys[i] = it.key.Key
 	}
 	f.mu.Lock()
 	f.batches = append(f.batches, keys)
@@ -62,18 +77,28 @@ func (f *fakeOps) exec(_ context.Context, calls []*call[string, string]) error {
 			return err
 		}
 	}
-	for _, cl := range calls {
-		cl.done <- outcome[string]{r: "batch:" + cl.p}
+	for _, it := range items {
+		it.ans = fakeAnswer("batch:" + it.key.Key)
 	}
 	return nil
 }
 
-func newFake(t *testing.T, limit int) (*fakeOps, *coalescer, *batcher[string, string]) {
+func newFake(t *testing.T, limit int) (*fakeOps, *queue) {
 	t.Helper()
 	f := &fakeOps{}
-	c := &coalescer{maxSize: 64, maxBytes: DefaultBatchBytes, window: time.Hour, limit: limit}
-	s := &Store{logger: slog.New(slog.DiscardHandler)}
-	return f, c, newBatcher(c, s, "fake", f.keyOf, fakeSize, f.runAlone, f.exec)
+	q := newQueue(64, DefaultBatchBytes, time.Hour, limit, slog.New(slog.DiscardHandler), f.runAlone, f.exec)
+	return f, q
+}
+
+// do is a unary call of key k through q.
+func (f *fakeOps) do(ctx context.Context, q *queue, k string) (string, error) {
+	op := fakeOp(k)
+	a := q.one(ctx, op, func() storage.OpAnswer {
+		it := item{op: op, key: op.Key(), g: &group{ctx: ctx}}
+		f.runAlone(ctx, &it)
+		return it.ans
+	})
+	return a.Claim.Record.Holder, a.Err
 }
 
 // fakeSize is a key's size: its length, or n MiB for a key "big-n-...".
@@ -85,23 +110,23 @@ func fakeSize(p string) int {
 	return len(p)
 }
 
-func (b *batcher[P, R]) pendingCalls() int {
-	b.c.mu.Lock()
-	defer b.c.mu.Unlock()
-	return len(b.pending) + len(b.deferred)
+func (q *queue) pendingCalls() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.pending) + len(q.deferred)
 }
 
 // occupy holds the only slot with a call that runs alone until release is
 // called.
-func occupy(t *testing.T, f *fakeOps, c *coalescer, b *batcher[string, string]) (release func()) {
+func occupy(t *testing.T, f *fakeOps, q *queue) (release func()) {
 	t.Helper()
 	f.hold = make(chan struct{})
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_, _ = b.do(t.Context(), "blocker")
+		_, _ = f.do(t.Context(), q, "blocker")
 	}()
-	require.Eventually(t, func() bool { c.mu.Lock(); defer c.mu.Unlock(); return b.inFlight == 1 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { q.mu.Lock(); defer q.mu.Unlock(); return q.inFlight == 1 }, 10*time.Second, time.Millisecond)
 	return func() {
 		f.mu.Lock()
 		close(f.hold)
@@ -113,15 +138,15 @@ func occupy(t *testing.T, f *fakeOps, c *coalescer, b *batcher[string, string]) 
 
 // queued starts one call per key and returns their answers once
 // everything is queued and release was called.
-func queued(t *testing.T, ctx context.Context, c *coalescer, b *batcher[string, string], release func(), keys ...string) []string {
+func queued(t *testing.T, ctx context.Context, f *fakeOps, q *queue, release func(), keys ...string) []string {
 	t.Helper()
 	got := make([]string, len(keys))
 	errs := make([]error, len(keys))
 	var wg sync.WaitGroup
 	for i, k := range keys {
-		wg.Go(func() { got[i], errs[i] = b.do(ctx, k) })
+		wg.Go(func() { got[i], errs[i] = f.do(ctx, q, k) })
 	}
-	require.Eventually(t, func() bool { return b.pendingCalls() == len(keys) }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return q.pendingCalls() == len(keys) }, 10*time.Second, time.Millisecond)
 	release()
 	wg.Wait()
 	for i, err := range errs {
@@ -133,55 +158,55 @@ func queued(t *testing.T, ctx context.Context, c *coalescer, b *batcher[string, 
 }
 
 func TestBatcherLoneCallerRunsAlone(t *testing.T) {
-	f, _, b := newFake(t, 1)
-	got, err := b.do(t.Context(), "k")
+	f, q := newFake(t, 1)
+	got, err := f.do(t.Context(), q, "k")
 	require.NoError(t, err)
 	require.Equal(t, "alone:k", got)
 	require.Empty(t, f.batches)
 }
 
 func TestBatcherCoalescesWhileSlotsAreBusy(t *testing.T) {
-	f, c, b := newFake(t, 1)
-	release := occupy(t, f, c, b)
-	got := queued(t, t.Context(), c, b, release, "d", "b", "c", "a")
+	f, q := newFake(t, 1)
+	release := occupy(t, f, q)
+	got := queued(t, t.Context(), f, q, release, "d", "b", "c", "a")
 	require.Equal(t, []string{"batch:d", "batch:b", "batch:c", "batch:a"}, got, "each caller gets its own answer")
 	require.Equal(t, [][]string{{"a", "b", "c", "d"}}, f.batches, "one statement, keys sorted")
-	require.EqualValues(t, 1, c.batches.Load())
-	require.EqualValues(t, 4, c.batchedCalls.Load())
+	require.EqualValues(t, 1, q.batches.Load())
+	require.EqualValues(t, 4, q.batchedItems.Load())
 }
 
 func TestBatcherDefersADuplicateKey(t *testing.T) {
-	f, c, b := newFake(t, 1)
-	release := occupy(t, f, c, b)
-	got := queued(t, t.Context(), c, b, release, "a", "b", "a", "a")
+	f, q := newFake(t, 1)
+	release := occupy(t, f, q)
+	got := queued(t, t.Context(), f, q, release, "a", "b", "a", "a")
 	require.Equal(t, []string{"a", "b"}, f.batches[0], "a key appears once per statement")
 	require.ElementsMatch(t, []string{"batch:a", "batch:b", "alone:a", "alone:a"}, got)
 	require.Equal(t, []string{"blocker", "a", "a"}, f.alone, "the duplicates ran one after the other")
 }
 
 func TestBatcherSendsAFullBatchAtOnce(t *testing.T) {
-	f, c, b := newFake(t, 1)
-	c.maxSize = 3
-	release := occupy(t, f, c, b)
+	f, q := newFake(t, 1)
+	q.maxSize = 3
+	release := occupy(t, f, q)
 	defer release()
 	var wg sync.WaitGroup
 	got := make([]string, 3)
 	for i, k := range []string{"x", "y", "z"} {
-		wg.Go(func() { got[i], _ = b.do(t.Context(), k) })
+		wg.Go(func() { got[i], _ = f.do(t.Context(), q, k) })
 	}
 	wg.Wait() // the slot is still held: the size alone sent it
 	require.Equal(t, []string{"batch:x", "batch:y", "batch:z"}, got)
 }
 
 func TestBatcherSendsWhenTheWindowEnds(t *testing.T) {
-	f, c, b := newFake(t, 1)
-	c.window = time.Millisecond
-	release := occupy(t, f, c, b)
+	f, q := newFake(t, 1)
+	q.window = time.Millisecond
+	release := occupy(t, f, q)
 	defer release()
 	var wg sync.WaitGroup
 	got := make([]string, 2)
 	for i, k := range []string{"x", "y"} {
-		wg.Go(func() { got[i], _ = b.do(t.Context(), k) })
+		wg.Go(func() { got[i], _ = f.do(t.Context(), q, k) })
 	}
 	wg.Wait() // the slot is still held: the window sent it
 	require.Equal(t, []string{"batch:x", "batch:y"}, got)
@@ -192,15 +217,15 @@ func serializationFailure() error {
 }
 
 func TestBatcherSplitsAConflictingBatch(t *testing.T) {
-	f, c, b := newFake(t, 1)
+	f, q := newFake(t, 1)
 	f.fail = func(keys []string) error {
 		if len(keys) > 1 && slices.Contains(keys, "c") {
 			return serializationFailure()
 		}
 		return nil
 	}
-	release := occupy(t, f, c, b)
-	got := queued(t, t.Context(), c, b, release, "a", "b", "c", "d", "e", "f", "g", "h")
+	release := occupy(t, f, q)
+	got := queued(t, t.Context(), f, q, release, "a", "b", "c", "d", "e", "f", "g", "h")
 	require.Equal(t, []string{"batch:a", "batch:b", "alone:c", "alone:d", "batch:e", "batch:f", "batch:g", "batch:h"}, got)
 	// a..h fails; a..d fails, e..h passes; a..b passes, c..d fails; c and d
 	// run alone, with the single-row statement and its own retries.
@@ -209,10 +234,10 @@ func TestBatcherSplitsAConflictingBatch(t *testing.T) {
 }
 
 func TestBatcherReportsOtherErrorsToEveryCaller(t *testing.T) {
-	f, c, b := newFake(t, 1)
+	f, q := newFake(t, 1)
 	f.fail = func([]string) error { return errors.New("connection refused") }
-	release := occupy(t, f, c, b)
-	got := queued(t, t.Context(), c, b, release, "a", "b")
+	release := occupy(t, f, q)
+	got := queued(t, t.Context(), f, q, release, "a", "b")
 	for _, g := range got {
 		require.Contains(t, g, storage.ErrUnavailable.Error())
 		require.Contains(t, g, "connection refused")
@@ -220,21 +245,21 @@ func TestBatcherReportsOtherErrorsToEveryCaller(t *testing.T) {
 }
 
 func TestBatcherSplitsABatchRefusedForOneMember(t *testing.T) {
-	f, c, b := newFake(t, 1)
+	f, q := newFake(t, 1)
 	f.fail = func(keys []string) error {
 		if slices.Contains(keys, "c") { // "c" alone fails too, in runAlone's stead
 			return fmt.Errorf("wrapped: %w", &pgconn.PgError{Code: "22021"})
 		}
 		return nil
 	}
-	release := occupy(t, f, c, b)
-	got := queued(t, t.Context(), c, b, release, "a", "b", "c", "d", "e", "f")
+	release := occupy(t, f, q)
+	got := queued(t, t.Context(), f, q, release, "a", "b", "c", "d", "e", "f")
 	// a..f is refused: a..c is refused, d..f passes; a runs alone, b..c is
 	// refused; b and c run alone, and c gets its own error there.
 	require.Equal(t, []string{"alone:a", "alone:b", "alone:c", "batch:d", "batch:e", "batch:f"}, got)
 	require.ElementsMatch(t, []string{"blocker", "a", "b", "c"}, f.alone)
-	require.EqualValues(t, 3, c.memberSplits.Load())
-	require.Zero(t, c.splits.Load(), "no pause: nothing conflicted")
+	require.EqualValues(t, 3, q.memberSplits.Load())
+	require.Zero(t, q.splits.Load(), "no pause: nothing conflicted")
 }
 
 func TestMemberError(t *testing.T) {
@@ -259,8 +284,8 @@ func TestMemberError(t *testing.T) {
 }
 
 func TestBatcherBoundsTheBytesOfAStatement(t *testing.T) {
-	f, c, b := newFake(t, 1)
-	release := occupy(t, f, c, b)
+	f, q := newFake(t, 1)
+	release := occupy(t, f, q)
 	// Ten calls of 1 MiB and two small ones; the bound is 8 MiB.
 	keys := []string{"a", "z"}
 	for i := range 10 {
@@ -270,7 +295,7 @@ func TestBatcherBoundsTheBytesOfAStatement(t *testing.T) {
 	var wg sync.WaitGroup
 	for _, k := range keys {
 		wg.Go(func() {
-			got, err := b.do(t.Context(), k)
+			got, err := f.do(t.Context(), q, k)
 			assert.NoError(t, err, k)
 			assert.Contains(t, got, k)
 		})
@@ -282,7 +307,7 @@ func TestBatcherBoundsTheBytesOfAStatement(t *testing.T) {
 			sent += len(batch)
 		}
 		f.mu.Unlock()
-		return sent+b.pendingCalls() == len(keys)
+		return sent+q.pendingCalls() == len(keys)
 	}, 10*time.Second, time.Millisecond)
 	release()
 	wg.Wait()
@@ -293,32 +318,32 @@ func TestBatcherBoundsTheBytesOfAStatement(t *testing.T) {
 		}
 		require.LessOrEqual(t, size, DefaultBatchBytes, "batch %v", batch)
 	}
-	require.LessOrEqual(t, c.largestBytes.Load(), int64(DefaultBatchBytes))
+	require.LessOrEqual(t, q.largestBytes.Load(), int64(DefaultBatchBytes))
 	require.Greater(t, len(f.batches), 1, "more than one statement")
 
 	// A call over the bound by itself runs alone at once, slot or not.
-	f, c, b = newFake(t, 1)
-	release = occupy(t, f, c, b)
+	f, q = newFake(t, 1)
+	release = occupy(t, f, q)
 	defer release()
-	got, err := b.do(t.Context(), "big-9-x")
+	got, err := f.do(t.Context(), q, "big-9-x")
 	require.NoError(t, err)
 	require.Equal(t, "alone:big-9-x", got)
 	require.Empty(t, f.batches)
 }
 
 func TestBatcherDropsACallWhoseContextEnded(t *testing.T) {
-	f, c, b := newFake(t, 1)
-	release := occupy(t, f, c, b)
+	f, q := newFake(t, 1)
+	release := occupy(t, f, q)
 	ctx, cancel := context.WithCancel(t.Context())
 	var wg sync.WaitGroup
 	var cancelledErr error
-	wg.Go(func() { _, cancelledErr = b.do(ctx, "gone") })
-	require.Eventually(t, func() bool { return b.pendingCalls() == 1 }, 10*time.Second, time.Millisecond)
+	wg.Go(func() { _, cancelledErr = f.do(ctx, q, "gone") })
+	require.Eventually(t, func() bool { return q.pendingCalls() == 1 }, 10*time.Second, time.Millisecond)
 	cancel()
 	wg.Wait()
 	require.ErrorIs(t, cancelledErr, context.Canceled)
-	require.Zero(t, b.pendingCalls())
-	got := queued(t, t.Context(), c, b, release, "a", "b")
+	require.Zero(t, q.pendingCalls())
+	got := queued(t, t.Context(), f, q, release, "a", "b")
 	require.Equal(t, []string{"batch:a", "batch:b"}, got)
 	require.Equal(t, [][]string{{"a", "b"}}, f.batches, "the cancelled call left its batch")
 }
@@ -328,7 +353,7 @@ func TestBatchContext(t *testing.T) {
 	defer cancelSoon()
 	later, cancelLater := context.WithTimeout(t.Context(), 2*time.Hour)
 	defer cancelLater()
-	calls := []*call[string, string]{{ctx: soon}, {ctx: later}}
+	calls := []*item{{g: &group{ctx: soon}}, {g: &group{ctx: later}}}
 	ctx, cancel := batchContext(calls)
 	defer cancel()
 	d, ok := ctx.Deadline()
@@ -341,7 +366,7 @@ func TestBatchContext(t *testing.T) {
 	cancelLater()
 	require.Eventually(t, func() bool { return ctx.Err() != nil }, 10*time.Second, time.Millisecond, "every member left")
 
-	noDeadline := []*call[string, string]{{ctx: t.Context()}, {ctx: later}}
+	noDeadline := []*item{{g: &group{ctx: t.Context()}}, {g: &group{ctx: later}}}
 	ctx2, cancel2 := batchContext(noDeadline)
 	defer cancel2()
 	_, ok = ctx2.Deadline()

@@ -12,23 +12,26 @@ import (
 // ClaimSQL is the Claim statement, for the plan test.
 var ClaimSQL = claimSQL
 
-// BatchStats reports how many multi-call statements the store sent and how
-// many calls they carried.
+// BatchStats reports how many transactions of more than one item the
+// store sent and how many items they carried.
 func BatchStats(s *Store) (batches, calls int64) {
-	return s.coalescer.batches.Load(), s.coalescer.batchedCalls.Load()
+	return s.q.batches.Load(), s.q.batchedItems.Load()
 }
+
+// MixedBatches reports how many of those transactions held both Claims and
+// Completes.
+func MixedBatches(s *Store) int64 { return s.q.mixed.Load() }
 
 // BatchSplits reports how many batches were split after a serialization
 // failure or a deadlock.
-func BatchSplits(s *Store) int64 { return s.coalescer.splits.Load() }
+func BatchSplits(s *Store) int64 { return s.q.splits.Load() }
 
-// Coalescing reports the statements in flight and the calls queued.
+// Coalescing reports the transactions in flight and the items queued.
 func Coalescing(s *Store) (inFlight, queued int) {
-	c := s.coalescer
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return s.claims.inFlight + s.completes.inFlight, len(s.claims.pending) + len(s.claims.deferred) +
-		len(s.completes.pending) + len(s.completes.deferred)
+	q := s.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.inFlight, len(q.pending) + len(q.deferred)
 }
 
 // StaleReads reports how many statements (or batch members) ran again
@@ -39,7 +42,7 @@ func StaleReads(s *Store) int64 { return s.staleReads.Load() }
 // refused one member's input, and the most parameter bytes one batched
 // statement carried.
 func MemberSplits(s *Store) (splits, largestBytes int64) {
-	return s.coalescer.memberSplits.Load(), s.coalescer.largestBytes.Load()
+	return s.q.memberSplits.Load(), s.q.largestBytes.Load()
 }
 
 // Row runs one single-row statement of the store and returns its answer:

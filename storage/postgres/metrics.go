@@ -56,6 +56,21 @@ func (c *conflictTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pg
 	}
 }
 
+// A batch (the queue's transaction of Claims and Completes, batch.go) is
+// one transaction: its conflict is counted once, at its end.
+
+func (c *conflictTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+
+func (c *conflictTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (c *conflictTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchEndData) {
+	if data.Err != nil && retryable(data.Err) {
+		c.conflicts.Add(ctx, 1, metric.WithAttributes(attribute.String("sqlstate", sqlState(data.Err))))
+	}
+}
+
 // queryTracer is the connections' tracer: the store's own, and the
 // caller's (WithTracer) beside it.
 func (o *options) queryTracer() (pgx.QueryTracer, error) {

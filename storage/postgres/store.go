@@ -30,22 +30,21 @@ type Store struct {
 	// isolation in doc.go).
 	staleReads atomic.Int64
 
-	// claims and completes coalesce concurrent calls (batch.go) when
-	// coalesce is set, and send explicit batches (ClaimBatch) always.
-	coalesce  bool
-	coalescer *coalescer
-	claims    *batcher[storage.ClaimParams, storage.ClaimResult]
-	completes *batcher[storage.CompleteParams, storage.Record]
+	// q coalesces concurrent Claims and Completes (batch.go) when
+	// coalesce is set, and sends explicit batches (Batch) always.
+	coalesce bool
+	q        *queue
 
 	// sweep is where SweepExpired's index scan starts (sweep.go).
 	sweep sweepCursor
 }
 
 var (
-	_ storage.Store      = (*Store)(nil)
-	_ storage.Sweeper    = (*Store)(nil)
-	_ storage.Batcher    = (*Store)(nil)
-	_ storage.WaitMarker = (*Store)(nil)
+	_ storage.Store        = (*Store)(nil)
+	_ storage.Sweeper      = (*Store)(nil)
+	_ storage.Batcher      = (*Store)(nil)
+	_ storage.MixedBatcher = (*Store)(nil)
+	_ storage.WaitMarker   = (*Store)(nil)
 )
 
 // Open returns a Store on the database at databaseURL, whose schema Migrate
@@ -99,11 +98,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		limit = DefaultBatchInFlight
 	}
 	s.coalesce = o.batchSize > 1
-	s.coalescer = &coalescer{maxSize: max(o.batchSize, 1), maxBytes: DefaultBatchBytes, window: o.batchWindow, limit: limit}
-	s.claims = newBatcher(s.coalescer, s, "claim",
-		func(p storage.ClaimParams) storage.Key { return p.Key }, claimBytes, s.claimAlone, s.claimBatch)
-	s.completes = newBatcher(s.coalescer, s, "complete",
-		func(p storage.CompleteParams) storage.Key { return p.Key }, completeBytes, s.completeAlone, s.completeBatch)
+	s.q = newQueue(o.batchSize, DefaultBatchBytes, o.batchWindow, limit, o.logger, s.runAlone, s.execBatch)
 	if s.poolMetrics, err = s.instrumentPool(o.meterProvider); err != nil {
 		pool.Close()
 		return nil, fmt.Errorf("postgres: metrics: %w", err)
@@ -167,23 +162,76 @@ func (s *Store) Ping(ctx context.Context) error {
 }
 
 // Claim decides by storage.DecideClaim in one statement, alone or
-// coalesced with concurrent Claims (see batch.go).
+// coalesced with concurrent Claims and Completes (see batch.go).
 func (s *Store) Claim(ctx context.Context, p storage.ClaimParams) (storage.ClaimResult, error) {
-	if s.coalesce {
-		return s.claims.do(ctx, p)
+	if !s.coalesce {
+		return s.claimAlone(ctx, p)
 	}
-	return s.claimAlone(ctx, p)
+	a := s.q.one(ctx, storage.Op{Claim: &p}, func() storage.OpAnswer {
+		res, err := s.claimAlone(ctx, p)
+		return storage.OpAnswer{Claim: res, Err: err}
+	})
+	return a.Claim, a.Err
 }
 
-// Bytes a call adds to a batched statement: its variable-length values,
-// and for each array element its 4-byte length and 8 bytes per fixed
-// value.
-func claimBytes(p storage.ClaimParams) int {
-	return len(p.Consumer) + len(p.Key.Key) + len(p.Fingerprint) + len(p.Holder) + len(p.RequestID) + 9*4 + 4*8
+// Complete decides by storage.DecideComplete in one statement, alone or
+// coalesced with concurrent Claims and Completes (see batch.go).
+func (s *Store) Complete(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
+	if !s.coalesce {
+		return s.completeAlone(ctx, p)
+	}
+	a := s.q.one(ctx, storage.Op{Complete: &p}, func() storage.OpAnswer {
+		rec, err := s.completeAlone(ctx, p)
+		return storage.OpAnswer{Record: rec, Err: err}
+	})
+	return a.Record, a.Err
 }
 
-func completeBytes(p storage.CompleteParams) int {
-	return len(p.Consumer) + len(p.Key.Key) + len(p.Result) + 5*4 + 2*8
+// Batch implements storage.MixedBatcher: the items join the store's queue
+// (batch.go) together, and travel as one transaction with the calls
+// pending beside them, a key's later items in later transactions.
+func (s *Store) Batch(ctx context.Context, ops []storage.Op) []storage.OpAnswer {
+	return s.q.many(ctx, ops)
+}
+
+// ClaimBatch implements storage.Batcher through Batch.
+func (s *Store) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
+	ops := make([]storage.Op, len(ps))
+	for i := range ps {
+		ops[i].Claim = &ps[i]
+	}
+	out := make([]storage.ClaimAnswer, len(ps))
+	for i, a := range s.q.many(ctx, ops) {
+		out[i] = storage.ClaimAnswer{Result: a.Claim, Err: a.Err}
+	}
+	return out
+}
+
+// CompleteBatch implements storage.Batcher through Batch.
+func (s *Store) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
+	ops := make([]storage.Op, len(ps))
+	for i := range ps {
+		ops[i].Complete = &ps[i]
+	}
+	out := make([]storage.CompleteAnswer, len(ps))
+	for i, a := range s.q.many(ctx, ops) {
+		out[i] = storage.CompleteAnswer{Record: a.Record, Err: a.Err}
+	}
+	return out
+}
+
+// runAlone decides one item with its single-row statement (the queue's
+// alone).
+func (s *Store) runAlone(ctx context.Context, it *item) {
+	if p := it.op.Claim; p != nil {
+		it.ans.Claim, it.ans.Err = s.claimAlone(ctx, *p)
+		return
+	}
+	if p := it.op.Complete; p != nil {
+		it.ans.Record, it.ans.Err = s.completeAlone(ctx, *p)
+		return
+	}
+	it.ans.Err = fmt.Errorf("postgres batch: an item with neither a Claim nor a Complete")
 }
 
 // claimAlone runs one Claim with the single-row statement.
@@ -210,46 +258,6 @@ func claimAnswer(a answer, p storage.ClaimParams) (res storage.ClaimResult, stal
 	return storage.DecideClaim(a.now, &a.rec, p)
 }
 
-// claimBatch runs the Claims of calls as one statement. A call whose answer
-// is stale (see claimAnswer) runs again alone.
-func (s *Store) claimBatch(ctx context.Context, calls []*call[storage.ClaimParams, storage.ClaimResult]) error {
-	n := len(calls)
-	var (
-		consumers = make([]string, n)
-		kinds     = make([]int16, n)
-		keys      = make([]string, n)
-		fps       = make([][]byte, n)
-		holders   = make([]string, n)
-		leases    = make([]int64, n)
-		retention = make([]int64, n)
-		requests  = make([]string, n)
-		attempts  = make([]int64, n)
-	)
-	for i, cl := range calls {
-		p := &cl.p
-		consumers[i], kinds[i], keys[i] = p.Consumer, int16(p.Kind), p.Key.Key
-		fps[i], holders[i], requests[i] = nonNil(p.Fingerprint), p.Holder, p.RequestID
-		leases[i], retention[i] = p.Lease.Microseconds(), p.Retention.Microseconds()
-		attempts[i] = p.MaxAttempts
-	}
-	answers, err := s.queryBatch(ctx, claimBatchSQL, n,
-		consumers, kinds, keys, fps, holders, leases, retention, s.offsetMicros(), requests, attempts)
-	if err != nil {
-		return err
-	}
-	deliver(s, calls, answers, claimAnswer)
-	return nil
-}
-
-// Complete decides by storage.DecideComplete in one statement, alone or
-// coalesced with concurrent Completes (see batch.go).
-func (s *Store) Complete(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
-	if s.coalesce {
-		return s.completes.do(ctx, p)
-	}
-	return s.completeAlone(ctx, p)
-}
-
 // completeAlone runs one Complete with the single-row statement.
 func (s *Store) completeAlone(ctx context.Context, p storage.CompleteParams) (storage.Record, error) {
 	return decided(ctx, s, "complete", func(a answer) (storage.Record, bool, error) { return completeAnswer(a, p) },
@@ -266,48 +274,109 @@ func completeAnswer(a answer, p storage.CompleteParams) (rec storage.Record, sta
 	return storage.DecideComplete(a.now, a.current(), p)
 }
 
-// completeBatch runs the Completes of calls as one statement.
-func (s *Store) completeBatch(ctx context.Context, calls []*call[storage.CompleteParams, storage.Record]) error {
-	n := len(calls)
-	var (
-		consumers = make([]string, n)
-		kinds     = make([]int16, n)
-		keys      = make([]string, n)
-		tokens    = make([]int64, n)
-		results   = make([][]byte, n)
-	)
-	for i, cl := range calls {
-		p := &cl.p
-		consumers[i], kinds[i], keys[i] = p.Consumer, int16(p.Kind), p.Key.Key
-		tokens[i], results[i] = p.Token, p.Result
+// execBatch runs items (distinct keys, sorted by key) as one transaction:
+// the Claims' multi-row statement and the Completes', pipelined in one
+// pgx.Batch under one Sync, which both PostgreSQL and CockroachDB run as
+// one implicit transaction. No answer is given before the Sync's answer
+// (the commit) is read: an error in either statement, or at the commit,
+// rolls both back and is returned for the queue to split on. An item whose
+// answer is stale (see claimAnswer) is marked to run again alone.
+func (s *Store) execBatch(ctx context.Context, items []*item) error {
+	var nClaims int
+	for _, it := range items {
+		if it.op.Claim != nil {
+			nClaims++
+		}
 	}
-	answers, err := s.queryBatch(ctx, completeBatchSQL, n, consumers, kinds, keys, tokens, results, s.offsetMicros())
+	claims, completes := make([]*item, 0, nClaims), make([]*item, 0, len(items)-nClaims)
+	for _, it := range items {
+		if it.op.Claim != nil {
+			claims = append(claims, it)
+		} else if it.op.Complete != nil {
+			completes = append(completes, it)
+		}
+	}
+	var b pgx.Batch
+	offset := s.offsetMicros()
+	if n := len(claims); n > 0 {
+		var (
+			consumers = make([]string, n)
+			kinds     = make([]int16, n)
+			keys      = make([]string, n)
+			fps       = make([][]byte, n)
+			holders   = make([]string, n)
+			leases    = make([]int64, n)
+			retention = make([]int64, n)
+			requests  = make([]string, n)
+			attempts  = make([]int64, n)
+		)
+		for i, it := range claims {
+			p := it.op.Claim
+			consumers[i], kinds[i], keys[i] = p.Consumer, int16(p.Kind), p.Key.Key
+			fps[i], holders[i], requests[i] = nonNil(p.Fingerprint), p.Holder, p.RequestID
+			leases[i], retention[i] = p.Lease.Microseconds(), p.Retention.Microseconds()
+			attempts[i] = p.MaxAttempts
+		}
+		b.Queue(claimBatchSQL, consumers, kinds, keys, fps, holders, leases, retention, offset, requests, attempts)
+	}
+	if n := len(completes); n > 0 {
+		var (
+			consumers = make([]string, n)
+			kinds     = make([]int16, n)
+			keys      = make([]string, n)
+			tokens    = make([]int64, n)
+			results   = make([][]byte, n)
+		)
+		for i, it := range completes {
+			p := it.op.Complete
+			consumers[i], kinds[i], keys[i] = p.Consumer, int16(p.Kind), p.Key.Key
+			tokens[i], results[i] = p.Token, p.Result
+		}
+		b.Queue(completeBatchSQL, consumers, kinds, keys, tokens, results, offset)
+	}
+	if len(claims) > 0 && len(completes) > 0 {
+		s.q.mixed.Add(1)
+	}
+	br := s.pool.SendBatch(ctx, &b)
+	var claimAnswers, completeAnswers []answer
+	var err error
+	if len(claims) > 0 {
+		rows, qerr := br.Query()
+		claimAnswers, err = scanBatch(rows, qerr, len(claims))
+	}
+	if err == nil && len(completes) > 0 {
+		rows, qerr := br.Query()
+		completeAnswers, err = scanBatch(rows, qerr, len(completes))
+	}
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
 	if err != nil {
 		return err
 	}
-	deliver(s, calls, answers, completeAnswer)
+	for i, it := range claims {
+		classifyItem(s, it, claimAnswers[i])
+	}
+	for i, it := range completes {
+		classifyItem(s, it, completeAnswers[i])
+	}
 	return nil
 }
 
-// ClaimBatch implements storage.Batcher: the items go out as one batched
-// statement per round of distinct keys (batch.go, many).
-func (s *Store) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
-	rs, errs := s.claims.many(ctx, ps)
-	out := make([]storage.ClaimAnswer, len(ps))
-	for i := range out {
-		out[i] = storage.ClaimAnswer{Result: rs[i], Err: errs[i]}
+// classifyItem sets an item's answer from its row of a batch, or marks it
+// to run again alone when the row is stale (see decided).
+func classifyItem(s *Store, it *item, a answer) {
+	var stale bool
+	if p := it.op.Claim; p != nil {
+		it.ans.Claim, stale, it.ans.Err = claimAnswer(a, *p)
+	} else {
+		it.ans.Record, stale, it.ans.Err = completeAnswer(a, *it.op.Complete)
 	}
-	return out
-}
-
-// CompleteBatch implements storage.Batcher like ClaimBatch.
-func (s *Store) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
-	rs, errs := s.completes.many(ctx, ps)
-	out := make([]storage.CompleteAnswer, len(ps))
-	for i := range out {
-		out[i] = storage.CompleteAnswer{Record: rs[i], Err: errs[i]}
+	if stale {
+		s.staleReads.Add(1)
+		it.ans = storage.OpAnswer{}
+		it.again = true
 	}
-	return out
 }
 
 // Release decides by storage.DecideRelease in one statement.
@@ -469,20 +538,6 @@ func decided[R any](ctx context.Context, s *Store, op string, classify func(answ
 	return res, resErr
 }
 
-// deliver hands each call of a batch the answer classify gives for its
-// row; a call whose answer is stale (see decided) runs again alone.
-func deliver[P, R any](s *Store, calls []*call[P, R], answers []answer, classify func(answer, P) (R, bool, error)) {
-	for i, cl := range calls {
-		r, stale, err := classify(answers[i], cl.p)
-		if stale {
-			s.staleReads.Add(1)
-			cl.done <- outcome[R]{alone: true}
-			continue
-		}
-		cl.done <- outcome[R]{r: r, err: err}
-	}
-}
-
 // answer is one row of a record statement: whether the statement wrote it,
 // the statement's clock reading, and the record (written, or the pre-image).
 type answer struct {
@@ -514,6 +569,11 @@ func (s *Store) queryRecord(ctx context.Context, sql string, args ...any) (answe
 // including at its commit.
 func (s *Store) queryBatch(ctx context.Context, sql string, n int, args ...any) ([]answer, error) {
 	rows, err := s.pool.Query(ctx, sql, args...)
+	return scanBatch(rows, err, n)
+}
+
+// scanBatch reads the rows of a batched statement for n items (queryBatch).
+func scanBatch(rows pgx.Rows, err error, n int) ([]answer, error) {
 	if err != nil {
 		return nil, err
 	}
