@@ -44,7 +44,7 @@ class Registry:
     """One serve; ``client()`` is a new client of it (another process, as
     far as the registry can tell)."""
 
-    def __init__(self, binary: str, store_args: list[str], extra: list[str]) -> None:
+    def __init__(self, binary: str, store_args: list[str], extra: list[str], **client_kw: object) -> None:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMREG_")}
@@ -52,7 +52,7 @@ class Registry:
             [binary, "serve", "--listen", self.target, "--min-lease", "100ms", "--log-level", "error", *store_args, *extra],
             env=env,
         )
-        probe = idemreg.Client(self.target, timeout=1.0)
+        probe = idemreg.Client(self.target, timeout=1.0, **client_kw)  # type: ignore[arg-type]
         try:
             deadline = time.monotonic() + 30
             while True:
@@ -61,12 +61,12 @@ class Registry:
                 try:
                     probe.lookup(idemreg.Key("ready", "probe"))
                     break
-                except idemreg.NotFoundError:
-                    break
-                except idemreg.IdemregError:
+                except (idemreg.UnavailableError, idemreg.DeadlineExceededError):
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.05)
+                except idemreg.IdemregError:  # it answers: NOT_FOUND, UNAUTHENTICATED, ...
+                    break
         finally:
             probe.close()
 
