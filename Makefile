@@ -35,12 +35,13 @@ test: ## the whole suite; starts PostgreSQL if it is down
 adversarial: ## the adversarial suite against a real serve (docs/testing.md, "Adversarial suite"); .ci/test runs it too
 	cd tests && go test -count=1 -timeout 10m ./adversarial/ -v
 
-generate: ## regenerate Go code from proto/ and examples/proto/, the reason constants from ErrorReason, and the TypeScript client's code
+generate: ## regenerate Go code from proto/ and examples/proto/, the reason constants from ErrorReason, and the TypeScript and Python clients' code
 	$(BUF) generate --template proto/buf.gen.yaml
 	cd proto/idemreg/v1 && go test -count=1 -run '^TestReasonConstants$$' . -args -update
 	cd examples && go tool -modfile=../proto/tools/go.mod buf generate
 	cd clients/typescript && npm ci --no-audit --no-fund
 	$(BUF) generate --template clients/typescript/buf.gen.yaml
+	$(BUF) generate --template clients/python/buf.gen.yaml
 
 lint:
 	$(BUF) lint
