@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -166,44 +167,180 @@ func (c *Client) claimBatch(ctx context.Context, ps []ClaimParams, wait time.Dur
 	}
 }
 
-func newClaimCoalescer(rpc idemregv1.RegistryServiceClient, b Batching) *coalescer[*idemregv1.ClaimRequest, *idemregv1.ClaimResponse] {
-	return &coalescer[*idemregv1.ClaimRequest, *idemregv1.ClaimResponse]{
-		cfg: b,
-		one: func(ctx context.Context, req *idemregv1.ClaimRequest) (*idemregv1.ClaimResponse, error) {
-			return rpc.Claim(ctx, req)
-		},
-		many: func(ctx context.Context, reqs []*idemregv1.ClaimRequest) ([]*idemregv1.ClaimResponse, []error) {
-			res, err := rpc.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: reqs})
-			return itemAnswers(res.GetResults(), err, "BatchClaim", len(reqs))
-		},
-		shareable: func(r *idemregv1.ClaimRequest) bool {
-			return utf8.ValidString(r.GetConsumer()) && utf8.ValidString(r.GetKey()) &&
-				utf8.ValidString(r.GetHolder()) && utf8.ValidString(r.GetRequestId())
-		},
-	}
+// claimShareable says whether a Claim may share an RPC: one whose strings
+// are not UTF-8 would not encode, and must fail alone.
+func claimShareable(r *idemregv1.ClaimRequest) bool {
+	return utf8.ValidString(r.GetConsumer()) && utf8.ValidString(r.GetKey()) &&
+		utf8.ValidString(r.GetHolder()) && utf8.ValidString(r.GetRequestId())
 }
 
-func newCompleteCoalescer(rpc idemregv1.RegistryServiceClient, b Batching) *coalescer[*idemregv1.CompleteRequest, *idemregv1.CompleteResponse] {
-	return &coalescer[*idemregv1.CompleteRequest, *idemregv1.CompleteResponse]{
-		cfg: b,
-		one: func(ctx context.Context, req *idemregv1.CompleteRequest) (*idemregv1.CompleteResponse, error) {
-			return rpc.Complete(ctx, req)
-		},
-		many: func(ctx context.Context, reqs []*idemregv1.CompleteRequest) ([]*idemregv1.CompleteResponse, []error) {
-			res, err := rpc.BatchComplete(ctx, &idemregv1.BatchCompleteRequest{Requests: reqs})
-			return itemAnswers(res.GetResults(), err, "BatchComplete", len(reqs))
-		},
-		shareable: func(r *idemregv1.CompleteRequest) bool {
-			ok := utf8.ValidString(r.GetConsumer()) && utf8.ValidString(r.GetKey())
-			if resp := r.GetResult().GetResponse(); resp != nil {
-				ok = ok && utf8.ValidString(resp.GetType())
-			}
-			if f := r.GetResult().GetFailure(); f != nil {
-				ok = ok && utf8.ValidString(f.GetMessage())
-			}
-			return ok
-		},
+// completeShareable is claimShareable for a Complete.
+func completeShareable(r *idemregv1.CompleteRequest) bool {
+	ok := utf8.ValidString(r.GetConsumer()) && utf8.ValidString(r.GetKey())
+	if resp := r.GetResult().GetResponse(); resp != nil {
+		ok = ok && utf8.ValidString(resp.GetType())
 	}
+	if f := r.GetResult().GetFailure(); f != nil {
+		ok = ok && utf8.ValidString(f.GetMessage())
+	}
+	return ok
+}
+
+// one sends a Claim or a Complete as its unary RPC.
+func (c *coalescer) one(ctx context.Context, req proto.Message) (proto.Message, error) {
+	switch r := req.(type) {
+	case *idemregv1.ClaimRequest:
+		return c.rpc.Claim(ctx, r)
+	case *idemregv1.CompleteRequest:
+		return c.rpc.Complete(ctx, r)
+	}
+	return nil, status.Errorf(codes.Internal, "idemreg: cannot send a %T", req)
+}
+
+// many sends several Claims and Completes in one RPC and answers each: its
+// response, or its error (every item's, when the RPC failed as a whole).
+func (c *coalescer) many(ctx context.Context, reqs []proto.Message) ([]proto.Message, []error) {
+	if len(reqs) == 1 {
+		res, err := c.one(ctx, reqs[0])
+		return []proto.Message{res}, []error{err}
+	}
+	if !c.noBatch.Load() {
+		if res, errs, ok := c.batch(ctx, reqs); ok {
+			return res, errs
+		}
+		c.noBatch.Store(true)
+	}
+	return c.byKind(ctx, reqs)
+}
+
+// batch sends reqs as one Batch; ok is false when the registry does not
+// know the RPC (UNIMPLEMENTED), and nothing was decided.
+func (c *coalescer) batch(ctx context.Context, reqs []proto.Message) (res []proto.Message, errs []error, ok bool) {
+	items := make([]*idemregv1.BatchItem, len(reqs))
+	for i, r := range reqs {
+		switch r := r.(type) {
+		case *idemregv1.ClaimRequest:
+			items[i] = &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: r}}
+		case *idemregv1.CompleteRequest:
+			items[i] = &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Complete{Complete: r}}
+		}
+	}
+	resp, err := c.rpc.Batch(ctx, &idemregv1.BatchRequest{Items: items})
+	if status.Code(err) == codes.Unimplemented {
+		return nil, nil, false
+	}
+	results := resp.GetResults()
+	if err == nil && len(results) != len(reqs) {
+		err = status.Errorf(codes.Internal, "idemreg: Batch answered %d results for %d items", len(results), len(reqs))
+	}
+	res, errs = make([]proto.Message, len(reqs)), make([]error, len(reqs))
+	for i, req := range reqs {
+		if err != nil {
+			errs[i] = err
+			continue
+		}
+		switch r := results[i].GetResult().(type) {
+		case *idemregv1.BatchItemResult_Error:
+			errs[i] = status.FromProto(r.Error).Err()
+			continue
+		case *idemregv1.BatchItemResult_Claim:
+			if _, ok := req.(*idemregv1.ClaimRequest); ok {
+				res[i] = r.Claim
+				continue
+			}
+		case *idemregv1.BatchItemResult_Complete:
+			if _, ok := req.(*idemregv1.CompleteRequest); ok {
+				res[i] = r.Complete
+				continue
+			}
+		}
+		errs[i] = status.Errorf(codes.Internal, "idemreg: Batch answered item %d (%T) with %T", i, req, results[i].GetResult())
+	}
+	return res, errs, true
+}
+
+// byKind sends reqs to a registry without Batch: the Claims in a
+// BatchClaim and the Completes in a BatchComplete, side by side. A key
+// that comes again with the other kind starts a new round, sent after the
+// one before has been answered, so that each key's items are decided in
+// their order, as Batch decides them.
+func (c *coalescer) byKind(ctx context.Context, reqs []proto.Message) ([]proto.Message, []error) {
+	res, errs := make([]proto.Message, len(reqs)), make([]error, len(reqs))
+	type itemKey struct {
+		consumer string
+		kind     idemregv1.Kind
+		key      string
+		claim    bool
+	}
+	keyOf := func(r proto.Message) itemKey {
+		switch r := r.(type) {
+		case *idemregv1.ClaimRequest:
+			return itemKey{r.GetConsumer(), r.GetKind(), r.GetKey(), true}
+		case *idemregv1.CompleteRequest:
+			return itemKey{r.GetConsumer(), r.GetKind(), r.GetKey(), false}
+		}
+		return itemKey{}
+	}
+	seen := map[itemKey]bool{}
+	from := 0
+	for i := 0; i <= len(reqs); i++ {
+		if i < len(reqs) {
+			k := keyOf(reqs[i])
+			other := k
+			other.claim = !k.claim
+			if !seen[other] {
+				seen[k] = true
+				continue
+			}
+			clear(seen)
+			seen[k] = true
+		}
+		c.round(ctx, reqs[from:i], res[from:i], errs[from:i])
+		from = i
+	}
+	return res, errs
+}
+
+// round sends the Claims and the Completes of reqs at once, each kind in
+// one RPC (its unary one for a single item), and answers into res and errs.
+func (c *coalescer) round(ctx context.Context, reqs []proto.Message, res []proto.Message, errs []error) {
+	var claims []*idemregv1.ClaimRequest
+	var completes []*idemregv1.CompleteRequest
+	var claimAt, completeAt []int
+	for i, r := range reqs {
+		switch r := r.(type) {
+		case *idemregv1.ClaimRequest:
+			claims, claimAt = append(claims, r), append(claimAt, i)
+		case *idemregv1.CompleteRequest:
+			completes, completeAt = append(completes, r), append(completeAt, i)
+		}
+	}
+	var wg sync.WaitGroup
+	if len(completes) > 0 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if len(completes) == 1 {
+				res[completeAt[0]], errs[completeAt[0]] = c.one(ctx, completes[0])
+				return
+			}
+			r, err := c.rpc.BatchComplete(ctx, &idemregv1.BatchCompleteRequest{Requests: completes})
+			rs, es := itemAnswers(r.GetResults(), err, "BatchComplete", len(completes))
+			for j, i := range completeAt {
+				res[i], errs[i] = rs[j], es[j]
+			}
+		}()
+	}
+	if len(claims) == 1 {
+		res[claimAt[0]], errs[claimAt[0]] = c.one(ctx, claims[0])
+	} else if len(claims) > 1 {
+		r, err := c.rpc.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: claims})
+		rs, es := itemAnswers(r.GetResults(), err, "BatchClaim", len(claims))
+		for j, i := range claimAt {
+			res[i], errs[i] = rs[j], es[j]
+		}
+	}
+	wg.Wait()
 }
 
 // itemResult is a batch RPC's answer to one item: BatchClaimResult or

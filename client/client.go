@@ -26,10 +26,9 @@ type Client struct {
 	// so that the unary one need not warn that streams go unguarded.
 	streamGuard atomic.Bool
 	// batching is nil when every call is its own RPC; claims and completes
-	// share RPCs between concurrent calls otherwise.
-	batching  *Batching
-	claims    *coalescer[*idemregv1.ClaimRequest, *idemregv1.ClaimResponse]
-	completes *coalescer[*idemregv1.CompleteRequest, *idemregv1.CompleteResponse]
+	// share RPCs between concurrent calls otherwise, through queue.
+	batching *Batching
+	queue    *coalescer
 }
 
 // ClientOption configures New.
@@ -69,8 +68,7 @@ func New(conn grpc.ClientConnInterface, opts ...ClientOption) *Client {
 		c.logger = slog.New(slog.DiscardHandler)
 	}
 	if c.batching != nil {
-		c.claims = newClaimCoalescer(c.rpc, *c.batching)
-		c.completes = newCompleteCoalescer(c.rpc, *c.batching)
+		c.queue = newCoalescer(c.rpc, *c.batching)
 	}
 	return c
 }
@@ -145,8 +143,8 @@ func (c *Client) Claim(ctx context.Context, p ClaimParams) (Claim, error) {
 	var res *idemregv1.ClaimResponse
 	var err error
 	// A Claim that waits would hold up every call it shared an RPC with.
-	if c.claims != nil && p.Wait <= 0 {
-		res, err = c.claims.do(ctx, req)
+	if c.queue != nil && p.Wait <= 0 {
+		res, err = c.queue.claim(ctx, req)
 	} else {
 		res, err = c.rpc.Claim(ctx, req)
 	}
@@ -199,8 +197,8 @@ func (c *Client) Complete(ctx context.Context, k Key, f Fence, r Result) (Record
 	req := &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: f.Token, ClaimSecret: f.Secret, Result: r.proto()}
 	var res *idemregv1.CompleteResponse
 	var err error
-	if c.completes != nil {
-		res, err = c.completes.do(ctx, req)
+	if c.queue != nil {
+		res, err = c.queue.complete(ctx, req)
 	} else {
 		res, err = c.rpc.Complete(ctx, req)
 	}

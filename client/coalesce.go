@@ -7,26 +7,37 @@ import (
 	"time"
 
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
 // Batching is how a Client shares RPCs between concurrent calls: Claims
-// (without a wait) go together in BatchClaims, Completes in
-// BatchCompletes, each item answered exactly as its own call would have
-// been. It is on by default (DefaultBatching); WithBatching changes it and
-// WithoutBatching turns it off.
+// (without a wait) and Completes wait in one queue, and the next RPC
+// carries all of them as one Batch, which the registry decides in one
+// transaction with one commit. Each item is answered exactly as its own
+// call would have been. It is on by default (DefaultBatching);
+// WithBatching changes it and WithoutBatching turns it off.
 //
 // A lone call goes out at once, as the unary RPC it always was: there is
-// no linger, no queue and no hand-off. Only calls that arrive while
-// MaxInFlight RPCs of their kind are already out wait, and the next RPC
-// takes all of them (up to MaxItems and MaxBytes). So batches grow with
-// the load and never add a wait at low load: the cap on RPCs in flight is
-// what lets a queue form at all (without it every call finds the
-// connection free and batches stay at one item), and no timer ever runs.
-// The RPC is sent by one of the waiting callers, on its own goroutine.
+// no linger, no timer and no hand-off. Only calls that arrive while
+// MaxInFlight RPCs are already out wait, and the next RPC takes all of
+// them (up to MaxItems and MaxBytes), in the order they came. So batches
+// grow with the load and never add a wait at low load: the cap on RPCs in
+// flight is what lets a queue form at all (without it every call finds
+// the connection free and batches stay at one item). The RPC is sent by
+// one of the waiting callers, on its own goroutine.
+//
+// A registry older than the Batch RPC answers it UNIMPLEMENTED: the client
+// remembers that and from then on sends what queued as a BatchClaim and a
+// BatchComplete, keeping the order of a key's items.
 type Batching struct {
-	// MaxInFlight is how many RPCs of one kind the client keeps in flight
-	// before calls queue for the next; at least 1.
+	// MaxInFlight is how many RPCs of its Claims and Completes (unary or
+	// shared, both kinds counted together) the client keeps in flight
+	// before calls queue for the next; at least 1. A lower cap makes
+	// batches form at fewer callers, and larger ones, at the cost of the
+	// round trips it no longer overlaps.
 	MaxInFlight int
 	// MaxItems and MaxBytes bound one shared RPC (at most MaxBatchItems
 	// and MaxBatchBytes, the registry's bounds).
@@ -35,13 +46,16 @@ type Batching struct {
 }
 
 // DefaultBatching is the batching of a Client built without WithBatching
-// or WithoutBatching. MaxInFlight is 8, not 1 or 2, because a BatchClaim
-// or BatchComplete of a few items still costs the registry more than the
-// unary calls it replaces: measured side by side (docs/benchmarks.md), 2
-// in flight gave 8 callers 12% less throughput than unary calls and 64
-// callers 17% more; 8 in flight leaves 8 callers as they were and gives 64
-// callers 6% more.
-var DefaultBatching = Batching{MaxInFlight: 8, MaxItems: 64, MaxBytes: 1 << 20}
+// or WithoutBatching.
+//
+// MaxInFlight is 2. With two queues (one per kind) and 8 RPCs of each in
+// flight, 8 callers never batched; measured from outside before the
+// queues were one (issue 36, a machine that was not quiet), 1, 2 and 8 in
+// flight gave 8 callers 0.46×, 0.42× and 0.50× of hand-written SQL's
+// throughput and 64 callers 2.05×, 2.33× and 1.69×. With one queue, side by
+// side on a quiet machine (`idemreg-bench --client-in-flight 1,2,4,8
+// --targets idemreg,sql --callers 1,8,64`): not measured yet.
+var DefaultBatching = Batching{MaxInFlight: 2, MaxItems: 64, MaxBytes: 1 << 20}
 
 func (b Batching) withDefaults() Batching {
 	if b.MaxInFlight <= 0 {
@@ -78,47 +92,65 @@ const (
 	abandoned
 )
 
-// coalescer shares the RPCs of one kind between concurrent calls.
-type coalescer[Req proto.Message, Res any] struct {
+// coalescer shares RPCs between a client's concurrent Claims and
+// Completes: one queue, so that both kinds ride in one Batch and share
+// its commit.
+type coalescer struct {
 	cfg Batching
-	// one sends a request on its own.
-	one func(ctx context.Context, req Req) (Res, error)
-	// many sends several in one RPC and answers each: its result, or its
-	// error (every item's, when the RPC failed as a whole).
-	many func(ctx context.Context, reqs []Req) ([]Res, []error)
-	// shareable says whether a request may share an RPC: one whose bytes
-	// would not encode (a string that is not UTF-8) must fail alone.
-	shareable func(req Req) bool
+	rpc idemregv1.RegistryServiceClient
+	// noBatch is set once the registry answered Batch UNIMPLEMENTED (it
+	// predates the RPC): shared RPCs are split by kind from then on.
+	noBatch atomic.Bool
 
 	mu       sync.Mutex
 	inFlight int
-	queue    []*pendingCall[Req, Res]
+	queue    []*pendingCall
 }
 
-type pendingCall[Req proto.Message, Res any] struct {
-	ctx   context.Context
-	req   Req
+func newCoalescer(rpc idemregv1.RegistryServiceClient, b Batching) *coalescer {
+	return &coalescer{cfg: b, rpc: rpc}
+}
+
+type pendingCall struct {
+	ctx context.Context
+	// req is a *ClaimRequest or a *CompleteRequest, and res the matching
+	// response.
+	req   proto.Message
 	size  int
 	state atomic.Int32
 	// done is closed when res and err are set, or, for the caller that
 	// sends, when batch is.
 	done  chan struct{}
-	batch []*pendingCall[Req, Res]
-	res   Res
+	batch []*pendingCall
+	res   proto.Message
 	err   error
+}
+
+// claim answers a Claim that does not wait.
+func (c *coalescer) claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idemregv1.ClaimResponse, error) {
+	res, err := c.do(ctx, req, claimShareable(req))
+	r, _ := res.(*idemregv1.ClaimResponse)
+	return r, err
+}
+
+// complete answers a Complete.
+func (c *coalescer) complete(ctx context.Context, req *idemregv1.CompleteRequest) (*idemregv1.CompleteResponse, error) {
+	res, err := c.do(ctx, req, completeShareable(req))
+	r, _ := res.(*idemregv1.CompleteResponse)
+	return r, err
 }
 
 // do answers req, in an RPC of its own or shared with concurrent calls.
 // Each caller keeps its own deadline and cancellation: a caller that gives
 // up returns at once, and an RPC already sent for others goes on, on a
 // context that outlives them all until the latest of their deadlines.
-func (c *coalescer[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
+func (c *coalescer) do(ctx context.Context, req proto.Message, shareable bool) (proto.Message, error) {
 	// Calls that carry outgoing metadata of their own (credentials, say)
 	// are not mixed with others'.
-	if md, ok := metadata.FromOutgoingContext(ctx); (ok && len(md) > 0) || !c.shareable(req) {
+	if md, ok := metadata.FromOutgoingContext(ctx); (ok && len(md) > 0) || !shareable {
 		return c.one(ctx, req)
 	}
-	size := proto.Size(req)
+	size := queuedSize(req)
 	if size > c.cfg.MaxBytes {
 		return c.one(ctx, req)
 	}
@@ -130,7 +162,7 @@ func (c *coalescer[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 		c.next()
 		return res, err
 	}
-	p := &pendingCall[Req, Res]{ctx: ctx, req: req, size: size, done: make(chan struct{})}
+	p := &pendingCall{ctx: ctx, req: req, size: size, done: make(chan struct{})}
 	c.queue = append(c.queue, p)
 	c.mu.Unlock()
 
@@ -138,36 +170,39 @@ func (c *coalescer[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 	case <-p.done:
 	case <-ctx.Done():
 		if p.state.CompareAndSwap(queued, abandoned) {
-			var zero Res
-			return zero, contextError(ctx)
+			return nil, contextError(ctx)
 		}
 		if p.state.Load() != leading {
 			// Taken by another sender: its answer is of no use now.
-			var zero Res
-			return zero, contextError(ctx)
+			return nil, contextError(ctx)
 		}
-		// This caller was to send a batch: the others still need it.
+		// This caller was to send a batch: the others still need it, and
+		// its own item, not sent yet, is left out (a Claim nobody would
+		// use would hold its key until the lease ran out).
 		<-p.done
-		go c.sendAndNext(p.batch)
-		var zero Res
-		return zero, contextError(ctx)
+		go c.sendAndNext(p.batch[1:], nil)
+		return nil, contextError(ctx)
 	}
 	if p.state.Load() == leading {
-		c.sendAndNext(p.batch)
+		c.sendAndNext(p.batch, p)
 	}
 	return p.res, p.err
 }
 
-func (c *coalescer[Req, Res]) sendAndNext(batch []*pendingCall[Req, Res]) {
-	c.send(batch)
+// sendAndNext sends batch, whose sender (if it waits for its answer) is
+// leader, then hands on the RPC's place.
+func (c *coalescer) sendAndNext(batch []*pendingCall, leader *pendingCall) {
+	if len(batch) > 0 {
+		c.send(batch, leader)
+	}
 	c.next()
 }
 
 // next hands what queued while an RPC was out to one of its callers, who
 // sends it, or frees the RPC's place when nothing did.
-func (c *coalescer[Req, Res]) next() {
+func (c *coalescer) next() {
 	c.mu.Lock()
-	var batch []*pendingCall[Req, Res]
+	var batch []*pendingCall
 	bytes, n := 0, 0
 	for _, p := range c.queue {
 		if len(batch) == c.cfg.MaxItems || (len(batch) > 0 && bytes+p.size > c.cfg.MaxBytes) {
@@ -198,32 +233,29 @@ func (c *coalescer[Req, Res]) next() {
 	close(batch[0].done)
 }
 
-// send makes the RPC of a batch and answers each of its callers.
-func (c *coalescer[Req, Res]) send(batch []*pendingCall[Req, Res]) {
+// send makes the RPC of a batch and answers each of its callers; leader
+// reads its own answer once send returns.
+func (c *coalescer) send(batch []*pendingCall, leader *pendingCall) {
 	ctx, cancel := batchContext(batch)
 	defer cancel()
-	if len(batch) == 1 {
-		batch[0].res, batch[0].err = c.one(ctx, batch[0].req)
-		return
-	}
-	reqs := make([]Req, len(batch))
+	reqs := make([]proto.Message, len(batch))
 	for i, p := range batch {
 		reqs[i] = p.req
 	}
 	res, errs := c.many(ctx, reqs)
 	for i, p := range batch {
 		p.res, p.err = res[i], errs[i]
-		if i > 0 {
+		if p != leader {
 			close(p.done)
 		}
 	}
 }
 
-// batchContext is the context of a shared RPC: the values of its sender's
-// (the first caller's), no cancellation, and the latest of the callers'
-// deadlines (none when one of them has none), so that no caller's
-// deadline cuts another's call short.
-func batchContext[Req proto.Message, Res any](batch []*pendingCall[Req, Res]) (context.Context, context.CancelFunc) {
+// batchContext is the context of a shared RPC: the values of its first
+// caller's, no cancellation, and the latest of the callers' deadlines
+// (none when one of them has none), so that no caller's deadline cuts
+// another's call short.
+func batchContext(batch []*pendingCall) (context.Context, context.CancelFunc) {
 	ctx := context.WithoutCancel(batch[0].ctx)
 	var latest time.Time
 	for _, p := range batch {
@@ -236,4 +268,11 @@ func batchContext[Req proto.Message, Res any](batch []*pendingCall[Req, Res]) (c
 		}
 	}
 	return context.WithDeadline(ctx, latest)
+}
+
+// queuedSize is what req adds to a BatchRequest: itself, inside a BatchItem,
+// inside the request's repeated field.
+func queuedSize(req proto.Message) int {
+	item := protowire.SizeTag(1) + protowire.SizeBytes(proto.Size(req))
+	return protowire.SizeTag(1) + protowire.SizeBytes(item)
 }

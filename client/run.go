@@ -49,7 +49,7 @@ func (c *Client) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, 
 	// With batching, the first Claim asks for no wait, so that it can share
 	// an RPC (a new key, the common case, needs none); only a duplicate that
 	// finds the key in progress pays a second Claim, which waits.
-	waiting := c.claims == nil
+	waiting := c.queue == nil
 	repeats, repeatDelay := 0, DefaultBackoff.Initial
 	for {
 		if wait != nil && waiting {
