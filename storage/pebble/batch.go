@@ -2,6 +2,7 @@ package pebble
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"time"
 
@@ -10,66 +11,99 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// ClaimBatch implements storage.Batcher: every item decided under its key's
-// lock, and all the writes in one synced batch.
-func (s *Store) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
-	out := make([]storage.ClaimAnswer, len(ps))
-	err := s.decideMany(ctx, len(ps), func(i int) storage.Key { return ps[i].Key },
+// Batch implements storage.MixedBatcher: every item decided under its
+// key's lock, in order (a key's later items see the earlier ones' effect),
+// and all the writes of Claims and Completes alike in one synced batch:
+// one commit for the whole batch.
+func (s *Store) Batch(ctx context.Context, ops []storage.Op) []storage.OpAnswer {
+	out := make([]storage.OpAnswer, len(ops))
+	err := s.decideMany(ctx, len(ops), func(i int) storage.Key { return ops[i].Key() },
 		func(i int, now time.Time, cur *storage.Record) (*storage.Record, error) {
-			if cur == nil {
-				if floor := s.floor.Load(); floor > 0 {
-					// As in Claim: the key may have had a record the
-					// sweeper deleted.
-					cur = &storage.Record{Key: ps[i].Key, Token: floor}
-				}
+			var next *storage.Record
+			switch {
+			case ops[i].Claim != nil:
+				next = s.decideClaim(now, cur, *ops[i].Claim, &out[i])
+			case ops[i].Complete != nil:
+				next = s.decideComplete(now, cur, *ops[i].Complete, &out[i])
+			default:
+				out[i].Err = errors.New("pebble batch: an item with neither a Claim nor a Complete")
 			}
-			res, write, err := storage.DecideClaim(now, cur, ps[i])
-			if err == nil && write && res.Outcome == storage.OutcomeAcquired {
-				// As in Claim: no new attempt below the reserve.
-				if err = s.disk.refuseAttempt(); err != nil {
-					res, write = storage.ClaimResult{}, false
-				}
-			}
-			out[i] = storage.ClaimAnswer{Result: res, Err: err}
-			if err != nil || !write {
-				return nil, nil
-			}
-			normalize(&out[i].Result.Record)
-			return &out[i].Result.Record, nil
+			return next, nil
 		})
 	for i := range out {
 		if err != nil {
-			out[i] = storage.ClaimAnswer{Err: err}
+			out[i] = storage.OpAnswer{Err: err}
 		}
 		// Only Inspect and List return History.
-		out[i].Result.Record.History = nil
+		out[i].Claim.Record.History = nil
+		out[i].Record.History = nil
 	}
 	return out
 }
 
-// CompleteBatch implements storage.Batcher like ClaimBatch.
-func (s *Store) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
-	out := make([]storage.CompleteAnswer, len(ps))
-	err := s.decideMany(ctx, len(ps), func(i int) storage.Key { return ps[i].Key },
-		func(i int, now time.Time, cur *storage.Record) (*storage.Record, error) {
-			rec, write, err := storage.DecideComplete(now, cur, ps[i])
-			if err == nil && write {
-				if err = s.disk.refuseResult(len(ps[i].Result)); err != nil {
-					rec, write = storage.Record{}, false
-				}
-			}
-			out[i] = storage.CompleteAnswer{Record: rec, Err: err}
-			if err != nil || !write {
-				return nil, nil
-			}
-			normalize(&out[i].Record)
-			return &out[i].Record, nil
-		})
-	for i := range out {
-		if err != nil {
-			out[i] = storage.CompleteAnswer{Err: err}
+// decideClaim decides one Claim of a batch as Claim does, sets its answer,
+// and returns the record to write, or nil.
+func (s *Store) decideClaim(now time.Time, cur *storage.Record, p storage.ClaimParams, out *storage.OpAnswer) *storage.Record {
+	if cur == nil {
+		if floor := s.floor.Load(); floor > 0 {
+			// As in Claim: the key may have had a record the sweeper
+			// deleted.
+			cur = &storage.Record{Key: p.Key, Token: floor}
 		}
-		out[i].Record.History = nil
+	}
+	res, write, err := storage.DecideClaim(now, cur, p)
+	if err == nil && write && res.Outcome == storage.OutcomeAcquired {
+		// As in Claim: no new attempt below the reserve.
+		if err = s.disk.refuseAttempt(); err != nil {
+			res, write = storage.ClaimResult{}, false
+		}
+	}
+	*out = storage.OpAnswer{Claim: res, Err: err}
+	if err != nil || !write {
+		return nil
+	}
+	normalize(&out.Claim.Record)
+	return &out.Claim.Record
+}
+
+// decideComplete decides one Complete of a batch like decideClaim.
+func (s *Store) decideComplete(now time.Time, cur *storage.Record, p storage.CompleteParams, out *storage.OpAnswer) *storage.Record {
+	rec, write, err := storage.DecideComplete(now, cur, p)
+	if err == nil && write {
+		if err = s.disk.refuseResult(len(p.Result)); err != nil {
+			rec, write = storage.Record{}, false
+		}
+	}
+	*out = storage.OpAnswer{Record: rec, Err: err}
+	if err != nil || !write {
+		return nil
+	}
+	normalize(&out.Record)
+	return &out.Record
+}
+
+// ClaimBatch implements storage.Batcher through Batch.
+func (s *Store) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
+	ops := make([]storage.Op, len(ps))
+	for i := range ps {
+		ops[i].Claim = &ps[i]
+	}
+	out := make([]storage.ClaimAnswer, len(ps))
+	for i, a := range s.Batch(ctx, ops) {
+		out[i] = storage.ClaimAnswer{Result: a.Claim, Err: a.Err}
+	}
+	return out
+}
+
+// CompleteBatch implements storage.Batcher through Batch.
+func (s *Store) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
+	ops := make([]storage.Op, len(ps))
+	for i := range ps {
+		ops[i].Complete = &ps[i]
+	}
+	out := make([]storage.CompleteAnswer, len(ps))
+	for i, a := range s.Batch(ctx, ops) {
+		out[i] = storage.CompleteAnswer{Record: a.Record, Err: a.Err}
 	}
 	return out
 }

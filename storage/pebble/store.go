@@ -127,10 +127,11 @@ type Store struct {
 }
 
 var (
-	_ storage.Store     = (*Store)(nil)
-	_ storage.Sweeper   = (*Store)(nil)
-	_ storage.ClaimKeys = (*Store)(nil)
-	_ storage.Batcher   = (*Store)(nil)
+	_ storage.Store        = (*Store)(nil)
+	_ storage.Sweeper      = (*Store)(nil)
+	_ storage.ClaimKeys    = (*Store)(nil)
+	_ storage.Batcher      = (*Store)(nil)
+	_ storage.MixedBatcher = (*Store)(nil)
 )
 
 // Open opens the store in dir, creating dir if it is missing. It fails with

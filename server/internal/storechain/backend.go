@@ -15,7 +15,8 @@ var errNoCapability = fmt.Errorf("storechain: the store lacks the capability: %w
 
 // backend is the bottom of the chain: the backend, its optional
 // capabilities found once. Batches fall back to one call after the other
-// (storage.ClaimBatch) on a backend that is no Batcher.
+// (storage.ClaimBatch) on a backend that is no Batcher, and mixed batches
+// to rounds of those (storage.Batch) on one that is no MixedBatcher.
 type backend struct {
 	storage.Store
 	admin   storage.Admin
@@ -39,6 +40,12 @@ func (b backend) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []sto
 
 func (b backend) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
 	return storage.CompleteBatch(ctx, b.Store, ps)
+}
+
+// Batch is one batch on a storage.MixedBatcher, else storage.Batch's
+// rounds of ClaimBatch and CompleteBatch.
+func (b backend) Batch(ctx context.Context, ops []storage.Op) []storage.OpAnswer {
+	return storage.Batch(ctx, b.Store, ops)
 }
 
 func (b backend) Inspect(ctx context.Context, k storage.Key) (storage.InspectResult, error) {

@@ -75,6 +75,7 @@ var (
 	_ storage.Store        = (*Chain)(nil)
 	_ storage.Admin        = (*Chain)(nil)
 	_ storage.Batcher      = (*Chain)(nil)
+	_ storage.MixedBatcher = (*Chain)(nil)
 	_ storage.Sweeper      = (*Chain)(nil)
 	_ storage.ClaimKeys    = (*Chain)(nil)
 	_ storage.UsageCounter = (*Chain)(nil)

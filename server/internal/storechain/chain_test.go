@@ -10,6 +10,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/metric/noop"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/internal/reason"
@@ -71,6 +73,11 @@ func (s *capableStore) ClaimBatch(ctx context.Context, ps []storage.ClaimParams)
 func (s *capableStore) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
 	s.saw(ctx, "CompleteBatch")
 	return make([]storage.CompleteAnswer, len(ps))
+}
+
+func (s *capableStore) Batch(ctx context.Context, ops []storage.Op) []storage.OpAnswer {
+	s.saw(ctx, "Batch")
+	return make([]storage.OpAnswer, len(ops))
 }
 
 func (s *capableStore) Inspect(ctx context.Context, _ storage.Key) (storage.InspectResult, error) {
@@ -171,6 +178,10 @@ func TestStoreChainDecorates(t *testing.T) {
 		{"Lookup", func() error { _, err := chain.Lookup(ctx, k); return err }, true},
 		{"ClaimBatch", func() error { storage.ClaimBatch(ctx, chain, []storage.ClaimParams{{Key: k}}); return nil }, true},
 		{"CompleteBatch", func() error { storage.CompleteBatch(ctx, chain, []storage.CompleteParams{{Key: k}}); return nil }, true},
+		{"Batch", func() error {
+			storage.Batch(ctx, chain, []storage.Op{{Claim: &storage.ClaimParams{Key: k}}, {Complete: &storage.CompleteParams{Key: k}}})
+			return nil
+		}, true},
 		{"Inspect", func() error { _, err := chain.Admin().Inspect(ctx, k); return err }, true},
 		{"Invalidate", func() error { _, err := chain.Admin().Invalidate(ctx, storage.InvalidateParams{Key: k}); return err }, true},
 		{"Resolve", func() error { _, err := chain.Admin().Resolve(ctx, storage.ResolveParams{Key: k}); return err }, true},
@@ -213,6 +224,91 @@ func TestStoreChainCapabilities(t *testing.T) {
 	_, err := chain.Inspect(t.Context(), storage.Key{})
 	require.True(t, errors.Is(err, errors.ErrUnsupported), "a capability the backend lacks answers an error, not a panic: %v", err)
 	require.Equal(t, idemregv1.ErrorReason_ERROR_REASON_INTERNAL, reason.Classify(err))
+}
+
+// batcherOnly is a store with ClaimBatch and CompleteBatch but no mixed
+// Batch, which records the batches it got.
+type batcherOnly struct {
+	storage.Store
+	calls []string
+}
+
+func (s *batcherOnly) ClaimBatch(_ context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
+	s.calls = append(s.calls, "claims")
+	out := make([]storage.ClaimAnswer, len(ps))
+	for i := range out {
+		out[i].Result.Outcome = storage.OutcomeAcquired
+	}
+	return out
+}
+
+func (s *batcherOnly) CompleteBatch(_ context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
+	s.calls = append(s.calls, "completes")
+	out := make([]storage.CompleteAnswer, len(ps))
+	for i := range out {
+		out[i].Err = storage.ErrLeaseLost
+	}
+	return out
+}
+
+// TestStoreChainBatch: a mixed batch is one record operation ("batch")
+// through the chain, measured and counted by item: its Claims as Claims,
+// its Completes as Completes (LEASE_LOST as complete's). On a backend with
+// no mixed Batch it falls back to ClaimBatch and CompleteBatch in rounds
+// that keep a key's order.
+func TestStoreChainBatch(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	backend := &batcherOnly{Store: &capableStore{deadlines: map[string]time.Time{}}}
+	chain, err := storechain.New(backend, storechain.Config{MaxInFlight: 4, PerIdentity: 4, Meter: mp.Meter("test")})
+	require.NoError(t, err)
+	k := storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: "k"}
+	other := storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: "other"}
+	got := storage.Batch(t.Context(), chain, []storage.Op{
+		{Complete: &storage.CompleteParams{Key: k}},
+		{Claim: &storage.ClaimParams{Key: k}},
+		{Claim: &storage.ClaimParams{Key: other}},
+	})
+	require.Len(t, got, 3)
+	require.ErrorIs(t, got[0].Err, storage.ErrLeaseLost)
+	require.Equal(t, storage.OutcomeAcquired, got[1].Claim.Outcome)
+	require.Equal(t, storage.OutcomeAcquired, got[2].Claim.Outcome)
+	require.Equal(t, []string{"completes", "claims", "claims"}, backend.calls, "k's Complete before its Claim, a round each")
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(t.Context(), &rm))
+	sums := map[string]int64{}
+	var batchSizes uint64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			switch d := m.Data.(type) {
+			case metricdata.Sum[int64]:
+				for _, p := range d.DataPoints {
+					name := m.Name
+					for _, kv := range p.Attributes.ToSlice() {
+						name += "/" + kv.Value.Emit()
+					}
+					sums[name] += p.Value
+				}
+			case metricdata.Histogram[int64]:
+				for _, p := range d.DataPoints {
+					if v, ok := p.Attributes.Value("method"); ok && v.AsString() == "batch" {
+						batchSizes += p.Count
+						require.EqualValues(t, 3, p.Sum)
+					}
+				}
+			case metricdata.Histogram[float64]:
+				for _, p := range d.DataPoints {
+					if v, ok := p.Attributes.Value("op"); ok && v.AsString() == "batch" {
+						require.EqualValues(t, 1, p.Count, "one store operation")
+					}
+				}
+			}
+		}
+	}
+	require.EqualValues(t, 1, batchSizes, "one batch recorded")
+	require.EqualValues(t, 2, sums[storechain.MetricClaims+"/"+storechain.ClaimAcquired])
+	require.EqualValues(t, 1, sums[storechain.MetricLeaseLost+"/complete"])
 }
 
 // blockingStore holds every Claim until release is closed.

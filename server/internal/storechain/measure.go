@@ -128,7 +128,7 @@ func newInstruments(m metric.Meter) (*instruments, error) {
 	counter(&out.overloaded, MetricOverloaded, "{call}", "Calls refused with OVERLOADED because the store already had the most operations in flight (bound=server) or the caller's identity had its share of them (bound=identity).")
 	var err error
 	out.batchSize, err = m.Int64Histogram(MetricBatchSize, metric.WithUnit("{item}"),
-		metric.WithDescription("Items of BatchClaim and BatchComplete calls that reached the store, by method."),
+		metric.WithDescription("Items of BatchClaim, BatchComplete and Batch calls that reached the store, by method."),
 		metric.WithExplicitBucketBoundaries(1, 2, 5, 10, 25, 50, 100, 250, 500))
 	errs = append(errs, err)
 	out.storeDuration, err = m.Float64Histogram(MetricStoreDuration, metric.WithUnit("s"),
@@ -209,9 +209,10 @@ var (
 	opCountParked   = newOpMeasures("count_parked", false)
 	opClaimBatch    = newOpMeasures("claim_batch", false)
 	opCompleteBatch = newOpMeasures("complete_batch", false) // its items' LEASE_LOST count as complete's (ops.go)
+	opBatch         = newOpMeasures("batch", false)          // likewise
 
 	allOps = []*opMeasures{opClaim, opComplete, opRelease, opExtend, opPark, opLookup, opInspect, opInvalidate,
-		opResolve, opList, opCountParked, opClaimBatch, opCompleteBatch}
+		opResolve, opList, opCountParked, opClaimBatch, opCompleteBatch, opBatch}
 )
 
 // errorTypes are the values ErrorType returns.

@@ -94,14 +94,52 @@ func (c *Chain) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) 
 	}
 	c.m.batchSize.Record(ctx, int64(len(ps)), opCompleteBatch.method)
 	for _, a := range out {
-		switch {
-		case a.Err == nil:
-			c.m.completes.Add(ctx, 1)
-		case reason.Classify(a.Err) == idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST:
-			c.m.leaseLost.Add(ctx, 1, opComplete.method)
-		}
+		c.countComplete(ctx, a.Err)
 	}
 	return out
+}
+
+// Batch implements storage.MixedBatcher: a mixed batch is one operation
+// in flight ("batch"), each Claim item counts as a Claim and each Complete
+// item as a Complete, its LEASE_LOST as complete's.
+func (c *Chain) Batch(ctx context.Context, ops []storage.Op) (out []storage.OpAnswer) {
+	ran := false
+	err := c.do(ctx, opBatch, func(ctx context.Context) error {
+		ran = true
+		out = c.b.Batch(ctx, ops)
+		for _, a := range out {
+			if a.Err != nil && !reason.IsAnswer(reason.Classify(a.Err)) {
+				return a.Err // the store failed: measured, and counted for readiness
+			}
+		}
+		return nil
+	})
+	if !ran { // refused before the store: every item's answer
+		out = make([]storage.OpAnswer, len(ops))
+		for i := range out {
+			out[i].Err = err
+		}
+		return out
+	}
+	c.m.batchSize.Record(ctx, int64(len(ops)), opBatch.method)
+	for i, a := range out {
+		if ops[i].Claim != nil {
+			c.countClaim(ctx, a.Claim, a.Err)
+			continue
+		}
+		c.countComplete(ctx, a.Err)
+	}
+	return out
+}
+
+// countComplete counts a batched Complete's answer as a Complete's.
+func (c *Chain) countComplete(ctx context.Context, err error) {
+	switch {
+	case err == nil:
+		c.m.completes.Add(ctx, 1)
+	case reason.Classify(err) == idemregv1.ErrorReason_ERROR_REASON_LEASE_LOST:
+		c.m.leaseLost.Add(ctx, 1, opComplete.method)
+	}
 }
 
 func (c *Chain) Complete(ctx context.Context, p storage.CompleteParams) (rec storage.Record, err error) {
