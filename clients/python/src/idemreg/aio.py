@@ -287,7 +287,7 @@ class AsyncClient:
                 a.lost.set()
                 task.cancel()
                 return
-            except errors.IdemregError as e:
+            except Exception as e:  # the registry briefly unreachable, or the channel closed under it
                 log.warning("idemreg: lease extension failed; retrying at the next beat", extra={"consumer": k.consumer, "error": str(e)})
 
     async def _claim_waiting(self, p: ClaimParams, wait: Optional[float], bookkeeping: float) -> Claim:

@@ -399,7 +399,7 @@ class _Heartbeat:
                 a.lost_error = e
                 a.lost.set()
                 return
-            except errors.IdemregError as e:
+            except Exception as e:  # the registry briefly unreachable, or the channel closed under it
                 if not self._stop.is_set():
                     log.warning("idemreg: lease extension failed; retrying at the next beat", extra={"consumer": k.consumer, "error": str(e)})
 
