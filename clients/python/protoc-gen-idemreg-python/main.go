@@ -462,7 +462,7 @@ func generateStubs(gen *protogen.Plugin, f *protogen.File) {
 			return "float", "float"
 		case protoreflect.EnumKind:
 			t := ref(fd.Enum())
-			return t, t + " | str"
+			return t, t + " | int | str"
 		case protoreflect.MessageKind, protoreflect.GroupKind:
 			t := ref(fd.Message())
 			return t, t

@@ -65,7 +65,7 @@ def duration(seconds: Optional[float]) -> Optional[duration_pb2.Duration]:
 
 
 def seconds(d: duration_pb2.Duration) -> float:
-    return d.seconds + d.nanos / 1e9
+    return float(d.seconds) + float(d.nanos) / 1e9
 
 
 @dataclass(frozen=True)
@@ -266,6 +266,26 @@ def decide(value: Any, exc: Optional[BaseException], codec: Codec, result_type: 
     if isinstance(exc, errors.FinalError):
         return failure_result(exc.code, exc.message)
     return None
+
+
+@dataclass(frozen=True)
+class OnceSettings:
+    """once's options, documented on Client.once."""
+
+    kind: int = KIND_MESSAGE
+    fingerprint: bytes = b""
+    lease: float = DEFAULT_LEASE
+    retention: Optional[float] = None
+    wait: Optional[float] = None
+    codec: Codec = field(default_factory=lambda: _json())
+    result_type: str = ""
+    bookkeeping_timeout: float = DEFAULT_BOOKKEEPING_TIMEOUT
+
+
+def _json() -> Codec:
+    from idemreg.codec import JSON
+
+    return JSON
 
 
 def call_key(key: Union[str, Callable[..., str]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

@@ -115,29 +115,34 @@ class AsyncClient:
 
     async def complete(self, key: Key, fence: Fence, result: registry_pb2.Result, *, timeout: Optional[float] = None) -> registry_pb2.Record:
         """:meth:`idemreg.Client.complete`."""
-        return (await self._call(self._stub.Complete, CompleteParams(key, fence, result).request(), timeout)).record
+        resp: registry_pb2.CompleteResponse = await self._call(self._stub.Complete, CompleteParams(key, fence, result).request(), timeout)
+        return resp.record
 
     async def release(self, key: Key, fence: Fence, *, timeout: Optional[float] = None) -> registry_pb2.Record:
         """:meth:`idemreg.Client.release`."""
         req = registry_pb2.ReleaseRequest(consumer=key.consumer, kind=key.kind, key=key.key, token=fence.token, claim_secret=fence.secret)
-        return (await self._call(self._stub.Release, req, timeout)).record
+        resp: registry_pb2.ReleaseResponse = await self._call(self._stub.Release, req, timeout)
+        return resp.record
 
     async def extend(self, key: Key, fence: Fence, *, lease: Optional[float] = None, timeout: Optional[float] = None) -> registry_pb2.Record:
         """:meth:`idemreg.Client.extend`."""
         req = registry_pb2.ExtendRequest(
             consumer=key.consumer, kind=key.kind, key=key.key, token=fence.token, lease=_core.duration(lease), claim_secret=fence.secret
         )
-        return (await self._call(self._stub.Extend, req, timeout)).record
+        resp: registry_pb2.ExtendResponse = await self._call(self._stub.Extend, req, timeout)
+        return resp.record
 
     async def park(self, key: Key, fence: Fence, reason: str, *, timeout: Optional[float] = None) -> registry_pb2.Record:
         """:meth:`idemreg.Client.park`."""
         req = registry_pb2.ParkRequest(consumer=key.consumer, kind=key.kind, key=key.key, token=fence.token, reason=reason, claim_secret=fence.secret)
-        return (await self._call(self._stub.Park, req, timeout)).record
+        resp: registry_pb2.ParkResponse = await self._call(self._stub.Park, req, timeout)
+        return resp.record
 
     async def lookup(self, key: Key, *, timeout: Optional[float] = None) -> registry_pb2.Record:
         """:meth:`idemreg.Client.lookup`."""
         req = registry_pb2.LookupRequest(consumer=key.consumer, kind=key.kind, key=key.key)
-        return (await self._call(self._stub.Lookup, req, timeout)).record
+        resp: registry_pb2.LookupResponse = await self._call(self._stub.Lookup, req, timeout)
+        return resp.record
 
     async def batch_claim(self, claims: list[ClaimParams], *, timeout: Optional[float] = None) -> list[Union[Claim, errors.IdemregError]]:
         """:meth:`idemreg.Client.batch_claim`."""
@@ -173,11 +178,37 @@ class AsyncClient:
         return out
 
     @overload
-    async def once(self, consumer: str, key: str, fn: Callable[[Attempt], Awaitable[Any]], **opts: Any) -> OnceResult: ...
+    def once(
+        self,
+        consumer: str,
+        key: str,
+        fn: Callable[[Attempt], Awaitable[Any]],
+        *,
+        kind: int = _core.KIND_MESSAGE,
+        fingerprint: bytes = b"",
+        lease: float = _core.DEFAULT_LEASE,
+        retention: Optional[float] = None,
+        wait: Optional[float] = None,
+        codec: Codec = JSON,
+        result_type: str = "",
+        bookkeeping_timeout: float = _core.DEFAULT_BOOKKEEPING_TIMEOUT,
+    ) -> Awaitable[OnceResult]: ...
 
     @overload
     def once(
-        self, consumer: str, key: Union[str, Callable[..., str]], fn: None = None, **opts: Any
+        self,
+        consumer: str,
+        key: Union[str, Callable[..., str]],
+        fn: None = None,
+        *,
+        kind: int = _core.KIND_MESSAGE,
+        fingerprint: bytes = b"",
+        lease: float = _core.DEFAULT_LEASE,
+        retention: Optional[float] = None,
+        wait: Optional[float] = None,
+        codec: Codec = JSON,
+        result_type: str = "",
+        bookkeeping_timeout: float = _core.DEFAULT_BOOKKEEPING_TIMEOUT,
     ) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]: ...
 
     def once(
@@ -199,14 +230,11 @@ class AsyncClient:
         or ``@c.once(consumer, key=...)`` on an ``async def``). Should the
         registry report the claim lost while fn runs, fn's task is cancelled
         and once raises the loss (a LeaseLostError, say)."""
-        settings = dict(
-            kind=kind, fingerprint=fingerprint, lease=lease, retention=retention, wait=wait,
-            codec=codec, result_type=result_type, bookkeeping_timeout=bookkeeping_timeout,
-        )
+        settings = _core.OnceSettings(kind, fingerprint, lease, retention, wait, codec, result_type, bookkeeping_timeout)
         if fn is not None:
             if callable(key) and not isinstance(key, str):
                 raise TypeError("once: key must be the message id when fn is given")
-            return self._once(consumer, key, fn, **settings)
+            return self._once(consumer, key, fn, settings)
 
         def decorator(f: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             @functools.wraps(f)
@@ -215,7 +243,7 @@ class AsyncClient:
                     _attempt.set(a)  # the handler's task has a context of its own
                     return await f(*args, **kwargs)
 
-                res = await self._once(consumer, _core.call_key(key, args, kwargs), handler, **settings)
+                res = await self._once(consumer, _core.call_key(key, args, kwargs), handler, settings)
                 return res.value  # type: ignore[no-any-return]
 
             return wrapper
@@ -227,51 +255,45 @@ class AsyncClient:
         consumer: str,
         message_id: str,
         fn: Callable[[Attempt], Awaitable[Any]],
-        *,
-        kind: int,
-        fingerprint: bytes,
-        lease: float,
-        retention: Optional[float],
-        wait: Optional[float],
-        codec: Codec,
-        result_type: str,
-        bookkeeping_timeout: float,
+        s: _core.OnceSettings,
     ) -> OnceResult:
-        k = Key(consumer, message_id, kind)
-        cl = await self._claim_waiting(ClaimParams(k, fingerprint, lease, retention), wait, bookkeeping_timeout)
+        k = Key(consumer, message_id, s.kind)
+        cl = await self._claim_waiting(ClaimParams(k, s.fingerprint, s.lease, s.retention), s.wait, s.bookkeeping_timeout)
         if cl.outcome == registry_pb2.OUTCOME_COMPLETED:
-            return _core.replay(cl.record, codec)
+            return _core.replay(cl.record, s.codec)
         if cl.outcome != registry_pb2.OUTCOME_ACQUIRED:
             raise errors.InternalError(f"an unexpected claim outcome {cl.outcome}", code=grpc.StatusCode.INTERNAL)
         a = Attempt(k, cl.token, cl.record.attempt, lost=asyncio.Event())
         task = asyncio.ensure_future(fn(a))
-        hb = asyncio.ensure_future(self._heartbeat(k, cl.fence, lease, a, task))
+        hb = asyncio.ensure_future(self._heartbeat(k, cl.fence, s.lease, a, task))
         try:
             try:
                 value = await task
             finally:
                 hb.cancel()
                 await asyncio.gather(hb, return_exceptions=True)
-            result = _core.decide(value, None, codec, result_type)
+            result = _core.decide(value, None, s.codec, s.result_type)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError) and a.lost_error is not None and task.cancelled():
                 # The heartbeat cancelled the handler: the claim is lost.
-                await self._release_after(k, cl.fence, a, bookkeeping_timeout)
+                await self._release_after(k, cl.fence, a, s.bookkeeping_timeout)
                 raise a.lost_error from None
-            result = _core.decide(None, exc, codec, result_type)
+            result = _core.decide(None, exc, s.codec, s.result_type)
             if result is None:
                 # Shielded, so that a caller's cancellation still releases.
-                await asyncio.shield(self._release_after(k, cl.fence, a, bookkeeping_timeout))
+                await asyncio.shield(self._release_after(k, cl.fence, a, s.bookkeeping_timeout))
                 raise
             try:
-                await self._complete_retrying(k, cl.fence, result, bookkeeping_timeout)
+                await self._complete_retrying(k, cl.fence, result, s.bookkeeping_timeout)
             except errors.IdemregError as e:
                 log.warning("idemreg: the final failure was not recorded", extra={"consumer": consumer, "error": str(e)})
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"idemreg: the final failure was not recorded: {e}")
             raise
+        if result is None:  # pragma: no cover: decide stores every value
+            raise AssertionError("no result for a value")
         try:
-            rec = await self._complete_retrying(k, cl.fence, result, bookkeeping_timeout)
+            rec = await self._complete_retrying(k, cl.fence, result, s.bookkeeping_timeout)
         except errors.IdemregError as e:
             raise errors.OutcomeNotRecordedError(f"idemreg: the handler succeeded but its outcome was not recorded: {e}", value) from e
         return OnceResult(ran=True, value=value, record=rec)

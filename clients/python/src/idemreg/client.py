@@ -138,29 +138,34 @@ class Client:
     def complete(self, key: Key, fence: Fence, result: registry_pb2.Result, *, timeout: Optional[float] = None) -> registry_pb2.Record:
         """Stores result (``response_result`` or ``failure_result``) under the claim's fence."""
         req = CompleteParams(key, fence, result).request()
-        return self._call(self._stub.Complete, req, timeout).record
+        resp: registry_pb2.CompleteResponse = self._call(self._stub.Complete, req, timeout)
+        return resp.record
 
     def release(self, key: Key, fence: Fence, *, timeout: Optional[float] = None) -> registry_pb2.Record:
         """Gives up the claim without a result: the next Claim acquires at once."""
         req = registry_pb2.ReleaseRequest(consumer=key.consumer, kind=key.kind, key=key.key, token=fence.token, claim_secret=fence.secret)
-        return self._call(self._stub.Release, req, timeout).record
+        resp: registry_pb2.ReleaseResponse = self._call(self._stub.Release, req, timeout)
+        return resp.record
 
     def extend(self, key: Key, fence: Fence, *, lease: Optional[float] = None, timeout: Optional[float] = None) -> registry_pb2.Record:
         """Renews the claim's lease from now (the claim's lease when None)."""
         req = registry_pb2.ExtendRequest(
             consumer=key.consumer, kind=key.kind, key=key.key, token=fence.token, lease=_core.duration(lease), claim_secret=fence.secret
         )
-        return self._call(self._stub.Extend, req, timeout).record
+        resp: registry_pb2.ExtendResponse = self._call(self._stub.Extend, req, timeout)
+        return resp.record
 
     def park(self, key: Key, fence: Fence, reason: str, *, timeout: Optional[float] = None) -> registry_pb2.Record:
         """Parks the key: its outcome is unknown and it must not be done again."""
         req = registry_pb2.ParkRequest(consumer=key.consumer, kind=key.kind, key=key.key, token=fence.token, reason=reason, claim_secret=fence.secret)
-        return self._call(self._stub.Park, req, timeout).record
+        resp: registry_pb2.ParkResponse = self._call(self._stub.Park, req, timeout)
+        return resp.record
 
     def lookup(self, key: Key, *, timeout: Optional[float] = None) -> registry_pb2.Record:
         """The live record of key; NotFoundError when there is none."""
         req = registry_pb2.LookupRequest(consumer=key.consumer, kind=key.kind, key=key.key)
-        return self._call(self._stub.Lookup, req, timeout).record
+        resp: registry_pb2.LookupResponse = self._call(self._stub.Lookup, req, timeout)
+        return resp.record
 
     def batch_claim(self, claims: list[ClaimParams], *, timeout: Optional[float] = None) -> list[Union[Claim, errors.IdemregError]]:
         """Claims many keys: one answer per item, in order, each a Claim or the
@@ -199,10 +204,38 @@ class Client:
     # once.
 
     @overload
-    def once(self, consumer: str, key: str, fn: Callable[[Attempt], Any], **opts: Any) -> OnceResult: ...
+    def once(
+        self,
+        consumer: str,
+        key: str,
+        fn: Callable[[Attempt], Any],
+        *,
+        kind: int = _core.KIND_MESSAGE,
+        fingerprint: bytes = b"",
+        lease: float = _core.DEFAULT_LEASE,
+        retention: Optional[float] = None,
+        wait: Optional[float] = None,
+        codec: Codec = JSON,
+        result_type: str = "",
+        bookkeeping_timeout: float = _core.DEFAULT_BOOKKEEPING_TIMEOUT,
+    ) -> OnceResult: ...
 
     @overload
-    def once(self, consumer: str, key: Union[str, Callable[..., str]], fn: None = None, **opts: Any) -> Callable[[Callable[..., T]], Callable[..., T]]: ...
+    def once(
+        self,
+        consumer: str,
+        key: Union[str, Callable[..., str]],
+        fn: None = None,
+        *,
+        kind: int = _core.KIND_MESSAGE,
+        fingerprint: bytes = b"",
+        lease: float = _core.DEFAULT_LEASE,
+        retention: Optional[float] = None,
+        wait: Optional[float] = None,
+        codec: Codec = JSON,
+        result_type: str = "",
+        bookkeeping_timeout: float = _core.DEFAULT_BOOKKEEPING_TIMEOUT,
+    ) -> Callable[[Callable[..., T]], Callable[..., T]]: ...
 
     def once(
         self,
@@ -242,14 +275,11 @@ class Client:
         function returns fn's value (or the replayed one), and
         :func:`current_attempt` gives it the token.
         """
-        settings = dict(
-            kind=kind, fingerprint=fingerprint, lease=lease, retention=retention, wait=wait,
-            codec=codec, result_type=result_type, bookkeeping_timeout=bookkeeping_timeout,
-        )
+        settings = _core.OnceSettings(kind, fingerprint, lease, retention, wait, codec, result_type, bookkeeping_timeout)
         if fn is not None:
             if callable(key):
                 raise TypeError("once: key must be the message id when fn is given")
-            return self._once(consumer, key, fn, **settings)
+            return self._once(consumer, key, fn, settings)
 
         def decorator(f: Callable[..., T]) -> Callable[..., T]:
             @functools.wraps(f)
@@ -261,7 +291,7 @@ class Client:
                     finally:
                         _attempt.reset(reset)
 
-                res = self._once(consumer, _core.call_key(key, args, kwargs), handler, **settings)
+                res = self._once(consumer, _core.call_key(key, args, kwargs), handler, settings)
                 return res.value  # type: ignore[no-any-return]
 
             return wrapper
@@ -273,36 +303,28 @@ class Client:
         consumer: str,
         message_id: str,
         fn: Callable[[Attempt], Any],
-        *,
-        kind: int,
-        fingerprint: bytes,
-        lease: float,
-        retention: Optional[float],
-        wait: Optional[float],
-        codec: Codec,
-        result_type: str,
-        bookkeeping_timeout: float,
+        s: _core.OnceSettings,
     ) -> OnceResult:
-        k = Key(consumer, message_id, kind)
-        p = ClaimParams(k, fingerprint, lease, retention)
-        cl = self._claim_waiting(p, wait, bookkeeping_timeout)
+        k = Key(consumer, message_id, s.kind)
+        p = ClaimParams(k, s.fingerprint, s.lease, s.retention)
+        cl = self._claim_waiting(p, s.wait, s.bookkeeping_timeout)
         if cl.outcome == registry_pb2.OUTCOME_COMPLETED:
-            return _core.replay(cl.record, codec)
+            return _core.replay(cl.record, s.codec)
         if cl.outcome != registry_pb2.OUTCOME_ACQUIRED:
             raise errors.InternalError(f"an unexpected claim outcome {cl.outcome}", code=grpc.StatusCode.INTERNAL)
         a = Attempt(k, cl.token, cl.record.attempt, lost=threading.Event())
-        hb = _Heartbeat(self, k, cl.fence, lease, a)
+        hb = _Heartbeat(self, k, cl.fence, s.lease, a)
         try:
             value = fn(a)
-            result = _core.decide(value, None, codec, result_type)
+            result = _core.decide(value, None, s.codec, s.result_type)
         except BaseException as exc:
             hb.stop()
-            result = _core.decide(None, exc, codec, result_type)
+            result = _core.decide(None, exc, s.codec, s.result_type)
             if result is None:
-                self._release_after(k, cl.fence, a, bookkeeping_timeout)
+                self._release_after(k, cl.fence, a, s.bookkeeping_timeout)
                 raise
             try:
-                self._complete_retrying(k, cl.fence, result, bookkeeping_timeout)
+                self._complete_retrying(k, cl.fence, result, s.bookkeeping_timeout)
             except errors.IdemregError as e:
                 log.warning("idemreg: the final failure was not recorded", extra={"consumer": consumer, "error": str(e)})
                 if hasattr(exc, "add_note"):
@@ -312,7 +334,7 @@ class Client:
         if result is None:  # pragma: no cover: decide stores every value
             raise AssertionError("no result for a value")
         try:
-            rec = self._complete_retrying(k, cl.fence, result, bookkeeping_timeout)
+            rec = self._complete_retrying(k, cl.fence, result, s.bookkeeping_timeout)
         except errors.IdemregError as e:
             raise errors.OutcomeNotRecordedError(f"idemreg: the handler succeeded but its outcome was not recorded: {e}", value) from e
         return OnceResult(ran=True, value=value, record=rec)

@@ -235,10 +235,11 @@ def from_rpc_error(err: BaseException) -> BaseException:
     """The typed error of a ``grpc.RpcError`` (sync or aio); anything else unchanged."""
     if isinstance(err, IdemregError) or not isinstance(err, grpc.RpcError):
         return err
+    rpc: BaseException = err
     code_fn = getattr(err, "code", None)
     if code_fn is None:
-        return err
-    code = code_fn()
+        return rpc
+    code: grpc.StatusCode = code_fn()
     message = err.details() if hasattr(err, "details") else ""
     details: list[Any] = []
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
@@ -251,7 +252,7 @@ def from_rpc_error(err: BaseException) -> BaseException:
             details = list(st.details)
             message = st.message or message
             break
-    typed = _typed(code, message or "", details)
+    typed: BaseException = _typed(code, message or "", details)
     typed.__cause__ = err
     return typed
 

@@ -35,14 +35,14 @@ class Attempt(_message.Message):
     end: AttemptEnd
     park_reason: str
     note: str
-    def __init__(self, *, attempt: int | None = ..., token: int | None = ..., holder: str | None = ..., acquired_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., ended_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., end: AttemptEnd | str | None = ..., park_reason: str | None = ..., note: str | None = ...) -> None: ...
+    def __init__(self, *, attempt: int | None = ..., token: int | None = ..., holder: str | None = ..., acquired_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., ended_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., end: AttemptEnd | int | str | None = ..., park_reason: str | None = ..., note: str | None = ...) -> None: ...
 
 class InspectRecordRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
     consumer: str
     kind: idemreg_dot_v1_dot_registry__pb2.Kind
     key: str
-    def __init__(self, *, consumer: str | None = ..., kind: idemreg_dot_v1_dot_registry__pb2.Kind | str | None = ..., key: str | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: idemreg_dot_v1_dot_registry__pb2.Kind | int | str | None = ..., key: str | None = ...) -> None: ...
 
 class InspectRecordResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -59,7 +59,7 @@ class InvalidateRecordRequest(_message.Message):
     key: str
     token: int
     reason: str
-    def __init__(self, *, consumer: str | None = ..., kind: idemreg_dot_v1_dot_registry__pb2.Kind | str | None = ..., key: str | None = ..., token: int | None = ..., reason: str | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: idemreg_dot_v1_dot_registry__pb2.Kind | int | str | None = ..., key: str | None = ..., token: int | None = ..., reason: str | None = ...) -> None: ...
 
 class InvalidateRecordResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -75,7 +75,7 @@ class ListRecordsRequest(_message.Message):
     older_than: google_dot_protobuf_dot_duration__pb2.Duration
     page_size: int
     page_token: str
-    def __init__(self, *, consumer: str | None = ..., consumer_prefix: bool | None = ..., state: idemreg_dot_v1_dot_registry__pb2.State | str | None = ..., min_attempt: int | None = ..., older_than: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., page_size: int | None = ..., page_token: str | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., consumer_prefix: bool | None = ..., state: idemreg_dot_v1_dot_registry__pb2.State | int | str | None = ..., min_attempt: int | None = ..., older_than: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., page_size: int | None = ..., page_token: str | None = ...) -> None: ...
 
 class ListedRecord(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -100,7 +100,7 @@ class ResolveRecordRequest(_message.Message):
     result: idemreg_dot_v1_dot_registry__pb2.Result
     release: bool
     response_json: JsonResponse
-    def __init__(self, *, consumer: str | None = ..., kind: idemreg_dot_v1_dot_registry__pb2.Kind | str | None = ..., key: str | None = ..., token: int | None = ..., reason: str | None = ..., result: idemreg_dot_v1_dot_registry__pb2.Result | None = ..., release: bool | None = ..., response_json: JsonResponse | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: idemreg_dot_v1_dot_registry__pb2.Kind | int | str | None = ..., key: str | None = ..., token: int | None = ..., reason: str | None = ..., result: idemreg_dot_v1_dot_registry__pb2.Result | None = ..., release: bool | None = ..., response_json: JsonResponse | None = ...) -> None: ...
 
 class JsonResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor

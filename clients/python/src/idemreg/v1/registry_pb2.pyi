@@ -80,7 +80,7 @@ class Record(_message.Message):
     expires_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp
     result: Result
     park_reason: str
-    def __init__(self, *, consumer: str | None = ..., kind: Kind | str | None = ..., key: str | None = ..., state: State | str | None = ..., fingerprint: bytes | None = ..., token: int | None = ..., attempt: int | None = ..., holder: str | None = ..., created_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., lease_expires_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., completed_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., expires_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., result: Result | None = ..., park_reason: str | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: Kind | int | str | None = ..., key: str | None = ..., state: State | int | str | None = ..., fingerprint: bytes | None = ..., token: int | None = ..., attempt: int | None = ..., holder: str | None = ..., created_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., lease_expires_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., completed_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., expires_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., result: Result | None = ..., park_reason: str | None = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -93,7 +93,7 @@ class ClaimRequest(_message.Message):
     holder: str
     request_id: str
     wait: google_dot_protobuf_dot_duration__pb2.Duration
-    def __init__(self, *, consumer: str | None = ..., kind: Kind | str | None = ..., key: str | None = ..., fingerprint: bytes | None = ..., lease: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., retention: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., holder: str | None = ..., request_id: str | None = ..., wait: google_dot_protobuf_dot_duration__pb2.Duration | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: Kind | int | str | None = ..., key: str | None = ..., fingerprint: bytes | None = ..., lease: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., retention: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., holder: str | None = ..., request_id: str | None = ..., wait: google_dot_protobuf_dot_duration__pb2.Duration | None = ...) -> None: ...
 
 class ClaimResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -102,7 +102,7 @@ class ClaimResponse(_message.Message):
     retry_after: google_dot_protobuf_dot_duration__pb2.Duration
     record: Record
     claim_secret: bytes
-    def __init__(self, *, outcome: Outcome | str | None = ..., token: int | None = ..., retry_after: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., record: Record | None = ..., claim_secret: bytes | None = ...) -> None: ...
+    def __init__(self, *, outcome: Outcome | int | str | None = ..., token: int | None = ..., retry_after: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., record: Record | None = ..., claim_secret: bytes | None = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -112,7 +112,7 @@ class CompleteRequest(_message.Message):
     token: int
     result: Result
     claim_secret: bytes
-    def __init__(self, *, consumer: str | None = ..., kind: Kind | str | None = ..., key: str | None = ..., token: int | None = ..., result: Result | None = ..., claim_secret: bytes | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: Kind | int | str | None = ..., key: str | None = ..., token: int | None = ..., result: Result | None = ..., claim_secret: bytes | None = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -126,7 +126,7 @@ class ReleaseRequest(_message.Message):
     key: str
     token: int
     claim_secret: bytes
-    def __init__(self, *, consumer: str | None = ..., kind: Kind | str | None = ..., key: str | None = ..., token: int | None = ..., claim_secret: bytes | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: Kind | int | str | None = ..., key: str | None = ..., token: int | None = ..., claim_secret: bytes | None = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -141,7 +141,7 @@ class ExtendRequest(_message.Message):
     token: int
     lease: google_dot_protobuf_dot_duration__pb2.Duration
     claim_secret: bytes
-    def __init__(self, *, consumer: str | None = ..., kind: Kind | str | None = ..., key: str | None = ..., token: int | None = ..., lease: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., claim_secret: bytes | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: Kind | int | str | None = ..., key: str | None = ..., token: int | None = ..., lease: google_dot_protobuf_dot_duration__pb2.Duration | None = ..., claim_secret: bytes | None = ...) -> None: ...
 
 class ExtendResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -156,7 +156,7 @@ class ParkRequest(_message.Message):
     token: int
     reason: str
     claim_secret: bytes
-    def __init__(self, *, consumer: str | None = ..., kind: Kind | str | None = ..., key: str | None = ..., token: int | None = ..., reason: str | None = ..., claim_secret: bytes | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: Kind | int | str | None = ..., key: str | None = ..., token: int | None = ..., reason: str | None = ..., claim_secret: bytes | None = ...) -> None: ...
 
 class ParkResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -168,7 +168,7 @@ class LookupRequest(_message.Message):
     consumer: str
     kind: Kind
     key: str
-    def __init__(self, *, consumer: str | None = ..., kind: Kind | str | None = ..., key: str | None = ...) -> None: ...
+    def __init__(self, *, consumer: str | None = ..., kind: Kind | int | str | None = ..., key: str | None = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
