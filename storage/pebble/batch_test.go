@@ -12,3 +12,9 @@ func TestBatcherConformance(t *testing.T) {
 		return openT(t, t.TempDir(), WithClock(c.Now))
 	})
 }
+
+func TestMixedBatcherConformance(t *testing.T) {
+	storagetest.RunMixedBatcher(t, func(t *testing.T, c *storagetest.Clock) storage.Store {
+		return openT(t, t.TempDir(), WithClock(c.Now))
+	})
+}

@@ -1,10 +1,12 @@
 package postgres_test
 
 import (
+	"context"
 	"fmt"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemreg/idemreg/storage"
@@ -15,6 +17,10 @@ import (
 
 func TestBatcherConformance(t *testing.T) {
 	storagetest.RunBatcher(t, sharedDatabase(pgtest.NewDatabase(t)))
+}
+
+func TestMixedBatcherConformance(t *testing.T) {
+	storagetest.RunMixedBatcher(t, sharedDatabase(pgtest.NewDatabase(t)))
 }
 
 // TestExplicitBatchIsOneStatement: a batch of 100 new keys is one
@@ -56,4 +62,48 @@ func TestExplicitBatchIsOneStatement(t *testing.T) {
 			require.EqualValues(t, 100, c3-c2)
 		})
 	}
+}
+
+// TestMixedBatchIsOneTransaction: a batch of Claims and Completes is one
+// transaction with one commit: every row it wrote carries the same
+// transaction id (xmin). (pg_stat_database's xact_commit would say it too,
+// but a backend reports it at most once a second.)
+func TestMixedBatchIsOneTransaction(t *testing.T) {
+	databaseURL := pgtest.NewDatabase(t)
+	if isCockroach(t, databaseURL) {
+		t.Skip("xmin and pg_stat_database are PostgreSQL's")
+	}
+	s := openStore(t, databaseURL)
+	ctx := t.Context()
+	key := func(i int) storage.Key {
+		return storage.Key{Consumer: "mixed.txn", Kind: storage.KindOperation, Key: fmt.Sprint("k-", i)}
+	}
+	claim := func(i int) *storage.ClaimParams {
+		return &storage.ClaimParams{Key: key(i), Lease: time.Minute, Retention: time.Hour, Holder: "h"}
+	}
+	var ops []storage.Op
+	for i := range 4 { // held keys, completed by the batch
+		res, err := s.Claim(ctx, *claim(i))
+		require.NoError(t, err)
+		ops = append(ops, storage.Op{Complete: &storage.CompleteParams{Key: key(i), Token: res.Record.Token, Result: []byte("r")}})
+	}
+	for i := 4; i < 8; i++ { // fresh keys, claimed by the batch
+		ops = append(ops, storage.Op{Claim: claim(i)})
+	}
+	conn, err := pgx.Connect(ctx, databaseURL)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	mixed0 := postgres.MixedBatches(s)
+	got := s.Batch(ctx, ops)
+	for i, a := range got {
+		require.NoError(t, a.Err, "item %d", i)
+	}
+	require.EqualValues(t, 1, postgres.MixedBatches(s)-mixed0, "one transaction of both kinds")
+
+	rows, err := conn.Query(ctx, `SELECT DISTINCT xmin::text FROM idemreg_records WHERE consumer = 'mixed.txn'`)
+	require.NoError(t, err)
+	xids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Len(t, xids, 1, "the Claims and the Completes were written by one transaction: %v", xids)
+
 }

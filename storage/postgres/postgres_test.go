@@ -102,6 +102,15 @@ func TestCockroach(t *testing.T) {
 	t.Run("Membership", func(t *testing.T) {
 		storagetest.RunMembership(t, freshDatabases(serverURL))
 	})
+	t.Run("Batcher", func(t *testing.T) {
+		storagetest.RunBatcher(t, sharedDatabase(pgtest.NewDatabaseAt(t, serverURL)))
+	})
+	t.Run("MixedBatcher", func(t *testing.T) {
+		storagetest.RunMixedBatcher(t, sharedDatabase(pgtest.NewDatabaseAt(t, serverURL)))
+	})
+	t.Run("ClaimKeys", func(t *testing.T) {
+		storagetest.RunClaimKeys(t, freshDatabases(serverURL))
+	})
 }
 
 func isCockroach(t *testing.T, databaseURL string) bool {
