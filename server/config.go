@@ -115,6 +115,12 @@ type Config struct {
 	// goroutines keep the stacks they grew, which a new goroutine per call
 	// grows again by copying: an eighth of the server's CPU under load.
 	StreamWorkers int
+	// StaticWindow, when positive, fixes the HTTP/2 flow-control window of
+	// every stream and every connection of the gRPC listener at this many
+	// bytes. Zero leaves grpc-go's dynamic windows, which it sizes by
+	// estimating the bandwidth-delay product: a PING and its ack with
+	// nearly every small message it receives (grpc/grpc-go#6998).
+	StaticWindow int32
 	// Keepalive sets connection ages and pings; zero fields take the
 	// defaults of DefaultKeepalive.
 	Keepalive keepalive.ServerParameters
@@ -184,6 +190,10 @@ const DefaultInFlightShare = 0.5
 // enough for the callers a replica serves at once, so that nearly every
 // call finds one idle, at a few KiB of stack each.
 const DefaultStreamWorkers = 128
+
+// MinStaticWindow is the smallest StaticWindow: HTTP/2's initial window,
+// below which grpc-go ignores the setting.
+const MinStaticWindow = 64 << 10
 
 // DefaultKeepalive are the connection settings for load-balanced
 // deployments: connections are recycled every few minutes so that new
@@ -336,6 +346,11 @@ func (c Config) Validate() error {
 		if n.v < 0 {
 			bad(n.field, n.v, "must not be negative")
 		}
+	}
+	// grpc-go ignores a window below HTTP/2's initial one, and the
+	// server would run with dynamic windows while configured for static.
+	if c.StaticWindow != 0 && c.StaticWindow < MinStaticWindow {
+		bad("StaticWindow", c.StaticWindow, fmt.Sprintf("must be 0 (dynamic) or at least %d", MinStaticWindow))
 	}
 	// A deadline cut to below the budget of a request without one would
 	// make a caller's explicit deadline shorter than not giving any.

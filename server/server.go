@@ -170,6 +170,9 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		// INVALID_ARGUMENT and goes through the interceptors (codec.go).
 		grpc.ForceServerCodecV2(newRequestCodec()),
 	}
+	if cfg.StaticWindow > 0 {
+		opts = append(opts, grpc.StaticStreamWindowSize(cfg.StaticWindow), grpc.StaticConnWindowSize(cfg.StaticWindow))
+	}
 	opts = append(opts, cfg.Bounds.serverOptions(newPendingCalls(cfg.Bounds.MaxPendingCalls-cfg.Bounds.MaxPendingCalls/2, m))...)
 	creds := insecure.NewCredentials()
 	if cfg.TLS != nil {

@@ -38,9 +38,9 @@ type benchConfig struct {
 	ResultBytes int
 	Label       string
 	Replot      string
-	// ClientInFlight is the Go client's Batching.MaxInFlight (0: its
-	// default).
-	ClientInFlight int
+	// ClientInFlight is the Go client's Batching.MaxInFlight values (0:
+	// its default); a target through the client runs once for each.
+	ClientInFlight []int
 	// Batch is the keys per call of the -batch targets.
 	Batch int
 	// ServerBinary is the idemreg binary started for a server target
@@ -70,6 +70,9 @@ Targets (they take turns, run after run, so that other load falls on all alike):
                     for each run, whose Claim and Complete are each one
                     health Check: what any gRPC hop costs on this machine.
                     It runs every iteration as a new key.
+                    grpc-floor[--static-window=N] has the static HTTP/2
+                    windows of idemreg[--static-window=N]; the bench dials
+                    either with the same windows.
   idemreg-batch, idemreg-embedded-batch
                     the same servers driven in batches: each iteration is
                     one BatchClaim of --batch new keys and one BatchComplete
@@ -180,7 +183,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs := flag.NewFlagSet("idemreg-bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, benchUsage); fs.PrintDefaults() }
-	var targets, callers, mix, serverFlags string
+	var targets, callers, mix, serverFlags, inFlight string
 	fs.StringVar(&targets, "targets", "idemreg,sql,redis", "comma-separated targets: idemreg, idemreg-embedded (through the Go client, with its defaults), their -unary (one generated-stub RPC per call) and -batch variants, sql, sql-batch, redis, grpc-floor; a started server takes extra flags and environment in brackets, e.g. idemreg[--sql-batch-size=1 GOGC=100]")
 	fs.StringVar(&callers, "callers", "1,8,64", "comma-separated numbers of concurrent callers")
 	fs.DurationVar(&cfg.Duration, "duration", 10*time.Second, "measured time of each run")
@@ -202,7 +205,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.StringVar(&cfg.Label, "label", "", "a note for the chart's title")
 	fs.StringVar(&cfg.Replot, "replot", "", "draw --chart from the figures a run wrote with --json, and run nothing")
 	fs.IntVar(&cfg.Batch, "batch", 64, "keys per batch claim and batch complete of the -batch targets")
-	fs.IntVar(&cfg.ClientInFlight, "client-in-flight", 0, "the Go client's Batching.MaxInFlight for the idemreg and idemreg-embedded targets (0: the client's default)")
+	fs.StringVar(&inFlight, "client-in-flight", "0", "comma-separated values of the Go client's Batching.MaxInFlight for the idemreg and idemreg-embedded targets (0: the client's default); with more than one, each such target runs once for each, labelled target{in-flight=N}, side by side")
 	fs.IntVar(&cfg.Waiters, "waiters", 0, "after the runs, measure this many woken waiters per server target and replica case (0: none)")
 	fs.IntVar(&cfg.WaiterPairs, "waiter-pairs", 8, "holder/waiter pairs at a time in the waiter measurement")
 	fs.DurationVar(&cfg.WaiterRecheck, "waiter-recheck", 10*time.Second, "the spawned servers' --wait-recheck in the waiter measurement: long, so that a waiter across replicas woken fast was told by the replica that completed its key")
@@ -214,6 +217,14 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 		return cfg, nil
 	}
 	var errs []error
+	for _, f := range strings.Split(inFlight, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 0 {
+			errs = append(errs, fmt.Errorf("--client-in-flight: %q is not a number of RPCs", f))
+			continue
+		}
+		cfg.ClientInFlight = append(cfg.ClientInFlight, n)
+	}
 	for _, label := range strings.Split(targets, ",") {
 		t, err := parseTarget(label)
 		if err != nil {
@@ -223,7 +234,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 		if (t.Kind == "sql" || (t.Kind == "idemreg" && cfg.Addr == "")) && cfg.DatabaseURL == "" {
 			errs = append(errs, fmt.Errorf("target %s needs --database-url", label))
 		}
-		cfg.Targets = append(cfg.Targets, t)
+		cfg.Targets = append(cfg.Targets, t.withInFlight(cfg.ClientInFlight)...)
 	}
 	for _, c := range strings.Split(callers, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(c))
@@ -271,6 +282,38 @@ type benchTarget struct {
 	// Unary: a -unary target, which calls its server through the
 	// generated stub, one RPC per call, instead of the Go client.
 	Unary bool `json:",omitempty"`
+	// StaticWindow is the --static-window=N of ServerArgs: the bench
+	// dials its server with the same static windows.
+	StaticWindow int32 `json:",omitempty"`
+	// ClientInFlight is the Go client's Batching.MaxInFlight (0: its
+	// default), for a target through the client.
+	ClientInFlight int `json:",omitempty"`
+}
+
+// throughClient says whether t's calls go through the Go client.
+func (t benchTarget) throughClient() bool {
+	return (t.Kind == "idemreg" || t.Kind == "idemreg-embedded") && !t.Batch && !t.Unary
+}
+
+// withInFlight is t once for each of the client's in-flight caps when its
+// calls go through the client and there are several, each labelled with
+// its cap; else t alone, with the one cap.
+func (t benchTarget) withInFlight(caps []int) []benchTarget {
+	if !t.throughClient() || len(caps) == 0 {
+		return []benchTarget{t}
+	}
+	if len(caps) == 1 {
+		t.ClientInFlight = caps[0]
+		return []benchTarget{t}
+	}
+	out := make([]benchTarget, 0, len(caps))
+	for _, n := range caps {
+		c := t
+		c.ClientInFlight = n
+		c.Label = fmt.Sprintf("%s{in-flight=%d}", t.Label, n)
+		out = append(out, c)
+	}
+	return out
 }
 
 func parseTarget(s string) (benchTarget, error) {
@@ -284,6 +327,13 @@ func parseTarget(s string) (benchTarget, error) {
 			switch {
 			case strings.HasPrefix(tok, "-"):
 				t.ServerArgs = append(t.ServerArgs, tok)
+				if v, ok := strings.CutPrefix(strings.TrimLeft(tok, "-"), "static-window="); ok {
+					n, err := strconv.ParseInt(v, 10, 32)
+					if err != nil || n < 0 {
+						return t, fmt.Errorf("target %q: --static-window=%s is not a number of bytes", s, v)
+					}
+					t.StaticWindow = int32(n)
+				}
 			case strings.HasPrefix(tok, "@") && len(tok) > 1:
 				t.ServerBinary = tok[1:]
 			case strings.Contains(tok, "="):
@@ -300,8 +350,11 @@ func parseTarget(s string) (benchTarget, error) {
 		t.Kind, t.Unary = base, true
 	}
 	if len(t.ServerArgs)+len(t.ServerEnv) > 0 || t.ServerBinary != "" {
-		if t.Kind != "idemreg" && t.Kind != "idemreg-embedded" {
-			return t, fmt.Errorf("target %q: only a started server takes [flags]", s)
+		// The floor takes the static windows alone, so that it stays the
+		// floor of a server that has them.
+		floorWindow := t.Kind == "grpc-floor" && len(t.ServerArgs) == 1 && t.StaticWindow > 0 && len(t.ServerEnv) == 0 && t.ServerBinary == ""
+		if t.Kind != "idemreg" && t.Kind != "idemreg-embedded" && !floorWindow {
+			return t, fmt.Errorf("target %q: only a started server takes [flags] (grpc-floor: --static-window=N alone)", s)
 		}
 	}
 	switch t.Kind {

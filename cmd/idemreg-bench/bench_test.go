@@ -103,6 +103,7 @@ func TestBenchFlags(t *testing.T) {
 		{"bad mix", []string{"--targets", "redis", "--mix", "replay=90,collide=20"}},
 		{"batch too large", []string{"--targets", "idemreg-embedded-batch", "--batch", "501"}},
 		{"negative waiters", []string{"--targets", "idemreg-embedded", "--waiters", "-1"}},
+		{"bad in-flight cap", []string{"--targets", "idemreg-embedded", "--client-in-flight", "1,x"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Setenv("IDEMREG_DATABASE_URL", "")
@@ -137,6 +138,15 @@ func TestParseBenchTarget(t *testing.T) {
 		{name: "embedded unary with flags", in: "idemreg-embedded-unary[GOGC=100]", want: benchTarget{
 			Label: "idemreg-embedded-unary[GOGC=100]", Kind: "idemreg-embedded", ServerEnv: []string{"GOGC=100"}, Unary: true,
 		}},
+		{name: "static windows", in: "idemreg[--static-window=1048576]", want: benchTarget{
+			Label: "idemreg[--static-window=1048576]", Kind: "idemreg", ServerArgs: []string{"--static-window=1048576"}, StaticWindow: 1 << 20,
+		}},
+		{name: "floor with static windows", in: "grpc-floor[--static-window=1048576]", want: benchTarget{
+			Label: "grpc-floor[--static-window=1048576]", Kind: "grpc-floor", ServerArgs: []string{"--static-window=1048576"}, StaticWindow: 1 << 20,
+		}},
+		{name: "floor with other flags", in: "grpc-floor[--static-window=1048576 --x]", err: true},
+		{name: "floor with environment", in: "grpc-floor[GOMAXPROCS=1]", err: true},
+		{name: "static window not a number", in: "idemreg[--static-window=big]", err: true},
 		{name: "unary baseline", in: "sql-unary", err: true},
 		{name: "batched sql baseline", in: "sql-batch", want: benchTarget{Label: "sql-batch", Kind: "sql", Batch: true}},
 		{name: "batch of a baseline without batches", in: "redis-batch", err: true},
@@ -186,6 +196,41 @@ func TestBenchFloor(t *testing.T) {
 	require.Zero(t, r.Median.Errors)
 	require.Zero(t, r.Median.Unexpected)
 	require.GreaterOrEqual(t, r.Median.ServerCPUPerCall, 0.0, "the started server's CPU is measured")
+}
+
+// TestBenchInFlightList runs a target through the client once for each
+// --client-in-flight cap, side by side and labelled with it, against a
+// server with static windows (dialled with them too), beside the floor
+// with the same windows and a target the caps do not apply to.
+func TestBenchInFlightList(t *testing.T) {
+	// The floor's server is the bench's hidden command: a binary of its own.
+	bench, bin := benchBin(t), idemregBin(t)
+	js := filepath.Join(t.TempDir(), "inflight.json")
+	out, err := exec.CommandContext(t.Context(), bench,
+		"--targets", "idemreg-embedded[--static-window=1048576],idemreg-embedded-unary,grpc-floor[--static-window=1048576]",
+		"--server-binary", bin, "--client-in-flight", "1,4",
+		"--callers", "2", "--duration", "300ms", "--warmup", "0", "--repeat", "1", "--json", js).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	var report struct {
+		Reports []struct {
+			Target string
+			Median struct{ Pairs, Errors, Unexpected int }
+		}
+	}
+	b, err := os.ReadFile(js)
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &report))
+	var targets []string
+	for _, r := range report.Reports {
+		targets = append(targets, r.Target)
+		require.Positive(t, r.Median.Pairs, r.Target)
+		require.Zero(t, r.Median.Errors, r.Target)
+		require.Zero(t, r.Median.Unexpected, r.Target)
+	}
+	require.Equal(t, []string{
+		"idemreg-embedded[--static-window=1048576]{in-flight=1}", "idemreg-embedded[--static-window=1048576]{in-flight=4}",
+		"idemreg-embedded-unary", "grpc-floor[--static-window=1048576]",
+	}, targets)
 }
 
 // TestBenchOtherBinary starts the server of a target from the binary its

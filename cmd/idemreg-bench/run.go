@@ -65,7 +65,7 @@ func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, re
 		}
 		defer srv.stop()
 		pid = srv.cmd.Process.Pid
-		t, err = bench.NewFloor(srv.addr)
+		t, err = bench.NewFloor(srv.addr, bench.StaticWindow(bt.StaticWindow)...)
 	case "idemreg", "idemreg-embedded":
 		addr := cfg.Addr
 		pid = cfg.ServerPID
@@ -79,9 +79,9 @@ func benchOnce(ctx context.Context, cfg benchConfig, bt benchTarget, callers, re
 		}
 		// Preloaded records belong to PreloadConsumer: replays claim them.
 		if bt.Unary || bt.Batch {
-			t, err = bench.NewRegistry(addr, bench.PreloadConsumer)
+			t, err = bench.NewRegistry(addr, bench.PreloadConsumer, bench.StaticWindow(bt.StaticWindow)...)
 		} else {
-			t, err = bench.NewRegistryClient(addr, bench.PreloadConsumer, client.Batching{MaxInFlight: cfg.ClientInFlight})
+			t, err = bench.NewRegistryClient(addr, bench.PreloadConsumer, client.Batching{MaxInFlight: bt.ClientInFlight}, bench.StaticWindow(bt.StaticWindow)...)
 		}
 	case "sql":
 		t, err = bench.NewSQLInbox(ctx, cfg.DatabaseURL, "bench.sql", callers)

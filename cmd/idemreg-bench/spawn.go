@@ -67,6 +67,7 @@ func spawnServer(ctx context.Context, cfg benchConfig, bt benchTarget, stderr io
 		args = append(args, "--database-url", "", "--data-dir", filepath.Join(dir, "data"))
 	case "grpc-floor":
 		args = []string{floorServerCommand, "--listen", addr}
+		args = append(args, bt.ServerArgs...) // only --static-window
 	}
 	s := &spawned{addr: addr, dir: dir, done: make(chan error, 1)}
 	if cfg.ProfileDir != "" && target != "grpc-floor" {
@@ -139,19 +140,25 @@ func (s *spawned) stop() {
 const floorServerCommand = "floor-server"
 
 // floorServer serves grpc.health.v1 alone, on a grpc-go server with no
-// options, until ctx ends.
+// options but the static windows that idemreg serve's --static-window
+// sets (so that the floor stays a floor), until ctx ends.
 func floorServer(ctx context.Context, args []string, stderr io.Writer) error {
 	fs := flag.NewFlagSet("idemreg-bench "+floorServerCommand, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	listen := fs.String("listen", "127.0.0.1:0", "address to listen on")
+	window := fs.Int("static-window", 0, "fix the HTTP/2 flow-control windows at this many bytes (0: grpc-go's dynamic windows)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	var opts []grpc.ServerOption
+	if *window > 0 {
+		opts = append(opts, grpc.StaticStreamWindowSize(int32(*window)), grpc.StaticConnWindowSize(int32(*window)))
 	}
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {
 		return err
 	}
-	srv := grpc.NewServer()
+	srv := grpc.NewServer(opts...)
 	healthpb.RegisterHealthServer(srv, grpchealth.NewServer())
 	go func() {
 		<-ctx.Done()

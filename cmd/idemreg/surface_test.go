@@ -55,6 +55,8 @@ func TestServeRefusesToOpenUp(t *testing.T) {
 		{"timeouts", []string{"--request-timeout", "10s", "--max-request-timeout", "5s"}, "--max-request-timeout"},
 		{"in flight", []string{"--max-in-flight", "0"}, "--max-in-flight must be positive"},
 		{"stream workers", []string{"--stream-workers", "-1"}, "--stream-workers must not be negative"},
+		{"static window too small", []string{"--static-window", "1024"}, "--static-window must be 0 (dynamic) or at least 65536"},
+		{"static window not a number", []string{"--static-window", "1MiB"}, "invalid value"},
 		{"no header bound", []string{"--max-header-list-size", "0"}, "--max-header-list-size (0)"},
 		{"header bound too small", []string{"--max-header-list-size", "100"}, "header list bound must be between"},
 		{"header bound not a number", []string{"--max-header-list-size", "16KiB"}, "invalid value"},

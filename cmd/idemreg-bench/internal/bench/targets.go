@@ -27,6 +27,17 @@ const (
 	Retention = 24 * time.Hour
 )
 
+// StaticWindow is the dial options that fix a connection's HTTP/2
+// flow-control windows at n bytes, as a server's --static-window does
+// its own: without them grpc-go's client too sends a bandwidth-estimating
+// PING with nearly every small message it receives. Zero: none.
+func StaticWindow(n int32) []grpc.DialOption {
+	if n <= 0 {
+		return nil
+	}
+	return []grpc.DialOption{grpc.WithStaticStreamWindowSize(n), grpc.WithStaticConnWindowSize(n)}
+}
+
 // Registry drives an idemreg server over gRPC, on one client connection
 // (HTTP/2 multiplexes the callers), one generated-stub RPC per call: the
 // -unary targets.
@@ -36,9 +47,10 @@ type Registry struct {
 	consumer string
 }
 
-// NewRegistry connects to the server at addr; calls use consumer.
-func NewRegistry(addr, consumer string) (*Registry, error) {
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+// NewRegistry connects to the server at addr with opts (StaticWindow's,
+// say); calls use consumer.
+func NewRegistry(addr, consumer string, opts ...grpc.DialOption) (*Registry, error) {
+	conn, err := grpc.NewClient(addr, append(opts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
 	if err != nil {
 		return nil, err
 	}
@@ -55,9 +67,10 @@ type RegistryClient struct {
 }
 
 // NewRegistryClient connects to the server at addr; calls use consumer.
-// batching is the client's (client.DefaultBatching when zero).
-func NewRegistryClient(addr, consumer string, batching client.Batching) (*RegistryClient, error) {
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+// batching is the client's (client.DefaultBatching when zero); opts are
+// the connection's.
+func NewRegistryClient(addr, consumer string, batching client.Batching, opts ...grpc.DialOption) (*RegistryClient, error) {
+	conn, err := grpc.NewClient(addr, append(opts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
 	if err != nil {
 		return nil, err
 	}
@@ -298,9 +311,9 @@ type Floor struct {
 	health healthpb.HealthClient
 }
 
-// NewFloor connects to the bare server at addr.
-func NewFloor(addr string) (*Floor, error) {
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+// NewFloor connects to the bare server at addr with opts.
+func NewFloor(addr string, opts ...grpc.DialOption) (*Floor, error) {
+	conn, err := grpc.NewClient(addr, append(opts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
 	if err != nil {
 		return nil, err
 	}
