@@ -29,9 +29,9 @@ func (s *Server) authorize(ctx context.Context, req any, info *grpc.UnaryServerI
 		if err := batchBounds(req.(proto.Message), len(consumers)); err != nil {
 			return nil, err
 		}
-		verdicts, ctx := verdictsFor(ctx, len(consumers))
+		verdicts, ctx := verdictsFor(ctx, req, len(consumers))
 		for i, c := range consumers {
-			if !id.MayUse(c) {
+			if verdicts[i] == nil && !id.MayUse(c) {
 				verdicts[i] = s.denied(ctx, id, c, "")
 			}
 		}

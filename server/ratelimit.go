@@ -28,7 +28,7 @@ func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerI
 		if err := batchBounds(req.(proto.Message), len(consumers)); err != nil {
 			return nil, err
 		}
-		verdicts, ctx := verdictsFor(ctx, len(consumers))
+		verdicts, ctx := verdictsFor(ctx, req, len(consumers))
 		for i, c := range consumers {
 			if verdicts[i] == nil {
 				verdicts[i] = s.allow(ctx, c)
