@@ -372,3 +372,61 @@ def test_asyncio(registry: Registry) -> None:
                 await down.once("py.aio.down", unique(), handler, bookkeeping_timeout=0.5)
 
     asyncio.run(main())
+
+
+def test_in_progress_retry_after_is_the_consumers_mean_run_time(registry: Registry) -> None:
+    consumer = "py.runtime." + unique()
+    with registry.client() as c, registry.client() as holder:
+        k = idemreg.Key(consumer, unique())
+        held = holder.claim(k, lease=5.0)
+        with pytest.raises(idemreg.InProgressError) as before:
+            c.once(consumer, k.key, lambda a: 1)
+        assert before.value.retry_after == pytest.approx(1.0)  # the default before any run
+        c.once(consumer, unique(), lambda a: time.sleep(0.2))
+        with pytest.raises(idemreg.InProgressError) as after:
+            c.once(consumer, k.key, lambda a: 1)
+        # The registry's own figure is the ~5 s left on the holder's lease.
+        assert 0.15 <= after.value.retry_after <= 0.5
+        holder.release(k, held.fence)
+
+
+def test_batches_split_by_items_and_bytes() -> None:
+    from idemreg import _core
+
+    assert [len(p) for p in _core.chunks(list(range(1001)), [10] * 1001)] == [500, 500, 1]
+    big = _core.MAX_BATCH_BYTES // 3 + 1
+    assert [len(p) for p in _core.chunks(list(range(7)), [big] * 7)] == [2, 2, 2, 1]
+    assert _core.chunks([], []) == []
+
+
+def test_asyncio_a_claim_its_caller_gave_up_on_is_released(registry: Registry) -> None:
+    async def main() -> None:
+        async with registry.async_client() as c:
+            key = idemreg.Key("py.aio.abandoned", unique())
+            orig = c._claim
+            answered = asyncio.Event()
+
+            async def slow(p: Any, timeout: Any) -> Any:
+                await asyncio.sleep(0.3)  # the caller gives up meanwhile
+                cl = await orig(p, timeout)
+                answered.set()
+                return cl
+
+            c._claim = slow  # type: ignore[method-assign]
+            task = asyncio.ensure_future(c.once(key.consumer, key.key, lambda a: asyncio.sleep(0)))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(answered.wait(), 5)
+            c._claim = orig  # type: ignore[method-assign]
+            for _ in range(100):
+                if not c._background:
+                    break
+                await asyncio.sleep(0.02)
+            # The abandoned claim acquired the key, and was released: the
+            # next Claim acquires at once, as attempt 2.
+            cl = await c.claim(key)
+            assert cl.outcome == idemreg.OUTCOME_ACQUIRED and cl.record.attempt == 2
+
+    asyncio.run(main())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import random
 import secrets
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -165,14 +166,11 @@ BatchItem = Union[ClaimParams, CompleteParams]
 BatchAnswer = Union[Claim, registry_pb2.Record, errors.IdemregError]
 
 
-def batch_request(items: list[BatchItem], holder: str) -> registry_pb2.BatchRequest:
-    req = registry_pb2.BatchRequest()
-    for it in items:
-        if isinstance(it, ClaimParams):
-            req.items.add(claim=it.request(holder))
-        else:
-            req.items.add(complete=it.request())
-    return req
+def batch_items(items: list[BatchItem], holder: str) -> list[registry_pb2.BatchItem]:
+    return [
+        registry_pb2.BatchItem(claim=it.request(holder)) if isinstance(it, ClaimParams) else registry_pb2.BatchItem(complete=it.request())
+        for it in items
+    ]
 
 
 def batch_answers(resp: registry_pb2.BatchResponse) -> list[BatchAnswer]:
@@ -188,8 +186,26 @@ def batch_answers(resp: registry_pb2.BatchResponse) -> list[BatchAnswer]:
     return out
 
 
-def chunks(items: list[Any], n: int = MAX_BATCH_ITEMS) -> list[list[Any]]:
-    return [items[i : i + n] for i in range(0, len(items), n)] or [[]]
+# The registry's bound on the bytes of one batch call, less room for the
+# envelope.
+MAX_BATCH_BYTES = (4 << 20) - (64 << 10)
+
+
+def chunks(items: list[Any], sizes: list[int]) -> list[list[Any]]:
+    """items in calls of at most MAX_BATCH_ITEMS and MAX_BATCH_BYTES (an item
+    larger than that alone in its call, for the registry to refuse)."""
+    out: list[list[Any]] = []
+    part: list[Any] = []
+    size = 0
+    for it, n in zip(items, sizes):
+        if part and (len(part) == MAX_BATCH_ITEMS or size + n > MAX_BATCH_BYTES):
+            out.append(part)
+            part, size = [], 0
+        part.append(it)
+        size += n
+    if part:
+        out.append(part)
+    return out
 
 
 @dataclass
@@ -236,13 +252,43 @@ def replay(rec: registry_pb2.Record, codec: Codec) -> OnceResult:
     return OnceResult(replayed=True, value=codec.decode(rec.result.response.data), record=rec)
 
 
-def in_progress(retry_after: float) -> errors.InProgressError:
-    # The Go client waits its consumer's mean run time; without one, its
-    # default, never past the holder's lease.
-    wait = DEFAULT_IN_PROGRESS_RETRY
-    if 0 < retry_after < wait:
-        wait = retry_after
-    return errors.InProgressError(retry_after=max(wait, MIN_IN_PROGRESS_RETRY))
+# How many consumers RunTimes follows: a caller that invents consumer
+# names must not grow it without end.
+MAX_TIMED_CONSUMERS = 1024
+
+
+class RunTimes:
+    """What an InProgressError's retry_after is estimated from, as the Go
+    client does: per consumer, a moving average (weight 1/8 per run) of how
+    long this client's handlers took. The registry's own retry_after is the
+    time left on the holder's lease, which a heartbeat keeps between half a
+    lease and a lease whatever the work's length: a duplicate told that
+    would come back long after the answer is in."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._avg: dict[str, float] = {}
+
+    def observe(self, consumer: str, d: float) -> None:
+        with self._lock:
+            old = self._avg.get(consumer)
+            if old is not None:
+                self._avg[consumer] = old + (d - old) / 8
+            elif len(self._avg) < MAX_TIMED_CONSUMERS:
+                self._avg[consumer] = d
+
+    def retry_after(self, consumer: str, lease_left: float) -> float:
+        """The consumer's mean run time (1 s before any), at least 50 ms, at
+        most the time left on the holder's lease."""
+        with self._lock:
+            d = self._avg.get(consumer, DEFAULT_IN_PROGRESS_RETRY)
+        d = max(d, MIN_IN_PROGRESS_RETRY)
+        if lease_left > 0:
+            d = min(d, lease_left)
+        return d
+
+    def in_progress(self, consumer: str, lease_left: float) -> errors.InProgressError:
+        return errors.InProgressError(retry_after=self.retry_after(consumer, lease_left))
 
 
 def repeatable(err: BaseException) -> bool:

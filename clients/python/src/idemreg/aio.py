@@ -77,6 +77,9 @@ class AsyncClient:
         self._stub = RegistryServiceStub(channel)
         self.timeout = timeout
         self.holder = holder
+        self._run_times = _core.RunTimes()
+        # Releases of claims their callers gave up on, kept from the collector.
+        self._background: set["asyncio.Future[None]"] = set()
 
     async def close(self) -> None:
         """Closes the channel, if this client opened it."""
@@ -147,11 +150,11 @@ class AsyncClient:
     async def batch_claim(self, claims: list[ClaimParams], *, timeout: Optional[float] = None) -> list[Union[Claim, errors.IdemregError]]:
         """:meth:`idemreg.Client.batch_claim`."""
         out: list[Union[Claim, errors.IdemregError]] = []
-        for part in _core.chunks(claims):
-            if not part:
-                break
-            req = registry_pb2.BatchClaimRequest(requests=[p.request(self.holder) for p in part])
-            for r in (await self._call(self._stub.BatchClaim, req, timeout)).results:
+        reqs = [p.request(self.holder) for p in claims]
+        for part in _core.chunks(reqs, [r.ByteSize() for r in reqs]):
+            req = registry_pb2.BatchClaimRequest(requests=part)
+            resp: registry_pb2.BatchClaimResponse = await self._call(self._stub.BatchClaim, req, timeout)
+            for r in resp.results:
                 out.append(Claim.of(r.response) if r.WhichOneof("result") == "response" else _item_error(r.error))
         return out
 
@@ -160,21 +163,20 @@ class AsyncClient:
     ) -> list[Union[registry_pb2.Record, errors.IdemregError]]:
         """:meth:`idemreg.Client.batch_complete`."""
         out: list[Union[registry_pb2.Record, errors.IdemregError]] = []
-        for part in _core.chunks(completes):
-            if not part:
-                break
-            req = registry_pb2.BatchCompleteRequest(requests=[p.request() for p in part])
-            for r in (await self._call(self._stub.BatchComplete, req, timeout)).results:
+        reqs = [p.request() for p in completes]
+        for part in _core.chunks(reqs, [r.ByteSize() for r in reqs]):
+            req = registry_pb2.BatchCompleteRequest(requests=part)
+            resp: registry_pb2.BatchCompleteResponse = await self._call(self._stub.BatchComplete, req, timeout)
+            for r in resp.results:
                 out.append(r.response.record if r.WhichOneof("result") == "response" else _item_error(r.error))
         return out
 
     async def batch(self, items: list[BatchItem], *, timeout: Optional[float] = None) -> list[BatchAnswer]:
         """:meth:`idemreg.Client.batch`."""
         out: list[BatchAnswer] = []
-        for part in _core.chunks(items):
-            if not part:
-                break
-            out.extend(_core.batch_answers(await self._call(self._stub.Batch, _core.batch_request(part, self.holder), timeout)))
+        reqs = _core.batch_items(items, self.holder)
+        for part in _core.chunks(reqs, [r.ByteSize() for r in reqs]):
+            out.extend(_core.batch_answers(await self._call(self._stub.Batch, registry_pb2.BatchRequest(items=part), timeout)))
         return out
 
     @overload
@@ -266,10 +268,12 @@ class AsyncClient:
         a = Attempt(k, cl.token, cl.record.attempt, lost=asyncio.Event())
         task = asyncio.ensure_future(fn(a))
         hb = asyncio.ensure_future(self._heartbeat(k, cl.fence, s.lease, a, task))
+        start = time.monotonic()
         try:
             try:
                 value = await task
             finally:
+                self._run_times.observe(consumer, time.monotonic() - start)
                 hb.cancel()
                 await asyncio.gather(hb, return_exceptions=True)
             result = _core.decide(value, None, s.codec, s.result_type)
@@ -322,7 +326,7 @@ class AsyncClient:
             left = max(until - time.monotonic(), 0.0) if until is not None else 0.0
             p.wait = min(_core.MAX_WAIT, left) if until is not None and left > 0 else None
             try:
-                cl = await self._claim(p, bookkeeping + (p.wait or 0))
+                cl = await self._claim_outliving(p, bookkeeping + (p.wait or 0))
             except errors.IdemregError as e:
                 if repeats < _core.CLAIM_REPEATS and _core.repeatable(e):
                     repeats += 1
@@ -336,12 +340,43 @@ class AsyncClient:
                 return cl
             left = max(until - time.monotonic(), 0.0) if until is not None else 0.0
             if left <= 0:
-                raise _core.in_progress(cl.retry_after)
+                raise self._run_times.in_progress(p.key.consumer, cl.retry_after)
             sleep = min(_core.jitter(delay), left)
             if 0 < cl.retry_after < sleep:
                 sleep = cl.retry_after
             await asyncio.sleep(sleep)
             delay = min(2 * delay, _core.BACKOFF_MAX)
+
+    async def _claim_outliving(self, p: ClaimParams, timeout: float) -> Claim:
+        """One Claim that outlives its caller's cancellation: a Claim cut off
+        may still have acquired the key in the registry for a caller that
+        never learns the token, stranding the key until its lease ran out. So
+        the Claim runs on (bounded by its timeout), and a claim it acquires
+        after the caller gave up is released in the background."""
+        claim = asyncio.ensure_future(self._claim(p, timeout))
+        try:
+            return await asyncio.shield(claim)
+        except asyncio.CancelledError:
+            claim.add_done_callback(lambda t: self._release_abandoned(p.key, t))
+            raise
+
+    def _release_abandoned(self, k: Key, t: "asyncio.Future[Claim]") -> None:
+        if t.cancelled() or t.exception() is not None or t.result().outcome != registry_pb2.OUTCOME_ACQUIRED:
+            return
+        fence = t.result().fence
+
+        async def release() -> None:
+            try:
+                await self.release(k, fence, timeout=_core.DEFAULT_BOOKKEEPING_TIMEOUT)
+            except Exception as e:  # logged: the key frees when its lease ends
+                log.warning(
+                    "idemreg: releasing a claim its caller gave up on failed; the key frees when its lease ends",
+                    extra={"consumer": k.consumer, "error": str(e)},
+                )
+
+        f = asyncio.ensure_future(release())
+        self._background.add(f)
+        f.add_done_callback(self._background.discard)
 
     async def _complete_retrying(self, k: Key, f: Fence, r: registry_pb2.Result, bookkeeping: float) -> registry_pb2.Record:
         until = time.monotonic() + bookkeeping

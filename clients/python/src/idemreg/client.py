@@ -92,6 +92,7 @@ class Client:
         self._stub = RegistryServiceStub(channel)
         self.timeout = timeout
         self.holder = holder
+        self._run_times = _core.RunTimes()
 
     def close(self) -> None:
         """Closes the channel, if this client opened it."""
@@ -171,22 +172,22 @@ class Client:
         """Claims many keys: one answer per item, in order, each a Claim or the
         typed error Claim would have raised. Calls of at most 500 items."""
         out: list[Union[Claim, errors.IdemregError]] = []
-        for part in _core.chunks(claims):
-            if not part:
-                break
-            req = registry_pb2.BatchClaimRequest(requests=[p.request(self.holder) for p in part])
-            for r in self._call(self._stub.BatchClaim, req, timeout).results:
+        reqs = [p.request(self.holder) for p in claims]
+        for part in _core.chunks(reqs, [r.ByteSize() for r in reqs]):
+            req = registry_pb2.BatchClaimRequest(requests=part)
+            resp: registry_pb2.BatchClaimResponse = self._call(self._stub.BatchClaim, req, timeout)
+            for r in resp.results:
                 out.append(Claim.of(r.response) if r.WhichOneof("result") == "response" else _item_error(r.error))
         return out
 
     def batch_complete(self, completes: list[CompleteParams], *, timeout: Optional[float] = None) -> list[Union[registry_pb2.Record, errors.IdemregError]]:
         """Completes many claims: one record or typed error per item, in order."""
         out: list[Union[registry_pb2.Record, errors.IdemregError]] = []
-        for part in _core.chunks(completes):
-            if not part:
-                break
-            req = registry_pb2.BatchCompleteRequest(requests=[p.request() for p in part])
-            for r in self._call(self._stub.BatchComplete, req, timeout).results:
+        reqs = [p.request() for p in completes]
+        for part in _core.chunks(reqs, [r.ByteSize() for r in reqs]):
+            req = registry_pb2.BatchCompleteRequest(requests=part)
+            resp: registry_pb2.BatchCompleteResponse = self._call(self._stub.BatchComplete, req, timeout)
+            for r in resp.results:
                 out.append(r.response.record if r.WhichOneof("result") == "response" else _item_error(r.error))
         return out
 
@@ -195,10 +196,9 @@ class Client:
         item a Claim (for a ClaimParams), a Record (for a CompleteParams) or
         the typed error. Items on one key are decided in order."""
         out: list[BatchAnswer] = []
-        for part in _core.chunks(items):
-            if not part:
-                break
-            out.extend(_core.batch_answers(self._call(self._stub.Batch, _core.batch_request(part, self.holder), timeout)))
+        reqs = _core.batch_items(items, self.holder)
+        for part in _core.chunks(reqs, [r.ByteSize() for r in reqs]):
+            out.extend(_core.batch_answers(self._call(self._stub.Batch, registry_pb2.BatchRequest(items=part), timeout)))
         return out
 
     # once.
@@ -314,10 +314,13 @@ class Client:
             raise errors.InternalError(f"an unexpected claim outcome {cl.outcome}", code=grpc.StatusCode.INTERNAL)
         a = Attempt(k, cl.token, cl.record.attempt, lost=threading.Event())
         hb = _Heartbeat(self, k, cl.fence, s.lease, a)
+        start = time.monotonic()
         try:
             value = fn(a)
+            self._run_times.observe(consumer, time.monotonic() - start)
             result = _core.decide(value, None, s.codec, s.result_type)
         except BaseException as exc:
+            self._run_times.observe(consumer, time.monotonic() - start)
             hb.stop()
             result = _core.decide(None, exc, s.codec, s.result_type)
             if result is None:
@@ -364,7 +367,7 @@ class Client:
                 return cl
             left = max(until - time.monotonic(), 0.0) if until is not None else 0.0
             if left <= 0:
-                raise _core.in_progress(cl.retry_after)
+                raise self._run_times.in_progress(p.key.consumer, cl.retry_after)
             # Never sleep past the holder's lease: a crashed holder's key can
             # be taken over from then on.
             sleep = min(_core.jitter(delay), left)
