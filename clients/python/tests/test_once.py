@@ -150,15 +150,16 @@ def test_the_heartbeat_keeps_the_key_while_the_handler_runs(registry: Registry) 
     seen: list[Any] = []
 
     def long(a: idemreg.Attempt) -> Any:
-        # Ten half-leases: without extensions the lease would end five times over.
-        time.sleep(1.0)
+        # Four leases: without extensions the lease would end before the
+        # duplicate below comes.
+        time.sleep(2.4)
         seen.append(a.lost.is_set())
         return "kept"
 
     with registry.client() as c, registry.client() as other:
-        t = threading.Thread(target=lambda: seen.append(c.once("py.hb", key, long, lease=0.2)))
+        t = threading.Thread(target=lambda: seen.append(c.once("py.hb", key, long, lease=0.6)))
         t.start()
-        time.sleep(0.6)
+        time.sleep(1.5)
         with pytest.raises(idemreg.InProgressError):
             other.once("py.hb", key, lambda a: "stolen")
         t.join()
