@@ -1,0 +1,524 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+)
+
+// DefaultLinger is how long a Consumer holds a Complete for the next Claim
+// to carry before it sends it alone. A consumer that is fed keeps claiming
+// within it; one that is not loses at most this much before its acks.
+const DefaultLinger = 5 * time.Millisecond
+
+// ErrConsumerClosed is returned by Handle after Close.
+var ErrConsumerClosed = errors.New("idemreg: the consumer is closed")
+
+// ConsumerOption configures Client.Consumer. Every SharedOption and
+// MessageOption is one (WithLease, WithRetention, WithWaitInProgress,
+// WithInProgressWait, WithBookkeepingTimeout, WithKind), and so is
+// WithLinger.
+type ConsumerOption interface{ applyConsumer(*consumerSettings) }
+
+type consumerSettings struct {
+	*settings
+	linger time.Duration
+}
+
+type consumerOnly func(*consumerSettings)
+
+func (o consumerOnly) applyConsumer(s *consumerSettings) { o(s) }
+func (o SharedOption) applyConsumer(s *consumerSettings) { o(s.settings) }
+func (o MessageOption) applyConsumer(s *consumerSettings) {
+	o(s.settings)
+}
+
+// WithLinger sets how long a Complete waits for the consumer's next Claim
+// to ride with before it is sent alone (default DefaultLinger; zero or
+// less takes the default). It is also bounded by half the lease and half
+// the bookkeeping timeout, so that a held Complete always goes out well
+// before either runs out. Consumer only.
+func WithLinger(d time.Duration) ConsumerOption {
+	return consumerOnly(func(s *consumerSettings) { s.linger = d })
+}
+
+// Consumer handles the messages of one registry consumer as Once does, with
+// one registry round trip per message instead of two: the Complete of a
+// message is not sent when its handler returns but held, and goes in the
+// same Batch RPC (and so the same store transaction) as the consumer's
+// next Claim, from whichever of its workers claims next. A consumer needs
+// a message's outcome durable before it acks the message to its broker,
+// not before it starts the next one: Handle gives a Done that resolves
+// when the registry has stored the outcome, and the caller acks then.
+//
+// A held Complete goes alone when nothing claims within the linger
+// (WithLinger), when its Done is waited on (Done.Wait), or on Flush and
+// Close. Each item of a Batch is answered on its own: a refused Claim
+// never fails the Completes it carried, nor a lost lease the Claim.
+//
+// A Consumer is safe for concurrent use by any number of workers. A
+// registry without the Batch RPC (codes.Unimplemented) is remembered, and
+// the Consumer then makes Once's calls (Claim, BatchComplete) instead.
+type Consumer struct {
+	c        *Client
+	consumer string
+	s        consumerSettings
+
+	mu     sync.Mutex
+	held   []*Done
+	timer  *time.Timer
+	open   map[*Done]struct{}
+	closed bool
+
+	// noBatch is set once the registry answered Batch UNIMPLEMENTED.
+	noBatch atomic.Bool
+}
+
+// Consumer returns a Consumer of the registry consumer named consumer.
+// Close it to send what it holds.
+func (c *Client) Consumer(consumer string, opts ...ConsumerOption) *Consumer {
+	cs := consumerSettings{settings: newSettings(DefaultClientMissingKey, func(*settings) {})}
+	for _, o := range opts {
+		o.applyConsumer(&cs)
+	}
+	if cs.lease <= 0 {
+		cs.lease = DefaultLease
+	}
+	if cs.bookkeepingTimeout <= 0 {
+		cs.bookkeepingTimeout = DefaultBookkeepingTimeout
+	}
+	if cs.linger <= 0 {
+		cs.linger = DefaultLinger
+	}
+	cs.linger = min(cs.linger, cs.lease/2, cs.bookkeepingTimeout/2)
+	return &Consumer{c: c, consumer: consumer, s: cs, open: map[*Done]struct{}{}}
+}
+
+// Done is the bookkeeping of one handled message: it resolves when the
+// message's outcome is durable in the registry (nil), or with the error
+// that stopped it. Ack the broker's message when Err is nil, and ask for a
+// redelivery otherwise.
+type Done struct {
+	ready chan struct{}
+	rec   Record
+	err   error
+
+	// Set while its Complete is held or in flight.
+	cs       *Consumer
+	params   CompleteParams
+	req      *idemregv1.CompleteRequest
+	size     int
+	deadline time.Time
+	// final: the handler's error was Final, so the Complete stores a failure.
+	final bool
+}
+
+func resolvedDone(rec Record, err error) *Done {
+	d := &Done{ready: make(chan struct{}), rec: rec, err: err}
+	close(d.ready)
+	return d
+}
+
+// Ready is closed once the outcome is durable or has failed. Waiting on it
+// does not hurry the held Complete: the consumer's next Claim carries it.
+func (d *Done) Ready() <-chan struct{} { return d.ready }
+
+// Err is nil once the message's outcome is durable (the handler's result or
+// final failure stored, or the message found completed already), and the
+// error that stopped it otherwise: the handler's retryable error, an
+// *InProgressError, a *ParkedError, ErrLeaseLost when another holder took
+// over before the Complete, an *UnavailableError when the registry could
+// not be reached within the bookkeeping timeout. It blocks until Ready is
+// closed, without hurrying the Complete.
+func (d *Done) Err() error {
+	<-d.ready
+	return d.err
+}
+
+// Record is the stored record once Ready is closed and Err is nil.
+func (d *Done) Record() Record {
+	<-d.ready
+	return d.rec
+}
+
+// Wait sends the Complete now if it is still held, and waits until the
+// outcome is durable or has failed, or ctx ends (its error then; the
+// Complete still goes on).
+func (d *Done) Wait(ctx context.Context) (Record, error) {
+	select {
+	case <-d.ready:
+		return d.rec, d.err
+	default:
+	}
+	if d.cs != nil {
+		d.cs.flush(d)
+	}
+	select {
+	case <-d.ready:
+		return d.rec, d.err
+	case <-ctx.Done():
+		return Record{}, contextError(ctx)
+	}
+}
+
+func (d *Done) resolve(rec Record, err error) {
+	if err != nil {
+		if d.final {
+			err = fmt.Errorf("idemreg: the final failure was not recorded: %w", err)
+		} else {
+			err = fmt.Errorf("idemreg: the handler succeeded but its outcome was not recorded: %w", err)
+		}
+	}
+	d.rec, d.err = rec, err
+	cs := d.cs
+	cs.mu.Lock()
+	delete(cs.open, d)
+	cs.mu.Unlock()
+	close(d.ready)
+}
+
+// Handle runs fn at most once to completion per message id, as Once does
+// (the same claim, heartbeat, release after a retryable error or a panic,
+// final failures stored and replayed), and returns Once's result and
+// error. The outcome of a handler that ran is not yet durable when Handle
+// returns: the returned Done resolves when it is. A message found
+// completed, in progress or parked, or a handler's retryable error, gives
+// a Done resolved at once (nil for a completed message, the error
+// otherwise).
+//
+// Ack the message when Done's Err is nil; err only says what happened here
+// (a Final error of fn, say, whose failure Done reports stored).
+func (cs *Consumer) Handle(ctx context.Context, messageID string, fn Handler) (OnceResult, *Done, error) {
+	cs.mu.Lock()
+	closed := cs.closed
+	cs.mu.Unlock()
+	if closed {
+		return OnceResult{}, resolvedDone(Record{}, ErrConsumerClosed), ErrConsumerClosed
+	}
+	s := cs.s.settings
+	k := Key{Consumer: cs.consumer, Kind: s.kind, Key: messageID}
+	cl, err := cs.claim(ctx, ClaimParams{Key: k, Lease: s.lease, Retention: s.retention})
+	if err != nil {
+		return OnceResult{Record: cl.Record}, resolvedDone(cl.Record, err), err
+	}
+	switch cl.Outcome {
+	case OutcomeCompleted:
+		res, err := replayOnce(cl.Record)
+		if err != nil && !IsFinal(err) {
+			return res, resolvedDone(cl.Record, err), err
+		}
+		return res, resolvedDone(cl.Record, nil), err
+	case OutcomeAcquired:
+	default:
+		err := fmt.Errorf("idemreg: unexpected claim outcome %v", cl.Outcome)
+		return OnceResult{Record: cl.Record}, resolvedDone(cl.Record, err), err
+	}
+
+	h := heldOf(k, cl)
+	var data []byte
+	var fnErr error
+	d, lost := cs.c.runHeld(ctx, s, h, func(ctx context.Context) decision {
+		data, fnErr = fn(ctx, Attempt{Key: k, Token: h.fence.Token, Attempt: h.attempt})
+		d := handlerDecision(data, fnErr)
+		if d.result.Response != nil {
+			d.result.Response.Type = s.resultType
+		}
+		return d
+	})
+	if d.release {
+		recs, errs := cs.c.settle(ctx, s, []held{h}, []decision{d}, []error{lost})
+		res, err := ranOutcome(cl.Record, data, fnErr, d, recs[0], errs[0])
+		return res, resolvedDone(Record{}, err), err
+	}
+	// A claim lost while fn ran is still completed: the registry answers
+	// LEASE_LOST to Done, as it does to Once.
+	consumer, kind, key := k.proto()
+	req := &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: h.fence.Token, ClaimSecret: h.fence.Secret, Result: d.result.proto()}
+	done := &Done{
+		ready: make(chan struct{}), cs: cs, req: req, size: heldItemSize(req),
+		params:   CompleteParams{Key: k, Fence: h.fence, Result: d.result},
+		deadline: time.Now().Add(s.bookkeepingTimeout), final: fnErr != nil,
+	}
+	cs.hold(done)
+	return OnceResult{Ran: true, Data: data, Record: cl.Record}, done, fnErr
+}
+
+// heldItemSize is what a Complete adds to a Batch request: its BatchItem and
+// the item's field header.
+func heldItemSize(req *idemregv1.CompleteRequest) int {
+	n := proto.Size(req)
+	n += protowire.SizeTag(2) + protowire.SizeVarint(uint64(n))
+	return n + protowire.SizeTag(1) + protowire.SizeVarint(uint64(n))
+}
+
+// hold queues d's Complete for the next Claim, or for the linger's end.
+func (cs *Consumer) hold(d *Done) {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	cs.open[d] = struct{}{}
+	cs.held = append(cs.held, d)
+	if cs.timer == nil {
+		cs.timer = time.AfterFunc(cs.s.linger, func() { cs.flush(nil) })
+	}
+}
+
+// take removes from the held Completes as many as fit in a Batch beside
+// room bytes of other items.
+func (cs *Consumer) take(room int) []*Done {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	return cs.takeLocked(room)
+}
+
+func (cs *Consumer) takeLocked(room int) []*Done {
+	n, size := 0, room
+	for _, d := range cs.held {
+		if n > 0 && (n+1 == MaxBatchItems || size+d.size > MaxBatchBytes) {
+			break
+		}
+		n++
+		size += d.size
+	}
+	out := cs.held[:n:n]
+	cs.held = cs.held[n:]
+	if len(cs.held) == 0 {
+		cs.held = nil
+		if cs.timer != nil {
+			cs.timer.Stop()
+			cs.timer = nil
+		}
+	} else if cs.timer == nil {
+		cs.timer = time.AfterFunc(cs.s.linger, func() { cs.flush(nil) })
+	}
+	return out
+}
+
+// flush sends the held Completes alone: all of them, or, when only is not
+// nil, those taken up to and including only (nothing if only is no longer
+// held).
+func (cs *Consumer) flush(only *Done) {
+	for {
+		cs.mu.Lock()
+		if only != nil && !containsDone(cs.held, only) {
+			cs.mu.Unlock()
+			return
+		}
+		ds := cs.takeLocked(0)
+		cs.mu.Unlock()
+		if len(ds) == 0 {
+			return
+		}
+		go cs.send(ds, nil)
+		if only != nil && containsDone(ds, only) {
+			return
+		}
+	}
+}
+
+func containsDone(ds []*Done, d *Done) bool {
+	for _, x := range ds {
+		if x == d {
+			return true
+		}
+	}
+	return false
+}
+
+// Flush sends every held Complete and waits until each Complete held or in
+// flight when it was called is durable or has failed, or ctx ends.
+func (cs *Consumer) Flush(ctx context.Context) error {
+	cs.mu.Lock()
+	open := make([]*Done, 0, len(cs.open))
+	for d := range cs.open {
+		open = append(open, d)
+	}
+	cs.mu.Unlock()
+	cs.flush(nil)
+	for _, d := range open {
+		select {
+		case <-d.ready:
+		case <-ctx.Done():
+			return contextError(ctx)
+		}
+	}
+	return nil
+}
+
+// Close refuses further Handles (ErrConsumerClosed) and flushes. Handles
+// running when it is called still hold their Complete, sent after the
+// linger.
+func (cs *Consumer) Close(ctx context.Context) error {
+	cs.mu.Lock()
+	cs.closed = true
+	cs.mu.Unlock()
+	return cs.Flush(ctx)
+}
+
+// claim claims p as the client's claim does, with the held Completes in
+// the same Batch RPC as its first Claim. Anything but a plain answer (the
+// RPC failed, the key is in progress and the consumer waits for it, no
+// Batch on the registry) goes on in the client's claim, under the same
+// request id: a repeated Claim that the first one acquired gets its token
+// back.
+func (cs *Consumer) claim(ctx context.Context, p ClaimParams) (Claim, error) {
+	s := cs.s.settings
+	p.RequestID = NewRequestID()
+	if cs.noBatch.Load() {
+		if ds := cs.take(0); len(ds) > 0 {
+			go cs.send(ds, nil)
+		}
+		return cs.c.claim(ctx, p, s)
+	}
+	if ctx.Err() != nil {
+		return Claim{}, contextError(ctx)
+	}
+	req := p.request(cs.c.holder)
+	ds := cs.take(proto.Size(&idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: req}}) + 8)
+	type answer struct {
+		cl  Claim
+		err error
+	}
+	answers := make(chan answer, 1)
+	go func() {
+		cl, err := cs.send(ds, req)
+		answers <- answer{cl, err}
+	}()
+	var a answer
+	select {
+	case a = <-answers:
+	case <-ctx.Done():
+		// As in claimOnce: a claim acquired for a caller that left is
+		// released rather than stranded until its lease ends.
+		go func() {
+			a := <-answers
+			if a.err != nil || a.cl.Outcome != OutcomeAcquired {
+				return
+			}
+			rctx, cancel := s.bookkeeping(ctx)
+			defer cancel()
+			if _, err := cs.c.Release(registryContext(rctx), p.Key, a.cl.Fence()); err != nil {
+				cs.c.logger.WarnContext(rctx, "idemreg: releasing a claim its caller gave up on failed; the key frees when its lease ends",
+					"consumer", p.Consumer, "error", err)
+			}
+		}()
+		return Claim{}, contextError(ctx)
+	}
+	switch {
+	case a.err != nil && (errors.Is(a.err, ErrUnavailable) || errors.Is(a.err, ErrDeadlineExceeded) || status.Code(a.err) == codes.Unimplemented):
+		return cs.c.claim(ctx, p, s)
+	case a.err != nil:
+		return a.cl, a.err
+	case a.cl.Outcome == OutcomeParked:
+		return a.cl, &ParkedError{Record: a.cl.Record}
+	case a.cl.Outcome == OutcomeInProgress && s.wait == nil:
+		return a.cl, &InProgressError{RetryAfter: cs.c.runTimes.retryAfter(p.Consumer, a.cl.RetryAfter)}
+	case a.cl.Outcome == OutcomeInProgress:
+		return cs.c.claim(ctx, p, s)
+	default:
+		return a.cl, nil
+	}
+}
+
+// send makes one Batch of the Completes of ds, and of claim when it is not
+// nil, resolves each Done with its item's answer, and returns the claim's.
+// It runs on a context of its own, up to the latest of the items'
+// bookkeeping deadlines, since its Completes are other callers' and its
+// Claim must not be cut off once sent (claimOnce says why). Completes the
+// registry could not take while it was unavailable are repeated as Once
+// repeats them, until their own deadline.
+func (cs *Consumer) send(ds []*Done, claim *idemregv1.ClaimRequest) (Claim, error) {
+	deadline := time.Now().Add(cs.s.bookkeepingTimeout)
+	for _, d := range ds {
+		if d.deadline.After(deadline) {
+			deadline = d.deadline
+		}
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	if cs.noBatch.Load() {
+		cs.completeEach(ctx, ds)
+		return Claim{}, status.Error(codes.Unimplemented, "idemreg: the registry has no Batch")
+	}
+	items := make([]*idemregv1.BatchItem, 0, len(ds)+1)
+	for _, d := range ds {
+		items = append(items, &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Complete{Complete: d.req}})
+	}
+	if claim != nil {
+		items = append(items, &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: claim}})
+	}
+	res, err := cs.c.rpc.Batch(ctx, &idemregv1.BatchRequest{Items: items})
+	if err == nil && len(res.GetResults()) != len(items) {
+		err = status.Errorf(codes.Internal, "idemreg: Batch answered %d results for %d items", len(res.GetResults()), len(items))
+	}
+	if err != nil {
+		if status.Code(err) == codes.Unimplemented {
+			cs.noBatch.Store(true)
+			cs.completeEach(ctx, ds)
+			return Claim{}, err
+		}
+		err = FromError(err)
+		if errors.Is(err, ErrUnavailable) {
+			cs.completeEach(ctx, ds)
+		} else {
+			for _, d := range ds {
+				d.resolve(Record{}, err)
+			}
+		}
+		return Claim{}, err
+	}
+	var again []*Done
+	for i, d := range ds {
+		r := res.GetResults()[i]
+		if e := r.GetError(); e != nil {
+			err := FromStatus(status.FromProto(e))
+			if errors.Is(err, ErrUnavailable) {
+				again = append(again, d)
+				continue
+			}
+			d.resolve(Record{}, err)
+			continue
+		}
+		d.resolve(recordFromProto(r.GetComplete().GetRecord()), nil)
+	}
+	if len(again) > 0 {
+		go func() {
+			ctx, cancel := context.WithDeadline(context.Background(), deadline)
+			defer cancel()
+			cs.completeEach(ctx, again)
+		}()
+	}
+	if claim == nil {
+		return Claim{}, nil
+	}
+	r := res.GetResults()[len(ds)]
+	if e := r.GetError(); e != nil {
+		return Claim{}, FromStatus(status.FromProto(e))
+	}
+	return claimFromProto(r.GetClaim()), nil
+}
+
+// completeEach stores the Completes of ds the way Once's bookkeeping does
+// (BatchComplete, repeated while the registry is unavailable), for a
+// registry without Batch or after a Batch that failed as a whole.
+func (cs *Consumer) completeEach(ctx context.Context, ds []*Done) {
+	if len(ds) == 0 {
+		return
+	}
+	ps := make([]CompleteParams, len(ds))
+	for i, d := range ds {
+		ps[i] = d.params
+	}
+	for i, r := range cs.c.completeBatch(ctx, ps) {
+		ds[i].resolve(r.Record, r.Err)
+	}
+}

@@ -1,0 +1,276 @@
+package client_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/idemreg/idemreg/client"
+	"github.com/idemreg/idemreg/client/registrytest"
+	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+)
+
+// batchLog records the items of every Batch a client sends, and every
+// other registry call by method.
+type batchLog struct {
+	mu      sync.Mutex
+	batches [][]string // "claim:<key>" / "complete:<key>"
+	calls   map[string]int
+}
+
+func (l *batchLog) interceptor(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	l.mu.Lock()
+	l.calls[method[len("/idemreg.v1.RegistryService/"):]]++
+	if b, ok := req.(*idemregv1.BatchRequest); ok {
+		var items []string
+		for _, it := range b.GetItems() {
+			if c := it.GetClaim(); c != nil {
+				items = append(items, "claim:"+c.GetKey())
+			} else {
+				items = append(items, "complete:"+it.GetComplete().GetKey())
+			}
+		}
+		l.batches = append(l.batches, items)
+	}
+	l.mu.Unlock()
+	return invoker(ctx, method, req, reply, cc, opts...)
+}
+
+func (l *batchLog) snapshot() ([][]string, map[string]int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	calls := make(map[string]int, len(l.calls))
+	for k, v := range l.calls {
+		calls[k] = v
+	}
+	return append([][]string(nil), l.batches...), calls
+}
+
+func loggedClient(t *testing.T, addr string) (*client.Client, *batchLog) {
+	t.Helper()
+	l := &batchLog{calls: map[string]int{}}
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(l.interceptor))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return client.New(conn), l
+}
+
+// A lone consumer loop makes one RPC per message: the Complete of each
+// message goes in the Batch of the next message's Claim, and the last one
+// goes alone on Close.
+func TestConsumerCompleteRidesWithNextClaim(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, log := loggedClient(t, reg.Addr)
+	// No linger runs out within the test: only the next Claim or Close sends.
+	cons := c.Consumer("orders.pipelined", client.WithLinger(time.Hour))
+
+	var dones []*client.Done
+	for i := range 3 {
+		res, d, err := cons.Handle(t.Context(), fmt.Sprintf("m%d", i), func(ctx context.Context, a client.Attempt) ([]byte, error) {
+			return []byte(a.Key.Key), nil
+		})
+		require.NoError(t, err)
+		require.True(t, res.Ran)
+		dones = append(dones, d)
+	}
+	// m0 and m1 were carried by the next Claims; m2 is still held.
+	require.NoError(t, recv(t, chanOf(dones[0])))
+	require.NoError(t, recv(t, chanOf(dones[1])))
+	select {
+	case <-dones[2].Ready():
+		t.Fatal("the last Complete went out without a Claim, a wait or a flush")
+	default:
+	}
+	require.NoError(t, cons.Close(t.Context()))
+	require.NoError(t, dones[2].Err())
+	require.Equal(t, client.StateCompleted, dones[2].Record().State)
+
+	batches, calls := log.snapshot()
+	require.Equal(t, [][]string{
+		{"claim:m0"},
+		{"complete:m0", "claim:m1"},
+		{"complete:m1", "claim:m2"},
+		{"complete:m2"},
+	}, batches)
+	require.Equal(t, map[string]int{"Batch": 4}, calls, "one RPC per message, and one for the last Complete")
+
+	// Every outcome is durable: a redelivery replays it.
+	for i := range 3 {
+		res, d, err := cons.Handle(t.Context(), fmt.Sprintf("m%d", i), func(context.Context, client.Attempt) ([]byte, error) {
+			t.Fatal("a completed message ran again")
+			return nil, nil
+		})
+		require.ErrorIs(t, err, client.ErrConsumerClosed)
+		_ = res
+		_ = d
+	}
+	cons2 := c.Consumer("orders.pipelined")
+	for i := range 3 {
+		res, d, err := cons2.Handle(t.Context(), fmt.Sprintf("m%d", i), func(context.Context, client.Attempt) ([]byte, error) {
+			t.Fatal("a completed message ran again")
+			return nil, nil
+		})
+		require.NoError(t, err)
+		require.True(t, res.Replayed)
+		require.Equal(t, fmt.Sprintf("m%d", i), string(res.Data))
+		require.NoError(t, d.Err())
+	}
+}
+
+func chanOf(d *client.Done) <-chan error {
+	ch := make(chan error, 1)
+	go func() { ch <- d.Err() }()
+	return ch
+}
+
+// A held Complete goes alone when no Claim comes within the linger, and at
+// once when its Done is waited on.
+func TestConsumerLingerAndWait(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, log := loggedClient(t, reg.Addr)
+	ok := func(context.Context, client.Attempt) ([]byte, error) { return nil, nil }
+
+	lingering := c.Consumer("orders.linger", client.WithLinger(time.Millisecond))
+	_, d, err := lingering.Handle(t.Context(), "a", ok)
+	require.NoError(t, err)
+	require.NoError(t, recv(t, chanOf(d)), "the linger sends the Complete alone")
+
+	waiting := c.Consumer("orders.wait", client.WithLinger(time.Hour))
+	_, d, err = waiting.Handle(t.Context(), "b", ok)
+	require.NoError(t, err)
+	rec, err := d.Wait(t.Context())
+	require.NoError(t, err)
+	require.Equal(t, client.StateCompleted, rec.State)
+
+	batches, _ := log.snapshot()
+	require.Equal(t, [][]string{{"claim:a"}, {"complete:a"}, {"claim:b"}, {"complete:b"}}, batches)
+}
+
+// A held Complete whose claim was taken over gets LEASE_LOST on its Done,
+// and the Claim in the same Batch is answered as if it had gone alone.
+func TestConsumerItemErrorsAreTheirOwn(t *testing.T) {
+	clock := &registrytest.Clock{}
+	reg := registrytest.Start(t, registrytest.WithClock(clock.Now))
+	c, log := loggedClient(t, reg.Addr)
+	cons := c.Consumer("orders.lost", client.WithLinger(time.Hour), client.WithLease(10*time.Second))
+
+	_, stale, err := cons.Handle(t.Context(), "taken", func(ctx context.Context, a client.Attempt) ([]byte, error) {
+		// The lease runs out and another holder takes the key over.
+		clock.Advance(time.Minute)
+		cl, err := reg.Client.Claim(ctx, client.ClaimParams{Key: a.Key})
+		require.NoError(t, err)
+		require.Equal(t, client.OutcomeAcquired, cl.Outcome)
+		return []byte("late"), nil
+	})
+	require.NoError(t, err)
+
+	res, next, err := cons.Handle(t.Context(), "next", func(context.Context, client.Attempt) ([]byte, error) { return []byte("ok"), nil })
+	require.NoError(t, err)
+	require.True(t, res.Ran)
+	require.ErrorIs(t, stale.Err(), client.ErrLeaseLost)
+	require.NoError(t, cons.Flush(t.Context()))
+	require.NoError(t, next.Err())
+
+	batches, _ := log.snapshot()
+	require.Equal(t, []string{"complete:taken", "claim:next"}, batches[1], "the stale Complete rode with the next Claim")
+}
+
+// A Final error is stored (Done nil: ack), a retryable one releases the
+// message at once (Done carries it: redeliver), as with Once.
+func TestConsumerFailures(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, _ := loggedClient(t, reg.Addr)
+	cons := c.Consumer("orders.failures", client.WithLinger(time.Hour))
+	defer func() { require.NoError(t, cons.Close(t.Context())) }()
+
+	refused := status.Error(codes.FailedPrecondition, "card declined")
+	_, d, err := cons.Handle(t.Context(), "final", func(context.Context, client.Attempt) ([]byte, error) {
+		return nil, client.Final(refused)
+	})
+	require.True(t, client.IsFinal(err))
+	_, err = d.Wait(t.Context())
+	require.NoError(t, err, "the final failure is durable: ack")
+
+	boom := errors.New("downstream down")
+	_, d, err = cons.Handle(t.Context(), "retry", func(context.Context, client.Attempt) ([]byte, error) { return nil, boom })
+	require.ErrorIs(t, err, boom)
+	require.ErrorIs(t, d.Err(), boom, "a retryable error resolves Done at once: nak")
+
+	// The released message runs again; the final one replays its failure.
+	res, d, err := cons.Handle(t.Context(), "retry", func(_ context.Context, a client.Attempt) ([]byte, error) {
+		require.Equal(t, int64(2), a.Attempt)
+		return nil, nil
+	})
+	require.NoError(t, err)
+	require.True(t, res.Ran)
+	require.NoError(t, cons.Flush(t.Context()))
+	require.NoError(t, d.Err())
+	res, d, err = cons.Handle(t.Context(), "final", func(context.Context, client.Attempt) ([]byte, error) {
+		t.Fatal("a final failure ran again")
+		return nil, nil
+	})
+	require.True(t, res.Replayed)
+	require.True(t, client.IsFinal(err))
+	require.Equal(t, codes.FailedPrecondition, status.Code(err))
+	require.NoError(t, d.Err())
+}
+
+// Workers of one consumer share its held Completes: every message runs
+// once, every Done resolves, and every outcome is stored.
+func TestConsumerWorkersRace(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, log := loggedClient(t, reg.Addr)
+	cons := c.Consumer("orders.workers")
+	const workers, perWorker = 8, 40
+	var ran sync.Map
+	var runs atomic.Int64
+	var wg sync.WaitGroup
+	dones := make(chan *client.Done, workers*perWorker)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range perWorker {
+				id := fmt.Sprintf("w%d-m%d", w, i)
+				_, d, err := cons.Handle(t.Context(), id, func(_ context.Context, a client.Attempt) ([]byte, error) {
+					if _, dup := ran.LoadOrStore(a.Key.Key, true); dup {
+						t.Errorf("%s ran twice", a.Key.Key)
+					}
+					runs.Add(1)
+					return []byte(a.Key.Key), nil
+				})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				dones <- d
+			}
+		}()
+	}
+	wg.Wait()
+	require.NoError(t, cons.Close(t.Context()))
+	close(dones)
+	for d := range dones {
+		require.NoError(t, d.Err())
+		require.Equal(t, client.StateCompleted, d.Record().State)
+	}
+	require.Equal(t, int64(workers*perWorker), runs.Load())
+	_, calls := log.snapshot()
+	require.Equal(t, 0, calls["Complete"]+calls["BatchComplete"]+calls["Claim"], "every call a Batch: %v", calls)
+	for w := range workers {
+		rec, err := c.Lookup(t.Context(), client.Key{Consumer: "orders.workers", Kind: client.KindMessage, Key: fmt.Sprintf("w%d-m%d", w, perWorker-1)})
+		require.NoError(t, err)
+		require.Equal(t, client.StateCompleted, rec.State)
+	}
+}
