@@ -197,8 +197,10 @@ func (d *Done) resolve(rec Record, err error) {
 // otherwise).
 //
 // Ack the message when Done's Err is nil; err only says what happened here
-// (a Final error of fn, say, whose failure Done reports stored).
-func (cs *Consumer) Handle(ctx context.Context, messageID string, fn Handler) (OnceResult, *Done, error) {
+// (a Final error of fn, say, whose failure Done reports stored). opts
+// override the Consumer's options for this message (WithMessageFingerprint,
+// WithResultType, ...).
+func (cs *Consumer) Handle(ctx context.Context, messageID string, fn Handler, opts ...OnceOption) (OnceResult, *Done, error) {
 	cs.mu.Lock()
 	closed := cs.closed
 	cs.mu.Unlock()
@@ -206,8 +208,15 @@ func (cs *Consumer) Handle(ctx context.Context, messageID string, fn Handler) (O
 		return OnceResult{}, resolvedDone(Record{}, ErrConsumerClosed), ErrConsumerClosed
 	}
 	s := cs.s.settings
+	if len(opts) > 0 {
+		one := *s
+		for _, o := range opts {
+			o.applyOnce(&one)
+		}
+		s = &one
+	}
 	k := Key{Consumer: cs.consumer, Kind: s.kind, Key: messageID}
-	cl, err := cs.claim(ctx, ClaimParams{Key: k, Lease: s.lease, Retention: s.retention})
+	cl, err := cs.claim(ctx, ClaimParams{Key: k, Fingerprint: s.messageFingerprint, Lease: s.lease, Retention: s.retention}, s)
 	if err != nil {
 		return OnceResult{Record: cl.Record}, resolvedDone(cl.Record, err), err
 	}
@@ -370,8 +379,7 @@ func (cs *Consumer) Close(ctx context.Context) error {
 // Batch on the registry) goes on in the client's claim, under the same
 // request id: a repeated Claim that the first one acquired gets its token
 // back.
-func (cs *Consumer) claim(ctx context.Context, p ClaimParams) (Claim, error) {
-	s := cs.s.settings
+func (cs *Consumer) claim(ctx context.Context, p ClaimParams, s *settings) (Claim, error) {
 	p.RequestID = NewRequestID()
 	if cs.noBatch.Load() {
 		if ds := cs.take(0); len(ds) > 0 {

@@ -148,8 +148,15 @@ func randomSuffix(t *testing.T) string {
 // JetStream redelivers, the registry hands the payment to another replica
 // once the dead one's lease runs out, and the fenced write replaces the
 // dead replica's entry instead of adding a second one. The ledger must end
-// exactly right.
+// exactly right. It runs in both modes: client.OnceBatch per fetched batch
+// and the pipelined client.Consumer.
 func TestLedgerExactlyOnceInEffect(t *testing.T) {
+	for _, mode := range []string{"batch", "pipelined"} {
+		t.Run(mode, func(t *testing.T) { testLedgerExactlyOnceInEffect(t, mode) })
+	}
+}
+
+func testLedgerExactlyOnceInEffect(t *testing.T, mode string) {
 	natsURL, js := connectNATS(t)
 	ctx := t.Context()
 	dbURL := pgtest.NewEmptyDatabase(t)
@@ -167,7 +174,7 @@ func TestLedgerExactlyOnceInEffect(t *testing.T) {
 	const stalled = "pay-0042"
 	args := []string{
 		"-registry", reg.Addr, "-nats", natsURL, "-database", dbURL,
-		"-stream", stream, "-subject", subject, "-durable", "ledger",
+		"-stream", stream, "-subject", subject, "-durable", "ledger", "-mode", mode,
 		"-workers", "2", "-batch", "8", "-lease", "1s", "-ack-wait", "1s",
 		"-slow", "5ms", "-stall-after-write", stalled,
 	}

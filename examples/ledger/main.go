@@ -1,7 +1,10 @@
 // Command ledger is an inbox-style JetStream consumer: it applies payment
-// messages to a PostgreSQL ledger exactly once in effect, through
-// client.OnceBatch on fetched batches and a write fenced by the claim's
-// token. Run several of them
+// messages to a PostgreSQL ledger exactly once in effect, with a write
+// fenced by the claim's token, through a client.Consumer (-mode pipelined,
+// the default: one registry round trip per message, each message acked
+// once its outcome is durable) or client.OnceBatch on fetched batches
+// (-mode batch: one BatchClaim and one BatchComplete per batch). Run
+// several of them
 // on one durable consumer, kill any of them at any point: every payment
 // ends up in the ledger once.
 //
@@ -35,6 +38,7 @@ type config struct {
 	registry, natsURL, database string
 	stream, subject, durable    string
 	name                        string
+	mode                        string
 	workers, batch              int
 	lease, ackWait              time.Duration
 	// Demo and test hooks.
@@ -53,6 +57,7 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&c.subject, "subject", "payments.>", "subject of the payment messages")
 	fs.StringVar(&c.durable, "durable", "ledger", "durable consumer name, shared by every replica")
 	fs.StringVar(&c.name, "name", fmt.Sprintf("%s/%d", host, os.Getpid()), "this replica's name, in the registry and the ledger")
+	fs.StringVar(&c.mode, "mode", "pipelined", "pipelined (client.Consumer) or batch (client.OnceBatch)")
 	fs.IntVar(&c.workers, "workers", 4, "batches handled at once")
 	fs.IntVar(&c.batch, "batch", 16, "messages fetched in one batch")
 	fs.DurationVar(&c.lease, "lease", 5*time.Second, "idemreg lease: how long a crashed replica blocks a payment")
@@ -64,6 +69,9 @@ func parseFlags(args []string) (config, error) {
 	}
 	if c.workers < 1 || c.batch < 1 {
 		return c, errors.New("-workers and -batch must be positive")
+	}
+	if c.mode != "pipelined" && c.mode != "batch" {
+		return c, errors.New("-mode must be pipelined or batch")
 	}
 	return c, nil
 }
@@ -124,6 +132,22 @@ func run(ctx context.Context, cfg config, logger *slog.Logger) error {
 	logger.Info("consuming", "stream", cfg.stream, "durable", cfg.durable)
 
 	h := &handler{cfg: cfg, reg: reg, ledger: ledger, logger: logger}
+	handle := h.handle
+	if cfg.mode == "pipelined" {
+		// One Consumer for every worker: a Complete held by one worker
+		// rides with whichever worker claims next.
+		h.consumer = reg.Consumer(consumer, client.WithLease(cfg.lease))
+		defer func() {
+			// Send what is held, so that a clean stop leaves nothing to redeliver.
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+			defer cancel()
+			if err := h.consumer.Close(fctx); err != nil {
+				logger.Warn("flushing the held completes", "error", err)
+			}
+			h.acks.Wait()
+		}()
+		handle = h.handlePipelined
+	}
 	var wg sync.WaitGroup
 	for range cfg.workers {
 		wg.Go(func() {
@@ -142,7 +166,7 @@ func run(ctx context.Context, cfg config, logger *slog.Logger) error {
 				if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
 					logger.Warn("fetching messages", "error", err) // what came before it is handled
 				}
-				h.handle(ctx, msgs)
+				handle(ctx, msgs)
 			}
 		})
 	}
@@ -174,6 +198,54 @@ type handler struct {
 	reg    *client.Client
 	ledger *Ledger
 	logger *slog.Logger
+	// consumer and acks: -mode pipelined only.
+	consumer *client.Consumer
+	acks     sync.WaitGroup
+}
+
+// apply is the work of one payment, in either mode.
+func (h *handler) apply(ctx context.Context, p Payment, a client.Attempt) ([]byte, error) {
+	if err := p.validate(); err != nil {
+		return nil, client.Final(err)
+	}
+	if err := h.ledger.Apply(ctx, p, a.Token, a.Attempt); err != nil {
+		return nil, err
+	}
+	if p.ID == h.cfg.stallAfter && a.Attempt == 1 {
+		h.logger.Info("stalling after the ledger write", "payment", p.ID)
+		<-ctx.Done() // until killed (or the lease is lost)
+		return nil, ctx.Err()
+	}
+	if h.cfg.slow > 0 {
+		time.Sleep(h.cfg.slow)
+	}
+	return nil, nil
+}
+
+// handlePipelined applies each message through the Consumer and acks it
+// once its Done says the outcome is durable, without waiting for that
+// before the next message: the Complete rides with the next Claim. A crash
+// loses the held Completes, whose messages were never acked: JetStream
+// redelivers them and the registry hands them over when the lease ends.
+func (h *handler) handlePipelined(ctx context.Context, msgs []jetstream.Msg) {
+	for _, msg := range msgs {
+		p, err := decodePayment(msg.Data())
+		if err != nil {
+			h.logger.Warn("undecodable message terminated", "error", err)
+			_ = msg.Term()
+			continue
+		}
+		res, done, err := h.consumer.Handle(ctx, p.ID, func(ctx context.Context, a client.Attempt) ([]byte, error) {
+			return h.apply(ctx, p, a)
+		}, client.WithMessageFingerprint(fingerprint(msg.Data())))
+		h.acks.Go(func() {
+			<-done.Ready()
+			if derr := done.Err(); derr != nil && (err == nil || client.IsFinal(err)) {
+				err = derr // the outcome was not stored: redeliver
+			}
+			h.ack(msg, p, client.BatchResult{OnceResult: res, Err: err})
+		})
+	}
 }
 
 // handle applies a fetched batch through OnceBatch (one BatchClaim, one
@@ -202,22 +274,7 @@ func (h *handler) handle(ctx context.Context, msgs []jetstream.Msg) {
 		return
 	}
 	results := h.reg.OnceBatch(ctx, consumer, batch, func(ctx context.Context, i int, a client.Attempt) ([]byte, error) {
-		p := payments[i]
-		if err := p.validate(); err != nil {
-			return nil, client.Final(err)
-		}
-		if err := h.ledger.Apply(ctx, p, a.Token, a.Attempt); err != nil {
-			return nil, err
-		}
-		if p.ID == h.cfg.stallAfter && a.Attempt == 1 {
-			h.logger.Info("stalling after the ledger write", "payment", p.ID)
-			<-ctx.Done() // until killed (or the lease is lost)
-			return nil, ctx.Err()
-		}
-		if h.cfg.slow > 0 {
-			time.Sleep(h.cfg.slow)
-		}
-		return nil, nil
+		return h.apply(ctx, payments[i], a)
 	}, client.WithLease(h.cfg.lease))
 
 	for i, res := range results {
