@@ -3,8 +3,13 @@ package claimsecret_test
 import (
 	"bytes"
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/binary"
 	"io"
 	"log/slog"
+	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -97,4 +102,39 @@ func TestRotation(t *testing.T) {
 	none, err := b.Sealer(ctx, 7)
 	require.NoError(t, err)
 	assert.Nil(t, none, "no generation 7")
+}
+
+// TestDeriveConcurrentKeys: Derive and Check answer alike however their
+// pooled HMACs were keyed before, from goroutines that alternate claim
+// keys, against an HMAC built afresh for each secret, as before they were
+// pooled.
+func TestDeriveConcurrentKeys(t *testing.T) {
+	keys := [][]byte{bytes.Repeat([]byte{1}, storage.ClaimKeySize), bytes.Repeat([]byte{2}, storage.ClaimKeySize)}
+	fresh := func(key []byte, k storage.Key, token int64) []byte {
+		m := hmac.New(sha256.New, key)
+		var buf [binary.MaxVarintLen64]byte
+		m.Write([]byte("idemreg claim secret v1"))
+		m.Write(binary.AppendUvarint(buf[:0], uint64(len(k.Consumer))))
+		m.Write([]byte(k.Consumer))
+		m.Write([]byte{byte(k.Kind)})
+		m.Write(binary.AppendUvarint(buf[:0], uint64(len(k.Key))))
+		m.Write([]byte(k.Key))
+		m.Write(binary.BigEndian.AppendUint64(buf[:0], uint64(token)))
+		return m.Sum(nil)[:claimsecret.Size]
+	}
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range 500 {
+				key := keys[(g+i)%2]
+				k := storage.Key{Consumer: "c" + strconv.Itoa(g), Kind: storage.KindMessage, Key: strconv.Itoa(i)}
+				got := claimsecret.Derive(key, k, int64(i))
+				if !bytes.Equal(fresh(key, k, int64(i)), got) {
+					t.Errorf("goroutine %d, secret %d: %x", g, i, got)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
 }
