@@ -25,20 +25,16 @@ func timestamp(t time.Time) *timestamppb.Timestamp {
 // acquired them, so nobody completes or releases someone else's work by
 // copying a token out of a response.
 func toRecord(r storage.Record, withToken bool) (*idemregv1.Record, error) {
-	out := &idemregv1.Record{
-		Consumer:       r.Consumer,
-		Kind:           idemregv1.Kind(r.Kind),
-		Key:            r.Key.Key,
-		State:          idemregv1.State(r.State),
-		Fingerprint:    r.Fingerprint,
-		Attempt:        r.Attempt,
-		Holder:         r.Holder,
-		CreatedAt:      timestamp(r.CreatedAt),
-		LeaseExpiresAt: timestamp(r.LeaseExpiresAt),
-		CompletedAt:    timestamp(r.CompletedAt),
-		ExpiresAt:      timestamp(r.ExpiresAt),
-		ParkReason:     r.ParkReason,
-	}
+	// The record and its four times in one allocation, not five: every
+	// Claim and Complete answers a record, every batch item its own.
+	b := new(recordBlock)
+	out := &b.rec
+	out.Consumer, out.Kind, out.Key, out.State = r.Consumer, idemregv1.Kind(r.Kind), r.Key.Key, idemregv1.State(r.State)
+	out.Fingerprint, out.Attempt, out.Holder, out.ParkReason = r.Fingerprint, r.Attempt, r.Holder, r.ParkReason
+	out.CreatedAt = b.time(0, r.CreatedAt)
+	out.LeaseExpiresAt = b.time(1, r.LeaseExpiresAt)
+	out.CompletedAt = b.time(2, r.CompletedAt)
+	out.ExpiresAt = b.time(3, r.ExpiresAt)
 	if withToken || r.State == storage.StateCompleted {
 		out.Token = r.Token
 	}
@@ -50,6 +46,22 @@ func toRecord(r storage.Record, withToken bool) (*idemregv1.Record, error) {
 		out.Result = &res
 	}
 	return out, nil
+}
+
+// recordBlock is a Record and the times it points to, allocated together.
+type recordBlock struct {
+	rec   idemregv1.Record
+	times [4]timestamppb.Timestamp
+}
+
+// time is t as the block's i'th time, or nil when t is zero.
+func (b *recordBlock) time(i int, t time.Time) *timestamppb.Timestamp {
+	if t.IsZero() {
+		return nil
+	}
+	ts := &b.times[i]
+	ts.Seconds, ts.Nanos = t.Unix(), int32(t.Nanosecond())
+	return ts
 }
 
 // toAttempts converts a record's history for an admin response. Its
