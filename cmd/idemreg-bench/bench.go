@@ -109,6 +109,11 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if cfg.Replot != "" {
 		return replot(cfg)
 	}
+	if cfg.ProfileDir != "" {
+		if err := os.MkdirAll(cfg.ProfileDir, 0o755); err != nil {
+			return err
+		}
+	}
 	if needsServerBinary(cfg) {
 		dir, err := os.MkdirTemp("", "idemreg-bench-server-")
 		if err != nil {
