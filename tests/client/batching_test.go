@@ -73,7 +73,7 @@ func TestBatchingSharesRPCs(t *testing.T) {
 		wg.Go(func() { claims[i], errs[i] = c.Claim(t.Context(), client.ClaimParams{Key: key(string(rune('a' + i)))}) })
 	}
 	// All sixteen queue behind the held RPC.
-	eventually(t, func() bool { return h.obs.sentCount("BatchClaim") == 0 && h.obs.sentCount("Claim") == 1 }, "the first Claim held")
+	eventually(t, func() bool { return h.obs.sentCount("Batch") == 0 && h.obs.sentCount("Claim") == 1 }, "the first Claim held")
 	time.Sleep(50 * time.Millisecond) // let the callers queue; the assertions below do not depend on it
 	close(h.release)
 	require.NoError(t, recv(t, firstDone))
@@ -83,8 +83,8 @@ func TestBatchingSharesRPCs(t *testing.T) {
 		require.Equal(t, client.OutcomeAcquired, claims[i].Outcome)
 		require.Equal(t, string(rune('a'+i)), claims[i].Record.Key.Key, "each caller gets its own answer")
 	}
-	require.Less(t, h.obs.sentCount("BatchClaim")+h.obs.sentCount("Claim"), 1+n, "calls shared RPCs")
-	require.Positive(t, h.obs.sentCount("BatchClaim"))
+	require.Less(t, h.obs.sentCount("Batch")+h.obs.sentCount("Claim"), 1+n, "calls shared RPCs")
+	require.Positive(t, h.obs.sentCount("Batch"))
 
 	// Completes share RPCs too; sequential calls stay unary.
 	var cw sync.WaitGroup
@@ -100,12 +100,12 @@ func TestBatchingSharesRPCs(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, []byte{byte(i)}, rec.Result.Response.Data, "each Complete stored its own result")
 	}
-	before := h.obs.sentCount("BatchClaim")
+	before := h.obs.sentCount("Batch")
 	for i := range 3 {
 		_, err := c.Claim(t.Context(), client.ClaimParams{Key: key("seq" + string(rune('0'+i)))})
 		require.NoError(t, err)
 	}
-	require.Equal(t, before, h.obs.sentCount("BatchClaim"), "a lone call is never batched")
+	require.Equal(t, before, h.obs.sentCount("Batch"), "a lone call is never batched")
 }
 
 // TestBatchingIsolatesCallers: one caller's cancellation, deadline or bad
@@ -172,6 +172,6 @@ func TestWithoutBatching(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	require.Zero(t, h.obs.sentCount("BatchClaim"))
+	require.Zero(t, h.obs.sentCount("Batch")+h.obs.sentCount("BatchClaim"))
 	require.Equal(t, 32, h.obs.sentCount("Claim"))
 }
