@@ -52,9 +52,23 @@ class Registry:
             [binary, "serve", "--listen", self.target, "--min-lease", "100ms", "--log-level", "error", *store_args, *extra],
             env=env,
         )
+        # Wait for the port before the first gRPC call: a channel refused
+        # while serve starts backs off reconnecting (1 s, growing), and the
+        # process-wide subchannel pool would hand that backoff to every
+        # client the tests then make for the same target.
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("idemreg serve exited before it listened")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
         probe = idemreg.Client(self.target, timeout=1.0, **client_kw)  # type: ignore[arg-type]
         try:
-            deadline = time.monotonic() + 30
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError("idemreg serve exited before it answered")

@@ -304,8 +304,11 @@ def test_a_deadline_per_call(c: idemreg.Client) -> None:
     key = idemreg.Key("py.deadline", unique())
     c.claim(key, lease=5.0)
     t0 = time.monotonic()
-    cl = c.claim(key, wait=3.0, timeout=0.3)
-    assert cl.outcome == idemreg.OUTCOME_IN_PROGRESS
+    try:
+        cl = c.claim(key, wait=3.0, timeout=0.3)
+        assert cl.outcome == idemreg.OUTCOME_IN_PROGRESS
+    except idemreg.DeadlineExceededError:
+        pass  # its answer came after the deadline, on a loaded machine
     assert time.monotonic() - t0 < 2.5
 
 
