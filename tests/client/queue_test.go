@@ -47,7 +47,7 @@ func (g *gate) open() { g.once.Do(func() { close(g.release) }) }
 
 // holdNext holds the next call the registry receives until the gate is
 // opened (at the latest when the test ends).
-func (r *received) holdNext(t *testing.T) *gate {
+func (r *received) holdNext(t testing.TB) *gate {
 	g := &gate{held: make(chan struct{}), release: make(chan struct{})}
 	r.mu.Lock()
 	r.gate = g
@@ -104,7 +104,7 @@ func (oldRegistry) Batch(context.Context, *idemregv1.BatchRequest) (*idemregv1.B
 // serveCounted runs the registry's service over the embedded store in
 // memory, behind an interceptor that records what it is sent, and returns
 // a client of it with batching b. old makes it a registry without Batch.
-func serveCounted(t *testing.T, old bool, b client.Batching) (*client.Client, *received) {
+func serveCounted(t testing.TB, old bool, b client.Batching) (*client.Client, *received) {
 	t.Helper()
 	store, err := pebble.Open("", pebble.WithInMemory(), pebble.WithLogger(slog.New(slog.DiscardHandler)))
 	require.NoError(t, err)
