@@ -52,6 +52,13 @@ class Registry:
             [binary, "serve", "--listen", self.target, "--min-lease", "100ms", "--log-level", "error", *store_args, *extra],
             env=env,
         )
+        try:
+            self._wait_ready(client_kw)
+        except BaseException:
+            self.stop()  # a serve that never answered is not left running
+            raise
+
+    def _wait_ready(self, client_kw: dict[str, object]) -> None:
         # Wait for the port before the first gRPC call: a channel refused
         # while serve starts backs off reconnecting (1 s, growing), and the
         # process-wide subchannel pool would hand that backoff to every
