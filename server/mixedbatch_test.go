@@ -6,6 +6,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -376,6 +377,10 @@ func TestBatchRacingHolders(t *testing.T) {
 			mu        sync.Mutex
 			acquired  = map[string][]acquisition{}
 			completed = map[string][]int64{} // tokens of the Completes that stored
+			// Items the store could not decide in time on a loaded machine
+			// (UNAVAILABLE): they may or may not have been applied, as a
+			// unary call so answered, and the checks hold either way.
+			unavailable atomic.Int64
 		)
 		var wg sync.WaitGroup
 		for w := range workers {
@@ -412,16 +417,23 @@ func TestBatchRacingHolders(t *testing.T) {
 						k := order[i]
 						if c := req.Items[i].GetComplete(); c != nil {
 							delete(held, k)
-							if r.GetError() == nil {
+							switch code := codes.Code(r.GetError().GetCode()); {
+							case r.GetError() == nil:
 								mu.Lock()
 								completed[k] = append(completed[k], c.GetToken())
 								mu.Unlock()
-							} else if code := codes.Code(r.GetError().GetCode()); code != codes.FailedPrecondition {
+							case code == codes.Unavailable:
+								unavailable.Add(1) // ambiguous, as the unary call's would be
+							case code != codes.FailedPrecondition:
 								t.Errorf("complete of %s: %v", k, status.FromProto(r.GetError()).Err())
 							}
 							continue
 						}
 						if e := r.GetError(); e != nil {
+							if codes.Code(e.GetCode()) == codes.Unavailable {
+								unavailable.Add(1)
+								continue
+							}
 							t.Errorf("claim of %s: %v", k, status.FromProto(e).Err())
 							continue
 						}
@@ -464,7 +476,7 @@ func TestBatchRacingHolders(t *testing.T) {
 			sorted = append(sorted, k)
 		}
 		sort.Strings(sorted)
-		t.Logf("%d acquisitions of %d keys, %d completed", total, len(sorted), len(completed))
+		t.Logf("%d acquisitions of %d keys, %d completed, %d items unavailable", total, len(sorted), len(completed), unavailable.Load())
 		require.Greater(t, total, keys, "leases ran out and keys were acquired again")
 	})
 }
