@@ -469,14 +469,16 @@ func (cs *Consumer) send(ds []*Done, claim *idemregv1.ClaimRequest) (Claim, erro
 		err = status.Errorf(codes.Internal, "idemreg: Batch answered %d results for %d items", len(res.GetResults()), len(items))
 	}
 	if err != nil {
+		// The Completes are repeated on their own, so that the Claim's
+		// caller is not held up by their retries.
 		if status.Code(err) == codes.Unimplemented {
 			cs.noBatch.Store(true)
-			cs.completeEach(ctx, ds)
+			go cs.completeUntil(deadline, ds)
 			return Claim{}, err
 		}
 		err = FromError(err)
 		if errors.Is(err, ErrUnavailable) {
-			cs.completeEach(ctx, ds)
+			go cs.completeUntil(deadline, ds)
 		} else {
 			for _, d := range ds {
 				d.resolve(Record{}, err)
@@ -499,11 +501,7 @@ func (cs *Consumer) send(ds []*Done, claim *idemregv1.ClaimRequest) (Claim, erro
 		d.resolve(recordFromProto(r.GetComplete().GetRecord()), nil)
 	}
 	if len(again) > 0 {
-		go func() {
-			ctx, cancel := context.WithDeadline(context.Background(), deadline)
-			defer cancel()
-			cs.completeEach(ctx, again)
-		}()
+		go cs.completeUntil(deadline, again)
 	}
 	if claim == nil {
 		return Claim{}, nil
@@ -513,6 +511,12 @@ func (cs *Consumer) send(ds []*Done, claim *idemregv1.ClaimRequest) (Claim, erro
 		return Claim{}, FromStatus(status.FromProto(e))
 	}
 	return claimFromProto(r.GetClaim()), nil
+}
+
+func (cs *Consumer) completeUntil(deadline time.Time, ds []*Done) {
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	cs.completeEach(ctx, ds)
 }
 
 // completeEach stores the Completes of ds the way Once's bookkeeping does

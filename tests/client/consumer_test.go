@@ -274,3 +274,79 @@ func TestConsumerWorkersRace(t *testing.T) {
 		require.Equal(t, client.StateCompleted, rec.State)
 	}
 }
+
+// A registry without Batch (one that predates it answers UNIMPLEMENTED,
+// here the connection's interceptor in its place, before the call leaves)
+// is remembered after one try: the Consumer then makes Once's calls, and
+// every message is still handled once and completed.
+func TestConsumerRegistryWithoutBatch(t *testing.T) {
+	reg := registrytest.Start(t)
+	l := &batchLog{calls: map[string]int{}}
+	conn, err := grpc.NewClient(reg.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(l.interceptor,
+			func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+				if method == "/idemreg.v1.RegistryService/Batch" {
+					return status.Error(codes.Unimplemented, "unknown method Batch")
+				}
+				return invoker(ctx, method, req, reply, cc, opts...)
+			}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	c := client.New(conn)
+	cons := c.Consumer("orders.old-registry", client.WithLinger(time.Hour))
+
+	var dones []*client.Done
+	for i := range 4 {
+		res, d, err := cons.Handle(t.Context(), fmt.Sprintf("m%d", i), func(context.Context, client.Attempt) ([]byte, error) { return []byte("ok"), nil })
+		require.NoError(t, err)
+		require.True(t, res.Ran)
+		dones = append(dones, d)
+	}
+	require.NoError(t, cons.Close(t.Context()))
+	for _, d := range dones {
+		require.NoError(t, d.Err())
+		require.Equal(t, client.StateCompleted, d.Record().State)
+	}
+	_, calls := l.snapshot()
+	require.Equal(t, 1, calls["Batch"], "Batch tried once: %v", calls)
+	require.Equal(t, 4, calls["Claim"], "%v", calls)
+	require.Equal(t, 4, calls["Complete"]+calls["BatchComplete"], "%v", calls)
+}
+
+// A held Complete whose Batch finds the registry down is repeated until
+// the registry is back (within its bookkeeping timeout), and the Claim
+// that carried it fails on its own, without waiting for those repeats.
+func TestConsumerCompleteOutlivesAnOutage(t *testing.T) {
+	reg := registrytest.Start(t)
+	var down atomic.Bool
+	conn, err := grpc.NewClient(reg.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+			if down.Load() {
+				return status.Error(codes.Unavailable, "connection refused")
+			}
+			return invoker(ctx, method, req, reply, cc, opts...)
+		}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	cons := client.New(conn).Consumer("orders.outage", client.WithLinger(time.Hour), client.WithBookkeepingTimeout(time.Minute))
+
+	_, held, err := cons.Handle(t.Context(), "a", func(context.Context, client.Attempt) ([]byte, error) { return []byte("a"), nil })
+	require.NoError(t, err)
+	down.Store(true)
+	ctx, cancel := context.WithTimeout(t.Context(), hangGuard)
+	defer cancel()
+	_, d, err := cons.Handle(ctx, "b", func(context.Context, client.Attempt) ([]byte, error) {
+		t.Fatal("ran without a claim")
+		return nil, nil
+	})
+	require.ErrorIs(t, err, client.ErrUnavailable)
+	require.ErrorIs(t, d.Err(), client.ErrUnavailable)
+	select {
+	case <-held.Ready():
+		t.Fatal("the carried Complete resolved while the registry was down")
+	default:
+	}
+	down.Store(false)
+	require.NoError(t, recv(t, chanOf(held)))
+	require.Equal(t, "a", string(held.Record().Result.Response.Data))
+}
