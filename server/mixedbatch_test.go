@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"context"
 	"fmt"
 	"math/rand/v2"
 	"sort"
@@ -19,6 +20,7 @@ import (
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/storage"
 )
 
 func claimItem(r *idemregv1.ClaimRequest) *idemregv1.BatchItem {
@@ -489,4 +491,41 @@ func assertNoError(t *testing.T, err error) bool {
 		return false
 	}
 	return true
+}
+
+// keylessStore is a store whose claim keys cannot be read.
+type keylessStore struct{ storage.Store }
+
+func (keylessStore) ClaimKeyRing(context.Context) (storage.ClaimKeyRing, error) {
+	return storage.ClaimKeyRing{}, storage.ErrUnavailable
+}
+
+func (keylessStore) RotateClaimKey(context.Context, storage.RotateClaimKeyParams) (storage.ClaimKeyRing, error) {
+	return storage.ClaimKeyRing{}, storage.ErrUnavailable
+}
+
+// TestBatchWithoutClaimKeys: a server that cannot read its claim keys
+// answers a Batch's items each with that error (no Claim is decided, since
+// none could be proved) rather than failing the call, while BatchClaim
+// fails as a whole, as before; nothing is written.
+func TestBatchWithoutClaimKeys(t *testing.T) {
+	c := idemregv1.NewRegistryServiceClient(start(t, keylessStore{memStore(t)}, server.Config{}))
+	ctx := t.Context()
+	res, err := c.Batch(ctx, &idemregv1.BatchRequest{Items: []*idemregv1.BatchItem{
+		claimItem(claimReq("k", "fp")),
+		completeItem(&idemregv1.CompleteRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "other",
+			Token: 1, ClaimSecret: forged, Result: response("x")}),
+		{},
+	}})
+	require.NoError(t, err)
+	_, err = itemClaim(t, res.GetResults()[0])
+	requireStatus(t, err, codes.Unavailable, idemregv1.ReasonStoreUnavailable)
+	_, err = itemComplete(t, res.GetResults()[1])
+	requireStatus(t, err, codes.Unavailable, idemregv1.ReasonStoreUnavailable)
+	require.Equal(t, int32(codes.InvalidArgument), res.GetResults()[2].GetError().GetCode())
+
+	_, err = c.BatchClaim(ctx, &idemregv1.BatchClaimRequest{Requests: []*idemregv1.ClaimRequest{claimReq("k", "fp")}})
+	requireStatus(t, err, codes.Unavailable, idemregv1.ReasonStoreUnavailable)
+	_, err = c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "k"})
+	requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 }
