@@ -102,7 +102,8 @@ type item struct {
 	size int // bytes of its parameters in a batched statement
 	g    *group
 
-	where place // guarded by queue.mu
+	where place   // guarded by queue.mu
+	f     *flight // the transaction it was sent in, once sent (queue.mu)
 
 	// The answer, written by the transaction that decided the item before
 	// answered is set; again asks for a run alone (a stale pre-image).
@@ -240,8 +241,9 @@ func (q *queue) one(ctx context.Context, op storage.Op, runAlone func() storage.
 		return u.it.ans
 	case <-ctx.Done():
 		q.mu.Lock()
-		q.dropLocked(&u.it)
+		f := q.dropLocked(&u.it)
 		q.mu.Unlock()
+		f.leave()
 		if u.it.answered.Load() {
 			return u.it.ans
 		}
@@ -275,11 +277,17 @@ func (q *queue) many(ctx context.Context, ops []storage.Op) []storage.OpAnswer {
 	select {
 	case <-g.done:
 	case <-ctx.Done():
+		var left []*flight
 		q.mu.Lock()
 		for i := range items {
-			q.dropLocked(&items[i])
+			if f := q.dropLocked(&items[i]); f != nil && !slices.Contains(left, f) {
+				left = append(left, f)
+			}
 		}
 		q.mu.Unlock()
+		for _, f := range left {
+			f.leave()
+		}
 	}
 	for i := range items {
 		if items[i].answered.Load() {
@@ -323,8 +331,9 @@ func (q *queue) kickLocked() func() {
 }
 
 // dropLocked removes an item whose caller left from the queue, unless it
-// was sent.
-func (q *queue) dropLocked(it *item) {
+// was sent: then it returns the transaction it was sent in, which the
+// caller leaves (flight.leave) once per transaction.
+func (q *queue) dropLocked(it *item) *flight {
 	switch it.where {
 	case placePending:
 		if i := slices.Index(q.pending, it); i >= 0 {
@@ -337,10 +346,13 @@ func (q *queue) dropLocked(it *item) {
 		if i := slices.Index(q.deferred, it); i >= 0 {
 			q.deferred = slices.Delete(q.deferred, i, i+1)
 		}
+	case placeSent:
+		return it.f
 	default:
-		return
+		return nil
 	}
 	it.where = placeNone
+	return nil
 }
 
 // promoteLocked moves the deferred items whose key is idle into the
@@ -377,15 +389,17 @@ func (q *queue) takeLocked() func() {
 	}
 	batch := q.pending
 	q.pending, q.bytes = nil, 0
+	f := newFlight(batch)
 	for _, it := range batch {
-		it.where = placeSent
+		it.where, it.f = placeSent, f
 	}
 	if q.armed {
 		q.armed = false
 		q.timer.Stop()
 	}
 	return func() {
-		q.send(batch)
+		q.send(f.ctx, batch)
+		f.cancel()
 		q.mu.Lock()
 		for _, it := range batch {
 			delete(q.busy, it.key)
@@ -430,10 +444,10 @@ func (q *queue) windowEnded() {
 	}
 }
 
-// send decides batch as one transaction, splitting it when it is over a
-// bound, on serialization failures and on a member's refused input. It
-// sets every item's answer.
-func (q *queue) send(batch []*item) {
+// send decides batch as one transaction under ctx (its flight's),
+// splitting it when it is over a bound, on serialization failures and on a
+// member's refused input. It sets every item's answer.
+func (q *queue) send(ctx context.Context, batch []*item) {
 	live := batch
 	for i, it := range batch {
 		if it.g.ctx.Err() != nil { // its caller has returned
@@ -460,11 +474,9 @@ func (q *queue) send(batch []*item) {
 		size += it.size
 	}
 	if size > q.maxBytes || len(live) > MaxExplicitBatch {
-		q.split(live)
+		q.split(ctx, live)
 		return
 	}
-	ctx, cancel := batchContext(live)
-	defer cancel()
 	q.batches.Add(1)
 	q.batchedItems.Add(int64(len(live)))
 	for largest := q.largestBytes.Load(); int64(size) > largest; largest = q.largestBytes.Load() {
@@ -486,12 +498,12 @@ func (q *queue) send(batch []*item) {
 		q.splits.Add(1)
 		q.logger.DebugContext(ctx, "postgres: batch conflicted, splitting it", "items", len(live), "error", err)
 		_ = sleep(ctx, backoff(1))
-		q.split(live)
+		q.split(ctx, live)
 		return
 	case memberError(err):
 		q.memberSplits.Add(1)
 		q.logger.DebugContext(ctx, "postgres: batch refused, splitting it to find the member", "items", len(live), "error", err)
-		q.split(live)
+		q.split(ctx, live)
 		return
 	}
 	err = failure("batch", err)
@@ -501,11 +513,11 @@ func (q *queue) send(batch []*item) {
 }
 
 // split sends the two halves of batch concurrently.
-func (q *queue) split(batch []*item) {
+func (q *queue) split(ctx context.Context, batch []*item) {
 	half := len(batch) / 2
 	var wg sync.WaitGroup
-	wg.Go(func() { q.send(batch[:half]) })
-	q.send(batch[half:])
+	wg.Go(func() { q.send(ctx, batch[:half]) })
+	q.send(ctx, batch[half:])
 	wg.Wait()
 }
 
@@ -565,51 +577,51 @@ func memberError(err error) bool {
 	return false
 }
 
-// batchContext is the context of a batch's transaction: it ends when every
-// member's context has ended, and at the latest of their deadlines when
-// they all have one. Values are not carried over. An explicit batch's
-// items share their caller's context, watched once.
-func batchContext(items []*item) (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithCancel(context.Background())
+// flight is one transaction of the queue, its splits and retries
+// included: its context ends when every caller with an item in it has left
+// (their contexts ended: each leaves once, from its own wait, so that no
+// caller's context is watched by a callback of its own), and at the latest
+// of their deadlines when they all have one. Values are not carried over.
+type flight struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+	left   atomic.Int64 // callers still waiting
+}
+
+func newFlight(items []*item) *flight {
 	var (
 		latest time.Time
-		groups = make([]*group, 0, min(len(items), 16))
+		groups = 0
+		last   *group
 	)
-	for _, it := range items {
-		if len(groups) > 0 && groups[len(groups)-1] == it.g || slices.Contains(groups, it.g) {
+	for i, it := range items {
+		if it.g == last || slices.ContainsFunc(items[:i], func(x *item) bool { return x.g == it.g }) {
 			continue
 		}
-		groups = append(groups, it.g)
-	}
-	for _, g := range groups {
-		d, ok := g.ctx.Deadline()
-		if !ok {
-			latest = time.Time{}
-			break
-		}
-		if d.After(latest) {
-			latest = d
-		}
-	}
-	cancelDeadline := context.CancelFunc(func() {})
-	if !latest.IsZero() {
-		ctx, cancelDeadline = context.WithDeadline(ctx, latest)
-	}
-	var left atomic.Int64
-	left.Store(int64(len(groups)))
-	stops := make([]func() bool, len(groups))
-	for i, g := range groups {
-		stops[i] = context.AfterFunc(g.ctx, func() {
-			if left.Add(-1) == 0 {
-				cancel()
+		last = it.g
+		if groups++; groups == 1 || !latest.IsZero() {
+			d, ok := it.g.ctx.Deadline()
+			switch {
+			case !ok:
+				latest = time.Time{}
+			case groups == 1 || d.After(latest):
+				latest = d
 			}
-		})
-	}
-	return ctx, func() {
-		for _, stop := range stops {
-			stop()
 		}
-		cancelDeadline()
-		cancel()
+	}
+	f := &flight{}
+	if latest.IsZero() {
+		f.ctx, f.cancel = context.WithCancel(context.Background())
+	} else {
+		f.ctx, f.cancel = context.WithDeadline(context.Background(), latest)
+	}
+	f.left.Store(int64(groups))
+	return f
+}
+
+// leave is a caller's leaving; nil does nothing.
+func (f *flight) leave() {
+	if f != nil && f.left.Add(-1) == 0 {
+		f.cancel()
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -348,27 +349,208 @@ func TestBatcherDropsACallWhoseContextEnded(t *testing.T) {
 	require.Equal(t, [][]string{{"a", "b"}}, f.batches, "the cancelled call left its batch")
 }
 
-func TestBatchContext(t *testing.T) {
+// TestFlightContext: a transaction's context has the latest of its
+// callers' deadlines (none when one has none), and ends when every caller
+// has left, each once however many items it has in it.
+func TestFlightContext(t *testing.T) {
 	soon, cancelSoon := context.WithTimeout(t.Context(), time.Hour)
 	defer cancelSoon()
 	later, cancelLater := context.WithTimeout(t.Context(), 2*time.Hour)
 	defer cancelLater()
-	calls := []*item{{g: &group{ctx: soon}}, {g: &group{ctx: later}}}
-	ctx, cancel := batchContext(calls)
-	defer cancel()
-	d, ok := ctx.Deadline()
+	explicit := &group{ctx: soon}
+	unary := &group{ctx: later}
+	f := newFlight([]*item{{g: explicit}, {g: unary}, {g: explicit}})
+	defer f.cancel()
+	d, ok := f.ctx.Deadline()
 	require.True(t, ok)
 	want, _ := later.Deadline()
 	require.Equal(t, want, d, "the latest deadline")
 
-	cancelSoon()
-	require.NoError(t, ctx.Err(), "one member is still waiting")
-	cancelLater()
-	require.Eventually(t, func() bool { return ctx.Err() != nil }, 10*time.Second, time.Millisecond, "every member left")
+	f.leave() // the explicit batch's caller
+	require.NoError(t, f.ctx.Err(), "one caller is still waiting")
+	f.leave()
+	require.Error(t, f.ctx.Err(), "every caller left")
 
-	noDeadline := []*item{{g: &group{ctx: t.Context()}}, {g: &group{ctx: later}}}
-	ctx2, cancel2 := batchContext(noDeadline)
-	defer cancel2()
-	_, ok = ctx2.Deadline()
-	require.False(t, ok, "a member without a deadline")
+	f2 := newFlight([]*item{{g: &group{ctx: t.Context()}}, {g: unary}})
+	defer f2.cancel()
+	_, ok = f2.ctx.Deadline()
+	require.False(t, ok, "a caller without a deadline")
+	f3 := newFlight([]*item{{g: unary}, {g: &group{ctx: t.Context()}}})
+	defer f3.cancel()
+	_, ok = f3.ctx.Deadline()
+	require.False(t, ok, "a caller without a deadline, second")
+}
+
+// TestQueueCallerLeavesItsFlight: a caller whose context ends while its
+// item is in a transaction returns at once with the context's error, and
+// when every caller in it has left, the transaction's context ends.
+func TestQueueCallerLeavesItsFlight(t *testing.T) {
+	f, q := newFake(t, 1)
+	started := make(chan context.Context, 1)
+	q.exec = func(ctx context.Context, items []*item) error {
+		started <- ctx
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	release := occupy(t, f, q)
+	ctxA, cancelA := context.WithCancel(t.Context())
+	ctxB, cancelB := context.WithCancel(t.Context())
+	errs := make(chan error, 2)
+	go func() { _, err := f.do(ctxA, q, "a"); errs <- err }()
+	go func() { _, err := f.do(ctxB, q, "b"); errs <- err }()
+	require.Eventually(t, func() bool { return q.pendingCalls() == 2 }, 10*time.Second, time.Millisecond)
+	release()
+	txCtx := <-started
+	cancelA()
+	require.ErrorIs(t, <-errs, context.Canceled)
+	require.NoError(t, txCtx.Err(), "b still waits")
+	cancelB()
+	require.ErrorIs(t, <-errs, context.Canceled)
+	require.Eventually(t, func() bool { return txCtx.Err() != nil }, 10*time.Second, time.Millisecond)
+}
+
+// TestQueueExplicitBatchJoinsPending: an explicit batch's items join the
+// pending batch beside unary calls of both kinds, one transaction for all;
+// its second item on a key waits for the first's transaction.
+func TestQueueExplicitBatchJoinsPending(t *testing.T) {
+	f, q := newFake(t, 1)
+	release := occupy(t, f, q)
+	var wg sync.WaitGroup
+	unary := make([]string, 2)
+	for i, k := range []string{"a", "complete-b"} {
+		wg.Go(func() { unary[i], _ = f.do(t.Context(), q, k) })
+	}
+	var explicit []storage.OpAnswer
+	require.Eventually(t, func() bool { return q.pendingCalls() == 2 }, 10*time.Second, time.Millisecond)
+	wg.Go(func() {
+		explicit = q.many(t.Context(), []storage.Op{fakeOp("complete-c"), fakeOp("d"), fakeOp("complete-c")})
+	})
+	require.Eventually(t, func() bool { return q.pendingCalls() == 5 }, 10*time.Second, time.Millisecond)
+	release()
+	wg.Wait()
+	require.Equal(t, []string{"batch:a", "batch:complete-b"}, unary)
+	holders := make([]string, len(explicit))
+	for i, a := range explicit {
+		require.NoError(t, a.Err)
+		holders[i] = a.Claim.Record.Holder
+	}
+	require.Equal(t, []string{"batch:complete-c", "batch:d", "alone:complete-c"}, holders)
+	require.Equal(t, [][]string{{"a", "complete-b", "complete-c", "d"}}, f.batches, "one transaction, keys sorted")
+	require.Equal(t, []string{"blocker", "complete-c"}, f.alone, "the key's second item after the first's transaction")
+}
+
+// TestQueueKeyBusyUntilAnswered: an item whose batch answer was stale runs
+// again alone before a later item on its key is sent: the key is busy
+// until its answer is final, not only until its batch is sent.
+func TestQueueKeyBusyUntilAnswered(t *testing.T) {
+	f, q := newFake(t, 2)
+	var (
+		mu    sync.Mutex
+		order []string
+	)
+	gate := make(chan struct{})
+	q.exec = func(ctx context.Context, items []*item) error {
+		require.NoError(t, f.exec(ctx, items))
+		for _, it := range items {
+			mu.Lock()
+			order = append(order, "batch:"+it.key.Key)
+			mu.Unlock()
+			if it.key.Key == "x" {
+				it.again = true
+			}
+		}
+		return nil
+	}
+	q.alone = func(ctx context.Context, it *item) {
+		if it.key.Key == "x" {
+			<-gate // the stale item's run alone is slow
+		}
+		mu.Lock()
+		order = append(order, "alone:"+it.key.Key)
+		mu.Unlock()
+		f.runAlone(ctx, it)
+	}
+	done := make(chan []storage.OpAnswer)
+	go func() { done <- q.many(t.Context(), []storage.Op{fakeOp("x"), fakeOp("y"), fakeOp("x")}) }()
+	// The first transaction (x, y) ran; x waits to run alone, and the
+	// second x must not be sent meanwhile, though a slot is free.
+	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(order) == 2 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, 1, q.pendingCalls(), "the second x waits")
+	// A call on another key takes the free slot, and goes alone.
+	zDone := make(chan string, 1)
+	go func() { z, _ := f.do(t.Context(), q, "z"); zDone <- z }()
+	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(order) == 3 }, 10*time.Second, time.Millisecond)
+	mu.Lock()
+	third := order[2]
+	mu.Unlock()
+	close(gate)
+	require.Equal(t, "alone:z", third, "nothing on x was sent while x ran alone")
+	require.Equal(t, "alone:z", <-zDone)
+	got := <-done
+	for _, a := range got {
+		require.NoError(t, a.Err)
+	}
+	require.Equal(t, []string{"batch:x", "batch:y", "alone:z", "alone:x", "alone:x"}, order)
+}
+
+// BenchmarkQueue measures the queue's own Go cost per item, without a
+// database (a fake transaction that takes 100 µs, a statement's time, so
+// that calls queue behind it): unary calls that coalesce (callers
+// goroutines, each with its own context and deadline, as a server's are:
+// context-only is what those cost, to subtract), and explicit batches of
+// 64.
+func BenchmarkQueue(b *testing.B) {
+	newQ := func() *queue {
+		return newQueue(64, DefaultBatchBytes, time.Millisecond, 1, slog.New(slog.DiscardHandler),
+			func(_ context.Context, it *item) { time.Sleep(100 * time.Microsecond); it.ans = storage.OpAnswer{} },
+			func(_ context.Context, items []*item) error {
+				time.Sleep(100 * time.Microsecond)
+				for _, it := range items {
+					it.ans = storage.OpAnswer{}
+				}
+				return nil
+			})
+	}
+	ops := make([]storage.Op, 4096)
+	for i := range ops {
+		ops[i] = storage.Op{Claim: &storage.ClaimParams{Key: storage.Key{Consumer: "c", Kind: storage.KindMessage, Key: fmt.Sprint("k-", i)}}}
+		if i%2 == 1 {
+			ops[i] = storage.Op{Complete: &storage.CompleteParams{Key: ops[i].Claim.Key}}
+		}
+	}
+	b.Run("unary/callers=64", func(b *testing.B) {
+		q := newQ()
+		var next atomic.Int64
+		b.ReportAllocs()
+		b.SetParallelism(64)
+		b.RunParallel(func(pb *testing.PB) {
+			for pb.Next() {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				op := ops[next.Add(1)%int64(len(ops))]
+				q.one(ctx, op, func() storage.OpAnswer { time.Sleep(100 * time.Microsecond); return storage.OpAnswer{} })
+				cancel()
+			}
+		})
+		batches, items := q.batches.Load(), q.batchedItems.Load()
+		b.ReportMetric(float64(items)/float64(max(batches, 1)), "items/batch")
+		b.ReportMetric(float64(items)/float64(b.N), "batched/op")
+	})
+	b.Run("context-only", func(b *testing.B) { // what the callers' contexts cost, to subtract
+		b.ReportAllocs()
+		for b.Loop() {
+			_, cancel := context.WithTimeout(context.Background(), time.Minute)
+			cancel()
+		}
+	})
+	b.Run("explicit/size=64", func(b *testing.B) {
+		q := newQ()
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		b.ReportAllocs()
+		for i := 0; b.Loop(); i++ {
+			start := (i * 64) % len(ops)
+			q.many(ctx, ops[start:start+64])
+		}
+		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*64), "ns/item")
+	})
 }
