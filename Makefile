@@ -42,6 +42,7 @@ generate: ## regenerate Go code from proto/ and examples/proto/, the reason cons
 	cd clients/typescript && npm ci --no-audit --no-fund
 	$(BUF) generate --template clients/typescript/buf.gen.yaml
 	$(BUF) generate --template clients/python/buf.gen.yaml
+	$(BUF) generate --template docs/openapi/buf.gen.yaml
 
 lint:
 	$(BUF) lint
