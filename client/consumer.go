@@ -32,7 +32,8 @@ type ConsumerOption interface{ applyConsumer(*consumerSettings) }
 
 type consumerSettings struct {
 	*settings
-	linger time.Duration
+	linger   time.Duration
+	inFlight int
 }
 
 type consumerOnly func(*consumerSettings)
@@ -52,6 +53,19 @@ func WithLinger(d time.Duration) ConsumerOption {
 	return consumerOnly(func(s *consumerSettings) { s.linger = d })
 }
 
+// DefaultConsumerInFlight is how many Batch RPCs carrying Claims a
+// Consumer keeps in flight before its workers' Claims queue for the next,
+// which takes all of them and every held Complete: at one worker it never
+// queues, and with many their Claims share RPCs and store transactions.
+const DefaultConsumerInFlight = 2
+
+// WithConsumerInFlight sets how many Batch RPCs carrying Claims the
+// Consumer keeps in flight (default DefaultConsumerInFlight; zero or less
+// takes the default). Consumer only.
+func WithConsumerInFlight(n int) ConsumerOption {
+	return consumerOnly(func(s *consumerSettings) { s.inFlight = n })
+}
+
 // Consumer handles the messages of one registry consumer as Once does, with
 // one registry round trip per message instead of two: the Complete of a
 // message is not sent when its handler returns but held, and goes in the
@@ -66,7 +80,10 @@ func WithLinger(d time.Duration) ConsumerOption {
 // Close. Each item of a Batch is answered on its own: a refused Claim
 // never fails the Completes it carried, nor a lost lease the Claim.
 //
-// A Consumer is safe for concurrent use by any number of workers. A
+// A Consumer is safe for concurrent use by any number of workers: while
+// WithConsumerInFlight Batches carrying Claims are out, their Claims queue
+// and the next Batch takes all of them, so that many workers share RPCs
+// and store transactions as they share held Completes. A
 // registry without the Batch RPC (codes.Unimplemented) is remembered, and
 // the Consumer then makes Once's calls (Claim, BatchComplete) instead.
 type Consumer struct {
@@ -79,6 +96,9 @@ type Consumer struct {
 	timer  *time.Timer
 	open   map[*Done]struct{}
 	closed bool
+	// claims waits for a place among the inFlight Batches carrying Claims.
+	claims   []*queuedClaim
+	inFlight int
 
 	// noBatch is set once the registry answered Batch UNIMPLEMENTED.
 	noBatch atomic.Bool
@@ -101,6 +121,9 @@ func (c *Client) Consumer(consumer string, opts ...ConsumerOption) *Consumer {
 		cs.linger = DefaultLinger
 	}
 	cs.linger = min(cs.linger, cs.lease/2, cs.bookkeepingTimeout/2)
+	if cs.inFlight <= 0 {
+		cs.inFlight = DefaultConsumerInFlight
+	}
 	return &Consumer{c: c, consumer: consumer, s: cs, open: map[*Done]struct{}{}}
 }
 
@@ -277,7 +300,7 @@ func (cs *Consumer) hold(d *Done) {
 	cs.open[d] = struct{}{}
 	cs.held = append(cs.held, d)
 	if cs.timer == nil {
-		cs.timer = time.AfterFunc(cs.s.linger, func() { cs.flush(nil) })
+		cs.timer = time.AfterFunc(cs.s.linger, cs.lingered)
 	}
 }
 
@@ -307,9 +330,23 @@ func (cs *Consumer) takeLocked(room int) []*Done {
 			cs.timer = nil
 		}
 	} else if cs.timer == nil {
-		cs.timer = time.AfterFunc(cs.s.linger, func() { cs.flush(nil) })
+		cs.timer = time.AfterFunc(cs.s.linger, cs.lingered)
 	}
 	return out
+}
+
+// lingered sends the held Completes alone when the linger ran out, unless
+// Claims are queued behind a Batch in flight: the next Batch, sent as soon
+// as that one is answered, carries them.
+func (cs *Consumer) lingered() {
+	cs.mu.Lock()
+	if len(cs.claims) > 0 && len(cs.held) > 0 {
+		cs.timer = time.AfterFunc(cs.s.linger, cs.lingered)
+		cs.mu.Unlock()
+		return
+	}
+	cs.mu.Unlock()
+	cs.flush(nil)
 }
 
 // flush sends the held Completes alone: all of them, or, when only is not
@@ -374,7 +411,9 @@ func (cs *Consumer) Close(ctx context.Context) error {
 }
 
 // claim claims p as the client's claim does, with the held Completes in
-// the same Batch RPC as its first Claim. Anything but a plain answer (the
+// the same Batch RPC as its first Claim. While the Consumer has its
+// WithConsumerInFlight Batches of Claims out, the Claim queues, and the
+// next Batch carries every queued Claim and held Complete. Anything but a plain answer (the
 // RPC failed, the key is in progress and the consumer waits for it, no
 // Batch on the registry) goes on in the client's claim, under the same
 // request id: a repeated Claim that the first one acquired gets its token
@@ -383,32 +422,37 @@ func (cs *Consumer) claim(ctx context.Context, p ClaimParams, s *settings) (Clai
 	p.RequestID = NewRequestID()
 	if cs.noBatch.Load() {
 		if ds := cs.take(0); len(ds) > 0 {
-			go cs.send(ds, nil)
+			go cs.completeUntil(time.Now().Add(s.bookkeepingTimeout), ds)
 		}
 		return cs.c.claim(ctx, p, s)
 	}
 	if ctx.Err() != nil {
 		return Claim{}, contextError(ctx)
 	}
-	req := p.request(cs.c.holder)
-	ds := cs.take(proto.Size(&idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: req}}) + 8)
-	type answer struct {
-		cl  Claim
-		err error
+	q := &queuedClaim{req: p.request(cs.c.holder), answer: make(chan claimAnswer, 1)}
+	q.size = proto.Size(&idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: q.req}}) + 8
+	cs.mu.Lock()
+	if cs.inFlight < cs.s.inFlight {
+		cs.inFlight++
+		q.state.Store(takenClaim)
+		ds := cs.takeLocked(q.size)
+		cs.mu.Unlock()
+		go cs.sendClaims(ds, []*queuedClaim{q})
+	} else {
+		cs.claims = append(cs.claims, q)
+		cs.mu.Unlock()
 	}
-	answers := make(chan answer, 1)
-	go func() {
-		cl, err := cs.send(ds, req)
-		answers <- answer{cl, err}
-	}()
-	var a answer
+	var a claimAnswer
 	select {
-	case a = <-answers:
+	case a = <-q.answer:
 	case <-ctx.Done():
+		if q.state.CompareAndSwap(queuedClaimState, abandonedClaim) {
+			return Claim{}, contextError(ctx) // never sent
+		}
 		// As in claimOnce: a claim acquired for a caller that left is
 		// released rather than stranded until its lease ends.
 		go func() {
-			a := <-answers
+			a := <-q.answer
 			if a.err != nil || a.cl.Outcome != OutcomeAcquired {
 				return
 			}
@@ -437,44 +481,115 @@ func (cs *Consumer) claim(ctx context.Context, p ClaimParams, s *settings) (Clai
 	}
 }
 
-// send makes one Batch of the Completes of ds, and of claim when it is not
-// nil, resolves each Done with its item's answer, and returns the claim's.
+// A Claim waiting for a place among the Batches in flight.
+type queuedClaim struct {
+	req    *idemregv1.ClaimRequest
+	size   int
+	state  atomic.Int32
+	answer chan claimAnswer
+}
+
+type claimAnswer struct {
+	cl  Claim
+	err error
+}
+
+// The states of a queuedClaim.
+const (
+	queuedClaimState int32 = iota
+	takenClaim
+	// abandonedClaim: its caller left before it was taken; it is not sent.
+	abandonedClaim
+)
+
+// sendClaims sends qs with the Completes of ds in one Batch, answers each
+// Claim, and then sends what queued meanwhile, or frees its place.
+func (cs *Consumer) sendClaims(ds []*Done, qs []*queuedClaim) {
+	for {
+		answers := cs.send(ds, qs)
+		for i, q := range qs {
+			q.answer <- answers[i]
+		}
+		ds, qs = cs.next()
+		if len(qs) == 0 {
+			return
+		}
+	}
+}
+
+// next takes the Claims that queued (and every held Complete, within a
+// Batch's bounds), or frees a place when none did.
+func (cs *Consumer) next() ([]*Done, []*queuedClaim) {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	var qs []*queuedClaim
+	n, size := 0, 0
+	for _, q := range cs.claims {
+		if len(qs) > 0 && (len(qs)+1 == MaxBatchItems/2 || size+q.size > MaxBatchBytes/2) {
+			break
+		}
+		n++
+		if !q.state.CompareAndSwap(queuedClaimState, takenClaim) {
+			continue
+		}
+		qs = append(qs, q)
+		size += q.size
+	}
+	cs.claims = cs.claims[n:]
+	if len(cs.claims) == 0 {
+		cs.claims = nil
+	}
+	if len(qs) == 0 {
+		cs.inFlight--
+		return nil, nil
+	}
+	return cs.takeLocked(size), qs
+}
+
+// send makes one Batch of the Completes of ds and the Claims of qs,
+// resolves each Done with its item's answer, and returns each Claim's.
 // It runs on a context of its own, up to the latest of the items'
 // bookkeeping deadlines, since its Completes are other callers' and its
-// Claim must not be cut off once sent (claimOnce says why). Completes the
+// Claims must not be cut off once sent (claimOnce says why). Completes the
 // registry could not take while it was unavailable are repeated as Once
-// repeats them, until their own deadline.
-func (cs *Consumer) send(ds []*Done, claim *idemregv1.ClaimRequest) (Claim, error) {
+// repeats them, until their own deadline, on their own goroutine so that
+// the Claims' callers are not held up by them.
+func (cs *Consumer) send(ds []*Done, qs []*queuedClaim) []claimAnswer {
 	deadline := time.Now().Add(cs.s.bookkeepingTimeout)
 	for _, d := range ds {
 		if d.deadline.After(deadline) {
 			deadline = d.deadline
 		}
 	}
+	answers := make([]claimAnswer, len(qs))
+	failAll := func(err error) []claimAnswer {
+		for i := range answers {
+			answers[i].err = err
+		}
+		return answers
+	}
+	if cs.noBatch.Load() {
+		go cs.completeUntil(deadline, ds)
+		return failAll(status.Error(codes.Unimplemented, "idemreg: the registry has no Batch"))
+	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	if cs.noBatch.Load() {
-		cs.completeEach(ctx, ds)
-		return Claim{}, status.Error(codes.Unimplemented, "idemreg: the registry has no Batch")
-	}
-	items := make([]*idemregv1.BatchItem, 0, len(ds)+1)
+	items := make([]*idemregv1.BatchItem, 0, len(ds)+len(qs))
 	for _, d := range ds {
 		items = append(items, &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Complete{Complete: d.req}})
 	}
-	if claim != nil {
-		items = append(items, &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: claim}})
+	for _, q := range qs {
+		items = append(items, &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: q.req}})
 	}
 	res, err := cs.c.rpc.Batch(ctx, &idemregv1.BatchRequest{Items: items})
 	if err == nil && len(res.GetResults()) != len(items) {
 		err = status.Errorf(codes.Internal, "idemreg: Batch answered %d results for %d items", len(res.GetResults()), len(items))
 	}
 	if err != nil {
-		// The Completes are repeated on their own, so that the Claim's
-		// caller is not held up by their retries.
 		if status.Code(err) == codes.Unimplemented {
 			cs.noBatch.Store(true)
 			go cs.completeUntil(deadline, ds)
-			return Claim{}, err
+			return failAll(err)
 		}
 		err = FromError(err)
 		if errors.Is(err, ErrUnavailable) {
@@ -484,7 +599,7 @@ func (cs *Consumer) send(ds []*Done, claim *idemregv1.ClaimRequest) (Claim, erro
 				d.resolve(Record{}, err)
 			}
 		}
-		return Claim{}, err
+		return failAll(err)
 	}
 	var again []*Done
 	for i, d := range ds {
@@ -503,14 +618,15 @@ func (cs *Consumer) send(ds []*Done, claim *idemregv1.ClaimRequest) (Claim, erro
 	if len(again) > 0 {
 		go cs.completeUntil(deadline, again)
 	}
-	if claim == nil {
-		return Claim{}, nil
+	for i := range qs {
+		r := res.GetResults()[len(ds)+i]
+		if e := r.GetError(); e != nil {
+			answers[i].err = FromStatus(status.FromProto(e))
+		} else {
+			answers[i].cl = claimFromProto(r.GetClaim())
+		}
 	}
-	r := res.GetResults()[len(ds)]
-	if e := r.GetError(); e != nil {
-		return Claim{}, FromStatus(status.FromProto(e))
-	}
-	return claimFromProto(r.GetClaim()), nil
+	return answers
 }
 
 func (cs *Consumer) completeUntil(deadline time.Time, ds []*Done) {

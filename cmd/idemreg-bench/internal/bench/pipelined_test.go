@@ -60,15 +60,15 @@ func TestPipelinedTargets(t *testing.T) {
 		calls := counter.calls
 		counter.mu.Unlock()
 		require.Zero(t, calls["Claim"]+calls["Complete"]+calls["BatchClaim"]+calls["BatchComplete"], "%v", calls)
-		t.Logf("idemreg-pipelined, %d callers: %d messages, %d Batch RPCs (%.2f per message), %.0f pairs/s",
-			callers, res.Pairs, calls["Batch"], float64(calls["Batch"])/float64(res.Pairs), res.PairsPerSecond())
+		t.Logf("idemreg-pipelined, %d callers: %d messages, %d Batch RPCs (%.2f per message), %.0f pairs/s, claim p50 %v",
+			callers, res.Pairs, calls["Batch"], float64(calls["Batch"])/float64(res.Pairs), res.PairsPerSecond(), res.Claim.P50)
 
 		plain, err := NewRegistryClient(addr, "bench.plain", client.Batching{})
 		require.NoError(t, err)
 		res, err = Run(t.Context(), plain, cfg)
 		require.NoError(t, err)
 		require.NoError(t, plain.Close())
-		t.Logf("idemreg (Claim, then Complete), %d callers: %.0f pairs/s", callers, res.PairsPerSecond())
+		t.Logf("idemreg (Claim, then Complete), %d callers: %.0f pairs/s, claim p50 %v, complete p50 %v", callers, res.PairsPerSecond(), res.Claim.P50, res.Complete.P50)
 
 		sql, err := NewSQLPipelined(t.Context(), databaseURL, "bench.sql-pipelined", callers)
 		require.NoError(t, err)
@@ -78,6 +78,6 @@ func TestPipelinedTargets(t *testing.T) {
 		require.Zero(t, res.Errors, res.FirstError)
 		require.Zero(t, res.Unexpected, res.FirstError)
 		require.Equal(t, cfg.Count, res.Pairs)
-		t.Logf("sql-pipelined, %d callers: %d messages, %.0f pairs/s", callers, res.Pairs, res.PairsPerSecond())
+		t.Logf("sql-pipelined, %d callers: %d messages, %.0f pairs/s, claim p50 %v", callers, res.Pairs, res.PairsPerSecond(), res.Claim.P50)
 	}
 }
