@@ -350,3 +350,62 @@ func TestConsumerCompleteOutlivesAnOutage(t *testing.T) {
 	require.NoError(t, recv(t, chanOf(held)))
 	require.Equal(t, "a", string(held.Record().Result.Response.Data))
 }
+
+// With its one Batch in flight, the Consumer queues a worker's Claim: a
+// worker that gives up while queued returns at once and its Claim is never
+// sent, and the others' Claims are answered once the Batch is.
+func TestConsumerQueuedClaims(t *testing.T) {
+	reg := registrytest.Start(t)
+	l := &batchLog{calls: map[string]int{}}
+	gate, sent := make(chan struct{}), make(chan struct{}, 10)
+	var gated atomic.Bool
+	gated.Store(true)
+	conn, err := grpc.NewClient(reg.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(l.interceptor,
+			func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+				err := invoker(ctx, method, req, reply, cc, opts...)
+				if gated.CompareAndSwap(true, false) {
+					sent <- struct{}{}
+					<-gate // the first Batch's answer is held back
+				}
+				return err
+			}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	cons := client.New(conn).Consumer("orders.queued", client.WithConsumerInFlight(1), client.WithLinger(time.Hour))
+	ok := func(context.Context, client.Attempt) ([]byte, error) { return nil, nil }
+
+	first := make(chan error, 1)
+	go func() { _, _, err := cons.Handle(t.Context(), "first", ok); first <- err }()
+	recv(t, sent)
+
+	ctx, cancel := context.WithCancel(t.Context())
+	gaveUp := make(chan error, 1)
+	go func() { _, _, err := cons.Handle(ctx, "abandoned", ok); gaveUp <- err }()
+	queued := make(chan error, 2)
+	for _, id := range []string{"q1", "q2"} {
+		go func() { _, _, err := cons.Handle(t.Context(), id, ok); queued <- err }()
+	}
+	cancel()
+	require.ErrorIs(t, recv(t, gaveUp), client.ErrCanceled, "a queued Claim's caller leaves at once")
+
+	close(gate)
+	require.NoError(t, recv(t, first))
+	require.NoError(t, recv(t, queued))
+	require.NoError(t, recv(t, queued))
+	require.NoError(t, cons.Close(t.Context()))
+
+	batches, _ := l.snapshot()
+	var claims []string
+	for _, b := range batches {
+		for _, it := range b {
+			if it == "claim:abandoned" {
+				t.Fatalf("the abandoned Claim was sent: %v", batches)
+			}
+		}
+		claims = append(claims, fmt.Sprint(b))
+	}
+	// Claims that queued in time share the next Batch; how many did is the
+	// scheduler's, so it is logged, not asserted.
+	t.Log("Batches:", claims)
+}
