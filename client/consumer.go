@@ -142,6 +142,9 @@ type Done struct {
 	req      *idemregv1.CompleteRequest
 	size     int
 	deadline time.Time
+	// sendBy is when a held Complete goes alone whatever else waits: half
+	// its lease or half its bookkeeping timeout after the handler ended.
+	sendBy time.Time
 	// final: the handler's error was Final, so the Complete stores a failure.
 	final bool
 }
@@ -280,6 +283,7 @@ func (cs *Consumer) Handle(ctx context.Context, messageID string, fn Handler, op
 		ready: make(chan struct{}), cs: cs, req: req, size: heldItemSize(req),
 		params:   CompleteParams{Key: k, Fence: h.fence, Result: d.result},
 		deadline: time.Now().Add(s.bookkeepingTimeout), final: fnErr != nil,
+		sendBy: time.Now().Add(min(s.lease, s.bookkeepingTimeout) / 2),
 	}
 	cs.hold(done)
 	return OnceResult{Ran: true, Data: data, Record: cl.Record}, done, fnErr
@@ -337,13 +341,16 @@ func (cs *Consumer) takeLocked(room int) []*Done {
 
 // lingered sends the held Completes alone when the linger ran out, unless
 // Claims are queued behind a Batch in flight: the next Batch, sent as soon
-// as that one is answered, carries them.
+// as that one is answered, carries them, unless the oldest has waited until
+// its sendBy.
 func (cs *Consumer) lingered() {
 	cs.mu.Lock()
 	if len(cs.claims) > 0 && len(cs.held) > 0 {
-		cs.timer = time.AfterFunc(cs.s.linger, cs.lingered)
-		cs.mu.Unlock()
-		return
+		if wait := time.Until(cs.held[0].sendBy); wait > 0 {
+			cs.timer = time.AfterFunc(min(cs.s.linger, wait), cs.lingered)
+			cs.mu.Unlock()
+			return
+		}
 	}
 	cs.mu.Unlock()
 	cs.flush(nil)
