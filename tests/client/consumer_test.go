@@ -186,6 +186,24 @@ func TestConsumerItemErrorsAreTheirOwn(t *testing.T) {
 	require.Equal(t, []string{"complete:taken", "claim:next"}, batches[1], "the stale Complete rode with the next Claim")
 }
 
+// A Claim the registry refuses does not fail the Complete it carried.
+func TestConsumerRefusedClaimKeepsItsComplete(t *testing.T) {
+	reg := registrytest.Start(t)
+	c, log := loggedClient(t, reg.Addr)
+	cons := c.Consumer("orders.refused", client.WithLinger(time.Hour))
+	ok := func(context.Context, client.Attempt) ([]byte, error) { return []byte("ok"), nil }
+
+	_, held, err := cons.Handle(t.Context(), "good", ok)
+	require.NoError(t, err)
+	_, refused, err := cons.Handle(t.Context(), "", ok) // no message id: INVALID_ARGUMENT
+	require.ErrorIs(t, err, client.ErrInvalidArgument)
+	require.ErrorIs(t, refused.Err(), client.ErrInvalidArgument)
+	require.NoError(t, recv(t, chanOf(held)), "the carried Complete is stored")
+
+	batches, _ := log.snapshot()
+	require.Equal(t, []string{"complete:good", "claim:"}, batches[1])
+}
+
 // A Final error is stored (Done nil: ack), a retryable one releases the
 // message at once (Done carries it: redeliver), as with Once.
 func TestConsumerFailures(t *testing.T) {
