@@ -115,12 +115,14 @@ type Config struct {
 	// goroutines keep the stacks they grew, which a new goroutine per call
 	// grows again by copying: an eighth of the server's CPU under load.
 	StreamWorkers int
-	// StaticWindow, when positive, fixes the HTTP/2 flow-control window of
-	// every stream and every connection of the gRPC listener at this many
-	// bytes. Zero leaves grpc-go's dynamic windows, which it sizes by
-	// estimating the bandwidth-delay product: a PING and its ack with
-	// nearly every small message it receives (grpc/grpc-go#6998).
-	StaticWindow int32
+	// StaticWindow fixes the HTTP/2 flow-control window of every stream
+	// and every connection of the gRPC listener at this many bytes
+	// (DefaultStaticWindow); negative leaves grpc-go's dynamic windows,
+	// which it sizes by estimating the bandwidth-delay product: a PING and
+	// its ack with nearly every small message it receives
+	// (grpc/grpc-go#6998), about a quarter of the server's CPU per call
+	// at 8 callers (docs/benchmarks.md, issue 36).
+	StaticWindow int
 	// Keepalive sets connection ages and pings; zero fields take the
 	// defaults of DefaultKeepalive.
 	Keepalive keepalive.ServerParameters
@@ -195,6 +197,12 @@ const DefaultStreamWorkers = 128
 // below which grpc-go ignores the setting.
 const MinStaticWindow = 64 << 10
 
+// DefaultStaticWindow is the default StaticWindow: what grpc-go's dynamic
+// windows start from, enough for a batch of small items in one window,
+// while a request of several MiB (MaxRequestBytes) takes a few window
+// updates on its way in.
+const DefaultStaticWindow = 1 << 20
+
 // DefaultKeepalive are the connection settings for load-balanced
 // deployments: connections are recycled every few minutes so that new
 // replicas get their share of long-lived clients, with a grace longer than
@@ -257,6 +265,9 @@ func (c *Config) setDefaults() {
 	if c.StreamWorkers == 0 {
 		c.StreamWorkers = DefaultStreamWorkers
 	}
+	if c.StaticWindow == 0 {
+		c.StaticWindow = DefaultStaticWindow
+	}
 	def := DefaultKeepalive()
 	k := &c.Keepalive
 	for _, f := range []struct{ v, d *time.Duration }{
@@ -313,7 +324,7 @@ func (e *ConfigError) Error() string {
 // *ConfigError; Limits, Bounds and Readiness report theirs through their
 // own Validate. Zero fields are valid, as they take the defaults, and so
 // are the negative values documented to turn something off
-// (ParkedCountInterval, StreamWorkers). New calls it.
+// (ParkedCountInterval, StreamWorkers, StaticWindow). New calls it.
 func (c Config) Validate() error {
 	var errs []error
 	bad := func(field string, value any, problem string) {
@@ -349,8 +360,8 @@ func (c Config) Validate() error {
 	}
 	// grpc-go ignores a window below HTTP/2's initial one, and the
 	// server would run with dynamic windows while configured for static.
-	if c.StaticWindow != 0 && c.StaticWindow < MinStaticWindow {
-		bad("StaticWindow", c.StaticWindow, fmt.Sprintf("must be 0 (dynamic) or at least %d", MinStaticWindow))
+	if c.StaticWindow > 0 && (c.StaticWindow < MinStaticWindow || c.StaticWindow > math.MaxInt32) {
+		bad("StaticWindow", c.StaticWindow, fmt.Sprintf("must be between %d and %d bytes, or off (grpc-go's dynamic windows)", MinStaticWindow, math.MaxInt32))
 	}
 	// A deadline cut to below the budget of a request without one would
 	// make a caller's explicit deadline shorter than not giving any.

@@ -171,7 +171,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		grpc.ForceServerCodecV2(newRequestCodec()),
 	}
 	if cfg.StaticWindow > 0 {
-		opts = append(opts, grpc.StaticStreamWindowSize(cfg.StaticWindow), grpc.StaticConnWindowSize(cfg.StaticWindow))
+		opts = append(opts, grpc.StaticStreamWindowSize(int32(cfg.StaticWindow)), grpc.StaticConnWindowSize(int32(cfg.StaticWindow)))
 	}
 	opts = append(opts, cfg.Bounds.serverOptions(newPendingCalls(cfg.Bounds.MaxPendingCalls-cfg.Bounds.MaxPendingCalls/2, m))...)
 	creds := insecure.NewCredentials()

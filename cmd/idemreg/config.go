@@ -122,6 +122,7 @@ func defaultConfig() config {
 			MaxQuotaConsumersPerIdentity: server.DefaultMaxQuotaConsumersPerIdentity,
 			ParkedCountInterval:          server.DefaultParkedCountInterval,
 			StreamWorkers:                server.DefaultStreamWorkers,
+			StaticWindow:                 server.DefaultStaticWindow,
 			RefusalLogRate:               server.DefaultRefusalLogRate,
 			RefusalRate:                  server.DefaultRefusalRate,
 			RefusalDelay:                 server.DefaultRefusalDelay,
@@ -223,7 +224,7 @@ func (c *config) bindServe(fs *flag.FlagSet) {
 	fs.Float64Var(&s.RefusalRate, "refusal-rate", s.RefusalRate, "refusals (UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT) a second each caller may draw, an identity or, without one, a source IP, before each further one is answered only after --refusal-delay (burst: twice it; 0: never held); idemreg_refusals_slowed_total counts them")
 	durationVar(fs, &s.RefusalDelay, "refusal-delay", s.RefusalDelay, "how long a refusal beyond --refusal-rate is held before it is answered (at most half of what is left of the call's deadline)")
 	offAtZeroVar(fs, &s.StreamWorkers, strconv.Atoi, "stream-workers", "goroutines kept to run calls, reusing their stacks (0: a new goroutine per call)")
-	fs.Var(int32Value{&s.StaticWindow}, "static-window", "fix the HTTP/2 flow-control window of every stream and connection of --listen at this many bytes (at least 65536), so that grpc-go sends no bandwidth-estimating PING with each small message (0: grpc-go's dynamic windows)")
+	offAtZeroVar(fs, &s.StaticWindow, strconv.Atoi, "static-window", "the HTTP/2 flow-control window of every stream and connection of --listen, fixed, in bytes (at least 65536), so that grpc-go sends no bandwidth-estimating PING with each small message it receives; clients should dial with the same (grpc.WithStaticStreamWindowSize, WithStaticConnWindowSize) (0: grpc-go's dynamic windows)")
 	durationVar(fs, &s.Keepalive.MaxConnectionAge, "max-connection-age", s.Keepalive.MaxConnectionAge, "close client connections after about this long (clients reconnect, so load spreads over new replicas)")
 	durationVar(fs, &s.Keepalive.MaxConnectionIdle, "max-connection-idle", s.Keepalive.MaxConnectionIdle, "close client connections that have had no call for this long")
 	b := &s.Bounds
@@ -312,24 +313,6 @@ func (u uint32Value) String() string {
 		return "0"
 	}
 	return strconv.FormatUint(uint64(*u.p), 10)
-}
-
-// int32Value is a flag of an int32 field (grpc's window sizes).
-type int32Value struct{ p *int32 }
-
-func (v int32Value) Set(s string) error {
-	n, err := strconv.ParseInt(s, 10, 32)
-	*v.p = int32(n)
-	return err
-}
-
-func (int32Value) Type() string { return "int" }
-
-func (v int32Value) String() string {
-	if v.p == nil {
-		return "0"
-	}
-	return strconv.FormatInt(int64(*v.p), 10)
 }
 
 // Validate reports settings that cannot work together: the binary's own,
