@@ -529,3 +529,39 @@ func TestBatchWithoutClaimKeys(t *testing.T) {
 	_, err = c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: "billing.payment-worker", Kind: idemregv1.Kind_KIND_OPERATION, Key: "k"})
 	requireStatus(t, err, codes.NotFound, idemregv1.ReasonNotFound)
 }
+
+// plainStore is a store with none of its optional capabilities: no
+// Batcher, no MixedBatcher, so storage.Batch falls back to one call after
+// the other in rounds per key.
+type plainStore struct{ storage.Store }
+
+// TestBatchOnPlainStore: on a store that batches nothing, a Batch answers
+// as on one that does: a Complete then a Claim of one key keep their
+// order, and a Complete whose secret does not prove its token fails alone.
+func TestBatchOnPlainStore(t *testing.T) {
+	c := idemregv1.NewRegistryServiceClient(start(t, plainStore{memStore(t)}, server.Config{}))
+	ctx := t.Context()
+	held, err := c.Claim(ctx, claimReq("k", "fp"))
+	require.NoError(t, err)
+	other, err := c.Claim(ctx, claimReq("other", "fp"))
+	require.NoError(t, err)
+	stale := completeOf(other, "other", "late")
+	stale.Token = other.GetToken() - 1
+	res, err := c.Batch(ctx, &idemregv1.BatchRequest{Items: []*idemregv1.BatchItem{
+		completeItem(completeOf(held, "k", "stored")),
+		claimItem(claimReq("k", "fp")),
+		completeItem(stale),
+		claimItem(claimReq("new", "fp")),
+	}})
+	require.NoError(t, err)
+	_, err = itemComplete(t, res.GetResults()[0])
+	require.NoError(t, err)
+	replay, err := itemClaim(t, res.GetResults()[1])
+	require.NoError(t, err)
+	require.Equal(t, idemregv1.Outcome_OUTCOME_COMPLETED, replay.GetOutcome())
+	_, err = itemComplete(t, res.GetResults()[2])
+	requireStatus(t, err, codes.FailedPrecondition, idemregv1.ReasonClaimSecretInvalid)
+	fresh, err := itemClaim(t, res.GetResults()[3])
+	require.NoError(t, err)
+	require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, fresh.GetOutcome())
+}
