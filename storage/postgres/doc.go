@@ -36,32 +36,37 @@
 // # Coalescing
 //
 // One statement per call costs one commit per call, and commits, not rows,
-// bound a small machine: so concurrent Claims (and concurrent Completes)
-// that arrive together travel as one multi-row statement of the same shape
-// (claimBatchSQL, completeBatchSQL), one round trip and one commit for the
-// whole batch, and every caller still gets the answer for its own key,
-// classified by the same Decide function. A call that finds its kind's
-// statement slot free (WithBatching; one slot per kind by default) and
-// nobody queued runs alone with the single-row statement, so a lone
-// caller's latency is unchanged. Otherwise it joins the pending batch, sent
-// when the slot frees, when it is full, or when its window has passed. The
-// same key never appears twice in one statement (PostgreSQL refuses an ON
-// CONFLICT DO UPDATE that affects a row twice): a second call on a key
-// waits for the next batch. A batch that hits a serialization failure or a
-// deadlock is split in halves and retried; single calls left over run alone
-// with their own retries. batch.go has the details.
+// bound a small machine: so concurrent Claims and Completes that arrive
+// together travel as one transaction: the Claims as one multi-row statement
+// and the Completes as another of the same shape (claimBatchSQL,
+// completeBatchSQL), pipelined in one pgx.Batch under one Sync, which
+// PostgreSQL and CockroachDB run as one implicit transaction: one round
+// trip and one commit for the whole batch, and every caller still gets the
+// answer for its own key, classified by the same Decide function. Both
+// kinds share one queue, so the batches are twice the size two queues
+// would make (about half of a service's calls are Completes). A call that
+// finds the queue's statement slot free (WithBatching; one by default),
+// nobody queued and its key idle runs alone with the single-row statement,
+// so a lone caller's latency is unchanged. Otherwise it joins the pending
+// batch, sent when the slot frees, when it is full, or when its window has
+// passed. An explicit batch (ClaimBatch, CompleteBatch, Batch: the
+// server's BatchClaim, BatchComplete and Batch) joins the same pending
+// batch with all its items at once.
+//
+// A key appears at most once in a transaction (PostgreSQL refuses an ON
+// CONFLICT DO UPDATE that affects a row twice): a key is busy from the
+// moment its item is queued until its answer is final, and a later item on
+// it waits, in order, for a later transaction; so a caller's Complete and
+// then Claim of one key are decided in that order. A batch that hits a
+// serialization failure or a deadlock is split in halves and retried;
+// single items left over run alone with their own retries. batch.go has
+// the details.
 //
 // A batch the database refuses because of one member's input (SQLSTATE
 // class 22, 23 or 54: a NUL byte in a text value, say) is split the same
-// way, without a pause, so that only that member fails. A batched
-// statement carries at most DefaultBatchBytes (8 MiB) of parameters:
-// CockroachDB refuses a pgwire message over 16 MiB.
-//
-// An explicit batch (ClaimBatch, CompleteBatch: the server's BatchClaim and
-// BatchComplete) does not wait for a slot: its items go out at once as one
-// batched statement, or one per round when a key appears more than once
-// (round k holds each key's k-th item, so a key's items run in order), with
-// the same splitting on failures and on the size bound.
+// way, without a pause, so that only that member fails. A batch carries at
+// most DefaultBatchBytes (8 MiB) of parameters: CockroachDB refuses a
+// pgwire message over 16 MiB.
 //
 // # Isolation
 //

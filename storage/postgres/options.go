@@ -99,13 +99,15 @@ func WithPoolConfig(fn func(*pgxpool.Config)) Option {
 }
 
 // WithBatching sets how concurrent Claims and Completes are coalesced into
-// multi-row statements (see the package documentation): at most size calls
-// per statement (default DefaultBatchSize; 1 or less turns coalescing off,
-// so every call is its own statement); inFlight statement slots per kind
-// (default DefaultBatchInFlight), the statements that run before calls of
-// that kind start to queue; and a queued call waits at most window (default
-// DefaultBatchWindow) for a slot before its batch is sent anyway. Zero
-// window or inFlight keeps the default.
+// one transaction of multi-row statements (see the package documentation):
+// a pending batch of size items is sent without waiting for a slot
+// (default DefaultBatchSize; 1 or less turns the coalescing of unary calls
+// off, so every call is its own statement, while explicit batches still
+// travel together); inFlight statement slots (default
+// DefaultBatchInFlight), the transactions that run before calls start to
+// queue, for both kinds together; and a queued call waits at most window
+// (default DefaultBatchWindow) for a slot before its batch is sent anyway.
+// Zero window or inFlight keeps the default.
 func WithBatching(size int, window time.Duration, inFlight int) Option {
 	return func(o *options) {
 		o.batchSize = size
