@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/idemreg/idemreg/client"
 	"github.com/idemreg/idemreg/cmd/idemreg-bench/internal/bench"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/storage/postgres"
@@ -322,7 +323,11 @@ func (t benchTarget) withInFlight(caps []int) []benchTarget {
 }
 
 func parseTarget(s string) (benchTarget, error) {
-	t := benchTarget{Label: s, Kind: s}
+	// Every target dials with the windows a service gets from
+	// client.DialOptions, and its server fixes its own the same (serve's
+	// default; the floor is told): --static-window=0 in brackets gives
+	// grpc-go's dynamic windows back on both sides.
+	t := benchTarget{Label: s, Kind: s, StaticWindow: client.StaticWindow}
 	if i := strings.IndexByte(s, '['); i >= 0 {
 		if !strings.HasSuffix(s, "]") {
 			return t, fmt.Errorf("target %q: missing ]", s)

@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemreg/idemreg/client"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
@@ -162,6 +163,11 @@ func TestParseBenchTarget(t *testing.T) {
 				return
 			}
 			require.NoError(t, err)
+			if tc.want.StaticWindow == 0 {
+				// Every target has the client's fixed windows unless
+				// its brackets say otherwise.
+				tc.want.StaticWindow = client.StaticWindow
+			}
 			require.Equal(t, tc.want, got)
 		})
 	}
@@ -327,4 +333,12 @@ func TestHelpExitsZero(t *testing.T) {
 	require.NoError(t, err, "%s", out)
 	require.Contains(t, string(out), "idemreg-bench drives the registry")
 	require.Contains(t, string(out), "-server-binary")
+}
+
+// TestDynamicWindowsAsked: --static-window=0 gives grpc-go's dynamic
+// windows back to a target, on its server and on the bench's dial.
+func TestDynamicWindowsAsked(t *testing.T) {
+	got, err := parseTarget("idemreg[--static-window=0]")
+	require.NoError(t, err)
+	require.Zero(t, got.StaticWindow)
 }

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -66,7 +67,7 @@ func spawnServer(ctx context.Context, cfg benchConfig, bt benchTarget, stderr io
 	case "idemreg-embedded":
 		args = append(args, "--database-url", "", "--data-dir", filepath.Join(dir, "data"))
 	case "grpc-floor":
-		args = []string{floorServerCommand, "--listen", addr}
+		args = []string{floorServerCommand, "--listen", addr, "--static-window=" + strconv.Itoa(int(bt.StaticWindow))}
 		args = append(args, bt.ServerArgs...) // only --static-window
 	}
 	s := &spawned{addr: addr, dir: dir, done: make(chan error, 1)}
