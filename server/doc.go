@@ -6,37 +6,59 @@
 //
 // The files of this package are the path of a request; what runs below the
 // handlers lives in server/internal/*, packages that cannot reach back up
-// (docs/design.md draws the layers). One Claim, in order:
+// (docs/design.md draws the layers). This map names every file and
+// package: TestDocMap fails when one is added, renamed or removed without
+// it.
 //
-//   - config.go: Config, its defaults and its validation; server.go: New
-//     builds the grpc.Server (the interceptor chain below, health and
-//     reflection), Serve runs it and drains it;
+// Setting up, before the first call:
+//
+//   - config.go: Config, its defaults and its validation (StaticWindow:
+//     fixed HTTP/2 windows, which a client asks for too with
+//     client.DialOptions, client/dial.go); limits.go: Limits, the bounds a
+//     request must respect and the defaults it gets; tlsfiles.go: the TLS
+//     configuration on PEM files, re-read when they rotate;
+//   - server.go: New builds the grpc.Server (the interceptor chain below,
+//     health and reflection), Serve runs it and drains it;
+//     inprocess.go: a connection only this process can open, on which
+//     the console of the same binary acts as its signed-in operator;
+//   - replicas.go: this replica's place in the membership of the replicas
+//     sharing the store (server/internal/membership), from which the rate
+//     limits and quotas take their share; peers.go: the link to the other
+//     replicas, told when a key a Claim waits on there ends
+//     (server/internal/peers).
+//
+// One Claim, in order:
+//
 //   - pending.go: the listener's tap refuses a call beyond MaxPendingCalls
 //     before gRPC reads it;
 //   - codec.go: the request is received (a unary method is carried as a
 //     client stream, so that a call with no message, or two, is the
 //     server's to refuse) and decoded; one that does not decode is kept
-//     and refused at step 5, after authentication;
-//   - otelgrpc's stats handler opens the span and measures the call, and
-//     accesslog.go's writes the line per finished call;
-//   - the unary chain (chain.go, in order): recovery; deadline.go
-//     (the request's budget); refusals.go (a refusal by what follows,
-//     beyond its caller's budget, held before it is answered); authn.go
-//     (the caller's identity from a bearer token or a client
-//     certificate); codec.go's refusal of the malformed;
-//     authz.go (may the identity use the consumer?); bounds.go (calls in
-//     progress per identity); ratelimit.go (the identity's and the
-//     consumer's token buckets). For a batch, authz.go and ratelimit.go
-//     judge each item (batchitems.go) instead of refusing the call;
+//     and refused after authentication;
+//   - otelgrpc's stats handler opens the span and measures the call,
+//     accesslog.go's writes the line per finished call, and tracing.go
+//     sets the span's attributes (consumer, kind, identity, outcome) when
+//     it is sampled;
+//   - the unary chain (chain.go, in order): recovery; deadline.go (the
+//     request's budget); refusals.go (a refusal by what follows, beyond
+//     its caller's budget, held before it is answered); authn.go (the
+//     caller's identity from a bearer token or a client certificate);
+//     codec.go's refusal of the malformed; authz.go (may the identity use
+//     the consumer?); bounds.go (calls in progress per identity);
+//     ratelimit.go (the identity's and the consumer's token buckets). For
+//     a batch, authz.go and ratelimit.go judge each item (batchitems.go)
+//     instead of refusing the call;
 //   - service.go: the RegistryService handlers. Claim validates
-//     (validate.go), reads the claim key (server/internal/claimsecret),
+//     (validate.go), refuses to start work near the memory limit
+//     (memory.go), reads the claim key (server/internal/claimsecret),
 //     admits the Claim under the consumer's quota (server/internal/quota),
 //     decides it through the store chain (server/internal/storechain: the
 //     deadline margin, the in-flight bounds and the store's measures in one
 //     place), waiting for a key in progress when asked (wait.go,
 //     server/internal/waiting), and answers with the record (convert.go)
 //     and the claim secret;
-//   - batch.go: BatchClaim and BatchComplete, the same per item;
+//   - batch.go: BatchClaim, BatchComplete and Batch, the same per item,
+//     every item that passed decided in one store call;
 //   - admin.go: the AdminService (listing.go for ListRecords, its page
 //     tokens in server/internal/pagetoken);
 //   - status.go: every error of the store, the context or the server's own
@@ -45,4 +67,10 @@
 //     status or a log line echoes of a request);
 //   - health.go, parked.go, metrics.go: health and readiness, the parked
 //     records gauge, and the instruments the steps above record to.
+//
+// Beside the request path, read by it and by the binary: server/access
+// (identities, grants, rate limits), server/policy (per-consumer lease,
+// retention and quota), server/configfile (the config file as one parse,
+// reloaded whole), server/resulttype (the response types a resolution is
+// checked against); server/servertest starts a real server for tests.
 package server

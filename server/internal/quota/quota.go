@@ -1,25 +1,30 @@
 // Package quota keeps the consumers' quotas (max_records, max_bytes of
-// their policies) as far as one replica knows them.
+// their policies) for the service: the live replicas sharing a store share
+// each quota, each taking its part of what is left.
 //
 // A consumer whose policy sets max_records or max_bytes may keep that many
-// live records, or records of that many bytes (storage.RecordBytes), as far
-// as the server knows. Knowing costs the hot path nothing: no counter row
-// is written per Claim and no count is read per Claim. Instead, each
-// replica
+// live records, or records of that many bytes (storage.RecordBytes), across
+// the service. Knowing costs the hot path nothing: no counter row is
+// written per Claim and no count is read per Claim. Instead, each replica
 //   - follows the consumers with a quota that it has seen Claim, at most
 //     MaxQuotaConsumersPerIdentity of them for each identity (the one whose
 //     Claim it saw first), and forgets one none of whose Claims it admitted
 //     for QuotaIdleRefreshes refreshes; every QuotaRefresh it counts their
 //     live records and bytes in the store (storage.UsageCounter: one
 //     statement, or one prefix scan per consumer, over those consumers'
-//     records only);
+//     records only), a count every replica on the store reads alike;
 //   - reserves, for every Claim it admits, one record and the Claim's
 //     bytes before the Claim goes to the store, and turns the reservation
 //     into the record the Claim created (or drops it) when the store
 //     answers: so the Claims in flight count, and Claims decided at the
-//     same time (a BatchClaim's items, concurrent batches) cannot all see
-//     the same count;
+//     same time (a batch's items, concurrent batches) cannot all see the
+//     same count;
 //   - adds the results its own Completes store, in memory;
+//   - counts what it added since the last count n times over, n being the
+//     live replicas (ShareWith, from the membership): so each of n
+//     replicas admits at most 1/n of what the quota had left at the count,
+//     and the n together at most all of it, whichever replicas a caller's
+//     Claims reach;
 //   - refuses a Claim of a consumer at or over a quota, with
 //     RESOURCE_EXHAUSTED (QUOTA_EXCEEDED) and a QuotaFailure, when the key
 //     has no live record: only such a consumer's Claims pay a Lookup first,
@@ -32,18 +37,18 @@
 // keys are refused), so that an identity inventing consumer names under its
 // prefix only ever stops its own.
 //
-// The quota is soft across replicas and time, not within one replica's
-// Claims. A consumer seen for the first time (after a restart, or after it
-// was forgotten) counts as empty until the count its first Claim asks for
-// answers, so until then this replica admits up to one quota of new keys;
-// Claims on other replicas are known here only at the next refresh, so each
-// other replica may admit up to a quota (less what it knows) in one
+// The quota is soft across time, not within one replica's Claims. A
+// consumer seen for the first time (after a restart, or after it was
+// forgotten) counts as empty until the count its first Claim asks for
+// answers, so until then this replica may pass it by up to one share;
+// counts made at different moments on different replicas let a race
+// overshoot by part of a share (125 of 100 at most seen with two
+// replicas); Claims that all reach one replica get 1/n of what is left per
 // refresh interval. A count errs toward refusing: a Claim whose record the
 // count read while it was still reserved or just added counts twice until
-// the next refresh. The count is the database's, shared by every replica
-// on it. max_bytes is checked at Claim time only: the Complete that stores
-// a large result is never refused, so a consumer may pass max_bytes by the
-// results of the records it holds in progress.
+// the next refresh. max_bytes is checked at Claim time only: the Complete
+// that stores a large result is never refused, so a consumer may pass
+// max_bytes by the results of the records it holds in progress.
 package quota
 
 import (
