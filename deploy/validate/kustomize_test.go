@@ -149,7 +149,7 @@ func TestProductionOverlay(t *testing.T) {
 			first = append(first, o.gvk.Kind+"/"+o.meta.GetName())
 		}
 	}
-	require.ElementsMatch(t, []string{"ServiceAccount/idemreg", "ConfigMap/idemreg-policy", "NetworkPolicy/idemreg-baseline", "Job/idemreg-migrate"}, first)
+	require.ElementsMatch(t, []string{"ServiceAccount/idemreg", "ConfigMap/idemreg-policy", "NetworkPolicy/idemreg-baseline", "NetworkPolicy/idemreg-database", "Job/idemreg-migrate"}, first)
 
 	var monitors []*serviceMonitor
 	for _, o := range objs {

@@ -75,7 +75,8 @@ func readManifestsIn(t *testing.T, pattern string) []object {
 }
 
 // decodeManifests decodes the YAML documents of raw strictly, each into its
-// k8s.io/api type (a ServiceMonitor into serviceMonitor); name says where
+// k8s.io/api type (a ServiceMonitor into serviceMonitor, a PrometheusRule
+// into prometheusRule); name says where
 // they came from, for messages.
 func decodeManifests(t *testing.T, name string, raw []byte) []object {
 	t.Helper()
@@ -96,8 +97,13 @@ func decodeManifests(t *testing.T, name string, raw []byte) []object {
 		var tm metav1.TypeMeta
 		require.NoError(t, yaml.Unmarshal(doc, &tm), where)
 		gvk := schema.FromAPIVersionAndKind(tm.APIVersion, tm.Kind)
-		var obj runtime.Object = &serviceMonitor{}
-		if gvk != serviceMonitorKind {
+		var obj runtime.Object
+		switch gvk {
+		case serviceMonitorKind:
+			obj = &serviceMonitor{}
+		case prometheusRuleKind:
+			obj = &prometheusRule{}
+		default:
 			obj, err = scheme.New(gvk)
 			require.NoError(t, err, "%s: %s is not a kind deploy/ is checked for", where, gvk)
 		}
