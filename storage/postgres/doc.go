@@ -194,4 +194,27 @@
 // again the tombstones CockroachDB keeps for gc.ttlseconds. The
 // conformance suite runs against a cluster when
 // IDEMREG_TEST_COCKROACH_URL is set.
+//
+// # Files
+//
+//   - store.go: Open, the pool and each connection's session (isolation,
+//     generic plans, prepared statements), the record operations, the
+//     waiters' marks (storage.WaitMarker) and SweepExpired;
+//   - queries.go: the whole of the store's SQL, each statement one template
+//     for its single-row and batched forms, built from fragments named
+//     after storage/rules.go;
+//   - batch.go: the one queue that coalesces Claims and Completes into one
+//     transaction (storage.MixedBatcher), and its splitting on failure;
+//   - retry.go: the SQLSTATEs retried and the retry loop;
+//   - options.go: the Store's options and their defaults;
+//   - admin.go: storage.Admin (inspect, list, resolve, invalidate, parked
+//     counts); usage.go: storage.UsageCounter, the quotas' counts;
+//   - membership.go: storage.Membership, the replicas' heartbeat rows;
+//   - secrets.go: the claim key's generations (storage.ClaimKeys);
+//   - sweep.go: the sweep cursor, so that a sweep does not read again the
+//     tombstones it left;
+//   - migrate.go: Migrate and the embedded migrations, under a lock row;
+//   - metrics.go: the store's instruments; redact.go: Redact, a connection
+//     string's secrets taken out of everything printed or returned;
+//   - pgtest/: a fresh database per test.
 package postgres
