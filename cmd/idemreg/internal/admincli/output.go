@@ -76,7 +76,10 @@ func printTable(w io.Writer, m proto.Message) error {
 		if !m.GetLive() {
 			fmt.Fprintln(tw, "live:\tno (expired, not swept yet)")
 		}
-		return tw.Flush()
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		return printHistory(w, m.GetHistory(), now)
 	case *idemregv1.InvalidateRecordResponse:
 		fmt.Fprintln(tw, "invalidated: the next Claim takes over")
 		recordRows(tw, m.GetRecord(), nil)
@@ -90,6 +93,48 @@ func printTable(w io.Writer, m proto.Message) error {
 		return tw.Flush()
 	}
 	return printJSON(w, m) // an answer with no table of its own
+}
+
+// printHistory writes a record's earlier attempts, oldest first, as the
+// table under inspect's rows: who held each, from when to when, how it
+// ended and the operator's note (the reason given to invalidate or
+// resolve). The record's current attempt is the rows above it.
+func printHistory(w io.Writer, history []*idemregv1.Attempt, now *timestamppb.Timestamp) error {
+	if len(history) == 0 {
+		_, err := fmt.Fprintln(w, "\nhistory: none (no earlier attempt ended by a takeover or an operator)")
+		return err
+	}
+	fmt.Fprintf(w, "\nhistory: %d earlier attempts\n", len(history))
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ATTEMPT\tTOKEN\tHOLDER\tACQUIRED\tENDED\tEND\tNOTE")
+	for _, a := range history {
+		var notes []string
+		if pr := a.GetParkReason(); pr != "" {
+			notes = append(notes, "parked: "+pr)
+		}
+		if n := a.GetNote(); n != "" {
+			notes = append(notes, n)
+		}
+		note := strings.Join(notes, "; ")
+		fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s\t%s\t%s\n", a.GetAttempt(), a.GetToken(), dash(a.GetHolder()),
+			relative(a.GetAcquiredAt(), now), relative(a.GetEndedAt(), now), endName(a.GetEnd()), dash(note))
+	}
+	return tw.Flush()
+}
+
+// endName is how an attempt ended, in words.
+func endName(e idemregv1.AttemptEnd) string {
+	switch e {
+	case idemregv1.AttemptEnd_ATTEMPT_END_TAKEN_OVER:
+		return "taken over (its lease ended)"
+	case idemregv1.AttemptEnd_ATTEMPT_END_INVALIDATED:
+		return "invalidated"
+	case idemregv1.AttemptEnd_ATTEMPT_END_RESOLVED_COMPLETED:
+		return "resolved: completed"
+	case idemregv1.AttemptEnd_ATTEMPT_END_RESOLVED_RELEASED:
+		return "resolved: released"
+	}
+	return strings.ToLower(strings.TrimPrefix(e.String(), "ATTEMPT_END_"))
 }
 
 // recordRows writes a record as field: value rows.
