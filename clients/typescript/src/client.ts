@@ -62,12 +62,38 @@ export interface Codec<T> {
   decode(data: Uint8Array): T;
 }
 
-/** JSON, stored with the type "application/json". */
+/**
+ * JSON, stored with the type "application/json": once()'s default. A
+ * replay's value is what JSON.parse returns, not the handler's value: a
+ * Date comes back as its ISO string, a Map as {}, undefined fields are
+ * gone, a bigint cannot be stored at all. once<T>() still types it T; for
+ * a T that JSON does not round-trip, pass jsonCodecOf(revive).
+ */
 export const jsonCodec: Codec<unknown> = {
   type: "application/json",
   encode: (v) => new TextEncoder().encode(JSON.stringify(v ?? null)),
   decode: (b) => (b.length === 0 ? undefined : JSON.parse(new TextDecoder().decode(b))),
 };
+
+/**
+ * A JSON codec whose replays are T: revive turns what JSON.parse returns
+ * back into a T (a Date from its string, a class from its fields), and
+ * is given the stored JSON of every replay. Stored as jsonCodec stores, so
+ * records written with either replay with either.
+ *
+ *   const atCodec = jsonCodecOf((j: any) => ({ ...j, at: new Date(j.at) }));
+ *   const res = await reg.once(k, async () => ({ at: new Date() }), { codec: atCodec });
+ *   res.value.at instanceof Date; // on a replay too
+ *
+ * reviver, when given, is JSON.parse's second argument, applied first.
+ */
+export function jsonCodecOf<T>(revive: (json: unknown) => T, reviver?: (key: string, value: unknown) => unknown): Codec<T> {
+  return {
+    type: jsonCodec.type,
+    encode: (v) => jsonCodec.encode(v),
+    decode: (b) => revive(b.length === 0 ? undefined : JSON.parse(new TextDecoder().decode(b), reviver)),
+  };
+}
 
 /** Bytes as they are, with no type: what the Go client's Once stores. */
 export const bytesCodec: Codec<Uint8Array> = {
@@ -91,7 +117,11 @@ export interface OnceOptions<T> {
   waitMs?: number;
   /** Bounds the Complete or Release after the handler; 5 s by default. */
   bookkeepingTimeoutMs?: number;
-  /** How the handler's value is stored and replayed; jsonCodec by default. */
+  /**
+   * How the handler's value is stored and replayed; jsonCodec by default,
+   * whose replays are JSON.parse's value whatever T says (a Date comes
+   * back a string): jsonCodecOf(revive) replays a T.
+   */
   codec?: Codec<T>;
   /** Cancels the claim (and the handler's signal). */
   signal?: AbortSignal;
@@ -100,7 +130,11 @@ export interface OnceOptions<T> {
 export interface OnceResult<T> {
   /** The handler ran in this call. */
   ran: boolean;
-  /** The key was already completed: value is the stored one, and the handler did not run. */
+  /**
+   * The key was already completed: value is the stored one, decoded by the
+   * codec (with the default, JSON.parse's value), and the handler did not
+   * run.
+   */
   replayed: boolean;
   value: T;
   /** The registry's record after the call. */
