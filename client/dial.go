@@ -19,5 +19,9 @@ const StaticWindow = 1 << 20
 // by side (docs/benchmarks.md, issue 36), fixed windows on both sides took
 // 20–41% of the CPU per call off at 1 caller and 11–32% at 8.
 func DialOptions() []grpc.DialOption {
-	return []grpc.DialOption{grpc.WithStaticStreamWindowSize(StaticWindow), grpc.WithStaticConnWindowSize(StaticWindow)}
+	// WithInitialWindowSize and WithInitialConnWindowSize, not the newer
+	// WithStatic*WindowSize: they exist at the client's gRPC floor
+	// (.ci/client-minversions), and there as in later releases a window
+	// set so turns dynamic windows off.
+	return []grpc.DialOption{grpc.WithInitialWindowSize(StaticWindow), grpc.WithInitialConnWindowSize(StaticWindow)}
 }
