@@ -217,7 +217,7 @@ func document(p *protogen.Plugin, examples map[string]example) (obj, error) {
 			"description": mapping,
 			"license":     obj{"name": "Apache-2.0", "identifier": "Apache-2.0"},
 		},
-		"servers":    []obj{{"url": "http://localhost:50051", "description": "idemreg serve's default --listen (gRPC and this API on one port)"}},
+		"servers":    []obj{{"url": "http://127.0.0.1:7350", "description": "idemreg serve's default --listen (gRPC and this API on one port)"}},
 		"tags":       tags,
 		"paths":      paths,
 		"security":   []obj{{}, {"bearer": []string{}}},
