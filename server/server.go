@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,6 +21,8 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
+	reflectionv1grpc "google.golang.org/grpc/reflection/grpc_reflection_v1"
+	reflectionv1alphagrpc "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
@@ -194,10 +197,35 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 			m.peerWakesReceived.Add(context.Background(), 1, attrs(attribute.String("result", result)))
 		})))
 	if !cfg.DisableReflection {
-		reflection.Register(r)
+		registerReflection(r)
 	}
 	s.grpc, s.health = g, h
 	return s, nil
+}
+
+// registerReflection registers reflection (v1, and v1alpha, which older
+// tools still ask) over every service but the replicas' internal ones
+// (idemreg.internal.*): they have no descriptor to send, so listing them
+// made `buf curl --list-methods` fail as a whole, and grpcurl's describe
+// of them fail (TestReflectionDescribesEveryService). They are still
+// served; they are no API.
+func registerReflection(r decodingRegistrar) {
+	opts := reflection.ServerOptions{Services: describedServices{r.Server}}
+	reflectionv1grpc.RegisterServerReflectionServer(r, reflection.NewServerV1(opts))
+	reflectionv1alphagrpc.RegisterServerReflectionServer(r, reflection.NewServer(opts))
+}
+
+// describedServices is a server's services less the internal ones.
+type describedServices struct{ *grpc.Server }
+
+func (s describedServices) GetServiceInfo() map[string]grpc.ServiceInfo {
+	all := s.Server.GetServiceInfo()
+	for name := range all {
+		if strings.HasPrefix(name, "idemreg.internal.") {
+			delete(all, name)
+		}
+	}
+	return all
 }
 
 // Waiting reports how many Claims wait for a key in progress now: decided
