@@ -84,6 +84,14 @@ Targets (they take turns, run after run, so that other load falls on all alike):
                     targets: one multi-row INSERT ... ON CONFLICT DO NOTHING
                     (and one SELECT of the keys it did not insert) per
                     batch claim, one multi-row UPDATE per batch complete
+  idemreg-pipelined, idemreg-embedded-pipelined
+                    the callers are the workers of one client.Consumer: each
+                    Complete is held and rides in the Batch of the next
+                    Claim (one RPC, one store transaction); a pair's latency
+                    is its Claim's, the wait for durability is not in it
+  sql-pipelined     the same merge by hand: the held Completes' multi-row
+                    UPDATE and the next Claim's INSERT in one pgx batch (one
+                    implicit transaction, one round trip)
   idemreg[--flag NAME=value @binary ...]
                     a started server with extra flags and environment, and
                     optionally another idemreg binary to start (an older
@@ -190,7 +198,7 @@ func parseBench(args []string, stderr io.Writer) (benchConfig, error) {
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, benchUsage); fs.PrintDefaults() }
 	var targets, callers, mix, serverFlags, inFlight string
-	fs.StringVar(&targets, "targets", "idemreg,sql,redis", "comma-separated targets: idemreg, idemreg-embedded (through the Go client, with its defaults), their -unary (one generated-stub RPC per call) and -batch variants, sql, sql-batch, redis, grpc-floor; a started server takes extra flags and environment in brackets, e.g. idemreg[--sql-batch-size=1 GOGC=100]")
+	fs.StringVar(&targets, "targets", "idemreg,sql,redis", "comma-separated targets: idemreg, idemreg-embedded (through the Go client, with its defaults), their -unary (one generated-stub RPC per call), -batch and -pipelined variants, sql, sql-batch, sql-pipelined, redis, grpc-floor; a started server takes extra flags and environment in brackets, e.g. idemreg[--sql-batch-size=1 GOGC=100]")
 	fs.StringVar(&callers, "callers", "1,8,64", "comma-separated numbers of concurrent callers")
 	fs.DurationVar(&cfg.Duration, "duration", 10*time.Second, "measured time of each run")
 	fs.IntVar(&cfg.Count, "count", 0, "measure this many iterations per run instead of --duration")
@@ -294,11 +302,14 @@ type benchTarget struct {
 	// ClientInFlight is the Go client's Batching.MaxInFlight (0: its
 	// default), for a target through the client.
 	ClientInFlight int `json:",omitempty"`
+	// Pipelined: a -pipelined target, whose Completes ride with the next
+	// Claim (issue 37).
+	Pipelined bool `json:",omitempty"`
 }
 
 // throughClient says whether t's calls go through the Go client.
 func (t benchTarget) throughClient() bool {
-	return (t.Kind == "idemreg" || t.Kind == "idemreg-embedded") && !t.Batch && !t.Unary
+	return (t.Kind == "idemreg" || t.Kind == "idemreg-embedded") && !t.Batch && !t.Unary && !t.Pipelined
 }
 
 // withInFlight is t once for each of the client's in-flight caps when its
@@ -359,6 +370,9 @@ func parseTarget(s string) (benchTarget, error) {
 	if base, ok := strings.CutSuffix(t.Kind, "-unary"); ok && !t.Batch {
 		t.Kind, t.Unary = base, true
 	}
+	if base, ok := strings.CutSuffix(t.Kind, "-pipelined"); ok && !t.Batch && !t.Unary {
+		t.Kind, t.Pipelined = base, true
+	}
 	if len(t.ServerArgs)+len(t.ServerEnv) > 0 || t.ServerBinary != "" {
 		// The floor takes the static windows alone, so that it stays the
 		// floor of a server that has them.
@@ -375,7 +389,7 @@ func parseTarget(s string) (benchTarget, error) {
 			return t, nil
 		}
 	case "redis", "grpc-floor":
-		if !t.Batch && !t.Unary {
+		if !t.Batch && !t.Unary && !t.Pipelined {
 			return t, nil
 		}
 	}

@@ -33,7 +33,7 @@ func benchWaiters(ctx context.Context, cfg benchConfig, stdout, stderr io.Writer
 	var out []waiterReport
 	seen := map[string]bool{}
 	for _, bt := range cfg.Targets {
-		if bt.Batch || (bt.Kind != "idemreg" && bt.Kind != "idemreg-embedded") || seen[bt.Label] {
+		if bt.Batch || bt.Pipelined || (bt.Kind != "idemreg" && bt.Kind != "idemreg-embedded") || seen[bt.Label] {
 			continue
 		}
 		seen[bt.Label] = true
