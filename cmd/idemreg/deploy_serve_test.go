@@ -250,7 +250,8 @@ func TestDockerfileBuildsLikeMake(t *testing.T) {
 // connect, not every interface), the NetworkPolicies admit the gRPC port
 // from the client namespaces (by label) and the metrics port from the
 // monitoring namespace only (never the plaintext health port, which the
-// kubelet reaches from the node), serve's pods reach the database of the
+// kubelet reaches from the node), and the gRPC port from the other
+// replicas, serve's pods reach each other's gRPC port, the database of the
 // example Secret and DNS and nothing else, and the headers anonymous peers
 // can pin on both listeners fit in half the pod's memory limit.
 func TestDeployExposure(t *testing.T) {
@@ -335,6 +336,7 @@ func TestDeployExposure(t *testing.T) {
 	}
 	admitted := map[string][]map[string]string{} // port → the namespace labels of its sources
 	var egress []string                          // port/protocol
+	replicas := false                            // the replicas admitted to each other
 	for _, np := range policies {
 		for _, rule := range np.Spec.Ingress {
 			require.NotEmpty(t, rule.Ports, "a rule without ports admits every port")
@@ -344,7 +346,14 @@ func TestDeployExposure(t *testing.T) {
 				require.Equal(t, "TCP", p.Protocol)
 				for _, f := range rule.From {
 					require.Nil(t, f.IPBlock, "no address ranges")
-					require.NotNil(t, f.NamespaceSelector)
+					if f.NamespaceSelector == nil {
+						// The other replicas' Wake calls, from this namespace.
+						require.NotNil(t, f.PodSelector, "a source of this namespace is chosen by its pods' labels")
+						require.Equal(t, podLabels, f.PodSelector.MatchLabels, "of this namespace's pods, serve's replicas alone")
+						require.Equal(t, "grpc", p.Port, "replicas call each other's gRPC port")
+						replicas = true
+						continue
+					}
 					require.NotEmpty(t, f.NamespaceSelector.MatchLabels, "namespaces chosen by label, not all of them")
 					admitted[p.Port] = append(admitted[p.Port], f.NamespaceSelector.MatchLabels)
 				}
@@ -377,7 +386,8 @@ func TestDeployExposure(t *testing.T) {
 		}
 	}
 	require.NotEmpty(t, dbPort, "the example database URL names its port")
-	require.ElementsMatch(t, []string{dbPort + "/TCP", "53/UDP", "53/TCP"}, egress, "serve reaches the database and DNS, nothing else")
+	require.True(t, replicas, "the replicas reach each other's gRPC port (waits across replicas)")
+	require.ElementsMatch(t, []string{"grpc/TCP", dbPort + "/TCP", "53/UDP", "53/TCP"}, egress, "serve reaches the other replicas, the database and DNS, nothing else")
 
 	// A call whose request never comes keeps its goroutine and headers
 	// until its connection closes: what both listeners can pin at worst,
