@@ -49,12 +49,14 @@ type Batching struct {
 // or WithoutBatching.
 //
 // MaxInFlight is 2. With two queues (one per kind) and 8 RPCs of each in
-// flight, 8 callers never batched; measured from outside before the
-// queues were one (issue 36, a machine that was not quiet), 1, 2 and 8 in
-// flight gave 8 callers 0.46×, 0.42× and 0.50× of hand-written SQL's
-// throughput and 64 callers 2.05×, 2.33× and 1.69×. With one queue, side by
-// side on a quiet machine (`idemreg-bench --client-in-flight 1,2,4,8
-// --targets idemreg,sql --callers 1,8,64`): not measured yet.
+// flight, 8 callers never batched. With one queue, side by side on a quiet
+// machine (docs/benchmarks.md, issue 36: `idemreg-bench --client-in-flight
+// 1,2 --targets idemreg,sql --callers 1,8,64`, PostgreSQL, fixed windows),
+// 2 in flight gave 475, 1,163 and 4,378 pairs/s at 1, 8 and 64 callers
+// (0.36×, 0.41× and 1.71× of hand-written SQL), and 1 in flight 442, 1,055
+// and 3,655: with one RPC out, the calls that queue wait for its whole
+// round trip (the server's and the database's work on the batch happen
+// one after the other), so 2 overlaps them at little cost in batch size.
 var DefaultBatching = Batching{MaxInFlight: 2, MaxItems: 64, MaxBytes: 1 << 20}
 
 func (b Batching) withDefaults() Batching {
