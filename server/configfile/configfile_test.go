@@ -173,6 +173,20 @@ func TestStatic(t *testing.T) {
 	require.Same(t, c, src.Current())
 }
 
+// TestOpenWithoutAFile: no path is base for every consumer and no
+// identities, with nothing to reload (serve without --config).
+func TestOpenWithoutAFile(t *testing.T) {
+	src, err := configfile.Open("", base)
+	require.NoError(t, err)
+	require.Empty(t, src.Path())
+	c := src.Current()
+	require.False(t, c.Access.Enforced())
+	require.Equal(t, base.Lease, c.Policy.For("any.consumer").Lease)
+	got, err := src.Reload()
+	require.NoError(t, err)
+	require.Same(t, c, got)
+}
+
 // configMap lays a file out as the kubelet mounts a ConfigMap: the file is
 // a symlink into ..data, itself a symlink to a timestamped directory, and
 // an update writes a new directory and swaps ..data in one rename.
