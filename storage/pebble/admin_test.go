@@ -13,14 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemreg/idemreg/storage"
-	"github.com/idemreg/idemreg/storage/storagetest"
 )
-
-func TestAdminConformance(t *testing.T) {
-	storagetest.RunAdmin(t, func(t *testing.T, c *storagetest.Clock) storage.Store {
-		return openT(t, t.TempDir(), WithClock(c.Now))
-	})
-}
 
 // scanParked reads the parked index: expires_at by record key.
 func scanParked(t testing.TB, s *Store) map[string]time.Time {

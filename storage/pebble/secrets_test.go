@@ -10,14 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemreg/idemreg/storage"
-	"github.com/idemreg/idemreg/storage/storagetest"
 )
-
-func TestClaimKeysConformance(t *testing.T) {
-	storagetest.RunClaimKeys(t, func(t *testing.T, c *storagetest.Clock) storage.Store {
-		return openT(t, t.TempDir(), WithClock(c.Now))
-	})
-}
 
 // TestClaimKeySurvivesRestart: claims acquired before a restart can still
 // be completed after it.

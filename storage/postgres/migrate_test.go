@@ -148,3 +148,42 @@ func withoutTimes(ms []postgres.Migration) []postgres.Migration {
 	}
 	return out
 }
+
+func TestMigrateTwiceIsNoOp(t *testing.T) {
+	databaseURL := pgtest.NewDatabase(t) // migrated once
+	conn, err := pgx.Connect(t.Context(), databaseURL)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+
+	type row struct {
+		Name      string
+		Variant   string
+		AppliedAt time.Time
+	}
+	applied := func() []row {
+		rows, err := conn.Query(t.Context(), `SELECT name, variant, applied_at FROM idemreg_schema_migrations ORDER BY name`)
+		require.NoError(t, err)
+		out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[row])
+		require.NoError(t, err)
+		return out
+	}
+	first := applied()
+	require.Len(t, first, 9)
+	require.Equal(t, "0001_records.sql", first[0].Name)
+	require.Equal(t, "0002_expires_at_index.sql", first[1].Name)
+	require.Equal(t, "0003_request_id.sql", first[2].Name)
+	require.Equal(t, "0004_lease_us.sql", first[3].Name)
+	require.Equal(t, "0005_secrets.sql", first[4].Name)
+	require.Equal(t, "0006_parking.sql", first[5].Name)
+	require.Equal(t, "0007_history_and_parked_index.sql", first[6].Name)
+	require.Equal(t, "0008_claim_keys.sql", first[7].Name)
+
+	require.NoError(t, postgres.Migrate(t.Context(), databaseURL))
+	require.Equal(t, first, applied(), "a second Migrate applies nothing")
+
+	// A crash between a migration and its bookkeeping runs it again.
+	_, err = conn.Exec(t.Context(), `DELETE FROM idemreg_schema_migrations`)
+	require.NoError(t, err)
+	require.NoError(t, postgres.Migrate(t.Context(), databaseURL), "migrations are safe to repeat")
+	require.Len(t, applied(), 9)
+}

@@ -12,12 +12,7 @@ import (
 
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
-	"github.com/idemreg/idemreg/storage/storagetest"
 )
-
-func TestClaimKeysConformance(t *testing.T) {
-	storagetest.RunClaimKeys(t, freshDatabases(pgtest.ServerURL()))
-}
 
 // TestClaimKeySharedByServers: servers on one database start together and
 // all derive claim secrets from the same key.

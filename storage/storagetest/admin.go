@@ -1,6 +1,7 @@
 package storagetest
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -9,14 +10,11 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// RunAdmin runs the cases of the storage.Admin capability against the
-// stores newStore makes, which must implement it.
-func RunAdmin(t *testing.T, newStore Factory) {
-	t.Helper()
-	cases := []struct {
-		name string
-		fn   func(t *testing.T, s storage.Store, a storage.Admin, c *Clock)
-	}{
+// adminCases are the cases of the storage.Admin capability: Inspect and
+// Invalidate here, the reconciliation (history, Resolve, List,
+// CountParked) in reconcile.go.
+func adminCases() []testCase[storage.Admin] {
+	return slices.Concat([]testCase[storage.Admin]{
 		{"InspectMissing", testInspectMissing},
 		{"InspectShowsEverything", testInspectShowsEverything},
 		{"InspectExpired", testInspectExpired},
@@ -28,17 +26,7 @@ func RunAdmin(t *testing.T, newStore Factory) {
 		{"InvalidateTokensIncrease", testInvalidateTokensIncrease},
 		{"InvalidatedRecordOutlivesSweep", testInvalidatedOutlivesSweep},
 		{"RaceInvalidateVersusComplete", testRaceInvalidateVersusComplete},
-	}
-	cases = append(cases, reconcileCases...)
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			c := &Clock{}
-			s := newStore(t, c)
-			a, ok := s.(storage.Admin)
-			require.True(t, ok, "%T does not implement storage.Admin", s)
-			tc.fn(t, s, a, c)
-		})
-	}
+	}, reconcileCases)
 }
 
 func testInspectMissing(t *testing.T, _ storage.Store, a storage.Admin, _ *Clock) {

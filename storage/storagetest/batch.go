@@ -11,33 +11,17 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// RunBatcher runs the cases of the storage.Batcher capability against the
-// stores newStore makes, which must implement it: a batch answers item by
-// item what the single calls would have, in order.
-func RunBatcher(t *testing.T, newStore Factory) {
-	t.Helper()
-	cases := []struct {
-		name string
-		fn   func(t *testing.T, s storage.Store, b storage.Batcher, c *Clock)
-	}{
-		{"ClaimBatchAnswersLikeClaim", testClaimBatchLikeClaim},
-		{"ClaimBatchSameKeyTwice", testClaimBatchSameKey},
-		{"ClaimBatchParks", testClaimBatchParks},
-		{"CompleteBatchAnswersLikeComplete", testCompleteBatchLikeComplete},
-		{"CompleteBatchSameKeyTwice", testCompleteBatchSameKey},
-		{"BatchOfManyNewKeys", testBatchManyNewKeys},
-		{"EmptyBatch", testEmptyBatch},
-		{"RaceBatchesAndSingleCalls", testRaceBatches},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			c := &Clock{}
-			s := newStore(t, c)
-			b, ok := s.(storage.Batcher)
-			require.True(t, ok, "%T does not implement storage.Batcher", s)
-			tc.fn(t, s, b, c)
-		})
-	}
+// batcherCases are the cases of the storage.Batcher capability: a batch
+// answers item by item what the single calls would have, in order.
+var batcherCases = []testCase[storage.Batcher]{
+	{"ClaimBatchAnswersLikeClaim", testClaimBatchLikeClaim},
+	{"ClaimBatchSameKeyTwice", testClaimBatchSameKey},
+	{"ClaimBatchParks", testClaimBatchParks},
+	{"CompleteBatchAnswersLikeComplete", testCompleteBatchLikeComplete},
+	{"CompleteBatchSameKeyTwice", testCompleteBatchSameKey},
+	{"BatchOfManyNewKeys", testBatchManyNewKeys},
+	{"EmptyBatch", testEmptyBatch},
+	{"RaceBatchesAndSingleCalls", testRaceBatches},
 }
 
 // testClaimBatchLikeClaim: one batch holds a Claim for each row of the

@@ -1,7 +1,9 @@
 // Package storagetest is the conformance suite every storage backend runs:
 // the semantics table of docs/semantics.md, token monotonicity, expiry, and
-// the races that decide ownership. A backend's test file calls Run with a
-// factory; new semantics go into this suite first.
+// the races that decide ownership, and the cases of every optional
+// capability. A backend's test makes one call, All with a factory, which
+// runs every area the store's capabilities allow and says which it skips;
+// new semantics go into this suite first.
 package storagetest
 
 import (

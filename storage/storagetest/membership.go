@@ -10,30 +10,14 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// RunMembership runs the cases of the storage.Membership capability
-// against the stores newStore makes, which must implement it. Each case
-// gets a store of its own: they count members.
-func RunMembership(t *testing.T, newStore Factory) {
-	t.Helper()
-	cases := []struct {
-		name string
-		fn   func(t *testing.T, m storage.Membership, c *Clock)
-	}{
-		{"Empty", testMembersEmpty},
-		{"HeartbeatJoins", testHeartbeatJoins},
-		{"LiveByStoreClock", testMembersLiveByStoreClock},
-		{"HeartbeatRemovesDead", testHeartbeatRemovesDead},
-		{"Leave", testLeave},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			c := &Clock{}
-			s := newStore(t, c)
-			m, ok := s.(storage.Membership)
-			require.True(t, ok, "%T does not implement storage.Membership", s)
-			tc.fn(t, m, c)
-		})
-	}
+// membershipCases are the cases of the storage.Membership capability.
+// Each needs a store of its own: they count members.
+var membershipCases = []capabilityCase[storage.Membership]{
+	{"Empty", testMembersEmpty},
+	{"HeartbeatJoins", testHeartbeatJoins},
+	{"LiveByStoreClock", testMembersLiveByStoreClock},
+	{"HeartbeatRemovesDead", testHeartbeatRemovesDead},
+	{"Leave", testLeave},
 }
 
 func memberIDs(l storage.MemberList) []string {

@@ -12,35 +12,19 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// RunMixedBatcher runs the cases of the storage.MixedBatcher capability
-// against the stores newStore makes, which must implement it: a batch of
-// Claims and Completes answers item by item what the unary calls would
-// have, in order, each item's error its own.
-func RunMixedBatcher(t *testing.T, newStore Factory) {
-	t.Helper()
-	cases := []struct {
-		name string
-		fn   func(t *testing.T, s storage.Store, b storage.MixedBatcher, c *Clock)
-	}{
-		{"AnswersLikeUnaryCalls", testMixedLikeUnary},
-		{"CompleteThenClaimOfOneKey", testMixedCompleteThenClaim},
-		{"SameKeyTwice", testMixedSameKeyTwice},
-		{"StaleCompleteFailsAlone", testMixedStaleCompleteAlone},
-		{"RefusedInputFailsAlone", testMixedRefusedInputAlone},
-		{"EmptyBatch", func(t *testing.T, _ storage.Store, b storage.MixedBatcher, _ *Clock) {
-			require.Empty(t, b.Batch(t.Context(), nil))
-		}},
-		{"RaceMixedBatchesAndUnaryCalls", testMixedRace},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			c := &Clock{}
-			s := newStore(t, c)
-			b, ok := s.(storage.MixedBatcher)
-			require.True(t, ok, "%T does not implement storage.MixedBatcher", s)
-			tc.fn(t, s, b, c)
-		})
-	}
+// mixedBatcherCases are the cases of the storage.MixedBatcher capability:
+// a batch of Claims and Completes answers item by item what the unary
+// calls would have, in order, each item's error its own.
+var mixedBatcherCases = []testCase[storage.MixedBatcher]{
+	{"AnswersLikeUnaryCalls", testMixedLikeUnary},
+	{"CompleteThenClaimOfOneKey", testMixedCompleteThenClaim},
+	{"SameKeyTwice", testMixedSameKeyTwice},
+	{"StaleCompleteFailsAlone", testMixedStaleCompleteAlone},
+	{"RefusedInputFailsAlone", testMixedRefusedInputAlone},
+	{"EmptyBatch", func(t *testing.T, _ storage.Store, b storage.MixedBatcher, _ *Clock) {
+		require.Empty(t, b.Batch(t.Context(), nil))
+	}},
+	{"RaceMixedBatchesAndUnaryCalls", testMixedRace},
 }
 
 func claimOp(p storage.ClaimParams) storage.Op { return storage.Op{Claim: &p} }

@@ -15,10 +15,7 @@ import (
 // ClaimParams.MaxAttempts parks it, and the holder may park its own record
 // with Park (storage.DecideClaim, storage.DecidePark).
 
-var parkCases = []struct {
-	name string
-	fn   func(t *testing.T, s storage.Store, c *Clock)
-}{
+var parkCases = []capabilityCase[storage.Store]{
 	{"ParkAtMaxAttempts", testParkAtMaxAttempts},
 	{"ParkMaxAttemptsUnbounded", testParkUnbounded},
 	{"ParkedFingerprintMismatch", testParkedMismatch},

@@ -18,10 +18,7 @@ import (
 // Reconciliation: the attempt history, an operator's Resolve, List and
 // CountParked (storage.Admin, storage.DecideResolve).
 
-var reconcileCases = []struct {
-	name string
-	fn   func(t *testing.T, s storage.Store, a storage.Admin, c *Clock)
-}{
+var reconcileCases = []testCase[storage.Admin]{
 	{"HistoryOfTakeovers", testHistoryOfTakeovers},
 	{"HistoryOfOperatorActions", testHistoryOfOperatorActions},
 	{"ResolveParkedWithResult", testResolveWithResult},

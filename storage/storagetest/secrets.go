@@ -11,30 +11,15 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// RunClaimKeys runs the cases of the storage.ClaimKeys capability against
-// the stores newStore makes, which must implement it. That the keys
+// claimKeysCases are the cases of the storage.ClaimKeys capability. Each
+// needs a store of its own: they read its first key. That the keys
 // survive a restart and are shared by stores on one backend depends on
 // the backend; its own tests check that.
-func RunClaimKeys(t *testing.T, newStore Factory) {
-	t.Helper()
-	cases := []struct {
-		name string
-		fn   func(t *testing.T, k storage.ClaimKeys, c *Clock)
-	}{
-		{"Stable", testClaimKeyStable},
-		{"RaceFirstUse", testClaimKeyRace},
-		{"Rotate", testClaimKeyRotate},
-		{"RotateWithinGrace", testClaimKeyRotateWithinGrace},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			c := &Clock{}
-			s := newStore(t, c)
-			k, ok := s.(storage.ClaimKeys)
-			require.True(t, ok, "%T does not implement storage.ClaimKeys", s)
-			tc.fn(t, k, c)
-		})
-	}
+var claimKeysCases = []capabilityCase[storage.ClaimKeys]{
+	{"Stable", testClaimKeyStable},
+	{"RaceFirstUse", testClaimKeyRace},
+	{"Rotate", testClaimKeyRotate},
+	{"RotateWithinGrace", testClaimKeyRotateWithinGrace},
 }
 
 func testClaimKeyStable(t *testing.T, k storage.ClaimKeys, _ *Clock) {

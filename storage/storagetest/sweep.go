@@ -12,34 +12,18 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// RunSweeper runs the conformance cases of storage.Sweeper against the
-// stores newStore makes, which must implement it. Unlike Run's cases, these
-// count what a sweep deletes, so newStore must return an empty store for
-// every case.
-func RunSweeper(t *testing.T, newStore Factory) {
-	t.Helper()
-	cases := []struct {
-		name string
-		fn   func(t *testing.T, s storage.Store, sw storage.Sweeper, c *Clock)
-	}{
-		{"OldestExpiry", testOldestExpiry},
-		{"Horizon", testSweepHorizon},
-		{"LiveRecordsKept", testSweepKeepsLive},
-		{"LimitAndOrder", testSweepLimit},
-		{"ReclaimedKept", testSweepReclaimed},
-		{"ParkedKeptUntilItsRetentionEnds", testSweepParked},
-		{"RaceSweepVersusClaim", testRaceSweepVersusClaim},
-		{"RaceTwoSweepers", testRaceTwoSweepers},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			c := &Clock{}
-			s := newStore(t, c)
-			sw, ok := s.(storage.Sweeper)
-			require.True(t, ok, "%T does not implement storage.Sweeper", s)
-			tc.fn(t, s, sw, c)
-		})
-	}
+// sweeperCases are the cases of the storage.Sweeper capability. Unlike
+// the Store area's cases, these count what a sweep deletes, so each needs
+// an empty store of its own.
+var sweeperCases = []testCase[storage.Sweeper]{
+	{"OldestExpiry", testOldestExpiry},
+	{"Horizon", testSweepHorizon},
+	{"LiveRecordsKept", testSweepKeepsLive},
+	{"LimitAndOrder", testSweepLimit},
+	{"ReclaimedKept", testSweepReclaimed},
+	{"ParkedKeptUntilItsRetentionEnds", testSweepParked},
+	{"RaceSweepVersusClaim", testRaceSweepVersusClaim},
+	{"RaceTwoSweepers", testRaceTwoSweepers},
 }
 
 func oldestExpiry(t *testing.T, sw storage.Sweeper) (oldest, now time.Time, ok bool) {

@@ -10,30 +10,14 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// RunUsage runs the cases of the storage.UsageCounter capability against
-// the stores newStore makes, which must implement it. Every case uses
-// consumers of its own, so stores may be shared.
-func RunUsage(t *testing.T, newStore Factory) {
-	t.Helper()
-	cases := []struct {
-		name string
-		fn   func(t *testing.T, s storage.Store, u storage.UsageCounter, c *Clock)
-	}{
-		{"NoRecords", testUsageNoRecords},
-		{"CountsRecordsAndBytes", testUsageCounts},
-		{"ExpiredNotCounted", testUsageExpired},
-		{"ConsumersApart", testUsageConsumersApart},
-		{"NoConsumers", testUsageNoConsumers},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			c := &Clock{}
-			s := newStore(t, c)
-			u, ok := s.(storage.UsageCounter)
-			require.True(t, ok, "%T does not implement storage.UsageCounter", s)
-			tc.fn(t, s, u, c)
-		})
-	}
+// usageCases are the cases of the storage.UsageCounter capability. Every
+// case uses consumers of its own, so stores may be shared.
+var usageCases = []testCase[storage.UsageCounter]{
+	{"NoRecords", testUsageNoRecords},
+	{"CountsRecordsAndBytes", testUsageCounts},
+	{"ExpiredNotCounted", testUsageExpired},
+	{"ConsumersApart", testUsageConsumersApart},
+	{"NoConsumers", testUsageNoConsumers},
 }
 
 // newConsumer returns a consumer name under prefix that no other case

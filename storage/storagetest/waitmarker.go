@@ -8,31 +8,15 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// RunWaitMarker runs the cases of the storage.WaitMarker capability
-// against the stores newStore makes, which must implement it. Cases use
-// keys of their own, so stores may be shared.
-func RunWaitMarker(t *testing.T, newStore Factory) {
-	t.Helper()
-	cases := []struct {
-		name string
-		fn   func(t *testing.T, s storage.Store, m storage.WaitMarker, c *Clock)
-	}{
-		{"CompleteReturnsMarks", testMarksReturnedByComplete},
-		{"NoMarkNoWaiters", testNoMarkNoWaiters},
-		{"ReleaseAndParkReturnMarks", testMarksReturnedByReleaseAndPark},
-		{"BatchCompleteReturnsMarks", testMarksReturnedByBatchComplete},
-		{"MarkRefusedOnceEnded", testMarkRefusedOnceEnded},
-		{"AcquisitionClearsMarks", testAcquisitionClearsMarks},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			c := &Clock{}
-			s := newStore(t, c)
-			m, ok := s.(storage.WaitMarker)
-			require.True(t, ok, "%T does not implement storage.WaitMarker", s)
-			tc.fn(t, s, m, c)
-		})
-	}
+// waitMarkerCases are the cases of the storage.WaitMarker capability.
+// Cases use keys of their own, so stores may be shared.
+var waitMarkerCases = []testCase[storage.WaitMarker]{
+	{"CompleteReturnsMarks", testMarksReturnedByComplete},
+	{"NoMarkNoWaiters", testNoMarkNoWaiters},
+	{"ReleaseAndParkReturnMarks", testMarksReturnedByReleaseAndPark},
+	{"BatchCompleteReturnsMarks", testMarksReturnedByBatchComplete},
+	{"MarkRefusedOnceEnded", testMarkRefusedOnceEnded},
+	{"AcquisitionClearsMarks", testAcquisitionClearsMarks},
 }
 
 func mark(t *testing.T, m storage.WaitMarker, k storage.Key, token int64, replica string) bool {
