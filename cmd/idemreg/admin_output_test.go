@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 )
@@ -87,7 +88,7 @@ func TestAdminOutput(t *testing.T) {
 	require.NotContains(t, err.Error(), "rpc error")
 
 	// The binary prints it so, and exits 1.
-	cmd := exec.CommandContext(t.Context(), buildBinary(t), append([]string{"admin", "inspect", "--consumer", "billing.worker",
+	cmd := exec.CommandContext(t.Context(), servetest.Binary(t), append([]string{"admin", "inspect", "--consumer", "billing.worker",
 		"--kind", "operation", "--key", "charge-9"}, conn...)...)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr

@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/admincli"
+	"github.com/idemreg/idemreg/internal/servetest"
 	"github.com/stretchr/testify/require"
 )
 
@@ -77,7 +78,7 @@ func TestCommandFlags(t *testing.T) {
 // TestHelpExitsZero runs the binary: -h and --help exit 0 at the top and
 // for every command, without starting anything.
 func TestHelpExitsZero(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	runs := [][]string{{"-h"}, {"--help"}, {"help"}, {"admin", "-h"}}
 	for name := range everyCommand(t) {
 		for _, h := range []string{"-h", "--help"} {

@@ -27,6 +27,7 @@ import (
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/sharedport"
+	"github.com/idemreg/idemreg/internal/servetest"
 	"github.com/idemreg/idemreg/server"
 )
 
@@ -37,7 +38,7 @@ import (
 // bounds (--max-pending-calls, --max-concurrent-streams). A client that
 // sends HTTP/2 anyway gets no HTTP/2 answer.
 func TestHTTPAPINeverSpeaksHTTP2OverTLS(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dir := t.TempDir()
 	testCA(t, dir, map[string]string{"billing": "spiffe://test/billing"})
 	configPath := filepath.Join(dir, "idemreg.yaml")
@@ -45,21 +46,21 @@ func TestHTTPAPINeverSpeaksHTTP2OverTLS(t *testing.T) {
 identities:
   - {name: billing, uris: ["spiffe://test/billing"], consumers: ["billing.*"]}
 `), 0o600))
-	p := startServe(t, bin, dir, nil, "--data-dir", t.TempDir(), "--config", configPath,
+	p := servetest.Start(t, bin, dir, nil, "--data-dir", t.TempDir(), "--config", configPath,
 		"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem"),
 		"--tls-client-ca", filepath.Join(dir, "ca.pem"))
-	p.waitLog(t, "serving")
+	p.WaitLog(t, "serving")
 	cfg := clientTLS(t, dir, "billing")
 
 	t.Run("curl's offer negotiates http/1.1", func(t *testing.T) {
 		hc := &http.Client{Transport: &http.Transport{TLSClientConfig: cfg.Clone(), ForceAttemptHTTP2: true}}
-		code, ok, _ := postJSON(t, hc, "https://"+p.addr, "Claim", `{"consumer":"billing.worker","kind":"KIND_MESSAGE","key":"m-1"}`)
+		code, ok, _ := postJSON(t, hc, "https://"+p.Addr, "Claim", `{"consumer":"billing.worker","kind":"KIND_MESSAGE","key":"m-1"}`)
 		require.Equal(t, http.StatusOK, code)
 		require.Equal(t, "OUTCOME_ACQUIRED", ok["outcome"])
 
 		c := cfg.Clone()
 		c.NextProtos = []string{"h2", "http/1.1"}
-		conn, err := tls.Dial("tcp", p.addr, c)
+		conn, err := tls.Dial("tcp", p.Addr, c)
 		require.NoError(t, err)
 		defer conn.Close()
 		require.Equal(t, "http/1.1", conn.ConnectionState().NegotiatedProtocol)
@@ -68,7 +69,7 @@ identities:
 	t.Run("HTTP/2 sent anyway is not served", func(t *testing.T) {
 		c := cfg.Clone()
 		c.NextProtos = []string{"h2", "http/1.1"}
-		conn, err := tls.Dial("tcp", p.addr, c)
+		conn, err := tls.Dial("tcp", p.Addr, c)
 		require.NoError(t, err)
 		defer conn.Close()
 		// The preface, SETTINGS and a call's HEADERS without its message:
@@ -81,7 +82,7 @@ identities:
 		_ = fr.WriteSettings()
 		var hb strings.Builder
 		enc := hpack.NewEncoder(&hb)
-		for _, f := range [][2]string{{":method", "POST"}, {":scheme", "https"}, {":authority", p.addr},
+		for _, f := range [][2]string{{":method", "POST"}, {":scheme", "https"}, {":authority", p.Addr},
 			{":path", "/idemreg.v1.RegistryService/Claim"}, {"content-type", "application/json"}} {
 			require.NoError(t, enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]}))
 		}
@@ -160,14 +161,14 @@ func held(t *testing.T, conns []net.Conn) int {
 // the silent ones wait for --connection-timeout. On main the one bound
 // of 256 was the source's alone: a new client waited for the timeout.
 func TestConnectingShareOfOneSource(t *testing.T) {
-	bin := buildBinary(t)
-	p := startServe(t, bin, t.TempDir(), nil, "--data-dir", t.TempDir(), "--connection-timeout", "60s")
-	p.waitLog(t, "serving")
+	bin := servetest.Binary(t)
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--data-dir", t.TempDir(), "--connection-timeout", "60s")
+	p.WaitLog(t, "serving")
 
 	const silent = sharedport.MaxSniffing + 44
 	var conns []net.Conn
 	for range silent {
-		c, err := dialerFrom("127.0.0.2").Dial("tcp", p.addr)
+		c, err := dialerFrom("127.0.0.2").Dial("tcp", p.Addr)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = c.Close() })
 		conns = append(conns, c)
@@ -176,7 +177,7 @@ func TestConnectingShareOfOneSource(t *testing.T) {
 	// waited for one of them to time out (60 s).
 	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
 	defer cancel()
-	_, err := healthpb.NewHealthClient(grpcFrom(t, "127.0.0.3", p.addr)).Check(ctx, &healthpb.HealthCheckRequest{})
+	_, err := healthpb.NewHealthClient(grpcFrom(t, "127.0.0.3", p.Addr)).Check(ctx, &healthpb.HealthCheckRequest{})
 	require.NoError(t, err, "another source's client is served while the silent ones are held")
 	require.LessOrEqual(t, held(t, conns), sharedport.DefaultMaxSniffingPerSource, "the silent source holds at most its share")
 }
@@ -208,21 +209,21 @@ func keepAliveCall(c net.Conn, br *bufio.Reader) error {
 // connection kept busy is closed at --http-max-connection-age, where on
 // main each request renewed its idle timeout for ever.
 func TestHTTPAPIConnectionsPerSource(t *testing.T) {
-	bin := buildBinary(t)
-	p := startServe(t, bin, t.TempDir(), nil, "--data-dir", t.TempDir(), "--http-max-connection-age", "2s")
-	p.waitLog(t, "serving")
+	bin := servetest.Binary(t)
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--data-dir", t.TempDir(), "--http-max-connection-age", "2s")
+	p.WaitLog(t, "serving")
 	perSource := httpserve.DefaultBounds().MaxConnectionsPerSource
 
 	t.Run("idle keep-alive flood", func(t *testing.T) {
 		var conns []net.Conn
 		for range 100 {
-			c, err := dialerFrom("127.0.0.2").Dial("tcp", p.addr)
+			c, err := dialerFrom("127.0.0.2").Dial("tcp", p.Addr)
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = c.Close() })
 			_ = keepAliveCall(c, bufio.NewReader(c)) // one beyond the cap may be refused
 			conns = append(conns, c)
 		}
-		c, err := dialerFrom("127.0.0.3").Dial("tcp", p.addr)
+		c, err := dialerFrom("127.0.0.3").Dial("tcp", p.Addr)
 		require.NoError(t, err)
 		defer c.Close()
 		require.NoError(t, keepAliveCall(c, bufio.NewReader(c)), "another source is served")
@@ -230,7 +231,7 @@ func TestHTTPAPIConnectionsPerSource(t *testing.T) {
 	})
 
 	t.Run("a busy connection ages out", func(t *testing.T) {
-		c, err := dialerFrom("127.0.0.4").Dial("tcp", p.addr)
+		c, err := dialerFrom("127.0.0.4").Dial("tcp", p.Addr)
 		require.NoError(t, err)
 		defer c.Close()
 		br := bufio.NewReader(c)
@@ -249,12 +250,12 @@ func TestHTTPAPIConnectionsPerSource(t *testing.T) {
 // On main the flood took every slot and the probe waited in the accept
 // queue.
 func TestHealthProbeUnderFlood(t *testing.T) {
-	bin := buildBinary(t)
-	healthAddr := freeAddr(t)
+	bin := servetest.Binary(t)
+	healthAddr := servetest.FreeAddr(t)
 	const maxConns = 32
-	p := startServe(t, bin, t.TempDir(), nil, "--data-dir", t.TempDir(), "--health-listen", healthAddr,
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--data-dir", t.TempDir(), "--health-listen", healthAddr,
 		"--max-connections", strconv.Itoa(maxConns))
-	p.waitLog(t, "serving")
+	p.WaitLog(t, "serving")
 
 	var conns []net.Conn
 	for range maxConns + 8 {

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/metadata"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 )
@@ -64,13 +65,13 @@ func TestServeConsoleRefuses(t *testing.T) {
 	dir := t.TempDir()
 	certOnly := filepath.Join(dir, "certs.yaml")
 	require.NoError(t, os.WriteFile(certOnly, []byte("identities:\n  - name: svc\n    dns_names: [svc.example]\n    admin: [\"billing.*\"]\n"), 0o600))
-	err := runBriefly(t, "serve", "--console-listen", freeAddr(t), "--config", certOnly, "--sweep-interval", "0")
+	err := runBriefly(t, "serve", "--console-listen", servetest.FreeAddr(t), "--config", certOnly, "--sweep-interval", "0")
 	require.ErrorContains(t, err, "all authenticate by client certificate, which a browser's sign-in cannot present: sign operators in through a trusted proxy (--console-proxy-header")
-	err = runBriefly(t, "serve", "--console-listen", freeAddr(t), "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=svc",
+	err = runBriefly(t, "serve", "--console-listen", servetest.FreeAddr(t), "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=svc",
 		"--console-proxy-secret-file", proxySecretFile(t, dir), "--sweep-interval", "0")
 	require.ErrorContains(t, err, "the server has no identities")
 	// A proxy without its secret: refused at start, on loopback too.
-	err = runBriefly(t, "serve", "--console-listen", freeAddr(t), "--config", certOnly, "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=svc", "--sweep-interval", "0")
+	err = runBriefly(t, "serve", "--console-listen", servetest.FreeAddr(t), "--config", certOnly, "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=svc", "--sweep-interval", "0")
 	require.ErrorContains(t, err, "--console-proxy-header needs --console-proxy-secret-file")
 }
 
@@ -140,7 +141,7 @@ func proxySecretFile(t *testing.T, dir string) string {
 // ends, and returns the console's base URL.
 func startServeConsole(t *testing.T, dir, listen string, args ...string) (base string, logs *syncWriter) {
 	t.Helper()
-	consoleAddr := freeAddr(t)
+	consoleAddr := servetest.FreeAddr(t)
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	logs = &syncWriter{}
@@ -182,7 +183,7 @@ func TestServeConsoleTLS(t *testing.T) {
   - {name: billing, uris: ["spiffe://test/billing"], consumers: ["billing.*"]}
   - {name: oncall, token_hashes: ["`+access.HashToken(token)+`"], admin: ["billing.*"]}
 `), 0o600))
-	listen := freeAddr(t)
+	listen := servetest.FreeAddr(t)
 	base, logs := startServeConsole(t, dir, listen, "--config", cfgFile,
 		"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem"), "--tls-client-ca", filepath.Join(dir, "ca.pem"))
 
@@ -214,7 +215,7 @@ func TestServeConsoleCertificateIdentities(t *testing.T) {
   - {name: billing, uris: ["spiffe://test/billing"], consumers: ["billing.*"]}
   - {name: oncall, uris: ["spiffe://test/oncall"], admin: ["billing.*"]}
 `), 0o600))
-	listen := freeAddr(t)
+	listen := servetest.FreeAddr(t)
 	base, logs := startServeConsole(t, dir, listen, "--config", cfgFile,
 		"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem"), "--tls-client-ca", filepath.Join(dir, "ca.pem"),
 		"--console-proxy-header", "X-Auth-Request-User", "--console-proxy-user", "*@ops.example.com=oncall",
@@ -296,7 +297,7 @@ func TestServeConsole(t *testing.T) {
 	dir := t.TempDir()
 	cfgFile := filepath.Join(dir, "idemreg.yaml")
 	require.NoError(t, os.WriteFile(cfgFile, []byte("identities:\n  - name: oncall\n    token_hashes: [\""+access.HashToken(token)+"\"]\n    consumers: [\"billing.*\"]\n    admin: [\"billing.*\"]\n"), 0o600))
-	listen, consoleAddr := freeAddr(t), freeAddr(t)
+	listen, consoleAddr := servetest.FreeAddr(t), servetest.FreeAddr(t)
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	logs := &syncWriter{}

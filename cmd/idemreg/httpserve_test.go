@@ -15,6 +15,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	"github.com/idemreg/idemreg/server/access"
 )
 
@@ -30,7 +31,7 @@ func TestServeHTTPBounds(t *testing.T) {
 	dir := t.TempDir()
 	cfgFile := filepath.Join(dir, "idemreg.yaml")
 	require.NoError(t, os.WriteFile(cfgFile, []byte("identities:\n  - name: oncall\n    token_hashes: [\""+access.HashToken(token)+"\"]\n    consumers: [\"billing.*\"]\n    admin: [\"billing.*\"]\n"), 0o600))
-	listen, consoleAddr, metricsAddr := freeAddr(t), freeAddr(t), freeAddr(t)
+	listen, consoleAddr, metricsAddr := servetest.FreeAddr(t), servetest.FreeAddr(t), servetest.FreeAddr(t)
 	const maxConns = 4
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)

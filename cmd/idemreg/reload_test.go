@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 )
@@ -29,7 +30,7 @@ import (
 // not at all. A file whose policy part is valid and whose access part is
 // not changes neither part; a valid file changes both.
 func TestServeConfigReloadIsAtomic(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	path := filepath.Join(t.TempDir(), "idemreg.yaml")
 	identity := func(consumers string) string {
 		return "identities:\n  - {name: orders, token_hashes: [\"" + access.HashToken("orders-token") + "\"], consumers: [" + consumers + "]}\n"
@@ -38,10 +39,10 @@ func TestServeConfigReloadIsAtomic(t *testing.T) {
 	strictPolicy := "consumers:\n  - prefix: orders.\n    message_retention: {min: 8d, default: 10d}\n"
 	loosePolicy := "consumers:\n  - prefix: orders.\n    message_retention: {min: 1h, default: 10d}\n"
 	write(strictPolicy + identity(`"orders.*"`))
-	p := startServe(t, bin, t.TempDir(), nil, "--config", path)
-	p.waitLog(t, "serving")
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--config", path)
+	p.WaitLog(t, "serving")
 
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	ctx := metadata.AppendToOutgoingContext(t.Context(), "authorization", "bearer orders-token")
 	n := 0
 	claim := func(consumer string, retention time.Duration) error {
@@ -71,8 +72,8 @@ func TestServeConfigReloadIsAtomic(t *testing.T) {
 
 	// Valid policy, invalid access (a rate limit of zero): refused whole.
 	write(loosePolicy + identity(`"orders.*", "billing.*"`) + "rate_limits:\n  - {consumers: [\"orders.*\"], rate: 0}\n")
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	line := p.waitLog(t, "config reload rejected; the policy and access in force stay")
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGHUP))
+	line := p.WaitLog(t, "config reload rejected; the policy and access in force stay")
 	require.Contains(t, line["error"], "rate_limits[0]: rate must be a positive number")
 	loose, wider = state()
 	require.False(t, loose, "the policy part of a refused file must not apply")
@@ -80,8 +81,8 @@ func TestServeConfigReloadIsAtomic(t *testing.T) {
 
 	// Invalid policy, valid access: refused whole too.
 	write("consumers:\n  - prefix: orders.\n    message_retention: {min: 1h, default: 30m}\n" + identity(`"orders.*", "billing.*"`))
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	line = p.waitLog(t, "config reload rejected; the policy and access in force stay")
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGHUP))
+	line = p.WaitLog(t, "config reload rejected; the policy and access in force stay")
 	require.Contains(t, line["error"], "message_retention.default 30m0s is below message_retention.min 1h0m0s")
 	loose, wider = state()
 	require.False(t, loose)
@@ -89,14 +90,14 @@ func TestServeConfigReloadIsAtomic(t *testing.T) {
 
 	// Both valid: both apply.
 	write(loosePolicy + identity(`"orders.*", "billing.*"`))
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	p.waitLog(t, "config reloaded")
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGHUP))
+	p.WaitLog(t, "config reloaded")
 	loose, wider = state()
 	require.True(t, loose)
 	require.True(t, wider)
 
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-	require.NoError(t, p.cmd.Wait())
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, p.Cmd.Wait())
 }
 
 // TestServeReloadsConfigWhenItChanges: serve takes a config file changed
@@ -104,7 +105,7 @@ func TestServeConfigReloadIsAtomic(t *testing.T) {
 // symlink swap; keeps the policy in force when the new file is broken;
 // and says which file is live in its logs and on /metrics.
 func TestServeReloadsConfigWhenItChanges(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dir := t.TempDir()
 	// A ConfigMap's layout: idemreg.yaml -> ..data/idemreg.yaml, and
 	// ..data -> the directory of the current version.
@@ -123,12 +124,12 @@ func TestServeReloadsConfigWhenItChanges(t *testing.T) {
 	publish(retention("8d"))
 	path := filepath.Join(dir, "idemreg.yaml")
 	require.NoError(t, os.Symlink(filepath.Join("..data", "idemreg.yaml"), path))
-	metricsAddr := freeAddr(t)
-	p := startServe(t, bin, t.TempDir(), nil, "--config", path, "--config-poll", "50ms", "--metrics-listen", metricsAddr)
-	loaded := p.waitLog(t, "config loaded")
-	p.waitLog(t, "serving")
+	metricsAddr := servetest.FreeAddr(t)
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--config", path, "--config-poll", "50ms", "--metrics-listen", metricsAddr)
+	loaded := p.WaitLog(t, "config loaded")
+	p.WaitLog(t, "serving")
 
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	key := 0
 	twoHours := func() error { // a retention the strict policy refuses
 		key++
@@ -151,7 +152,7 @@ func TestServeReloadsConfigWhenItChanges(t *testing.T) {
 
 	// A ConfigMap update: no signal.
 	publish(retention("1h"))
-	line := p.waitLog(t, "config reloaded")
+	line := p.WaitLog(t, "config reloaded")
 	require.Equal(t, "file changed", line["trigger"])
 	require.NoError(t, twoHours(), "the new policy applies")
 	require.Equal(t, line["version"], configInfo())
@@ -159,7 +160,7 @@ func TestServeReloadsConfigWhenItChanges(t *testing.T) {
 
 	// A broken file: logged, and the policy in force stays.
 	publish(retention("1h") + "    lease: {default: [\n")
-	rejected := p.waitLog(t, "config reload rejected; the policy and access in force stay")
+	rejected := p.WaitLog(t, "config reload rejected; the policy and access in force stay")
 	require.Equal(t, line["version"], rejected["version"], "the log says which version stays live")
 	require.NoError(t, twoHours())
 	require.Equal(t, line["version"], configInfo())
@@ -169,13 +170,13 @@ func TestServeReloadsConfigWhenItChanges(t *testing.T) {
 	target, err := filepath.EvalSymlinks(path)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(target, []byte(retention("8d")), 0o644))
-	p.waitLog(t, "config reloaded")
+	p.WaitLog(t, "config reloaded")
 	require.Equal(t, codes.InvalidArgument, status.Code(twoHours()))
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	require.Equal(t, "SIGHUP", p.waitLog(t, "config reloaded")["trigger"])
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGHUP))
+	require.Equal(t, "SIGHUP", p.WaitLog(t, "config reloaded")["trigger"])
 
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-	require.NoError(t, p.cmd.Wait())
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, p.Cmd.Wait())
 }
 
 // TestServeDoesNotTakeAHalfWrittenConfig: a config file rewritten in place
@@ -185,17 +186,17 @@ func TestServeReloadsConfigWhenItChanges(t *testing.T) {
 // whole file's, and the whole file applies once it has settled (issue 35,
 // weakness 6).
 func TestServeDoesNotTakeAHalfWrittenConfig(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	path := filepath.Join(t.TempDir(), "idemreg.yaml")
 	identity := func(name, consumers string) string {
 		return "  - {name: " + name + ", token_hashes: [\"" + access.HashToken(name+"-token") + "\"], consumers: [" + consumers + "]}\n"
 	}
 	require.NoError(t, os.WriteFile(path, []byte("identities:\n"+identity("orders", `"orders.*"`)+identity("billing", `"billing.*"`)), 0o600))
 	const poll = 200 * time.Millisecond
-	p := startServe(t, bin, t.TempDir(), nil, "--config", path, "--config-poll", poll.String())
-	p.waitLog(t, "serving")
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--config", path, "--config-poll", poll.String())
+	p.WaitLog(t, "serving")
 
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	billing := metadata.AppendToOutgoingContext(t.Context(), "authorization", "bearer billing-token")
 	var n atomic.Int64
 	claim := func(consumer string) error {
@@ -243,13 +244,13 @@ func TestServeDoesNotTakeAHalfWrittenConfig(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, f.Close())
 
-	line := p.waitLog(t, "config reloaded")
+	line := p.WaitLog(t, "config reloaded")
 	close(stop)
 	require.NoError(t, <-probed)
 	require.Equal(t, whole, line["version"], "the first reload must be the whole file's, not its first part's")
 	require.Equal(t, []any{"orders", "billing"}, line["identities"])
 	require.NoError(t, claim("refunds.inbox"), "the whole file applies once settled")
 
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-	require.NoError(t, p.cmd.Wait())
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, p.Cmd.Wait())
 }

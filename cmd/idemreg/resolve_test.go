@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
@@ -157,7 +158,7 @@ identities:
   - {name: worker, token_hashes: ["`+access.HashToken("worker-token")+`"], consumers: ["billing.*"]}
   - {name: oncall, token_hashes: ["`+access.HashToken("oncall-token")+`"], admin: ["billing.*"]}
 `), 0o600))
-	listen := freeAddr(t)
+	listen := servetest.FreeAddr(t)
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() {

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemreg/idemreg/internal/servetest"
 )
 
 // leaked reports whether s shows any of the test's password.
@@ -40,7 +42,7 @@ func TestSecretsNeverPrinted(t *testing.T) {
 				t.Run(tc.name+"/"+cmd+"/"+from, func(t *testing.T) {
 					args := []string{cmd}
 					if cmd == "serve" {
-						args = append(args, "--listen", freeAddr(t), "--data-dir", filepath.Join(t.TempDir(), "data"), "--sweep-interval", "0")
+						args = append(args, "--listen", servetest.FreeAddr(t), "--data-dir", filepath.Join(t.TempDir(), "data"), "--sweep-interval", "0")
 					}
 					if from == "flag" {
 						args = append(args, "--database-url", tc.url)
@@ -72,12 +74,12 @@ func TestSecretsNeverPrinted(t *testing.T) {
 // database URL carrying its password twice: /debug/pprof/cmdline shows the
 // command line without it, and no log line shows it.
 func TestPprofCmdlineRedacted(t *testing.T) {
-	bin := buildBinary(t)
-	pprofAddr := freeAddr(t)
+	bin := servetest.Binary(t)
+	pprofAddr := servetest.FreeAddr(t)
 	dbURL := "postgres://u:S3cretPw@127.0.0.1:1/db?sslmode=disable&password=S3cretPw2"
-	p := startServe(t, bin, t.TempDir(), nil, "--pprof-listen", pprofAddr, "--database-url", dbURL, "--sweep-interval", "0")
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--pprof-listen", pprofAddr, "--database-url", dbURL, "--sweep-interval", "0")
 	for _, msg := range []string{"pprof serving", "opening SQL store"} {
-		for line := range p.logs {
+		for line := range p.Logs {
 			b, err := json.Marshal(line)
 			require.NoError(t, err)
 			require.False(t, leaked(string(b)), "log line: %s", b)
@@ -94,7 +96,7 @@ func TestPprofCmdlineRedacted(t *testing.T) {
 	require.NoError(t, err)
 	args := strings.Split(string(body), "\x00")
 	require.False(t, leaked(string(body)), "cmdline: %q", body)
-	require.Equal(t, []string{bin, "serve", "--listen", p.addr, "--pprof-listen", pprofAddr, "--database-url",
+	require.Equal(t, []string{bin, "serve", "--listen", p.Addr, "--pprof-listen", pprofAddr, "--database-url",
 		"postgres://u:xxxxx@127.0.0.1:1/db?sslmode=disable&password=xxxxx", "--sweep-interval", "0"}, args)
 }
 
@@ -151,5 +153,5 @@ func runBriefly(t *testing.T, cmd string, args ...string) error {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
 	defer cancel()
-	return run(ctx, append([]string{cmd, "--data-dir", filepath.Join(t.TempDir(), "data"), "--listen", freeAddr(t)}, args...), io.Discard, io.Discard)
+	return run(ctx, append([]string{cmd, "--data-dir", filepath.Join(t.TempDir(), "data"), "--listen", servetest.FreeAddr(t)}, args...), io.Discard, io.Discard)
 }

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 )
@@ -80,13 +81,13 @@ func postJSON(t *testing.T, hc *http.Client, base, method, body string, header .
 // HTTP/1.1 JSON on the gRPC port (the README's curl examples), checks the
 // errors' details, gRPC-Web, and that gRPC still answers on the same port.
 func TestHTTPAPI(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dir := t.TempDir()
-	metricsAddr := freeAddr(t)
-	p := startServe(t, bin, dir, nil, "--data-dir", filepath.Join(dir, "data"), "--metrics-listen", metricsAddr,
+	metricsAddr := servetest.FreeAddr(t)
+	p := servetest.Start(t, bin, dir, nil, "--data-dir", filepath.Join(dir, "data"), "--metrics-listen", metricsAddr,
 		"--http-api-cors-origins", "https://app.example.com")
-	p.waitLog(t, "serving")
-	base, hc := "http://"+p.addr, &http.Client{}
+	p.WaitLog(t, "serving")
+	base, hc := "http://"+p.Addr, &http.Client{}
 
 	claim := `{"consumer":"billing.payment-worker","kind":"KIND_OPERATION","key":"charge:order-42","fingerprint":"aGFzaC0x","lease":"30s"}`
 	code, first, _ := postJSON(t, hc, base, "Claim", claim)
@@ -189,7 +190,7 @@ func TestHTTPAPI(t *testing.T) {
 
 	// The access log and the metrics have the HTTP calls, as gRPC calls.
 	for {
-		line := p.waitLog(t, "finished call")
+		line := p.WaitLog(t, "finished call")
 		if line["grpc.method"] == "Complete" {
 			require.Equal(t, "OK", line["grpc.code"])
 			require.Equal(t, "anonymous", line["identity"])
@@ -205,7 +206,7 @@ func TestHTTPAPI(t *testing.T) {
 	require.Contains(t, string(metrics), `rpc_method="idemreg.v1.RegistryService/Claim",rpc_response_status_code="FAILED_PRECONDITION"`)
 
 	// gRPC on the same port, as before.
-	conn, err := grpc.NewClient(p.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	got, err := idemregv1.NewRegistryServiceClient(conn).Lookup(t.Context(),
@@ -219,7 +220,7 @@ func TestHTTPAPI(t *testing.T) {
 // port; a client certificate, or a bearer token, is the same identity on
 // both, and a call without credentials is refused.
 func TestHTTPAPIOverTLS(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dir := t.TempDir()
 	testCA(t, dir, map[string]string{"billing": "spiffe://test/billing"})
 	const token = "idemreg_s3cr3t-t0ken-for-tests"
@@ -230,10 +231,10 @@ identities:
   - {name: orders, token_hashes: ["`+access.HashToken(token)+`"], consumers: ["orders.*"]}
 `), 0o600))
 	serve := func(args ...string) string {
-		p := startServe(t, bin, dir, nil, append([]string{"--data-dir", t.TempDir(), "--config", configPath,
+		p := servetest.Start(t, bin, dir, nil, append([]string{"--data-dir", t.TempDir(), "--config", configPath,
 			"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem")}, args...)...)
-		p.waitLog(t, "serving")
-		return p.addr
+		p.WaitLog(t, "serving")
+		return p.Addr
 	}
 	caPEM, err := os.ReadFile(filepath.Join(dir, "ca.pem"))
 	require.NoError(t, err)

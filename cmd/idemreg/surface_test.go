@@ -30,6 +30,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 )
@@ -157,7 +158,7 @@ func mtlsConn(t *testing.T, dir, client, addr string) *grpc.ClientConn {
 // from --config, the metrics and health listeners; then reloads the
 // identities on SIGHUP and stops on SIGTERM.
 func TestServeProduction(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dir := t.TempDir()
 	testCA(t, dir, map[string]string{"billing": "spiffe://test/billing", "orders": "spiffe://test/orders"})
 	configPath := filepath.Join(dir, "idemreg.yaml")
@@ -172,16 +173,16 @@ identities:
 `), 0o600))
 	}
 	writeConfig(`"orders.inbox"`)
-	metricsAddr, healthAddr := freeAddr(t), freeAddr(t)
-	p := startServe(t, bin, dir, nil, "--data-dir", filepath.Join(dir, "data"), "--config", configPath,
+	metricsAddr, healthAddr := servetest.FreeAddr(t), servetest.FreeAddr(t)
+	p := servetest.Start(t, bin, dir, nil, "--data-dir", filepath.Join(dir, "data"), "--config", configPath,
 		"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem"),
 		"--tls-client-ca", filepath.Join(dir, "ca.pem"),
 		"--metrics-listen", metricsAddr, "--health-listen", healthAddr, "--drain-delay", "200ms",
 		"--max-public-streams", "1")
-	p.waitLog(t, "serving")
+	p.WaitLog(t, "serving")
 
 	claim := func(client, consumer string) error {
-		_, err := idemregv1.NewRegistryServiceClient(mtlsConn(t, dir, client, p.addr)).Claim(t.Context(),
+		_, err := idemregv1.NewRegistryServiceClient(mtlsConn(t, dir, client, p.Addr)).Claim(t.Context(),
 			&idemregv1.ClaimRequest{Consumer: consumer, Kind: idemregv1.Kind_KIND_MESSAGE, Key: "m-1"})
 		return err
 	}
@@ -224,14 +225,14 @@ identities:
 
 	// Grant orders the billing consumer too, and reload.
 	writeConfig(`"orders.inbox", "billing.worker"`)
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	p.waitLog(t, "config reloaded")
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGHUP))
+	p.WaitLog(t, "config reloaded")
 	require.NoError(t, claim("orders", "billing.worker"))
 
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-	p.waitLog(t, "not serving, waiting for load balancers")
-	p.waitLog(t, "stopped")
-	require.NoError(t, p.cmd.Wait())
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
+	p.WaitLog(t, "not serving, waiting for load balancers")
+	p.WaitLog(t, "stopped")
+	require.NoError(t, p.Cmd.Wait())
 
 	out, err = exec.Command(bin, "health", "--addr", healthAddr, "--timeout", "500ms").CombinedOutput()
 	var exit *exec.ExitError

@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 )
@@ -92,7 +93,7 @@ func logLines(t *testing.T, stderr, msg string) []map[string]any {
 // TestSweepPostgres sweeps a database holding expired and live records,
 // through the binary, as the CronJob in deploy/ runs it.
 func TestSweepPostgres(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dbURL := pgtest.NewDatabase(t)
 	insertRecords(t, dbURL, "expired", 2500, "now() - interval '1 millisecond' - i * interval '1 second'")
 	insertRecords(t, dbURL, "live", 5, "now() + interval '1 hour'")
@@ -121,7 +122,7 @@ func TestSweepPostgres(t *testing.T) {
 // TestSweepMaxDuration stops a sweep of a backlog at --max-duration: exit
 // status 3, with what it did.
 func TestSweepMaxDuration(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dbURL := pgtest.NewDatabase(t)
 	insertRecords(t, dbURL, "expired", 5000, "now() - interval '1 hour' - i * interval '1 millisecond'")
 	stdout, stderr, code := runSweep(t, bin, []string{"IDEMREG_DATABASE_URL=" + dbURL},
@@ -136,8 +137,8 @@ func TestSweepMaxDuration(t *testing.T) {
 }
 
 func TestSweepStoreDown(t *testing.T) {
-	bin := buildBinary(t)
-	addr := freeAddr(t) // nothing listens there
+	bin := servetest.Binary(t)
+	addr := servetest.FreeAddr(t) // nothing listens there
 	_, stderr, code := runSweep(t, bin, nil, "--database-url", "postgres://postgres@"+addr+"/idemreg?sslmode=disable&connect_timeout=1")
 	require.Equal(t, exitSweepFailed, code)
 	require.Contains(t, stderr, "idemreg: the store does not answer")
@@ -147,11 +148,11 @@ func TestSweepStoreDown(t *testing.T) {
 // server on the embedded store, and sweeps them with the binary: refused
 // while the server holds the store, done once it stopped.
 func TestSweepEmbedded(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dir := t.TempDir()
-	p := startServe(t, bin, dir, nil, "--min-lease", "1ms", "--min-retention", "1ms", "--sweep-interval", "0")
-	p.waitLog(t, "serving")
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	p := servetest.Start(t, bin, dir, nil, "--min-lease", "1ms", "--min-retention", "1ms", "--sweep-interval", "0")
+	p.WaitLog(t, "serving")
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	for i := range 30 {
 		_, err := c.Claim(t.Context(), &idemregv1.ClaimRequest{Consumer: "cmd.test", Kind: idemregv1.Kind_KIND_MESSAGE,
 			Key: fmt.Sprint(i), Lease: durationpb.New(time.Millisecond), Retention: durationpb.New(time.Millisecond)})
@@ -165,8 +166,8 @@ func TestSweepEmbedded(t *testing.T) {
 	require.Equal(t, exitSweepFailed, code)
 	require.Contains(t, stderr, "a running idemreg serve holds it, and sweeps it itself with --sweep-interval")
 
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-	require.NoError(t, p.cmd.Wait())
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, p.Cmd.Wait())
 	stdout, stderr, code := runSweep(t, bin, nil, "--data-dir", dataDir)
 	require.Zero(t, code, "stderr: %s", stderr)
 	require.Contains(t, stdout, "sweep finished: deleted 30 expired records")
@@ -181,13 +182,13 @@ func TestSweepEmbedded(t *testing.T) {
 // shortest retention are deleted by serve itself, and its metrics are
 // exported with the service's.
 func TestServeSweeps(t *testing.T) {
-	bin := buildBinary(t)
-	metricsAddr := freeAddr(t)
-	p := startServe(t, bin, t.TempDir(), nil, "--min-lease", "1ms", "--min-retention", "1ms", "--sweep-interval", "100ms",
+	bin := servetest.Binary(t)
+	metricsAddr := servetest.FreeAddr(t)
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--min-lease", "1ms", "--min-retention", "1ms", "--sweep-interval", "100ms",
 		"--metrics-listen", metricsAddr)
-	p.waitLog(t, "sweeper on")
-	p.waitLog(t, "serving")
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	p.WaitLog(t, "sweeper on")
+	p.WaitLog(t, "serving")
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	const n = 20
 	for i := range n {
 		_, err := c.Claim(t.Context(), &idemregv1.ClaimRequest{Consumer: "cmd.test", Kind: idemregv1.Kind_KIND_OPERATION,
@@ -196,7 +197,7 @@ func TestServeSweeps(t *testing.T) {
 	}
 	deleted := 0
 	for deleted < n {
-		line := p.waitLog(t, "sweep finished")
+		line := p.WaitLog(t, "sweep finished")
 		require.Equal(t, "sweeper", line["component"])
 		deleted += int(line["deleted"].(float64))
 	}
@@ -215,23 +216,23 @@ func TestServeSweeps(t *testing.T) {
 		require.Contains(t, metrics, name)
 	}
 
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-	p.waitLog(t, "stopped")
-	require.NoError(t, p.cmd.Wait())
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
+	p.WaitLog(t, "stopped")
+	require.NoError(t, p.Cmd.Wait())
 }
 
 // TestServePolicyReload serves with a policy file, and replaces it on
 // SIGHUP; an invalid file is rejected and the policy in force stays.
 func TestServePolicyReload(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	path := filepath.Join(t.TempDir(), "policy.yaml")
 	write := func(doc string) { require.NoError(t, os.WriteFile(path, []byte(doc), 0o600)) }
 	write("consumers:\n  - prefix: orders.\n    message_retention: {min: 8d, default: 10d}\n")
-	p := startServe(t, bin, t.TempDir(), nil, "--config", path)
-	loaded := p.waitLog(t, "config loaded")
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--config", path)
+	loaded := p.WaitLog(t, "config loaded")
 	require.EqualValues(t, 1, loaded["consumer_policies"])
-	p.waitLog(t, "serving")
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	p.WaitLog(t, "serving")
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	claim := func(key string, retention time.Duration) (*idemregv1.ClaimResponse, error) {
 		r := &idemregv1.ClaimRequest{Consumer: "orders.inbox", Kind: idemregv1.Kind_KIND_MESSAGE, Key: key}
 		if retention > 0 {
@@ -248,14 +249,14 @@ func TestServePolicyReload(t *testing.T) {
 	require.Contains(t, status.Convert(err).Message(), `must be at least 8d (message_retention.min of prefix "orders.")`)
 
 	write("consumers:\n  - prefix: orders.\n    message_retention: {min: 1h}\n")
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	p.waitLog(t, "config reloaded")
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGHUP))
+	p.WaitLog(t, "config reloaded")
 	_, err = claim("m-2", 2*time.Hour)
 	require.NoError(t, err, "the reloaded policy is in force")
 
 	write("consumers:\n  - prefix: orders.\n    message_retention: {min: 1h, default: 30m}\n")
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGHUP))
-	line := p.waitLog(t, "config reload rejected; the policy and access in force stay")
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGHUP))
+	line := p.WaitLog(t, "config reload rejected; the policy and access in force stay")
 	require.Contains(t, line["error"], "message_retention.default 30m0s is below message_retention.min 1h0m0s")
 	require.Equal(t, path, line["path"])
 	_, err = claim("m-3", 30*time.Minute)
@@ -263,8 +264,8 @@ func TestServePolicyReload(t *testing.T) {
 	_, err = claim("m-4", 2*time.Hour)
 	require.NoError(t, err)
 
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-	require.NoError(t, p.cmd.Wait())
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, p.Cmd.Wait())
 }
 
 func TestSweepAndPolicyConfigErrors(t *testing.T) {
@@ -301,7 +302,7 @@ func TestSweepAndPolicyConfigErrors(t *testing.T) {
 				// The same file is valid once the flags allow it: serve
 				// starts, and stops with the context.
 				cancel()
-				err := run(ctx, append(tc.args, "--listen", freeAddr(t), "--data-dir", t.TempDir()), &out, &errOut)
+				err := run(ctx, append(tc.args, "--listen", servetest.FreeAddr(t), "--data-dir", t.TempDir()), &out, &errOut)
 				require.NoError(t, err)
 				return
 			}
@@ -318,7 +319,7 @@ func TestSweepAndPolicyConfigErrors(t *testing.T) {
 // refuses the flag there), `idemreg sweep` refuses and serve does not start
 // its sweeper.
 func TestSweepRowLevelTTL(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dbURL := pgtest.NewDatabase(t)
 	out, err := exec.CommandContext(t.Context(), bin, "migrate", "--database-url", dbURL, "--cockroach-ttl").CombinedOutput()
 	require.Error(t, err)
@@ -334,10 +335,10 @@ func TestSweepRowLevelTTL(t *testing.T) {
 	require.Equal(t, exitSweepFailed, code)
 	require.Contains(t, stderr, "row-level TTL")
 
-	p := startServe(t, bin, t.TempDir(), nil, "--database-url", dbURL, "--sweep-interval", "100ms")
-	p.waitLog(t, "sweeper off: CockroachDB's row-level TTL deletes expired records (idemreg migrate --cockroach-ttl)")
-	p.waitLog(t, "serving")
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-	p.waitLog(t, "stopped")
-	require.NoError(t, p.cmd.Wait())
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--database-url", dbURL, "--sweep-interval", "100ms")
+	p.WaitLog(t, "sweeper off: CockroachDB's row-level TTL deletes expired records (idemreg migrate --cockroach-ttl)")
+	p.WaitLog(t, "serving")
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
+	p.WaitLog(t, "stopped")
+	require.NoError(t, p.Cmd.Wait())
 }

@@ -16,6 +16,7 @@ import (
 	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
@@ -35,15 +36,15 @@ func scrape(t *testing.T, addr string) string {
 // counter at 0 before its first event; after a few Claims, the call
 // duration's buckets under 5 ms are populated.
 func TestServeTelemetry(t *testing.T) {
-	bin := buildBinary(t)
-	metricsAddr := freeAddr(t)
-	p := startServe(t, bin, t.TempDir(), nil, "--metrics-listen", metricsAddr)
-	start := p.waitLog(t, "starting idemreg")
+	bin := servetest.Binary(t)
+	metricsAddr := servetest.FreeAddr(t)
+	p := servetest.Start(t, bin, t.TempDir(), nil, "--metrics-listen", metricsAddr)
+	start := p.WaitLog(t, "starting idemreg")
 	require.Equal(t, "embedded", start["store"])
 	require.Equal(t, runtime.Version(), start["go_version"])
 	require.NotEmpty(t, start["version"])
 	require.NotEmpty(t, start["revision"])
-	p.waitLog(t, "serving")
+	p.WaitLog(t, "serving")
 
 	fresh := scrape(t, metricsAddr)
 	require.Regexp(t, `idemreg_build_info\{goversion="`+regexp.QuoteMeta(runtime.Version())+`",revision="[^"]+",version="[^"]+"\} 1\n`, fresh)
@@ -64,7 +65,7 @@ func TestServeTelemetry(t *testing.T) {
 		require.Contains(t, fresh, series+" 0\n", "a fresh serve has %s at 0", series)
 	}
 
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	const claims = 25
 	for i := range claims {
 		_, err := c.Claim(t.Context(), &idemregv1.ClaimRequest{Consumer: "cmd.test", Kind: idemregv1.Kind_KIND_MESSAGE, Key: fmt.Sprint(i)})
@@ -137,17 +138,17 @@ func TestServePushesOTLPMetrics(t *testing.T) {
 	go func() { _ = receiver.Serve(lis) }()
 	t.Cleanup(func() { _ = receiver.Close() })
 
-	bin := buildBinary(t)
-	p := startServe(t, bin, t.TempDir(), []string{
+	bin := servetest.Binary(t)
+	p := servetest.Start(t, bin, t.TempDir(), []string{
 		"OTEL_METRICS_EXPORTER=otlp",
 		"OTEL_EXPORTER_OTLP_ENDPOINT=http://" + lis.Addr().String(),
 		"OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf",
 		"OTEL_METRIC_EXPORT_INTERVAL=200",
 		"OTEL_BSP_SCHEDULE_DELAY=200",
 	})
-	p.waitLog(t, "pushing metrics")
-	p.waitLog(t, "serving")
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	p.WaitLog(t, "pushing metrics")
+	p.WaitLog(t, "serving")
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	_, err = c.Claim(t.Context(), &idemregv1.ClaimRequest{Consumer: "cmd.test", Kind: idemregv1.Kind_KIND_MESSAGE, Key: "otlp-1"})
 	require.NoError(t, err)
 

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/net/http2"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	"github.com/idemreg/idemreg/server"
 )
 
@@ -18,7 +19,7 @@ import (
 // ones, which start at HTTP/2's 65,535 bytes and grow by the PINGs that
 // static windows spare (issue 36).
 func TestServeStaticWindows(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	for _, tc := range []struct {
 		name string
 		args []string
@@ -29,9 +30,9 @@ func TestServeStaticWindows(t *testing.T) {
 		{"dynamic", []string{"--static-window", "0"}, 65535},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p := startServe(t, bin, t.TempDir(), nil, append([]string{"--data-dir", t.TempDir()}, tc.args...)...)
-			p.waitLog(t, "serving")
-			conn, err := net.Dial("tcp", p.addr)
+			p := servetest.Start(t, bin, t.TempDir(), nil, append([]string{"--data-dir", t.TempDir()}, tc.args...)...)
+			p.WaitLog(t, "serving")
+			conn, err := net.Dial("tcp", p.Addr)
 			require.NoError(t, err)
 			defer conn.Close()
 			require.NoError(t, conn.SetDeadline(time.Now().Add(20*time.Second)))
