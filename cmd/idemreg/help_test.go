@@ -11,36 +11,47 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
 )
 
-// TestServeFlagsAreGrouped: serve -h sorts every flag under a topic. A flag
-// added without a place in serveFlagGroups fails here: add it there.
+// TestServeFlagsAreGrouped: every flag of serve is declared once, in its
+// table (serveFlags), with a group, and serve -h prints each under its
+// group's title, the groups in the table's order; none is left to
+// "Other". A flag bound beside the table, or declared twice, fails here.
 func TestServeFlagsAreGrouped(t *testing.T) {
 	fs := everyCommand(t)["serve"]
-	grouped := map[string]string{}
-	for _, g := range serveFlagGroups {
-		for _, name := range g.flags {
-			require.Empty(t, grouped[name], "--%s is in two groups, %q and %q", name, grouped[name], g.title)
-			grouped[name] = g.title
-			require.NotNil(t, fs.Lookup(name), "group %q names --%s, which serve does not have", g.title, name)
+	c := defaultConfig()
+	table := c.serveFlags()
+	declared := map[string]bool{}
+	var groups []string
+	for _, f := range table {
+		require.False(t, declared[f.Name], "--%s is declared twice", f.Name)
+		declared[f.Name] = true
+		require.NotEmpty(t, f.Group, "--%s has no group", f.Name)
+		require.NotNil(t, fs.Lookup(f.Name), "--%s is declared but serve does not have it", f.Name)
+		if len(groups) == 0 || groups[len(groups)-1] != f.Group {
+			require.NotContains(t, groups, f.Group, "group %q is split in two: keep its flags together", f.Group)
+			groups = append(groups, f.Group)
 		}
 	}
 	fs.VisitAll(func(f *flag.Flag) {
-		require.NotEmpty(t, grouped[f.Name], "--%s has no group: add it to serveFlagGroups (flags.go)", f.Name)
+		require.True(t, declared[f.Name], "--%s is bound beside serveFlags (flags.go): declare it there", f.Name)
 	})
 
 	var stderr bytes.Buffer
 	require.ErrorIs(t, run(t.Context(), []string{"serve", "-h"}, io.Discard, &stderr), flag.ErrHelp)
 	help := stderr.String()
 	require.NotContains(t, help, "\nOther:\n")
-	for _, g := range serveFlagGroups {
-		title := strings.Index(help, "\n"+g.title+":\n")
-		require.GreaterOrEqual(t, title, 0, "serve -h has the group %q", g.title)
-		for _, name := range g.flags {
-			at := regexp.MustCompile(`(?m)^  -` + regexp.QuoteMeta(name) + `( |$)`).FindStringIndex(help)
-			require.NotNil(t, at, "--%s", name)
-			require.Greater(t, at[0], title, "--%s is under %q", name, g.title)
-		}
+	last := 0
+	for _, f := range table {
+		at := regexp.MustCompile(`(?m)^  -` + regexp.QuoteMeta(f.Name) + `( |$)`).FindStringIndex(help)
+		require.NotNil(t, at, "--%s", f.Name)
+		require.Greater(t, at[0], last, "--%s is in the table's order", f.Name)
+		last = at[0]
+		above := regexp.MustCompile(`(?m)^(\S.*):$`).FindAllStringSubmatch(help[:at[0]], -1)
+		require.NotEmpty(t, above)
+		require.Equal(t, f.Group, above[len(above)-1][1], "--%s is under its group's title", f.Name)
 	}
 }
 
@@ -83,8 +94,8 @@ func TestDurationFlagsTakeDays(t *testing.T) {
 	for name, fs := range everyCommand(t) {
 		fs.VisitAll(func(f *flag.Flag) {
 			require.NotEqual(t, "*flag.durationValue", fmt.Sprintf("%T", f.Value),
-				"%s --%s is a flag.Duration, which refuses 7d: bind it with durationVar", name, f.Name)
-			if typ, ok := f.Value.(typed); !ok || typ.Type() != "duration" {
+				"%s --%s is a flag.Duration, which refuses 7d: declare it with cmdline.Duration", name, f.Name)
+			if typ, ok := f.Value.(cmdline.Typed); !ok || typ.Type() != "duration" {
 				return
 			}
 			n++

@@ -29,6 +29,7 @@ import (
 	"syscall"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/admincli"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
 )
 
 const usage = `idemreg: an idempotency-key registry
@@ -157,11 +158,16 @@ func flagSet(name, synopsis string, stderr io.Writer, cmd command) (*flag.FlagSe
 		}
 		if hasFlags(fs) {
 			fmt.Fprint(stderr, "\nflags (each also read from the environment variable shown; a flag given wins):\n")
-			printFlags(stderr, fs, name == "idemreg serve")
+			var table []cmdline.Flag // nil: in name order
+			if name == "idemreg serve" {
+				c := defaultConfig()
+				table = c.serveFlags()
+			}
+			cmdline.Print(stderr, fs, table)
 		}
 	}
 	exec := cmd(fs)
-	fs.VisitAll(func(f *flag.Flag) { f.Usage += " ($" + envName(f.Name) + ")" })
+	cmdline.NameEnv(fs)
 	return fs, exec
 }
 
@@ -172,26 +178,7 @@ func hasFlags(fs *flag.FlagSet) bool {
 }
 
 // parse reads environment variables first, then flags, so flags win.
-func parse(fs *flag.FlagSet, args []string) error {
-	var envErr error
-	fs.VisitAll(func(f *flag.Flag) {
-		if v, ok := os.LookupEnv(envName(f.Name)); ok {
-			if err := f.Value.Set(v); err != nil {
-				envErr = errors.Join(envErr, fmt.Errorf("%s: %w", envName(f.Name), err))
-			}
-		}
-	})
-	if envErr != nil {
-		return envErr
-	}
-	return fs.Parse(args)
-}
-
-// envName is the environment variable of a flag: --database-url is
-// IDEMREG_DATABASE_URL.
-func envName(flag string) string {
-	return "IDEMREG_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))
-}
+var parse = cmdline.Parse
 
 // exitError is an error that sets the process's exit status.
 type exitError struct {

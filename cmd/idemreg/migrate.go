@@ -10,6 +10,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
@@ -85,8 +86,9 @@ func migrateStatusCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.
 }
 
 func bindMigrate(fs *flag.FlagSet) (databaseURL *string, ttl *bool) {
-	databaseURL = fs.String("database-url", "", "PostgreSQL or CockroachDB URL (postgres://...) of the database to migrate (required: the embedded store needs no migration)")
-	ttl = fs.Bool("cockroach-ttl", false, "CockroachDB only: let the cluster's row-level TTL delete expired records and drop the expires_at index; nothing may sweep the database after it")
+	databaseURL, ttl = new(string), new(bool)
+	cmdline.Bind(fs, cmdline.String(databaseURL, "database-url", "PostgreSQL or CockroachDB URL (postgres://...) of the database to migrate (required: the embedded store needs no migration)"),
+		cmdline.Bool(ttl, "cockroach-ttl", "CockroachDB only: let the cluster's row-level TTL delete expired records and drop the expires_at index; nothing may sweep the database after it"))
 	return databaseURL, ttl
 }
 

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
 	"github.com/idemreg/idemreg/server/access"
 )
 
@@ -23,21 +24,22 @@ import (
 // container image's HEALTHCHECK, which has no other tool. Exit status 0
 // when serving, 1 otherwise.
 func healthCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
-	addr := fs.String("addr", "127.0.0.1:7351", "address of the server's --health-listen")
-	service := fs.String("service", "", `health service name: "" (ready: the store answers), "liveness", or a service`)
-	var timeout time.Duration
-	durationVar(fs, &timeout, "timeout", 2*time.Second, "give up after this long")
+	addr, service, timeout := "127.0.0.1:7351", "", 2*time.Second
+	cmdline.Bind(fs,
+		cmdline.String(&addr, "addr", "address of the server's --health-listen"),
+		cmdline.String(&service, "service", `health service name: "" (ready: the store answers), "liveness", or a service`),
+		cmdline.Duration(&timeout, "timeout", "give up after this long"))
 	return func(ctx context.Context, stdout, _ io.Writer) error {
-		conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
 			return err
 		}
 		defer conn.Close()
 		ctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
-		res, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: *service})
+		res, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: service})
 		if err != nil {
-			return &exitError{code: 1, err: fmt.Errorf("health check of %s: %w", *addr, err)}
+			return &exitError{code: 1, err: fmt.Errorf("health check of %s: %w", addr, err)}
 		}
 		fmt.Fprintln(stdout, res.GetStatus())
 		if res.GetStatus() != healthpb.HealthCheckResponse_SERVING {

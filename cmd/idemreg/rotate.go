@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"time"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/policy"
@@ -68,15 +70,15 @@ func rotationBounds(activate, grace, longest time.Duration, source string, allow
 // with the generation it replaces accepted for --grace after that.
 func rotateCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
 	cfg := defaultConfig()
-	cfg.bindCommon(fs)
-	var activate, grace time.Duration
-	var allowShort bool
+	activate, grace, allowShort := defaultActivateAfter, defaultRotationGrace, false
 	l := &cfg.Server.Limits
-	durationVar(fs, &activate, "activate-after", defaultActivateAfter, "how long the new key is accepted but not issued under, so every replica reads it first: at least serve's claim key refresh ("+policy.FormatDuration(server.DefaultClaimKeyRefresh)+")")
-	durationVar(fs, &grace, "grace", defaultRotationGrace, "how long the replaced key stays accepted once the new one is current: at least --max-lease, and the longest a claim is held (a consumer's max_lease_total, since Extend keeps the claim's secret) plus a page token's use")
-	durationVar(fs, &l.MaxLease, "max-lease", l.MaxLease, "serve's --max-lease (read from the same $IDEMREG_MAX_LEASE): --grace must be at least this long")
-	fs.StringVar(&cfg.PolicyFile, "config", cfg.PolicyFile, "serve's config file (read from the same $IDEMREG_CONFIG), if any: --grace must also cover its consumers' longest lease.max")
-	fs.BoolVar(&allowShort, "allow-short-rotation", false, "allow --activate-after below serve's claim key refresh and --grace below the longest lease (--max-lease, lease.max in --config): claims held meanwhile may fail with CLAIM_SECRET_INVALID (a leaked key to retire at once)")
+	cmdline.Bind(fs, slices.Concat(cfg.storeFlags(), cfg.logFlags(), []cmdline.Flag{
+		cmdline.Duration(&activate, "activate-after", "how long the new key is accepted but not issued under, so every replica reads it first: at least serve's claim key refresh ("+policy.FormatDuration(server.DefaultClaimKeyRefresh)+")"),
+		cmdline.Duration(&grace, "grace", "how long the replaced key stays accepted once the new one is current: at least --max-lease, and the longest a claim is held (a consumer's max_lease_total, since Extend keeps the claim's secret) plus a page token's use"),
+		cmdline.Duration(&l.MaxLease, "max-lease", "serve's --max-lease (read from the same $IDEMREG_MAX_LEASE): --grace must be at least this long"),
+		cmdline.String(&cfg.PolicyFile, "config", "serve's config file (read from the same $IDEMREG_CONFIG), if any: --grace must also cover its consumers' longest lease.max"),
+		cmdline.Bool(&allowShort, "allow-short-rotation", "allow --activate-after below serve's claim key refresh and --grace below the longest lease (--max-lease, lease.max in --config): claims held meanwhile may fail with CLAIM_SECRET_INVALID (a leaked key to retire at once)"),
+	})...)
 	return func(ctx context.Context, stdout, stderr io.Writer) error {
 		if err := cfg.Validate(); err != nil {
 			return err

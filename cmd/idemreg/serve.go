@@ -14,17 +14,16 @@ import (
 	"syscall"
 	"time"
 
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/profiling"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/sharedport"
 	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
-	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
@@ -44,17 +43,26 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	}
 	logger := cfg.logger(stderr)
 	tuneGC(logger)
-	stopPprof, err := startPprof(cfg.PprofListen, os.Args, cfg.HTTP, logger)
+	stopPprof, err := profiling.Serve(cfg.PprofListen, os.Args, cfg.HTTP, logger)
 	if err != nil {
 		return err
 	}
 	defer stopPprof()
-	file, err := loadConfig(cfg, logger)
+	file, err := configfile.Open(cfg.PolicyFile, cfg.Server.Limits.Policy())
 	if err != nil {
 		return err
 	}
-	stopReload := watchConfig(file, cfg.ConfigPoll, logger)
-	defer stopReload()
+	if cfg.PolicyFile != "" {
+		c := file.Current()
+		logger.Info("config loaded", "path", cfg.PolicyFile, "version", c.Version, "consumer_policies", c.Policy.Len(), "identities", c.Access.Identities())
+	}
+	// Reloads go on while serve drains, until it returns.
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	watchCtx, stopWatch := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopWatch()
+	go file.Watch(watchCtx, cfg.ConfigPoll, hup, logger)
 	if err := checkAccess(cfg, file.Current().Access, logger); err != nil {
 		return err
 	}
@@ -70,7 +78,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 		return err
 	}
 	defer tel.Shutdown()
-	if err := configInfo(tel.Meters, file); err != nil {
+	if err := file.Observe(tel.Meters); err != nil {
 		return err
 	}
 	if cfg.MetricsListen != "" {
@@ -188,104 +196,6 @@ func serveHealth(srv *server.Server, addr string, logger *slog.Logger) error {
 		}
 	}()
 	return nil
-}
-
-// loadConfig loads the config file over the limits of the flags, or,
-// without one, holds the flags' limits and an open access set.
-func loadConfig(cfg *config, logger *slog.Logger) (*configfile.Source, error) {
-	if cfg.PolicyFile == "" {
-		set, err := policy.NewSet(cfg.Server.Limits.Policy())
-		if err != nil {
-			return nil, err
-		}
-		return configfile.Static(&configfile.Config{Policy: set, Access: access.Open()}), nil
-	}
-	src, err := configfile.Open(cfg.PolicyFile, cfg.Server.Limits.Policy())
-	if err != nil {
-		return nil, err
-	}
-	c := src.Current()
-	logger.Info("config loaded", "path", cfg.PolicyFile, "version", c.Version, "consumer_policies", c.Policy.Len(), "identities", c.Access.Identities())
-	return src, nil
-}
-
-// watchConfig reloads the config file when its content changes on disk,
-// looked at every poll (0: never), and on every SIGHUP, until the returned
-// function is called. A pod cannot always be signalled (a distroless image
-// has no kill), and a ConfigMap's update reaches its files by a symlink
-// swap, which the poll sees as TLS files are seen (server/tlsfiles.go). A
-// change is taken once the file has read the same for two polls' time, so
-// that a file being written in place is not taken half-written; SIGHUP,
-// which the operator sends once the file is written, takes it at once.
-// Each reload is one read and one parse of the file, whose policy and
-// access parts replace those in force together, or not at all.
-func watchConfig(src *configfile.Source, poll time.Duration, logger *slog.Logger) (stop func()) {
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	var tick <-chan time.Time // nil: never
-	stopTick := func() {}
-	if poll > 0 && src.Path() != "" {
-		t := time.NewTicker(poll)
-		tick, stopTick = t.C, t.Stop
-	}
-	done := make(chan struct{})
-	go func() {
-		for {
-			select {
-			case <-done:
-				return
-			case <-hup:
-				reloadConfig(src, logger)
-			case <-tick:
-				// Two poll intervals of the same bytes: a file written in
-				// place is not taken half-written, even by a writer that
-				// pauses longer than one poll (configfile.ReloadIfChanged).
-				c, changed, err := src.ReloadIfChanged(time.Now(), 2*poll)
-				if changed {
-					logReload(src, c, "file changed", err, logger)
-				}
-			}
-		}
-	}()
-	return func() { signal.Stop(hup); stopTick(); close(done) }
-}
-
-// configInfo reports which config file is in force, as
-// idemreg_config_info{version} 1: after a change on disk, whether every
-// replica took it (a refused file keeps the old version).
-func configInfo(meters metric.MeterProvider, src *configfile.Source) error {
-	if src.Path() == "" {
-		return nil
-	}
-	_, err := meters.Meter("github.com/idemreg/idemreg/cmd/idemreg").Int64ObservableGauge("idemreg.config.info",
-		metric.WithDescription("The config file (--config) in force: 1, its version the first 12 hex digits of the file's SHA-256."),
-		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
-			o.Observe(1, metric.WithAttributes(attribute.String("version", src.Current().Version)))
-			return nil
-		}))
-	return err
-}
-
-// reloadConfig is one reload on SIGHUP: a file that is invalid in any part
-// is logged with the reason, and the whole config in force stays.
-func reloadConfig(src *configfile.Source, logger *slog.Logger) {
-	if src.Path() == "" {
-		logger.Warn("SIGHUP ignored: no config file (--config) to reload")
-		return
-	}
-	c, err := src.Reload()
-	logReload(src, c, "SIGHUP", err, logger)
-}
-
-// logReload says what a reload did, and which file's version is in force.
-func logReload(src *configfile.Source, c *configfile.Config, trigger string, err error, logger *slog.Logger) {
-	if err != nil {
-		logger.Error("config reload rejected; the policy and access in force stay", "path", src.Path(), "trigger", trigger,
-			"version", src.Current().Version, "error", err)
-		return
-	}
-	logger.Info("config reloaded", "path", src.Path(), "trigger", trigger, "version", c.Version,
-		"consumer_policies", c.Policy.Len(), "identities", c.Access.Identities())
 }
 
 // startSweeper runs the sweeper in the background every --sweep-interval,
