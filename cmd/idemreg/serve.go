@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/metric"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/profiling"
@@ -81,10 +82,12 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err := file.Observe(tel.Meters); err != nil {
 		return err
 	}
+	// The metrics listener's mux: /metrics now, /healthz and /readyz once
+	// the server exists (below).
+	metricsMux := http.NewServeMux()
 	if cfg.MetricsListen != "" {
-		mux := http.NewServeMux()
-		mux.Handle("GET /metrics", tel.Metrics())
-		stop, addr, err := httpserve.Serve("metrics", cfg.MetricsListen, mux, cfg.HTTP, logger)
+		metricsMux.Handle("GET /metrics", tel.Metrics())
+		stop, addr, err := httpserve.Serve("metrics", cfg.MetricsListen, metricsMux, cfg.HTTP, logger)
 		if err != nil {
 			return err
 		}
@@ -112,6 +115,16 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	}
 	if err := serveHealth(srv, cfg.HealthListen, logger); err != nil {
 		return err
+	}
+	if cfg.MetricsListen != "" {
+		// GET /healthz and /readyz for probes that do not speak gRPC
+		// health, answered by the gRPC health service itself.
+		conn, err := srv.InProcess()
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		httpserve.HealthChecks{Client: healthpb.NewHealthClient(conn), Liveness: server.LivenessService}.Register(metricsMux)
 	}
 	stopSweeper, err := startSweeper(ctx, cfg, store, logger)
 	if err != nil {
