@@ -30,6 +30,7 @@ import (
 	"golang.org/x/net/http2"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	"github.com/idemreg/idemreg/server"
 )
 
@@ -222,22 +223,18 @@ func healthProbeUnderFlood(t *testing.T, s *suite) {
 // net/http's HTTP/2 server held them all (16,000 calls, 721 MiB in the
 // review).
 func tlsHTTP2Flood(t *testing.T, s *suite) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dir := t.TempDir()
 	writeTestCA(t, dir)
 	cfg := filepath.Join(dir, "idemreg.yaml")
 	require.NoError(t, os.WriteFile(cfg, []byte("identities:\n  - {name: billing, uris: [\"spiffe://test/billing\"], consumers: [\"billing.*\"]}\n"), 0o600))
-	addr := freeAddr(t)
-	cmd := exec.Command(bin, "serve", "--listen", addr, "--data-dir", filepath.Join(dir, "data"), "--config", cfg,
+	tlsLogs := newLogs()
+	p := servetest.StartWith(t, servetest.Options{Bin: bin, Dir: dir, Observe: tlsLogs.observe, Args: []string{
+		"--data-dir", filepath.Join(dir, "data"), "--config", cfg,
 		"--tls-cert", filepath.Join(dir, "server.pem"), "--tls-key", filepath.Join(dir, "server-key.pem"),
-		"--tls-client-ca", filepath.Join(dir, "ca.pem"), "--max-pending-calls", strconv.Itoa(maxPendingCalls))
-	tlsLogs := &logs{calls: map[string]int{}, msgs: map[string]int{}, exited: make(chan struct{})}
-	stderr, err := cmd.StderrPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	go tlsLogs.read(stderr)
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait(); <-tlsLogs.exited })
-	require.Eventually(t, func() bool { return tlsLogs.lines("serving") > 0 }, 60*time.Second, 20*time.Millisecond, "TLS serve did not start")
+		"--tls-client-ca", filepath.Join(dir, "ca.pem"), "--max-pending-calls", strconv.Itoa(maxPendingCalls)}})
+	addr, cmd := p.Addr, p.Cmd
+	tlsLogs.waitServing(t, p)
 
 	caPEM, err := os.ReadFile(filepath.Join(dir, "ca.pem"))
 	require.NoError(t, err)

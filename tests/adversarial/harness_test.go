@@ -1,12 +1,9 @@
 package adversarial
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -21,11 +18,11 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
@@ -89,85 +86,48 @@ rate_limits:
     burst: 1000000
 `
 
-// built is the binary under test, built once per test process (with
-// -race, so that a data race an attack provokes is seen).
-var built struct {
-	once     sync.Once
-	dir, bin string
-	out      []byte
-	err      error
-}
+func TestMain(m *testing.M) { servetest.Main(m) }
 
-// buildBinary builds idemreg in the root module's directory, so that it
-// links the versions make build ships (tests/faults does the same).
-func buildBinary(t *testing.T) string {
-	t.Helper()
-	built.once.Do(func() {
-		if built.dir, built.err = os.MkdirTemp("", "idemreg-adversarial-"); built.err != nil {
-			return
-		}
-		var root []byte
-		if root, built.err = exec.Command("go", "list", "-m", "-f", "{{.Dir}}", "github.com/idemreg/idemreg").Output(); built.err != nil {
-			return
-		}
-		built.bin = filepath.Join(built.dir, "idemreg")
-		cmd := exec.Command("go", "build", "-race", "-o", built.bin, "./cmd/idemreg")
-		cmd.Dir = strings.TrimSpace(string(root))
-		built.out, built.err = cmd.CombinedOutput()
-	})
-	require.NoError(t, built.err, "go build: %s", built.out)
-	return built.bin
-}
-
-func TestMain(m *testing.M) {
-	code := m.Run()
-	if built.dir != "" {
-		_ = os.RemoveAll(built.dir)
-	}
-	os.Exit(code)
-}
-
-// freeAddr is a loopback address nothing listens on.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := lis.Addr().String()
-	require.NoError(t, lis.Close())
-	return addr
-}
-
-// logs reads serve's JSON log lines as they come (a reader that fell
-// behind would block the server on its stderr) and keeps what the cases
-// ask about: the access log lines counted by identity and code, and the
-// data races and panics, which fail the suite.
+// logs keeps what the cases ask about serve's log lines, as they come (a
+// reader that fell behind would block the server on its stderr): the
+// access log lines counted by identity and code, and the data races and
+// panics, which fail the suite.
 type logs struct {
 	mu       sync.Mutex
 	calls    map[string]int // "identity code" → finished calls logged
 	msgs     map[string]int // message → lines
 	problems []string
-	exited   chan struct{}
 }
 
-func (l *logs) read(r io.Reader) {
-	defer close(l.exited)
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		text := sc.Text()
-		var line map[string]any
-		_ = json.Unmarshal(sc.Bytes(), &line)
-		l.mu.Lock()
-		msg, _ := line["msg"].(string)
-		l.msgs[msg]++
-		if msg == "finished call" {
-			l.calls[fmt.Sprintf("%v %v", line["identity"], line["grpc.code"])]++
-		}
-		if strings.Contains(text, "DATA RACE") || msg == "panic recovered" || (line == nil && strings.HasPrefix(text, "panic:")) {
-			l.problems = append(l.problems, text)
-		}
-		l.mu.Unlock()
+func newLogs() *logs { return &logs{calls: map[string]int{}, msgs: map[string]int{}} }
+
+// observe counts one line (its JSON nil when it is not JSON): the
+// servetest.Options.Observe of the suite's serves.
+func (l *logs) observe(text string, line map[string]any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	msg, _ := line["msg"].(string)
+	l.msgs[msg]++
+	if msg == "finished call" {
+		l.calls[fmt.Sprintf("%v %v", line["identity"], line["grpc.code"])]++
 	}
+	if strings.Contains(text, "DATA RACE") || msg == "panic recovered" || (line == nil && strings.HasPrefix(text, "panic:")) {
+		l.problems = append(l.problems, text)
+	}
+}
+
+// waitServing waits until serve p, whose lines l observes, logged that
+// it serves.
+func (l *logs) waitServing(t *testing.T, p *servetest.Process) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		select {
+		case <-p.Exited():
+			t.Fatal("idemreg serve exited at start")
+		default:
+		}
+		return l.lines("serving") > 0
+	}, 60*time.Second, 20*time.Millisecond, "serve did not start")
 }
 
 // finished is how many access log lines serve wrote for identity's calls
@@ -200,14 +160,12 @@ type suite struct {
 
 func startSuite(t *testing.T) *suite {
 	t.Helper()
-	bin := buildBinary(t)
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "idemreg.yaml")
 	require.NoError(t, os.WriteFile(cfg, []byte(configDoc), 0o600))
-	s := &suite{addr: freeAddr(t), healthAddr: freeAddr(t), metricsAddr: freeAddr(t),
-		logs: &logs{calls: map[string]int{}, msgs: map[string]int{}, exited: make(chan struct{})}}
-	s.cmd = exec.Command(bin, "serve",
-		"--listen", s.addr, "--health-listen", s.healthAddr, "--metrics-listen", s.metricsAddr,
+	s := &suite{healthAddr: servetest.FreeAddr(t), metricsAddr: servetest.FreeAddr(t), logs: newLogs()}
+	p := servetest.StartWith(t, servetest.Options{Dir: dir, Observe: s.logs.observe, Args: []string{
+		"--health-listen", s.healthAddr, "--metrics-listen", s.metricsAddr,
 		"--data-dir", filepath.Join(dir, "data"), "--config", cfg,
 		"--max-connections", strconv.Itoa(maxConnections),
 		"--http-max-connections", strconv.Itoa(httpMaxConnections),
@@ -222,41 +180,17 @@ func startSuite(t *testing.T) *suite {
 		// No re-check while a flood waits: waiters wake for what this
 		// replica does, as in TestWaitShareIsolatesIdentities.
 		"--wait-recheck", "30s",
-	)
-	s.cmd.Dir = dir
-	stderr, err := s.cmd.StderrPipe()
-	require.NoError(t, err)
-	require.NoError(t, s.cmd.Start())
-	go s.logs.read(stderr)
-	t.Cleanup(func() {
-		_ = s.cmd.Process.Kill()
-		_ = s.cmd.Wait()
-		<-s.logs.exited
-	})
-	require.Eventually(t, func() bool {
-		select {
-		case <-s.logs.exited:
-			t.Fatal("idemreg serve exited at start")
-		default:
-		}
-		return s.logs.lines("serving") > 0
-	}, 60*time.Second, 20*time.Millisecond, "serve did not start")
+	}})
+	s.addr, s.cmd = p.Addr, p.Cmd
+	s.logs.waitServing(t, p)
 
-	conn := dial(t, s.addr)
+	conn := servetest.Dial(t, s.addr)
 	s.alpha, s.beta = idemregv1.NewRegistryServiceClient(conn), idemregv1.NewRegistryServiceClient(conn)
 	s.alphaAdmin, s.betaAdmin = idemregv1.NewAdminServiceClient(conn), idemregv1.NewAdminServiceClient(conn)
 	// The neighbour has a connection of its own, opened before any attack,
 	// as a tenant's long-lived channel would be.
-	s.neighbour = &neighbour{c: idemregv1.NewRegistryServiceClient(dial(t, s.addr))}
+	s.neighbour = &neighbour{c: idemregv1.NewRegistryServiceClient(servetest.Dial(t, s.addr))}
 	return s
-}
-
-func dial(t *testing.T, addr string) *grpc.ClientConn {
-	t.Helper()
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = conn.Close() })
-	return conn
 }
 
 func bearer(ctx context.Context, token string) context.Context {
@@ -273,7 +207,7 @@ func (s *suite) requireServing(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
 	defer cancel()
 	for _, addr := range []string{s.addr, s.healthAddr} {
-		conn := dial(t, addr)
+		conn := servetest.Dial(t, addr)
 		_, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
 		require.NoError(t, err, "health on %s", addr)
 		_ = conn.Close()

@@ -1,7 +1,6 @@
 package adversarial
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -20,6 +19,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 )
@@ -36,31 +36,24 @@ type operatorServe struct {
 	cmd  *exec.Cmd
 	// lines are serve's JSON log lines, as they come.
 	lines chan map[string]any
-	done  chan struct{}
+	done  <-chan struct{}
 }
 
 func startOperatorServe(t *testing.T, dataDir string, args ...string) *operatorServe {
 	t.Helper()
-	o := &operatorServe{addr: freeAddr(t), lines: make(chan map[string]any, 4096), done: make(chan struct{})}
-	o.cmd = exec.Command(buildBinary(t), append([]string{"serve", "--listen", o.addr, "--data-dir", dataDir, "--sweep-interval", "0"}, args...)...)
-	stderr, err := o.cmd.StderrPipe()
-	require.NoError(t, err)
-	require.NoError(t, o.cmd.Start())
-	go func() {
-		defer close(o.done)
-		sc := bufio.NewScanner(stderr)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			var line map[string]any
-			if json.Unmarshal(sc.Bytes(), &line) != nil {
-				line = map[string]any{"msg": "unstructured: " + sc.Text()}
+	o := &operatorServe{lines: make(chan map[string]any, 4096)}
+	p := servetest.StartWith(t, servetest.Options{
+		Args: append([]string{"--data-dir", dataDir, "--sweep-interval", "0"}, args...),
+		Observe: func(text string, line map[string]any) {
+			if line == nil {
+				line = map[string]any{"msg": "unstructured: " + text}
 			}
 			select {
 			case o.lines <- line:
 			default: // nobody waits for this one
 			}
-		}
-	}()
+		}})
+	o.addr, o.cmd, o.done = p.Addr, p.Cmd, p.Exited()
 	t.Cleanup(o.stop)
 	o.waitLog(t, "serving")
 	return o
@@ -120,11 +113,11 @@ func consoleProxyPortForward(t *testing.T, _ *suite) {
 	// 30 s, failing the case rather than hanging it).
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, buildBinary(t), append([]string{"serve", "--listen", freeAddr(t), "--data-dir", filepath.Join(dir, "refused"), "--console-listen", freeAddr(t)}, proxyArgs...)...).CombinedOutput()
+	out, err := exec.CommandContext(ctx, servetest.Binary(t), append([]string{"serve", "--listen", servetest.FreeAddr(t), "--data-dir", filepath.Join(dir, "refused"), "--console-listen", servetest.FreeAddr(t)}, proxyArgs...)...).CombinedOutput()
 	require.Error(t, err)
 	require.Contains(t, string(out), "--console-proxy-header needs --console-proxy-secret-file")
 
-	consoleAddr := freeAddr(t)
+	consoleAddr := servetest.FreeAddr(t)
 	o := startOperatorServe(t, filepath.Join(dir, "data"), append(proxyArgs, "--console-listen", consoleAddr, "--console-proxy-secret-file", secretFile)...)
 	get := func(header ...string) (int, string) {
 		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+consoleAddr+"/", nil)
@@ -191,7 +184,7 @@ func configWrittenInPlace(t *testing.T, _ *suite) {
 	require.NoError(t, os.WriteFile(cfg, []byte("identities:\n"+identity("alpha", `"alpha.*"`)+identity("beta", `"beta.*"`)), 0o600))
 	const poll = 200 * time.Millisecond
 	o := startOperatorServe(t, filepath.Join(dir, "data"), "--config", cfg, "--config-poll", poll.String())
-	c := registry(dial(t, o.addr))
+	c := registry(servetest.Dial(t, o.addr))
 	ctx := bearer(t.Context(), "beta-token-0123456789")
 	var n atomic.Int64
 	call := func(ctx context.Context, consumer string) error {
@@ -243,14 +236,14 @@ func configWrittenInPlace(t *testing.T, _ *suite) {
 func shortClaimKeyRotation(t *testing.T, _ *suite) {
 	data := filepath.Join(t.TempDir(), "data")
 	o := startOperatorServe(t, data)
-	c := registry(dial(t, o.addr))
+	c := registry(servetest.Dial(t, o.addr))
 	held, err := c.Claim(t.Context(), claim("alpha.rotation", "held"))
 	require.NoError(t, err)
 	require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, held.GetOutcome())
 	o.stop() // the embedded store is rotated with serve stopped
 
 	rotate := func(args ...string) (string, error) {
-		out, err := exec.Command(buildBinary(t), append([]string{"rotate-claim-key", "--data-dir", data}, args...)...).CombinedOutput()
+		out, err := exec.Command(servetest.Binary(t), append([]string{"rotate-claim-key", "--data-dir", data}, args...)...).CombinedOutput()
 		return string(out), err
 	}
 	out, err := rotate("--activate-after", "1s", "--grace", "1s")
@@ -263,7 +256,7 @@ func shortClaimKeyRotation(t *testing.T, _ *suite) {
 	require.Contains(t, out, "claim key generation 2 added", "the defaults pass")
 
 	o = startOperatorServe(t, data)
-	c = registry(dial(t, o.addr))
+	c = registry(servetest.Dial(t, o.addr))
 	_, err = c.Complete(t.Context(), &idemregv1.CompleteRequest{Consumer: "alpha.rotation", Kind: op, Key: "held",
 		Token: held.GetToken(), ClaimSecret: held.GetClaimSecret(), Result: response("done")})
 	require.NoError(t, err, "a claim held across a rotation with the defaults completes")

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
@@ -79,7 +80,7 @@ func refusalFloodOf(t *testing.T, s *suite, c idemregv1.RegistryServiceClient, a
 // (idemreg_refusals_slowed_total{by="identity",result="held"}).
 func identityRefusalFlood(t *testing.T, s *suite) {
 	before := s.metric(t, "idemreg_refusals_slowed_total", `by="identity"`, `result="held"`)
-	c := idemregv1.NewRegistryServiceClient(dial(t, s.addr))
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, s.addr))
 	n := refusalFloodOf(t, s, c, asAlpha, codes.PermissionDenied)
 	held := s.metric(t, "idemreg_refusals_slowed_total", `by="identity"`, `result="held"`) - before
 	t.Logf("%d refused calls of alpha answered, %.0f of them held", n, held)

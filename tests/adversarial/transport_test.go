@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	"github.com/idemreg/idemreg/server"
 )
 
@@ -193,7 +194,7 @@ func malformedFrames(t *testing.T, s *suite) {
 func headerBombs(t *testing.T, s *suite) {
 	// A gRPC client learns the bound from the server's SETTINGS and
 	// refuses to send the call.
-	conn := dial(t, s.addr)
+	conn := servetest.Dial(t, s.addr)
 	ctx := metadata.AppendToOutgoingContext(asAlpha(t.Context()), "x-pad", randomText(maxHeaderList+1024))
 	_, err := registry(conn).Claim(ctx, claim("alpha.bomb", "k"))
 	require.Error(t, err)
@@ -285,7 +286,7 @@ func slowlorisConnections(t *testing.T, s *suite) {
 	// connection is closed.
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(asBeta(t.Context()), closeGuard)
-	_, err := registry(dial(t, s.addr)).Claim(ctx, claim("beta.late", "k"))
+	_, err := registry(servetest.Dial(t, s.addr)).Claim(ctx, claim("beta.late", "k"))
 	cancel()
 	require.NoError(t, err, "a new connection is served once a silent one is closed")
 	t.Logf("a new connection behind %d silent ones was served after %v", len(silent), time.Since(start).Round(time.Millisecond))

@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"os/exec"
 	"strings"
 	"sync"
 	"testing"
@@ -20,6 +19,7 @@ import (
 	"google.golang.org/protobuf/types/known/emptypb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 )
@@ -66,19 +66,17 @@ func (r *replica) lines(parts ...string) int {
 
 func startReplica(t *testing.T, db, advertise string) (*replica, string) {
 	t.Helper()
-	addr := freeAddr(t)
+	addr := servetest.FreeAddr(t)
 	if advertise == "" {
 		advertise = addr
 	}
-	r := &replica{metrics: &suite{metricsAddr: freeAddr(t)}}
-	cmd := exec.Command(buildBinary(t), "serve", "--listen", addr, "--metrics-listen", r.metrics.metricsAddr,
+	r := &replica{metrics: &suite{metricsAddr: servetest.FreeAddr(t)}}
+	servetest.StartWith(t, servetest.Options{Addr: addr, Args: []string{"--metrics-listen", r.metrics.metricsAddr,
 		"--database-url", db, "--advertise-address", advertise, "--log-format", "json",
 		"--heartbeat-interval", "100ms", "--member-live-for", "1s", "--wait-recheck", "30s",
-		"--refusal-log-rate", fmt.Sprint(refusalLogRate))
-	cmd.Stderr = r
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	r.c = idemregv1.NewRegistryServiceClient(dial(t, addr))
+		"--refusal-log-rate", fmt.Sprint(refusalLogRate)},
+		Observe: func(text string, _ map[string]any) { _, _ = r.Write([]byte(text + "\n")) }})
+	r.c = idemregv1.NewRegistryServiceClient(servetest.Dial(t, addr))
 	require.Eventually(t, func() bool {
 		_, err := r.metrics.metricValue("idemreg_claims_total")
 		return err == nil
@@ -153,7 +151,7 @@ func wakeReplay(t *testing.T, s *suite) {
 	a, _ := startReplica(t, db, "")
 	b, bAddr := startReplica(t, db, tap.addr)
 	tap.mu.Lock()
-	tap.to = dial(t, bAddr)
+	tap.to = servetest.Dial(t, bAddr)
 	tap.mu.Unlock()
 	ctx := t.Context()
 	claimOn := func(key, holder string, wait time.Duration) *idemregv1.ClaimRequest {

@@ -36,6 +36,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemreg/idemreg/client"
+	"github.com/idemreg/idemreg/internal/servetest"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/tests/pgcluster"
 )
@@ -99,7 +100,7 @@ func TestChaosLedgerExactlyOnce(t *testing.T) {
 
 	bin := filepath.Join(t.TempDir(), "ledger")
 	build := exec.Command("go", "build", "-o", bin, "./ledger")
-	build.Dir = filepath.Join(rootDir(t), "examples") // a module of its own
+	build.Dir = filepath.Join(servetest.RootDir(t), "examples") // a module of its own
 	out, err := build.CombinedOutput()
 	require.NoError(t, err, "go build examples/ledger: %s", out)
 

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
 
@@ -23,11 +24,11 @@ import (
 // Complete is there with its result and every acknowledged token still
 // fences its key.
 func TestServeSurvivesSIGKILL(t *testing.T) {
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	dir := t.TempDir()
-	p := startServe(t, bin, dir, nil, "--data-dir", dir+"/data")
-	p.waitLog(t, "serving")
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	p := servetest.Start(t, bin, dir, nil, "--data-dir", dir+"/data")
+	p.WaitLog(t, "serving")
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 
 	type acked struct {
 		key      string
@@ -72,15 +73,15 @@ func TestServeSurvivesSIGKILL(t *testing.T) {
 		})
 	}
 	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(acks) >= 600 }, 60*time.Second, 5*time.Millisecond)
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGKILL))
-	err := p.cmd.Wait()
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGKILL))
+	err := p.Cmd.Wait()
 	var exitErr *exec.ExitError
 	require.ErrorAs(t, err, &exitErr, "the server was killed")
 	wg.Wait()
 
-	p = startServe(t, bin, dir, nil, "--data-dir", dir+"/data")
-	p.waitLog(t, "serving")
-	c = idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	p = servetest.Start(t, bin, dir, nil, "--data-dir", dir+"/data")
+	p.WaitLog(t, "serving")
+	c = idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 
 	mu.Lock()
 	defer mu.Unlock()
@@ -119,7 +120,7 @@ func TestServeSurvivesSIGKILL(t *testing.T) {
 	t.Logf("checked %d acknowledged claims (%d completed) after SIGKILL", checked, len(completed))
 
 	// A second server on the same data directory is refused with a clear error.
-	second := exec.Command(bin, "serve", "--listen", freeAddr(t), "--data-dir", dir+"/data")
+	second := exec.Command(bin, "serve", "--listen", servetest.FreeAddr(t), "--data-dir", dir+"/data")
 	out, err := second.CombinedOutput()
 	require.Error(t, err)
 	require.Contains(t, string(out), "locked")

@@ -19,6 +19,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	"github.com/idemreg/idemreg/internal/tmpfs"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
@@ -47,11 +48,11 @@ func refusalOf(err error) refusal {
 	return r
 }
 
-func healthOf(t *testing.T, p *process) healthpb.HealthCheckResponse_ServingStatus {
+func healthOf(t *testing.T, p *servetest.Process) healthpb.HealthCheckResponse_ServingStatus {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Second)
 	defer cancel()
-	res, err := healthpb.NewHealthClient(dial(t, p.addr)).Check(ctx, &healthpb.HealthCheckRequest{})
+	res, err := healthpb.NewHealthClient(servetest.Dial(t, p.Addr)).Check(ctx, &healthpb.HealthCheckRequest{})
 	if err != nil {
 		return healthpb.HealthCheckResponse_UNKNOWN
 	}
@@ -83,14 +84,14 @@ func scrape(t *testing.T, addr string) string {
 //     is there.
 func TestServeOnFullDisk(t *testing.T) {
 	fs := tmpfs.Mount(t, 64<<20)
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	data := filepath.Join(fs.Dir, "data")
-	metrics := freeAddr(t)
+	metrics := servetest.FreeAddr(t)
 	args := []string{"--data-dir", data, "--data-dir-reserve", fmt.Sprint(16 << 20), "--metrics-listen", metrics, "--drain-delay", "3s"}
-	p := startServe(t, bin, t.TempDir(), nil, args...)
-	p.quiet.Store(true)
-	p.waitLog(t, "serving")
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	p := servetest.Start(t, bin, t.TempDir(), nil, args...)
+	p.Quiet.Store(true)
+	p.WaitLog(t, "serving")
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	ctx := t.Context()
 	const consumer = "disk.test"
 	kind := idemregv1.Kind_KIND_OPERATION
@@ -143,11 +144,11 @@ func TestServeOnFullDisk(t *testing.T) {
 	require.Positive(t, r.retry, "RetryInfo")
 
 	// The operator was told before: the WARN line, then the refusal's.
-	warn := p.waitLog(t, "data directory short of space: new keys will be refused below the reserve")
+	warn := p.WaitLog(t, "data directory short of space: new keys will be refused below the reserve")
 	for _, f := range []string{"free_bytes", "store_bytes", "reserve_bytes"} {
 		require.Contains(t, warn, f)
 	}
-	p.waitLog(t, "data directory below its reserve: refusing Claims that would start an attempt; Completes, Releases, Extends and reads go on")
+	p.WaitLog(t, "data directory below its reserve: refusing Claims that would start an attempt; Completes, Releases, Extends and reads go on")
 	m := scrape(t, metrics)
 	for _, g := range []string{"idemreg_store_disk_free_bytes", "idemreg_store_size_bytes", "idemreg_store_disk_reserve_bytes{", "idemreg_store_disk_refusing"} {
 		require.Contains(t, m, g)
@@ -197,18 +198,18 @@ func TestServeOnFullDisk(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond, "new keys accepted once the file system grew")
 	require.NoError(t, complete("after-grow", grown, 256<<10))
 	acked["after-grow"] = 256 << 10
-	p.waitLog(t, "data directory has free space again")
+	p.WaitLog(t, "data directory has free space again")
 
 	// A clean restart (SIGTERM: exit 0), so that the WAL the store writes
 	// next is a new one, not one pebble recycles (whose blocks are
 	// already allocated and would take the writes below whatever the
 	// file system has left).
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-	require.NoError(t, p.cmd.Wait(), "serve exits 0 on SIGTERM")
-	p = startServe(t, bin, t.TempDir(), nil, args...)
-	p.quiet.Store(true)
-	p.waitLog(t, "serving")
-	c = idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, p.Cmd.Wait(), "serve exits 0 on SIGTERM")
+	p = servetest.Start(t, bin, t.TempDir(), nil, args...)
+	p.Quiet.Store(true)
+	p.WaitLog(t, "serving")
+	c = idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 
 	// Another writer fills the file system and takes whatever the store
 	// frees: the WAL write fails.
@@ -234,8 +235,8 @@ func TestServeOnFullDisk(t *testing.T) {
 	r = refusalOf(err)
 	require.Equal(t, codes.Unavailable, r.code, "while it drains, every call is UNAVAILABLE: %v", err)
 	require.Positive(t, r.retry)
-	p.waitLog(t, "store failed: not serving, stopping so that the process exits and its supervisor restarts it")
-	err = p.cmd.Wait()
+	p.WaitLog(t, "store failed: not serving, stopping so that the process exits and its supervisor restarts it")
+	err = p.Cmd.Wait()
 	var exit *exec.ExitError
 	require.ErrorAs(t, err, &exit)
 	require.Equal(t, 75, exit.ExitCode(), "serve exits with EX_TEMPFAIL for its supervisor")
@@ -243,10 +244,10 @@ func TestServeOnFullDisk(t *testing.T) {
 	// Space is freed; the supervisor starts serve again.
 	stopHog()
 	require.NoError(t, os.Remove(filler))
-	p = startServe(t, bin, t.TempDir(), nil, args...)
-	p.quiet.Store(true)
-	p.waitLog(t, "serving")
-	c = idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	p = servetest.Start(t, bin, t.TempDir(), nil, args...)
+	p.Quiet.Store(true)
+	p.WaitLog(t, "serving")
+	c = idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	require.Eventually(t, func() bool { return healthOf(t, p) == healthpb.HealthCheckResponse_SERVING }, 10*time.Second, 50*time.Millisecond)
 	for k, n := range acked {
 		res, err := c.Lookup(ctx, &idemregv1.LookupRequest{Consumer: consumer, Kind: kind, Key: k})
@@ -273,11 +274,11 @@ func TestServeOnFullDisk(t *testing.T) {
 func TestServeOnFullDatabaseDisk(t *testing.T) {
 	cluster := pgcluster.Start(t)
 	dbURL, fs := pgtest.NewDatabaseOnTmpfsAt(t, cluster.URL(cluster.Addr(), "postgres"), 48<<20)
-	bin := buildBinary(t)
-	p := startServe(t, bin, t.TempDir(), []string{"IDEMREG_DATABASE_URL=" + dbURL})
-	p.quiet.Store(true)
-	p.waitLog(t, "serving")
-	c := idemregv1.NewRegistryServiceClient(dial(t, p.addr))
+	bin := servetest.Binary(t)
+	p := servetest.Start(t, bin, t.TempDir(), []string{"IDEMREG_DATABASE_URL=" + dbURL})
+	p.Quiet.Store(true)
+	p.WaitLog(t, "serving")
+	c := idemregv1.NewRegistryServiceClient(servetest.Dial(t, p.Addr))
 	ctx := t.Context()
 	const consumer = "disk.test"
 	kind := idemregv1.Kind_KIND_OPERATION

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/resolver"
 	"google.golang.org/grpc/resolver/manual"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 	"github.com/idemreg/idemreg/tests/lincheck"
 )
@@ -31,11 +32,11 @@ func TestLinearizabilityReplicasSIGKILL(t *testing.T) {
 	db := pgtest.NewDatabase(t)
 	env := []string{"IDEMREG_DATABASE_URL=" + db}
 	args := []string{"--wait-recheck", "10s", "--heartbeat-interval", "200ms", "--member-live-for", "1s"}
-	bin := buildBinary(t)
+	bin := servetest.Binary(t)
 	// Each replica's own connection serves its health checks and probes;
 	// the workload's spreads the calls over all of them.
 	replica := func() *harness {
-		r := &harness{t: t, bin: bin, dir: t.TempDir(), addr: freeAddr(t), env: env, args: args}
+		r := &harness{t: t, bin: bin, dir: t.TempDir(), addr: servetest.FreeAddr(t), env: env, args: args}
 		r.conn = dialFast(t, "passthrough:///"+r.addr)
 		r.start()
 		return r

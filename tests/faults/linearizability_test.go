@@ -12,13 +12,10 @@
 package faults
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -36,6 +33,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/tests/lincheck"
@@ -62,7 +60,7 @@ type harness struct {
 	// throughClient sends the workload's single Claims and Completes
 	// through the Go client, which batches concurrent ones.
 	throughClient bool
-	proc          *process
+	proc          *servetest.Process
 	conn          *grpc.ClientConn
 	rec           *lincheck.Recorder
 	work          *lincheck.Workload
@@ -80,7 +78,7 @@ func newHarness(t *testing.T, env []string, args ...string) *harness {
 }
 
 func newHarnessThrough(t *testing.T, throughClient bool, env []string, args ...string) *harness {
-	h := &harness{t: t, bin: buildBinary(t), dir: t.TempDir(), addr: freeAddr(t), env: env, args: args, throughClient: throughClient}
+	h := &harness{t: t, bin: servetest.Binary(t), dir: t.TempDir(), addr: servetest.FreeAddr(t), env: env, args: args, throughClient: throughClient}
 	// Reconnect fast after a restart: the default backoff grows to 2 min.
 	conn, err := grpc.NewClient(h.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithConnectParams(grpc.ConnectParams{
@@ -99,40 +97,15 @@ func newHarnessThrough(t *testing.T, throughClient bool, env []string, args ...s
 
 // start starts `idemreg serve` on h.addr and waits until it serves.
 func (h *harness) start() {
-	t := h.t
-	cmd := exec.Command(h.bin, append([]string{"serve", "--listen", h.addr, "--log-level", "warn"}, h.args...)...)
-	cmd.Env = append(os.Environ(), h.env...)
-	cmd.Dir = h.dir
-	stderr, err := cmd.StderrPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	p := &process{cmd: cmd, logs: make(chan map[string]any, 10000), addr: h.addr}
-	go func() {
-		defer close(p.logs)
-		sc := bufio.NewScanner(stderr)
-		for sc.Scan() {
-			var line map[string]any
-			if json.Unmarshal(sc.Bytes(), &line) != nil {
-				line = map[string]any{"msg": "unstructured: " + sc.Text()}
-			}
-			if strings.Contains(sc.Text(), "DATA RACE") || line["msg"] == "panic recovered" {
+	h.proc = servetest.StartWith(h.t, servetest.Options{Bin: h.bin, Dir: h.dir, Env: h.env, Addr: h.addr,
+		Args: append([]string{"--log-level", "warn"}, h.args...),
+		Observe: func(text string, line map[string]any) {
+			if strings.Contains(text, "DATA RACE") || line["msg"] == "panic recovered" {
 				h.mu.Lock()
-				h.problems = append(h.problems, sc.Text())
+				h.problems = append(h.problems, text)
 				h.mu.Unlock()
 			}
-			select {
-			case p.logs <- line:
-			default: // nobody reads the warnings of a long run
-			}
-		}
-	}()
-	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-		}
-	})
-	h.proc = p
+		}})
 	h.waitHealth(healthpb.HealthCheckResponse_SERVING, 60*time.Second)
 }
 
@@ -141,8 +114,8 @@ func (h *harness) start() {
 // history gets a barrier there. (A statement it sent to PostgreSQL may
 // still commit after it died.)
 func (h *harness) kill() {
-	require.NoError(h.t, h.proc.cmd.Process.Signal(syscall.SIGKILL))
-	_ = h.proc.cmd.Wait()
+	require.NoError(h.t, h.proc.Cmd.Process.Signal(syscall.SIGKILL))
+	_ = h.proc.Cmd.Wait()
 	if h.embedded {
 		h.rec.Barrier()
 	}
