@@ -267,7 +267,8 @@ func TestLinearizabilityEmbeddedSIGKILL(t *testing.T) {
 
 // TestLinearizabilityThroughClientSIGKILL is the embedded store's SIGKILL
 // run with the workload's single Claims and Completes sent through the Go
-// client, whose concurrent calls share BatchClaims and BatchCompletes.
+// client, whose concurrent calls share Batch RPCs (one store transaction
+// each).
 func TestLinearizabilityThroughClientSIGKILL(t *testing.T) {
 	h := newHarnessThrough(t, true, nil, "--data-dir", "data")
 	h.embedded = true
