@@ -204,11 +204,24 @@ func crossTenant(t *testing.T, s *suite) {
 		if out["BatchComplete"] = err; err == nil {
 			_, out["BatchComplete item"] = completeResult(cres.GetResults()[0])
 		}
+		mres, err := s.alpha.Batch(ctx, &idemregv1.BatchRequest{Items: []*idemregv1.BatchItem{
+			{Item: &idemregv1.BatchItem_Claim{Claim: claim(consumer, key)}},
+			{Item: &idemregv1.BatchItem_Complete{Complete: &idemregv1.CompleteRequest{Consumer: consumer, Kind: op, Key: key,
+				Token: h.GetToken(), ClaimSecret: h.GetClaimSecret(), Result: response("stolen")}}}}})
+		if out["Batch"] = err; err == nil {
+			for i, name := range []string{"Batch claim item", "Batch complete item"} {
+				if e := mres.GetResults()[i].GetError(); e != nil {
+					out[name] = status.FromProto(e).Err()
+				} else {
+					out[name] = nil // answered: requireRefused fails on it
+				}
+			}
+		}
 		return out
 	}
 	for _, key := range []string{"held", "absent"} {
 		for name, err := range calls(actx, key) {
-			if name == "BatchClaim" || name == "BatchComplete" {
+			if name == "BatchClaim" || name == "BatchComplete" || name == "Batch" {
 				require.NoError(t, err, "%s: the batch is answered item by item", name)
 				continue
 			}
