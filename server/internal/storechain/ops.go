@@ -46,26 +46,12 @@ func (c *Chain) countClaim(ctx context.Context, res storage.ClaimResult, err err
 
 // ClaimBatch implements storage.Batcher: a batch is one operation in
 // flight, and each item counts as a Claim.
-func (c *Chain) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) (out []storage.ClaimAnswer) {
-	ran := false
-	err := c.do(ctx, opClaimBatch, func(ctx context.Context) error {
-		ran = true
-		out = c.b.ClaimBatch(ctx, ps)
-		for _, a := range out {
-			if a.Err != nil && !reason.IsAnswer(reason.Classify(a.Err)) {
-				return a.Err // the store failed: measured, and counted for readiness
-			}
-		}
-		return nil
-	})
-	if !ran { // refused before the store: every item's answer
-		out = make([]storage.ClaimAnswer, len(ps))
-		for i := range out {
-			out[i].Err = err
-		}
+func (c *Chain) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) []storage.ClaimAnswer {
+	out, ran := batch(c, ctx, opClaimBatch, len(ps), func(ctx context.Context) []storage.ClaimAnswer { return c.b.ClaimBatch(ctx, ps) },
+		func(a *storage.ClaimAnswer) *error { return &a.Err })
+	if !ran {
 		return out
 	}
-	c.m.batchSize.Record(ctx, int64(len(ps)), opClaimBatch.method)
 	for _, a := range out {
 		c.countClaim(ctx, a.Result, a.Err)
 	}
@@ -73,26 +59,12 @@ func (c *Chain) ClaimBatch(ctx context.Context, ps []storage.ClaimParams) (out [
 }
 
 // CompleteBatch implements storage.Batcher like ClaimBatch.
-func (c *Chain) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) (out []storage.CompleteAnswer) {
-	ran := false
-	err := c.do(ctx, opCompleteBatch, func(ctx context.Context) error {
-		ran = true
-		out = c.b.CompleteBatch(ctx, ps)
-		for _, a := range out {
-			if a.Err != nil && !reason.IsAnswer(reason.Classify(a.Err)) {
-				return a.Err // the store failed: measured, and counted for readiness
-			}
-		}
-		return nil
-	})
-	if !ran { // refused before the store: every item's answer
-		out = make([]storage.CompleteAnswer, len(ps))
-		for i := range out {
-			out[i].Err = err
-		}
+func (c *Chain) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) []storage.CompleteAnswer {
+	out, ran := batch(c, ctx, opCompleteBatch, len(ps), func(ctx context.Context) []storage.CompleteAnswer { return c.b.CompleteBatch(ctx, ps) },
+		func(a *storage.CompleteAnswer) *error { return &a.Err })
+	if !ran {
 		return out
 	}
-	c.m.batchSize.Record(ctx, int64(len(ps)), opCompleteBatch.method)
 	for _, a := range out {
 		c.countComplete(ctx, a.Err)
 	}
@@ -102,26 +74,12 @@ func (c *Chain) CompleteBatch(ctx context.Context, ps []storage.CompleteParams) 
 // Batch implements storage.MixedBatcher: a mixed batch is one operation
 // in flight ("batch"), each Claim item counts as a Claim and each Complete
 // item as a Complete, its LEASE_LOST as complete's.
-func (c *Chain) Batch(ctx context.Context, ops []storage.Op) (out []storage.OpAnswer) {
-	ran := false
-	err := c.do(ctx, opBatch, func(ctx context.Context) error {
-		ran = true
-		out = c.b.Batch(ctx, ops)
-		for _, a := range out {
-			if a.Err != nil && !reason.IsAnswer(reason.Classify(a.Err)) {
-				return a.Err // the store failed: measured, and counted for readiness
-			}
-		}
-		return nil
-	})
-	if !ran { // refused before the store: every item's answer
-		out = make([]storage.OpAnswer, len(ops))
-		for i := range out {
-			out[i].Err = err
-		}
+func (c *Chain) Batch(ctx context.Context, ops []storage.Op) []storage.OpAnswer {
+	out, ran := batch(c, ctx, opBatch, len(ops), func(ctx context.Context) []storage.OpAnswer { return c.b.Batch(ctx, ops) },
+		func(a *storage.OpAnswer) *error { return &a.Err })
+	if !ran {
 		return out
 	}
-	c.m.batchSize.Record(ctx, int64(len(ops)), opBatch.method)
 	for i, a := range out {
 		if ops[i].Claim != nil {
 			c.countClaim(ctx, a.Claim, a.Err)
@@ -256,4 +214,32 @@ func (c *Chain) SweepExpired(ctx context.Context, limit int) (storage.SweepResul
 
 func (c *Chain) OldestExpiry(ctx context.Context) (oldest, now time.Time, ok bool, err error) {
 	return c.b.OldestExpiry(ctx)
+}
+
+// batch runs one batch of n items as one operation in flight (op): the
+// store's answers, each item's error its own; when an item's error is the
+// store failing (not an answer), the operation is measured and counted
+// for readiness as failed. A batch refused before the store (the chain's
+// own bounds) has that refusal as every item's answer, records no batch
+// size, and is reported with ran false: its items count as nothing.
+func batch[A any](c *Chain, ctx context.Context, op *opMeasures, n int, run func(context.Context) []A, errOf func(*A) *error) (out []A, ran bool) {
+	err := c.do(ctx, op, func(ctx context.Context) error {
+		ran = true
+		out = run(ctx)
+		for i := range out {
+			if e := *errOf(&out[i]); e != nil && !reason.IsAnswer(reason.Classify(e)) {
+				return e // the store failed: measured, and counted for readiness
+			}
+		}
+		return nil
+	})
+	if !ran {
+		out = make([]A, n)
+		for i := range out {
+			*errOf(&out[i]) = err
+		}
+		return out, false
+	}
+	c.m.batchSize.Record(ctx, int64(n), op.method)
+	return out, true
 }
