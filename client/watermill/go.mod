@@ -1,0 +1,27 @@
+module github.com/idemreg/idemreg/client/watermill
+
+go 1.24.0
+
+replace (
+	github.com/idemreg/idemreg/client => ..
+	github.com/idemreg/idemreg/proto => ../../proto
+)
+
+require (
+	github.com/ThreeDotsLabs/watermill v1.5.1
+	github.com/idemreg/idemreg/client v0.0.0-00010101000000-000000000000
+)
+
+require (
+	github.com/google/uuid v1.6.0 // indirect
+	github.com/idemreg/idemreg/proto v0.0.0-00010101000000-000000000000 // indirect
+	github.com/lithammer/shortuuid/v3 v3.0.7 // indirect
+	github.com/oklog/ulid v1.3.1 // indirect
+	github.com/pkg/errors v0.9.1 // indirect
+	golang.org/x/net v0.26.0 // indirect
+	golang.org/x/sys v0.35.0 // indirect
+	golang.org/x/text v0.17.0 // indirect
+	google.golang.org/genproto/googleapis/rpc v0.0.0-20240318140521-94a12d6c2237 // indirect
+	google.golang.org/grpc v1.64.1 // indirect
+	google.golang.org/protobuf v1.36.12 // indirect
+)
