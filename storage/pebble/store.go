@@ -124,6 +124,10 @@ type Store struct {
 
 	// members is the membership (membership.go).
 	members members
+
+	// clockFloor is the restore floor's next microsecond (restore.go):
+	// the clock never reads earlier. Zero when never restored.
+	clockFloor time.Time
 }
 
 var (
@@ -157,6 +161,10 @@ func Open(dir string, opts ...Option) (*Store, error) {
 		}
 		l, err := lockDir(dir)
 		if err != nil {
+			return nil, err
+		}
+		if err := removeStaleBackups(dir); err != nil {
+			_ = l.Close()
 			return nil, err
 		}
 		dirLock, fs = l, vfs.Default
@@ -284,7 +292,7 @@ func (s *Store) init() error {
 	case !errors.Is(err, pebble.ErrNotFound):
 		return fmt.Errorf("pebble: read token floor: %w", err)
 	}
-	return nil
+	return s.loadRestoreFloor()
 }
 
 // migrateV1 builds the parked index of a version 1 directory, which has
@@ -378,7 +386,9 @@ func (s *Store) begin(ctx context.Context) error {
 func (s *Store) end() { s.closeMu.RUnlock() }
 
 // clock reads the store's clock as stored: UTC, whole microseconds.
-func (s *Store) clock() time.Time { return truncTime(s.now()) }
+// It never reads below clockFloor, so that a restored store issues tokens
+// above every token of the timelines before the restore.
+func (s *Store) clock() time.Time { return maxTime(truncTime(s.now()), s.clockFloor) }
 
 func (s *Store) stripe(recordKey []byte) int {
 	return int(maphash.Bytes(s.seed, recordKey) % stripes)
