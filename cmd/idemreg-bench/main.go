@@ -6,6 +6,7 @@
 // as a separate process, which is what it measures.
 //
 //	go run ./cmd/idemreg-bench -h
+//	go run ./cmd/idemreg-bench --soak 30m -h
 package main
 
 import (
@@ -34,6 +35,9 @@ func main() {
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 && args[0] == floorServerCommand { // not in the usage: the bench starts it
 		return floorServer(ctx, args[1:], stderr)
+	}
+	if isSoak(args) {
+		return soakCmd(ctx, args, stdout, stderr)
 	}
 	return benchCmd(ctx, args, stdout, stderr)
 }
