@@ -139,19 +139,12 @@ func (c *Client) Claim(ctx context.Context, p ClaimParams) (Claim, error) {
 	if holder == "" {
 		holder = c.holder
 	}
-	req := p.request(holder)
-	var res *idemregv1.ClaimResponse
-	var err error
-	// A Claim that waits would hold up every call it shared an RPC with.
-	if c.queue != nil && p.Wait <= 0 {
-		res, err = c.queue.claim(ctx, req)
-	} else {
-		res, err = c.rpc.Claim(ctx, req)
-	}
+	res, err := c.route(ctx, p.request(holder))
 	if err != nil {
 		return Claim{}, FromError(err)
 	}
-	return claimFromProto(res), nil
+	r, _ := res.(*idemregv1.ClaimResponse)
+	return claimFromProto(r), nil
 }
 
 func (p ClaimParams) request(holder string) *idemregv1.ClaimRequest {
@@ -195,17 +188,12 @@ func (c Claim) Fence() Fence { return Fence{Token: c.Token, Secret: c.Secret} }
 func (c *Client) Complete(ctx context.Context, k Key, f Fence, r Result) (Record, error) {
 	consumer, kind, key := k.proto()
 	req := &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: f.Token, ClaimSecret: f.Secret, Result: r.proto()}
-	var res *idemregv1.CompleteResponse
-	var err error
-	if c.queue != nil {
-		res, err = c.queue.complete(ctx, req)
-	} else {
-		res, err = c.rpc.Complete(ctx, req)
-	}
+	res, err := c.route(ctx, req)
 	if err != nil {
 		return Record{}, FromError(err)
 	}
-	return recordFromProto(res.GetRecord()), nil
+	cr, _ := res.(*idemregv1.CompleteResponse)
+	return recordFromProto(cr.GetRecord()), nil
 }
 
 // Release gives up an in-progress claim without a result: nothing happened,

@@ -259,34 +259,24 @@ func (cs *Consumer) Handle(ctx context.Context, messageID string, fn Handler, op
 		return OnceResult{Record: cl.Record}, resolvedDone(cl.Record, err), err
 	}
 
-	h := heldOf(k, cl)
-	var data []byte
-	var fnErr error
-	d, lost := cs.c.runHeld(ctx, s, h, func(ctx context.Context) decision {
-		data, fnErr = fn(ctx, Attempt{Key: k, Token: h.fence.Token, Attempt: h.attempt})
-		d := handlerDecision(data, fnErr)
-		if d.result.Response != nil {
-			d.result.Response.Type = s.resultType
-		}
-		return d
-	})
-	if d.release {
-		recs, errs := cs.c.settle(ctx, s, []held{h}, []decision{d}, []error{lost})
-		res, err := ranOutcome(cl.Record, data, fnErr, d, recs[0], errs[0])
+	r := cs.c.runHandler(ctx, s, k, cl, fn)
+	if r.d.release {
+		rec, err := cs.c.settleOne(ctx, s, r.held, r.d, r.lost)
+		res, err := ranOutcome(cl.Record, r.data, r.fnErr, r.d, rec, err)
 		return res, resolvedDone(Record{}, err), err
 	}
 	// A claim lost while fn ran is still completed: the registry answers
 	// LEASE_LOST to Done, as it does to Once.
 	consumer, kind, key := k.proto()
-	req := &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: h.fence.Token, ClaimSecret: h.fence.Secret, Result: d.result.proto()}
+	req := &idemregv1.CompleteRequest{Consumer: consumer, Kind: kind, Key: key, Token: r.fence.Token, ClaimSecret: r.fence.Secret, Result: r.d.result.proto()}
 	done := &Done{
 		ready: make(chan struct{}), cs: cs, req: req, size: heldItemSize(req),
-		params:   CompleteParams{Key: k, Fence: h.fence, Result: d.result},
-		deadline: time.Now().Add(s.bookkeepingTimeout), final: fnErr != nil,
+		params:   CompleteParams{Key: k, Fence: r.fence, Result: r.d.result},
+		deadline: time.Now().Add(s.bookkeepingTimeout), final: r.fnErr != nil,
 		sendBy: time.Now().Add(min(s.lease, s.bookkeepingTimeout) / 2),
 	}
 	cs.hold(done)
-	return OnceResult{Ran: true, Data: data, Record: cl.Record}, done, fnErr
+	return OnceResult{Ran: true, Data: r.data, Record: cl.Record}, done, r.fnErr
 }
 
 // heldItemSize is what a Complete adds to a Batch request: its BatchItem and
@@ -458,29 +448,18 @@ func (cs *Consumer) claim(ctx context.Context, p ClaimParams, s *settings) (Clai
 		}
 		// As in claimOnce: a claim acquired for a caller that left is
 		// released rather than stranded until its lease ends.
-		go func() {
-			a := <-q.answer
-			if a.err != nil || a.cl.Outcome != OutcomeAcquired {
-				return
-			}
-			rctx, cancel := s.bookkeeping(ctx)
-			defer cancel()
-			if _, err := cs.c.Release(registryContext(rctx), p.Key, a.cl.Fence()); err != nil {
-				cs.c.logger.WarnContext(rctx, "idemreg: releasing a claim its caller gave up on failed; the key frees when its lease ends",
-					"consumer", p.Consumer, "error", err)
-			}
-		}()
+		go cs.c.releaseAbandoned(registryContext(ctx), s, p.Key, q.answer)
 		return Claim{}, contextError(ctx)
 	}
 	switch {
-	case a.err != nil && (errors.Is(a.err, ErrUnavailable) || errors.Is(a.err, ErrDeadlineExceeded) || status.Code(a.err) == codes.Unimplemented):
+	case a.err != nil && (repeatable(a.err) || status.Code(a.err) == codes.Unimplemented):
 		return cs.c.claim(ctx, p, s)
 	case a.err != nil:
 		return a.cl, a.err
 	case a.cl.Outcome == OutcomeParked:
 		return a.cl, &ParkedError{Record: a.cl.Record}
 	case a.cl.Outcome == OutcomeInProgress && s.wait == nil:
-		return a.cl, &InProgressError{RetryAfter: cs.c.runTimes.retryAfter(p.Consumer, a.cl.RetryAfter)}
+		return a.cl, cs.c.inProgress(p.Consumer, a.cl)
 	case a.cl.Outcome == OutcomeInProgress:
 		return cs.c.claim(ctx, p, s)
 	default:
@@ -494,11 +473,6 @@ type queuedClaim struct {
 	size   int
 	state  atomic.Int32
 	answer chan claimAnswer
-}
-
-type claimAnswer struct {
-	cl  Claim
-	err error
 }
 
 // The states of a queuedClaim.
@@ -581,38 +555,22 @@ func (cs *Consumer) send(ds []*Done, qs []*queuedClaim) []claimAnswer {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	items := make([]*idemregv1.BatchItem, 0, len(ds)+len(qs))
+	reqs := make([]proto.Message, 0, len(ds)+len(qs))
 	for _, d := range ds {
-		items = append(items, &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Complete{Complete: d.req}})
+		reqs = append(reqs, d.req)
 	}
 	for _, q := range qs {
-		items = append(items, &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: q.req}})
+		reqs = append(reqs, q.req)
 	}
-	res, err := cs.c.rpc.Batch(ctx, &idemregv1.BatchRequest{Items: items})
-	if err == nil && len(res.GetResults()) != len(items) {
-		err = status.Errorf(codes.Internal, "idemreg: Batch answered %d results for %d items", len(res.GetResults()), len(items))
-	}
-	if err != nil {
-		if status.Code(err) == codes.Unimplemented {
-			cs.noBatch.Store(true)
-			go cs.completeUntil(deadline, ds)
-			return failAll(err)
-		}
-		err = FromError(err)
-		if errors.Is(err, ErrUnavailable) {
-			go cs.completeUntil(deadline, ds)
-		} else {
-			for _, d := range ds {
-				d.resolve(Record{}, err)
-			}
-		}
-		return failAll(err)
+	res, errs, ok := sendBatch(ctx, cs.c.rpc, reqs)
+	if !ok {
+		cs.noBatch.Store(true)
+		go cs.completeUntil(deadline, ds)
+		return failAll(status.Error(codes.Unimplemented, "idemreg: the registry has no Batch"))
 	}
 	var again []*Done
 	for i, d := range ds {
-		r := res.GetResults()[i]
-		if e := r.GetError(); e != nil {
-			err := FromStatus(status.FromProto(e))
+		if err := FromError(errs[i]); err != nil {
 			if errors.Is(err, ErrUnavailable) {
 				again = append(again, d)
 				continue
@@ -620,18 +578,19 @@ func (cs *Consumer) send(ds []*Done, qs []*queuedClaim) []claimAnswer {
 			d.resolve(Record{}, err)
 			continue
 		}
-		d.resolve(recordFromProto(r.GetComplete().GetRecord()), nil)
+		r, _ := res[i].(*idemregv1.CompleteResponse)
+		d.resolve(recordFromProto(r.GetRecord()), nil)
 	}
 	if len(again) > 0 {
 		go cs.completeUntil(deadline, again)
 	}
 	for i := range qs {
-		r := res.GetResults()[len(ds)+i]
-		if e := r.GetError(); e != nil {
-			answers[i].err = FromStatus(status.FromProto(e))
-		} else {
-			answers[i].cl = claimFromProto(r.GetClaim())
+		if err := FromError(errs[len(ds)+i]); err != nil {
+			answers[i].err = err
+			continue
 		}
+		r, _ := res[len(ds)+i].(*idemregv1.ClaimResponse)
+		answers[i].cl = claimFromProto(r)
 	}
 	return answers
 }

@@ -440,3 +440,8 @@ func (f *finalError) GRPCStatus() *status.Status {
 	}
 	return nil
 }
+
+// contextError is ctx's error as a typed status error.
+func contextError(ctx context.Context) error {
+	return FromStatus(status.FromContextError(ctx.Err()))
+}

@@ -216,50 +216,6 @@ func UnaryClientInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryClie
 	}
 }
 
-// runClaimed runs a call of an interceptor under its claim, through the
-// runner Once uses, and records its outcome: the reply, a final error, or a
-// release for a retryable one (or a reply that is no protobuf message).
-// The call keeps the caller's context rather than the runner's, which is
-// cancelled when the lease is lost: a call cut short has an unknown
-// outcome, worse than one allowed to finish. Bookkeeping failures are
-// logged: the call's own answer goes back to the caller whatever happens
-// here.
-func (c *Client) runClaimed(ctx context.Context, s *settings, k Key, cl Claim, call func() (proto.Message, error)) {
-	h := heldOf(k, cl)
-	d, lost := c.runHeld(ctx, s, h, func(context.Context) decision {
-		reply, err := call()
-		switch {
-		case err == nil && reply == nil:
-			return decision{release: true}
-		case err == nil:
-			r, merr := MessageResult(reply)
-			if merr != nil {
-				c.logger.WarnContext(ctx, "idemreg: encoding the reply failed; the key is released", "consumer", k.Consumer, "error", merr)
-				return decision{release: true}
-			}
-			return decision{result: r}
-		case s.retryable(err):
-			return decision{release: true}
-		default:
-			return decision{result: FailureResult(status.Convert(err))}
-		}
-	})
-	if _, errs := c.settle(ctx, s, []held{h}, []decision{d}, []error{lost}); errs[0] != nil {
-		c.logger.WarnContext(ctx, "idemreg: recording the outcome failed; the key stays claimed until its lease ends",
-			"consumer", k.Consumer, "error", errs[0])
-	}
-}
-
-// releaseAfterPanic gives the key back when the work panicked: nothing
-// is known about its outcome, so a retry must be able to run it.
-func (c *Client) releaseAfterPanic(ctx context.Context, s *settings, k Key, f Fence) {
-	bctx, cancel := s.bookkeeping(ctx)
-	defer cancel()
-	if _, err := c.Release(registryContext(bctx), k, f); err != nil {
-		c.logger.WarnContext(ctx, "idemreg: release after a panic failed", "consumer", k.Consumer, "error", err)
-	}
-}
-
 func setReplayed(callOpts []grpc.CallOption, v bool) {
 	for _, o := range callOpts {
 		if r, ok := o.(replayed); ok && r.dst != nil {

@@ -2,8 +2,8 @@ package client
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -116,60 +116,6 @@ func replayOnce(rec Record) (OnceResult, error) {
 	}
 }
 
-func (c *Client) runOnce(ctx context.Context, k Key, cl Claim, fn Handler, s *settings) (OnceResult, error) {
-	h := heldOf(k, cl)
-	var data []byte
-	var fnErr error
-	d, lost := c.runHeld(ctx, s, h, func(ctx context.Context) decision {
-		data, fnErr = fn(ctx, Attempt{Key: k, Token: h.fence.Token, Attempt: h.attempt})
-		d := handlerDecision(data, fnErr)
-		if d.result.Response != nil {
-			d.result.Response.Type = s.resultType
-		}
-		return d
-	})
-	recs, errs := c.settle(ctx, s, []held{h}, []decision{d}, []error{lost})
-	return ranOutcome(cl.Record, data, fnErr, d, recs[0], errs[0])
-}
-
-// handlerDecision is what to record for a Handler's return: its data, its
-// final failure, or a release for anything else.
-func handlerDecision(data []byte, fnErr error) decision {
-	switch {
-	case fnErr == nil:
-		return decision{result: ResponseResult("", data)}
-	case IsFinal(fnErr):
-		st, ok := status.FromError(fnErr)
-		if !ok {
-			st = status.New(codes.Unknown, fnErr.Error())
-		}
-		return decision{result: FailureResult(st)}
-	default:
-		return decision{release: true}
-	}
-}
-
-// ranOutcome is the result of Once for a handler that ran under a claim
-// whose record was claimed, given the bookkeeping's record and error.
-func ranOutcome(claimed Record, data []byte, fnErr error, d decision, rec Record, err error) (OnceResult, error) {
-	res := OnceResult{Ran: true, Data: data, Record: claimed}
-	switch {
-	case d.release:
-		// A failed release is only logged; err is the loss of the claim.
-		if err != nil {
-			return res, errors.Join(fnErr, err)
-		}
-		return res, fnErr
-	case err != nil && fnErr == nil:
-		return res, fmt.Errorf("idemreg: the handler succeeded but its outcome was not recorded: %w", err)
-	case err != nil:
-		return res, errors.Join(fnErr, fmt.Errorf("idemreg: the final failure was not recorded: %w", err))
-	default:
-		res.Record = rec
-		return res, fnErr
-	}
-}
-
 // storedFailure is a final failure replayed from the registry. Its text is
 // the original error's: the status text for a status, the bare message for
 // a plain error (stored as UNKNOWN).
@@ -183,3 +129,102 @@ func (f *storedFailure) Error() string {
 }
 
 func (f *storedFailure) GRPCStatus() *status.Status { return f.st }
+
+// BatchMessage is one message of a batch given to OnceBatch.
+type BatchMessage struct {
+	// ID is the message id, the key claimed.
+	ID string
+	// Fingerprint is an optional hash of the content, as for
+	// WithMessageFingerprint.
+	Fingerprint []byte
+}
+
+// BatchHandler does the work of message i of OnceBatch's batch, under the
+// claim a, like a Handler.
+type BatchHandler func(ctx context.Context, i int, a Attempt) (data []byte, err error)
+
+// BatchResult is what OnceBatch did with one message: what Once would have
+// returned for it.
+type BatchResult struct {
+	OnceResult
+	// Err is the error Once would have returned: nil or IsFinal means the
+	// message may be acknowledged.
+	Err error
+	// Duplicate: the id appeared earlier in the batch. Its claim is that
+	// earlier message's, and so is its result (with Ran false and Replayed
+	// true once that message's outcome is recorded); with another
+	// Fingerprint, Err matches ErrFingerprintMismatch.
+	Duplicate bool
+}
+
+// OnceBatch is Once for a fetched batch of messages of consumer: it claims
+// them all in one BatchClaim (calls of at most MaxBatchItems), runs fn for
+// each message it acquired, one after the other in batch order, and
+// records the outcomes in one BatchComplete, releasing the claims of
+// retryable failures one by one. Each result says, like Once, whether fn
+// ran or the stored outcome was replayed, and the error Once would have
+// returned; acknowledge a message when its Err is nil or IsFinal.
+//
+// Every acquired claim's lease is extended from its acquisition until its
+// outcome is recorded, so a message waiting its turn keeps its claim; a
+// message whose lease was lost has fn's context cancelled as in Once.
+// Handlers run one at a time: for parallelism run several batches at once.
+// Once ctx has ended the messages not yet run are released unrun, with the
+// context's error. Should fn panic, the outcomes of the messages already
+// run are recorded, the claims of the others released, and the panic goes
+// on.
+//
+// A message in progress under another holder gets an *InProgressError, or
+// with WithWaitInProgress is claimed again, asking the registry to wait,
+// after the messages acquired at first have been run and recorded (so that
+// waiting holds none of them up).
+//
+// Options: WithLease, WithRetention, WithWaitInProgress,
+// WithBookkeepingTimeout, WithKind.
+func (c *Client) OnceBatch(ctx context.Context, consumer string, msgs []BatchMessage, fn BatchHandler, opts ...BatchOption) []BatchResult {
+	s := batchSettings(opts)
+	out := make([]BatchResult, len(msgs))
+	first := make(map[string]int, len(msgs))
+	var pending []int
+	// One request id per message for the whole call: a BatchClaim whose
+	// answer was lost, repeated, gets its acquired claims back.
+	reqIDs := make([]string, len(msgs))
+	for i, m := range msgs {
+		if _, ok := first[m.ID]; ok {
+			out[i].Duplicate = true
+			continue
+		}
+		first[m.ID] = i
+		pending = append(pending, i)
+		reqIDs[i] = NewRequestID()
+	}
+	keyOf := func(i int) Key { return Key{Consumer: consumer, Kind: s.kind, Key: msgs[i].ID} }
+	params := func(i int, wait time.Duration) ClaimParams {
+		return ClaimParams{Key: keyOf(i), Fingerprint: msgs[i].Fingerprint, Lease: s.lease, Retention: s.retention, RequestID: reqIDs[i], Wait: wait}
+	}
+
+	var waits *backoff
+	if s.wait != nil {
+		waits = newBackoff(*s.wait)
+	}
+	for round := 0; len(pending) > 0; round++ {
+		if ctx.Err() != nil {
+			for _, i := range pending {
+				out[i].Err = contextError(ctx)
+			}
+			break
+		}
+		acquired, claims, again, retryAfter := c.batchClaims(ctx, s, pending, round, params, out)
+		c.runBatch(ctx, s, fn, acquired, claims, keyOf, out)
+		pending = again
+		// A wait that ended without an outcome is repeated after the
+		// backoff (at once when the first round acquired work: that took
+		// time of its own), never past the holders' leases; an ended ctx
+		// is reported at the top of the loop.
+		if len(pending) > 0 && round > 0 {
+			waits.wait(ctx, 0, retryAfter)
+		}
+	}
+	batchDuplicates(msgs, first, out)
+	return out
+}

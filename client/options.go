@@ -1,12 +1,6 @@
 package client
 
-import (
-	"context"
-	"math/rand/v2"
-	"time"
-
-	"google.golang.org/grpc/metadata"
-)
+import "time"
 
 // Options are typed by what they configure, so that an option one entry
 // point does not read cannot be passed to it: WithKind is a MessageOption
@@ -87,31 +81,10 @@ const (
 	MinInProgressRetry = 50 * time.Millisecond
 )
 
-// DefaultBackoff is the backoff of WithWaitInProgress when its fields are
-// zero: 50ms doubling up to 1s, with ±20% jitter, never past the holder's
-// lease.
-var DefaultBackoff = Backoff{Initial: 50 * time.Millisecond, Max: time.Second}
-
 // MaxWait is the longest the registry waits in one Claim for another holder
 // (ClaimRequest.wait); WithWaitInProgress asks for it, or for what is left
 // of the context's deadline when that is shorter.
 const MaxWait = 30 * time.Second
-
-// Backoff is the schedule of Claims while waiting for another holder.
-type Backoff struct {
-	// Initial is the first delay; each next one doubles, up to Max.
-	Initial, Max time.Duration
-}
-
-func (b Backoff) withDefaults() Backoff {
-	if b.Initial <= 0 {
-		b.Initial = DefaultBackoff.Initial
-	}
-	if b.Max <= 0 {
-		b.Max = max(DefaultBackoff.Max, b.Initial)
-	}
-	return b
-}
 
 // MissingKeyPolicy says what an interceptor does with a selected call that
 // carries no idempotency key.
@@ -348,24 +321,4 @@ func WithMissingKey(p MissingKeyPolicy) InterceptorOption {
 // (default DefaultRegistryUnavailable: fail closed). Interceptors only.
 func WithRegistryUnavailable(p UnavailablePolicy) InterceptorOption {
 	return interceptorOnly(func(s *settings) { s.unavailable = p })
-}
-
-// bookkeeping is the context of the Complete or Release after the work: it
-// keeps ctx's values but not its deadline or cancellation.
-func (s *settings) bookkeeping(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.WithoutCancel(ctx), s.bookkeepingTimeout)
-}
-
-// registryContext strips the outgoing metadata of ctx: headers meant for the
-// downstream (credentials among them) must not reach the registry.
-func registryContext(ctx context.Context) context.Context {
-	if _, ok := metadata.FromOutgoingContext(ctx); !ok {
-		return ctx
-	}
-	return metadata.NewOutgoingContext(ctx, metadata.MD{})
-}
-
-// jitter spreads d by ±20%.
-func jitter(d time.Duration) time.Duration {
-	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
 }
