@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
@@ -347,9 +348,9 @@ func TestParkedCountFlag(t *testing.T) {
 			if tc.env != "" {
 				t.Setenv("IDEMREG_PARKED_COUNT_INTERVAL", tc.env)
 			}
-			cfg := defaultConfig()
+			cfg := config.Default()
 			fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-			cfg.bindServe(fs)
+			cfg.BindServe(fs)
 			require.NoError(t, parse(fs, tc.args))
 			require.NoError(t, cfg.Validate())
 			require.Equal(t, tc.want, cfg.Server.ParkedCountInterval)

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 	"github.com/idemreg/idemreg/server"
@@ -25,7 +26,7 @@ import (
 // operator's identity either way. Its status panel reads the
 // sweeper's lag from store, when store can sweep; its resolve form knows
 // the server's response types.
-func startConsole(ctx context.Context, cfg *config, current func() *access.Set, types *resulttype.Types, srv *server.Server, store storage.Store, logger *slog.Logger) (stop func(), err error) {
+func startConsole(ctx context.Context, cfg *config.Config, current func() *access.Set, types *resulttype.Types, srv *server.Server, store storage.Store, logger *slog.Logger) (stop func(), err error) {
 	addr := cfg.ConsoleListen
 	if addr == "" {
 		return func() {}, nil
@@ -66,7 +67,7 @@ func consoleSweepLag(ctx context.Context, store storage.Store) (func(context.Con
 	if !ok {
 		return nil, nil
 	}
-	if ttl, err := rowLevelTTL(ctx, store); err != nil {
+	if ttl, err := config.RowLevelTTL(ctx, store); err != nil {
 		return nil, fmt.Errorf("console: %w", err)
 	} else if ttl {
 		return nil, nil

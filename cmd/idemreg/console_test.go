@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
@@ -44,9 +45,9 @@ func TestConsoleListenLoopbackOnly(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := defaultConfig()
+			cfg := config.Default()
 			fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-			cfg.bindServe(fs)
+			cfg.BindServe(fs)
 			require.NoError(t, parse(fs, tc.args))
 			err := cfg.Validate()
 			if !tc.refused {
@@ -110,9 +111,9 @@ func TestConsoleProxyFlags(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := defaultConfig()
+			cfg := config.Default()
 			fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-			cfg.bindServe(fs)
+			cfg.BindServe(fs)
 			require.NoError(t, parse(fs, tc.args))
 			err := cfg.Validate()
 			if tc.err == "" {

@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.yaml.in/yaml/v3"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/configfile"
 )
@@ -86,10 +87,10 @@ func TestDeployServe(t *testing.T) {
 	c := pod.Containers[0]
 	require.Equal(t, "serve", c.Args[0])
 
-	cfg := defaultConfig()
+	cfg := config.Default()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	cfg.bindServe(fs)
+	cfg.BindServe(fs)
 	require.NoError(t, fs.Parse(c.Args[1:]), "the Deployment's arguments are flags of idemreg serve")
 	cfg.DatabaseURL = "postgresql://from-the-secret/idemreg"
 	require.NoError(t, cfg.Validate())
@@ -257,10 +258,10 @@ func TestDockerfileBuildsLikeMake(t *testing.T) {
 func TestDeployExposure(t *testing.T) {
 	d := readDeployment(t)
 	c := d.Spec.Template.Spec.Containers[0]
-	cfg := defaultConfig()
+	cfg := config.Default()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	cfg.bindServe(fs)
+	cfg.BindServe(fs)
 	require.NoError(t, fs.Parse(c.Args[1:]))
 	sc := cfg.Server
 
@@ -420,10 +421,10 @@ func TestDeployEmbeddedServe(t *testing.T) {
 	require.NotNil(t, d, "deploy/embedded/idemreg.yaml has a Deployment")
 	require.Equal(t, 1, d.Spec.Replicas)
 	c := d.Spec.Template.Spec.Containers[0]
-	cfg := defaultConfig()
+	cfg := config.Default()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	cfg.bindServe(fs)
+	cfg.BindServe(fs)
 	require.NoError(t, fs.Parse(c.Args[1:]), "the Deployment's arguments are flags of idemreg serve")
 	require.NoError(t, cfg.Validate())
 	require.Empty(t, cfg.DatabaseURL)

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.yaml.in/yaml/v3"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage/postgres"
@@ -58,10 +59,10 @@ func TestDeploySweepCronJob(t *testing.T) {
 	require.Equal(t, "sweep", c.Args[0])
 	require.Equal(t, "IDEMREG_DATABASE_URL", c.Env[0].Name)
 
-	cfg := defaultConfig()
+	cfg := config.Default()
 	fs := flag.NewFlagSet("sweep", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	cfg.bindSweep(fs)
+	cfg.BindSweep(fs)
 	require.NoError(t, fs.Parse(c.Args[1:]), "the CronJob's arguments are flags of idemreg sweep")
 	cfg.DatabaseURL = "postgres://from-the-secret/idemreg"
 	require.NoError(t, cfg.Validate())

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 )
 
 // TestServeFlagsAreGrouped: every flag of serve is declared once, in its
@@ -21,8 +22,8 @@ import (
 // "Other". A flag bound beside the table, or declared twice, fails here.
 func TestServeFlagsAreGrouped(t *testing.T) {
 	fs := everyCommand(t)["serve"]
-	c := defaultConfig()
-	table := c.serveFlags()
+	c := config.Default()
+	table := c.ServeFlags()
 	declared := map[string]bool{}
 	var groups []string
 	for _, f := range table {
@@ -110,9 +111,9 @@ func TestDurationFlagsTakeDays(t *testing.T) {
 	require.Greater(t, n, 30, "the duration flags were found")
 
 	// Through the command line and the environment, as a user gives them.
-	cfg := defaultConfig()
+	cfg := config.Default()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-	cfg.bindServe(fs)
+	cfg.BindServe(fs)
 	t.Setenv("IDEMREG_MAX_RETENTION", "30d")
 	require.NoError(t, parse(fs, []string{"--default-message-retention", "7d", "--max-lease-total", "1d12h", "--sweep-interval", "1d", "--parked-count-interval", "1d"}))
 	require.Equal(t, 7*24*time.Hour, cfg.Server.Limits.DefaultMessageRetention)

@@ -30,6 +30,13 @@ import (
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/admincli"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/command"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/healthcmd"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/migratecmd"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/rotatecmd"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/sweepcmd"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/versioncmd"
 )
 
 const usage = `idemreg: an idempotency-key registry
@@ -53,30 +60,40 @@ Run "idemreg <command> -h" for the flags of a command. Every flag can be
 set by the IDEMREG_* environment variable its help names; a flag wins.
 `
 
-// A command binds its flags on fs and returns what runs it once they are
-// parsed.
-type command func(fs *flag.FlagSet) func(ctx context.Context, stdout, stderr io.Writer) error
-
-var commands = map[string]command{
-	"serve":            serveCommand,
-	"migrate":          migrateCommand,
-	"rotate-claim-key": rotateCommand,
-	"sweep":            sweepCommand,
-	"health":           healthCommand,
-	"new-token":        newTokenCommand,
-	"version":          versionCommand,
+// commands is the command table: each command's name as run takes it
+// (two words for a command of a command, as "migrate status"), what binds
+// its flags and runs it, and its summary, at the top of its -h.
+var commands = map[string]struct {
+	run     command.Func
+	summary string
+}{
+	"serve":            {serveCommand, "Run the gRPC service. Durations take a unit, and days: 90s, 1h30m, 7d, 1d12h."},
+	"migrate":          {migratecmd.Migrate, "Apply the SQL schema to --database-url and list the migrations applied;\n\"idemreg migrate status\" lists those applied and those pending (exit 0\nwhen none is pending, " + strconv.Itoa(migratecmd.ExitPending) + " when some are)."},
+	"migrate status":   {migratecmd.Status, "List the migrations --database-url has applied and those pending; change\nnothing. Exit 0 when none is pending, " + strconv.Itoa(migratecmd.ExitPending) + " when some are (for an init\ncontainer or a deploy check), 2 when the database cannot be read."},
+	"rotate-claim-key": {rotatecmd.Command, "Add a claim key generation; the old one stays accepted for --grace."},
+	"sweep":            {sweepcmd.Command, "Delete expired records once and exit: 0 finished, 1 failed, 3 stopped by --max-duration."},
+	"health":           {healthcmd.Command, "Check a server's --health-listen: exit 0 when SERVING."},
+	"new-token":        {newTokenCommand, "Print a new bearer token, for the client, and its hash, for token_hashes in\n--config. It takes no flags."},
+	"version":          {versioncmd.Command(stamp()), "Print the module version, VCS revision and Go version."},
 }
 
-// summaries say what each command does, at the top of its -h.
-var summaries = map[string]string{
-	"serve":            "Run the gRPC service. Durations take a unit, and days: 90s, 1h30m, 7d, 1d12h.",
-	"migrate":          "Apply the SQL schema to --database-url and list the migrations applied;\n\"idemreg migrate status\" lists those applied and those pending (exit 0\nwhen none is pending, " + strconv.Itoa(exitMigrationsPending) + " when some are).",
-	"rotate-claim-key": "Add a claim key generation; the old one stays accepted for --grace.",
-	"sweep":            "Delete expired records once and exit: 0 finished, 1 failed, 3 stopped by --max-duration.",
-	"health":           "Check a server's --health-listen: exit 0 when SERVING.",
-	"new-token":        "Print a new bearer token, for the client, and its hash, for token_hashes in\n--config. It takes no flags.",
-	"version":          "Print the module version, VCS revision and Go version.",
-	"migrate status":   "List the migrations --database-url has applied and those pending; change\nnothing. Exit 0 when none is pending, " + strconv.Itoa(exitMigrationsPending) + " when some are (for an init\ncontainer or a deploy check), 2 when the database cannot be read.",
+// version, revision and revisionTime are stamped by `make build`, which the
+// Dockerfile runs too (-ldflags "-X main.version=... -X main.revision=...
+// -X main.revisionTime=...": git describe, the commit and its time). A
+// plain go build or go run leaves them empty, and version falls back to
+// what the Go toolchain stamped: the module version and, in a git checkout
+// built with -buildvcs (the default there), the VCS revision. The image is
+// built without .git (.dockerignore), so without the flags it would say
+// "unknown".
+var (
+	version      string
+	revision     string
+	revisionTime string
+)
+
+// stamp is what make build stamped, for versioncmd.
+func stamp() versioncmd.Stamp {
+	return versioncmd.Stamp{Version: version, Revision: revision, Time: revisionTime}
 }
 
 func main() {
@@ -91,9 +108,8 @@ func main() {
 		} else {
 			fmt.Fprintln(os.Stderr, "idemreg:", err)
 		}
-		var exit *exitError
-		if errors.As(err, &exit) {
-			os.Exit(exit.code)
+		if code, ok := command.Status(err); ok {
+			os.Exit(code)
 		}
 		os.Exit(2)
 	}
@@ -116,9 +132,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return nil
 	case "--version":
 		args[0] = "version"
-	case "migrate":
-		if len(args) > 1 && args[1] == "status" {
-			return runCommand(ctx, "migrate status", "[flags]", migrateStatusCommand, args[2:], stdout, stderr)
+	}
+	if len(args) > 1 {
+		if cmd, ok := commands[args[0]+" "+args[1]]; ok {
+			return runCommand(ctx, args[0]+" "+args[1], "[flags]", cmd.run, args[2:], stdout, stderr)
 		}
 	}
 	cmd, ok := commands[args[0]]
@@ -126,12 +143,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		fmt.Fprint(stderr, usage)
 		return fmt.Errorf("unknown command %q", args[0])
 	}
-	return runCommand(ctx, args[0], "[flags]", cmd, args[1:], stdout, stderr)
+	return runCommand(ctx, args[0], "[flags]", cmd.run, args[1:], stdout, stderr)
 }
 
 // runCommand parses a command's flags from the environment and args, and
 // runs it.
-func runCommand(ctx context.Context, name, synopsis string, cmd command, args []string, stdout, stderr io.Writer) error {
+func runCommand(ctx context.Context, name, synopsis string, cmd command.Func, args []string, stdout, stderr io.Writer) error {
 	fs, exec := flagSet(name, synopsis, stderr, cmd)
 	if err := parse(fs, args); err != nil {
 		return err
@@ -144,7 +161,7 @@ func runCommand(ctx context.Context, name, synopsis string, cmd command, args []
 
 // flagSet makes the flag set of a command, binds its flags and names each
 // flag's environment variable in its help.
-func flagSet(name, synopsis string, stderr io.Writer, cmd command) (*flag.FlagSet, func(context.Context, io.Writer, io.Writer) error) {
+func flagSet(name, synopsis string, stderr io.Writer, cmd command.Func) (*flag.FlagSet, command.Run) {
 	name = "idemreg " + name
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -153,15 +170,15 @@ func flagSet(name, synopsis string, stderr io.Writer, cmd command) (*flag.FlagSe
 			synopsis = strings.TrimSpace(strings.ReplaceAll(synopsis, "[flags]", ""))
 		}
 		fmt.Fprintf(stderr, "usage: %s\n", strings.TrimSpace(name+" "+synopsis))
-		if s := summaries[strings.TrimPrefix(name, "idemreg ")]; s != "" {
+		if s := commands[strings.TrimPrefix(name, "idemreg ")].summary; s != "" {
 			fmt.Fprintf(stderr, "\n%s\n", s)
 		}
 		if hasFlags(fs) {
 			fmt.Fprint(stderr, "\nflags (each also read from the environment variable shown; a flag given wins):\n")
 			var table []cmdline.Flag // nil: in name order
 			if name == "idemreg serve" {
-				c := defaultConfig()
-				table = c.serveFlags()
+				c := config.Default()
+				table = c.ServeFlags()
 			}
 			cmdline.Print(stderr, fs, table)
 		}
@@ -179,15 +196,6 @@ func hasFlags(fs *flag.FlagSet) bool {
 
 // parse reads environment variables first, then flags, so flags win.
 var parse = cmdline.Parse
-
-// exitError is an error that sets the process's exit status.
-type exitError struct {
-	code int
-	err  error
-}
-
-func (e *exitError) Error() string { return e.err.Error() }
-func (e *exitError) Unwrap() error { return e.err }
 
 // admin runs an admin command (admincli) against a running server.
 func admin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -209,13 +217,13 @@ func admin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 
 // adminCommand is an admin command as run runs commands: a call the server
 // refused exits with status 1, flags that could not make one with 2.
-func adminCommand(cmd admincli.Command) command {
-	return func(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
+func adminCommand(cmd admincli.Command) command.Func {
+	return func(fs *flag.FlagSet) command.Run {
 		exec := cmd.Bind(fs)
 		return func(ctx context.Context, stdout, _ io.Writer) error {
 			err := exec(ctx, stdout)
 			if call := (*admincli.CallError)(nil); errors.As(err, &call) {
-				return &exitError{code: 1, err: err}
+				return command.Exit(1, err)
 			}
 			return err
 		}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/internal/servetest"
 )
 
@@ -120,9 +121,9 @@ func TestPprofListenLoopbackOnly(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := defaultConfig()
+			cfg := config.Default()
 			fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-			cfg.bindServe(fs)
+			cfg.BindServe(fs)
 			require.NoError(t, parse(fs, tc.args))
 			err := cfg.Validate()
 			if !tc.refused {
@@ -139,9 +140,9 @@ func TestPprofListenLoopbackOnly(t *testing.T) {
 		t.Setenv("IDEMREG_PPROF_LISTEN", "0.0.0.0:6060")
 		require.ErrorContains(t, runBriefly(t, "serve"), "--pprof-allow-remote")
 		t.Setenv("IDEMREG_PPROF_ALLOW_REMOTE", "true")
-		cfg := defaultConfig()
+		cfg := config.Default()
 		fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-		cfg.bindServe(fs)
+		cfg.BindServe(fs)
 		require.NoError(t, parse(fs, nil))
 		require.NoError(t, cfg.Validate())
 	})

@@ -14,12 +14,14 @@ import (
 	"syscall"
 	"time"
 
-	"go.opentelemetry.io/otel/metric"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/command"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/httpserve"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/profiling"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/sharedport"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/versioncmd"
 	"github.com/idemreg/idemreg/internal/telemetry"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/server"
@@ -27,22 +29,20 @@ import (
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/resulttype"
 	"github.com/idemreg/idemreg/storage"
-	"github.com/idemreg/idemreg/storage/pebble"
-	"github.com/idemreg/idemreg/storage/postgres"
 )
 
 // serveCommand binds the flags of serve, the gRPC service.
-func serveCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
-	cfg := defaultConfig()
-	cfg.bindServe(fs)
+func serveCommand(fs *flag.FlagSet) command.Run {
+	cfg := config.Default()
+	cfg.BindServe(fs)
 	return func(ctx context.Context, _, stderr io.Writer) error { return serve(ctx, &cfg, stderr) }
 }
 
-func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
+func serve(ctx context.Context, cfg *config.Config, stderr io.Writer) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	logger := cfg.logger(stderr)
+	logger := cfg.Logger(stderr)
 	tuneGC(logger)
 	stopPprof, err := profiling.Serve(cfg.PprofListen, os.Args, cfg.HTTP, logger)
 	if err != nil {
@@ -71,9 +71,9 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("--descriptor-set: %w", err)
 	}
-	build := servedBuild()
+	build := versioncmd.Served(stamp())
 	logger.Info("starting idemreg", "version", build.Version, "revision", build.Revision, "go_version", build.GoVersion,
-		"store", storeKind(cfg))
+		"store", cfg.StoreKind())
 	tel, err := telemetry.Start(ctx, "idemreg", build, logger)
 	if err != nil {
 		return err
@@ -95,7 +95,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 		logger.Info("serving metrics", "listen", addr.String())
 	}
 
-	store, err := openStore(ctx, cfg, logger, tel.Meters)
+	store, err := cfg.OpenStore(ctx, logger, tel.Meters)
 	if err != nil {
 		return err
 	}
@@ -163,9 +163,9 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 			// write of the sweeper's may be stuck in the failed store).
 			time.AfterFunc(storeFailedExitTimeout, func() {
 				fmt.Fprintln(stderr, "idemreg:", err, "(cleanup did not finish; exiting)")
-				os.Exit(exitStoreFailed)
+				os.Exit(config.ExitStoreFailed)
 			})
-			return &exitError{code: exitStoreFailed, err: err}
+			return command.Exit(config.ExitStoreFailed, err)
 		}
 		return err
 	}
@@ -176,7 +176,7 @@ func serve(ctx context.Context, cfg *config, stderr io.Writer) error {
 // checkAccess checks that who may call (set: the identities and rate
 // limits of --config; everyone when there is none) does not open serve
 // wider than asked for.
-func checkAccess(cfg *config, set *access.Set, logger *slog.Logger) error {
+func checkAccess(cfg *config.Config, set *access.Set, logger *slog.Logger) error {
 	switch {
 	case set.Enforced():
 		logger.Info("authentication on", "identities", set.Identities(), "mtls", cfg.TLS.ClientCAFile != "")
@@ -213,19 +213,19 @@ func serveHealth(srv *server.Server, addr string, logger *slog.Logger) error {
 
 // startSweeper runs the sweeper in the background every --sweep-interval,
 // until the returned function is called, which waits for it to stop.
-func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger *slog.Logger) (stop func(), err error) {
+func startSweeper(ctx context.Context, cfg *config.Config, store storage.Store, logger *slog.Logger) (stop func(), err error) {
 	sw, ok := store.(storage.Sweeper)
 	if cfg.Sweep.Interval == 0 || !ok {
 		logger.Info("sweeper off", "sweep_interval", cfg.Sweep.Interval, "store_can_sweep", ok)
 		return func() {}, nil
 	}
-	if ttl, err := rowLevelTTL(ctx, store); err != nil {
+	if ttl, err := config.RowLevelTTL(ctx, store); err != nil {
 		return nil, fmt.Errorf("sweeper: %w", err)
 	} else if ttl {
 		logger.Info("sweeper off: CockroachDB's row-level TTL deletes expired records (idemreg migrate --cockroach-ttl)", "sweep_interval", cfg.Sweep.Interval)
 		return func() {}, nil
 	}
-	sweeper, err := retention.New(sw, cfg.sweeper(logger.With("component", "sweeper")))
+	sweeper, err := retention.New(sw, cfg.Sweeper(logger.With("component", "sweeper")))
 	if err != nil {
 		return nil, err
 	}
@@ -236,73 +236,5 @@ func startSweeper(ctx context.Context, cfg *config, store storage.Store, logger 
 	return func() { cancel(); <-done }, nil
 }
 
-// rowLevelTTL reports whether store's database deletes expired records
-// itself (postgres.Store.RowLevelTTL), so that nothing may sweep it.
-func rowLevelTTL(ctx context.Context, store storage.Store) (bool, error) {
-	s, ok := store.(interface {
-		RowLevelTTL(context.Context) (bool, error)
-	})
-	if !ok {
-		return false, nil
-	}
-	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
-	defer cancel()
-	return s.RowLevelTTL(ctx)
-}
-
-// exitStoreFailed is serve's exit status when its store failed for good
-// (server.ErrStoreFailed) or its data directory's file system is full at
-// start: EX_TEMPFAIL, a failure a restart may cure once the cause is gone.
-const exitStoreFailed = 75
-
 // storeFailedExitTimeout bounds the cleanup after the store failed.
 const storeFailedExitTimeout = 5 * time.Second
-
-// servedBuild is the build that idemreg_build_info, service.version and
-// the startup line name: what make build stamped (probe.go), else what
-// the toolchain recorded.
-func servedBuild() telemetry.Build {
-	b := telemetry.ReadBuild()
-	if version != "" {
-		b.Version = version
-	}
-	if revision != "" {
-		b.Revision = revision
-	}
-	return b
-}
-
-// storeKind names the store that openStore opens, for the startup line.
-func storeKind(cfg *config) string {
-	if cfg.DatabaseURL != "" {
-		return "postgres"
-	}
-	return "embedded"
-}
-
-// openStore opens the SQL store when a database URL is given, the embedded
-// store in the data directory otherwise; the SQL store's instruments are
-// made by meters (nil: the global provider).
-func openStore(ctx context.Context, cfg *config, logger *slog.Logger, meters metric.MeterProvider) (storage.Store, error) {
-	if cfg.DatabaseURL != "" {
-		logger.Info("opening SQL store", "database_url", postgres.Redact(cfg.DatabaseURL))
-		s, err := postgres.Open(ctx, cfg.DatabaseURL, postgres.WithLogger(logger),
-			postgres.WithBatching(cfg.SQLBatchSize, cfg.SQLBatchWindow, cfg.SQLBatchSlots),
-			postgres.WithMeterProvider(meters))
-		if err != nil {
-			return nil, fmt.Errorf("opening %s: %w", postgres.Redact(cfg.DatabaseURL), err)
-		}
-		return s, nil
-	}
-	logger.Info("opening embedded store", "data_dir", cfg.DataDir)
-	s, err := pebble.Open(cfg.DataDir, pebble.WithLogger(logger), pebble.WithMeterProvider(meters),
-		pebble.WithDiskReserve(cfg.DataDirReserve))
-	if errors.Is(err, syscall.ENOSPC) {
-		return nil, &exitError{code: exitStoreFailed, err: fmt.Errorf(
-			"the file system of --data-dir %s is full, so the embedded store cannot open (nothing acknowledged is lost): free space or grow the file system, then start again: %w", cfg.DataDir, err)}
-	}
-	if err != nil {
-		return nil, err
-	}
-	return s, nil
-}

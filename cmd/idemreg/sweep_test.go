@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/sweepcmd"
 	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
@@ -127,7 +128,7 @@ func TestSweepMaxDuration(t *testing.T) {
 	insertRecords(t, dbURL, "expired", 5000, "now() - interval '1 hour' - i * interval '1 millisecond'")
 	stdout, stderr, code := runSweep(t, bin, []string{"IDEMREG_DATABASE_URL=" + dbURL},
 		"--batch-size", "10", "--pause", "20ms", "--max-duration", "300ms", "--log-format", "text")
-	require.Equal(t, exitSweepMaxReached, code, "stderr: %s", stderr)
+	require.Equal(t, sweepcmd.ExitMaxReached, code, "stderr: %s", stderr)
 	require.Contains(t, stderr, "idemreg: sweep did not finish: --max-duration 300ms ran out with expired records left")
 	require.Contains(t, stdout, "sweep max_duration: deleted ")
 	require.Contains(t, stdout, "the oldest record left expired 1h")
@@ -140,7 +141,7 @@ func TestSweepStoreDown(t *testing.T) {
 	bin := servetest.Binary(t)
 	addr := servetest.FreeAddr(t) // nothing listens there
 	_, stderr, code := runSweep(t, bin, nil, "--database-url", "postgres://postgres@"+addr+"/idemreg?sslmode=disable&connect_timeout=1")
-	require.Equal(t, exitSweepFailed, code)
+	require.Equal(t, sweepcmd.ExitFailed, code)
 	require.Contains(t, stderr, "idemreg: the store does not answer")
 }
 
@@ -163,7 +164,7 @@ func TestSweepEmbedded(t *testing.T) {
 	dataDir := filepath.Join(dir, "idemreg-data")
 
 	_, stderr, code := runSweep(t, bin, nil, "--data-dir", dataDir)
-	require.Equal(t, exitSweepFailed, code)
+	require.Equal(t, sweepcmd.ExitFailed, code)
 	require.Contains(t, stderr, "a running idemreg serve holds it, and sweeps it itself with --sweep-interval")
 
 	require.NoError(t, p.Cmd.Process.Signal(syscall.SIGTERM))
@@ -332,7 +333,7 @@ func TestSweepRowLevelTTL(t *testing.T) {
 	require.NoError(t, conn.Close(t.Context()))
 
 	_, stderr, code := runSweep(t, bin, []string{"IDEMREG_DATABASE_URL=" + dbURL})
-	require.Equal(t, exitSweepFailed, code)
+	require.Equal(t, sweepcmd.ExitFailed, code)
 	require.Contains(t, stderr, "row-level TTL")
 
 	p := servetest.Start(t, bin, t.TempDir(), nil, "--database-url", dbURL, "--sweep-interval", "100ms")

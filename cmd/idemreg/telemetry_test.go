@@ -16,6 +16,7 @@ import (
 	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/versioncmd"
 	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 )
@@ -173,14 +174,15 @@ func TestServePushesOTLPMetrics(t *testing.T) {
 	}
 }
 
-// TestServedBuildIsStamped: what make build stamps (-ldflags -X) is what
-// idemreg_build_info and the startup line name; the toolchain's otherwise.
+// TestServedBuildIsStamped: what make build stamps (-ldflags -X, into
+// this package's variables) is what idemreg_build_info and the startup
+// line name (versioncmd.Served).
 func TestServedBuildIsStamped(t *testing.T) {
-	require.Equal(t, runtime.Version(), servedBuild().GoVersion)
-	saved := [2]string{version, revision}
-	t.Cleanup(func() { version, revision = saved[0], saved[1] })
-	version, revision = "v1.4.0", "0123abcd"
-	b := servedBuild()
+	saved := [3]string{version, revision, revisionTime}
+	t.Cleanup(func() { version, revision, revisionTime = saved[0], saved[1], saved[2] })
+	version, revision, revisionTime = "v1.4.0", "0123abcd", "2026-12-03T10:00:00Z"
+	require.Equal(t, versioncmd.Stamp{Version: "v1.4.0", Revision: "0123abcd", Time: "2026-12-03T10:00:00Z"}, stamp())
+	b := versioncmd.Served(stamp())
 	require.Equal(t, "v1.4.0", b.Version)
 	require.Equal(t, "0123abcd", b.Revision)
 }

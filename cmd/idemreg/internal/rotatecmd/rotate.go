@@ -1,4 +1,7 @@
-package main
+// Package rotatecmd is idemreg rotate-claim-key, which adds a claim key
+// generation to the store, and the bounds it keeps a rotation's windows
+// within so that claims in use are not broken.
+package rotatecmd
 
 import (
 	"context"
@@ -6,11 +9,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
 	"slices"
 	"time"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/command"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/policy"
@@ -65,14 +69,14 @@ func rotationBounds(activate, grace, longest time.Duration, source string, allow
 	return errors.Join(errs...)
 }
 
-// rotateCommand binds the flags of rotate-claim-key, which adds a claim key
+// Command binds the flags of rotate-claim-key, which adds a claim key
 // generation to the store: "next" until --activate-after, then current,
 // with the generation it replaces accepted for --grace after that.
-func rotateCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
-	cfg := defaultConfig()
+func Command(fs *flag.FlagSet) command.Run {
+	cfg := config.Default()
 	activate, grace, allowShort := defaultActivateAfter, defaultRotationGrace, false
 	l := &cfg.Server.Limits
-	cmdline.Bind(fs, slices.Concat(cfg.storeFlags(), cfg.logFlags(), []cmdline.Flag{
+	cmdline.Bind(fs, slices.Concat(cfg.StoreFlags(), cfg.LogFlags(), []cmdline.Flag{
 		cmdline.Duration(&activate, "activate-after", "how long the new key is accepted but not issued under, so every replica reads it first: at least serve's claim key refresh ("+policy.FormatDuration(server.DefaultClaimKeyRefresh)+")"),
 		cmdline.Duration(&grace, "grace", "how long the replaced key stays accepted once the new one is current: at least --max-lease, and the longest a claim is held (a consumer's max_lease_total, since Extend keeps the claim's secret) plus a page token's use"),
 		cmdline.Duration(&l.MaxLease, "max-lease", "serve's --max-lease (read from the same $IDEMREG_MAX_LEASE): --grace must be at least this long"),
@@ -96,15 +100,11 @@ func rotateCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer)
 		if err := rotationBounds(activate, grace, longest, source, allowShort); err != nil {
 			return err
 		}
-		if cfg.DatabaseURL == "" {
-			// pebble.Open would create an empty store, with a key no
-			// server ever used.
-			if st, err := os.Stat(cfg.DataDir); err != nil || !st.IsDir() {
-				return fmt.Errorf("no embedded store in --data-dir %s (give --database-url for PostgreSQL or CockroachDB)", cfg.DataDir)
-			}
+		if err := cfg.ExistingStore(); err != nil {
+			return err
 		}
-		logger := cfg.logger(stderr)
-		store, err := openStore(ctx, &cfg, logger, nil)
+		logger := cfg.Logger(stderr)
+		store, err := cfg.OpenStore(ctx, logger, nil)
 		if errors.Is(err, pebble.ErrLocked) {
 			return fmt.Errorf("%w: stop the idemreg serve that holds it, rotate, and start it again (its claims stay valid for --grace)", err)
 		}

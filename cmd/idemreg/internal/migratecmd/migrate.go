@@ -1,4 +1,7 @@
-package main
+// Package migratecmd is idemreg migrate, which applies the SQL schema to a
+// database and lists what it applied, and idemreg migrate status, which
+// lists the applied and pending migrations and changes nothing.
+package migratecmd
 
 import (
 	"context"
@@ -6,22 +9,23 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"net/url"
 	"text/tabwriter"
 	"time"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/command"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
-// exitMigrationsPending is the exit status of migrate status when the
-// database lacks migrations this binary would apply: an init container or
-// a deploy check can wait for it to turn 0. Errors exit 2, as elsewhere.
-const exitMigrationsPending = 3
+// ExitPending is the exit status of migrate status when the database
+// lacks migrations this binary would apply: an init container or a deploy
+// check can wait for it to turn 0. Errors exit 2, as elsewhere.
+const ExitPending = 3
 
-// migrateCommand binds the flags of migrate, which applies the SQL schema:
-// the database's URL and the CockroachDB variant, nothing of serve's.
-func migrateCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
+// Migrate binds the flags of migrate, which applies the SQL schema: the
+// database's URL and the CockroachDB variant, nothing of serve's.
+func Migrate(fs *flag.FlagSet) command.Run {
 	databaseURL, ttl := bindMigrate(fs)
 	return func(ctx context.Context, stdout, _ io.Writer) error {
 		opts, err := migrateOptions(*databaseURL, *ttl)
@@ -50,9 +54,9 @@ func migrateCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer
 	}
 }
 
-// migrateStatusCommand binds the flags of migrate status, which lists the
-// database's applied and pending migrations and changes nothing.
-func migrateStatusCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
+// Status binds the flags of migrate status, which lists the database's
+// applied and pending migrations and changes nothing.
+func Status(fs *flag.FlagSet) command.Run {
 	databaseURL, ttl := bindMigrate(fs)
 	return func(ctx context.Context, stdout, _ io.Writer) error {
 		opts, err := migrateOptions(*databaseURL, *ttl)
@@ -80,8 +84,8 @@ func migrateStatusCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.
 			return nil
 		}
 		fmt.Fprintf(stdout, "schema at version %d, %s pending: %s\n", version, plural(len(pending), "migration"), postgres.Redact(*databaseURL))
-		return &exitError{code: exitMigrationsPending, err: fmt.Errorf(
-			"%s pending: run idemreg migrate (exit status %d)", plural(len(pending), "migration"), exitMigrationsPending)}
+		return command.Exit(ExitPending, fmt.Errorf(
+			"%s pending: run idemreg migrate (exit status %d)", plural(len(pending), "migration"), ExitPending))
 	}
 }
 
@@ -96,7 +100,7 @@ func migrateOptions(databaseURL string, ttl bool) ([]postgres.MigrateOption, err
 	if databaseURL == "" {
 		return nil, errors.New("migrate needs --database-url (or IDEMREG_DATABASE_URL); the embedded store needs no migration: serve upgrades its layout when it opens it")
 	}
-	if err := validDatabaseURL(databaseURL); err != nil {
+	if err := config.ValidDatabaseURL(databaseURL); err != nil {
 		return nil, err
 	}
 	var opts []postgres.MigrateOption
@@ -111,13 +115,4 @@ func plural(n int, noun string) string {
 		return "1 " + noun
 	}
 	return fmt.Sprintf("%d %ss", n, noun)
-}
-
-// validDatabaseURL refuses a URL the SQL store cannot open, naming it
-// redacted.
-func validDatabaseURL(s string) error {
-	if u, err := url.Parse(s); err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-		return fmt.Errorf("--database-url must be a postgres:// URL, got %q", postgres.Redact(s))
-	}
-	return nil
 }

@@ -1,4 +1,9 @@
-package main
+// Package config is what serve, sweep and rotate-claim-key read from
+// their flags and the environment: the Config the flags set (each flag
+// declared once, in flags.go), its defaults, its Validate, which refuses
+// what cannot work together and names the flags in its errors, and the
+// store it names (store.go).
+package config
 
 import (
 	"errors"
@@ -19,12 +24,12 @@ import (
 	"github.com/idemreg/idemreg/storage/postgres"
 )
 
-// config is everything serve, sweep and rotate-claim-key read from flags
+// Config is everything serve, sweep and rotate-claim-key read from flags
 // and environment: each field means what the help of the flag that sets
-// it says (serveFlags). The libraries' settings are bound straight into
+// it says (ServeFlags). The libraries' settings are bound straight into
 // their configs (Server, Sweep, HTTP), whose Validate holds their bounds;
 // the rest is the binary's own: listeners, files, the store and the logs.
-type config struct {
+type Config struct {
 	Listen, MetricsListen, HealthListen string
 	DatabaseURL, DataDir                string
 	DataDirReserve                      int64 // pebble.WithDiskReserve: 0 its default, negative none
@@ -55,10 +60,10 @@ type config struct {
 	Sweep retention.Config
 }
 
-// defaultConfig holds the libraries' defaults, so that -h shows them and a
+// Default holds the libraries' defaults, so that -h shows them and a
 // zero from the command line can be told from no flag.
-func defaultConfig() config {
-	return config{
+func Default() Config {
+	return Config{
 		Listen:    "127.0.0.1:7350",
 		DataDir:   "./idemreg-data",
 		LogLevel:  slog.LevelInfo,
@@ -113,7 +118,7 @@ func defaultConfig() config {
 
 // Validate reports settings that cannot work together: the binary's own,
 // then each library's Validate, its errors naming the flags.
-func (c *config) Validate() error {
+func (c *Config) Validate() error {
 	var errs []error
 	if c.Listen == "" {
 		errs = append(errs, errors.New("--listen is required"))
@@ -122,7 +127,7 @@ func (c *config) Validate() error {
 		errs = append(errs, errors.New("either --database-url or --data-dir is required"))
 	}
 	if c.DatabaseURL != "" {
-		errs = append(errs, validDatabaseURL(c.DatabaseURL))
+		errs = append(errs, ValidDatabaseURL(c.DatabaseURL))
 	}
 	if _, err := sharedport.CORSOrigins(c.HTTPAPICORSOrigins); err != nil {
 		errs = append(errs, err)
@@ -183,7 +188,7 @@ func (c *config) Validate() error {
 // its default, so a zero given is not "the default", and is more likely
 // meant as "no bound", which there is not; and the costs of counting too
 // often. What the libraries refuse themselves is left to their Validate.
-func (c *config) commandLineBounds() []error {
+func (c *Config) commandLineBounds() []error {
 	var errs []error
 	s := c.Server
 	if s.RequestTimeout == 0 || s.MaxRequestTimeout == 0 {
@@ -259,16 +264,16 @@ func named(err error) error {
 	return errors.Join(out...)
 }
 
-// sweeper is the sweeper's configuration, logging to logger.
-func (c *config) sweeper(logger *slog.Logger) retention.Config {
+// Sweeper is the sweeper's configuration, logging to logger.
+func (c *Config) Sweeper(logger *slog.Logger) retention.Config {
 	rc := c.Sweep
 	rc.Logger = logger
 	return rc
 }
 
-// logger is the command's logger, which every package it wires is given:
+// Logger is the command's logger, which every package it wires is given:
 // durations as "1m0s", and the trace and span of a traced call's lines
 // (telemetry.NewLogger).
-func (c *config) logger(w io.Writer) *slog.Logger {
+func (c *Config) Logger(w io.Writer) *slog.Logger {
 	return telemetry.NewLogger(w, c.LogFormat, c.LogLevel)
 }

@@ -1,8 +1,8 @@
-package main
+package migratecmd
 
 import (
 	"bytes"
-	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"strings"
@@ -11,6 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/command"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 )
@@ -26,21 +28,27 @@ func TestMigrateListsWhatItApplied(t *testing.T) {
 	all := len(pending) // the migrations are numbered 1 to all
 	require.Equal(t, all, pending[all-1].Version())
 	cmd := func(args ...string) (string, error) {
+		run := Migrate
+		if len(args) > 1 && args[1] == "status" {
+			run = Status
+		}
+		fs := flag.NewFlagSet(strings.Join(args, " "), flag.ContinueOnError)
+		exec := run(fs)
+		require.NoError(t, cmdline.Parse(fs, []string{"--database-url", db}))
 		var stdout bytes.Buffer
-		err := run(t.Context(), append(args, "--database-url", db), &stdout, io.Discard)
+		err := exec(t.Context(), &stdout, io.Discard)
 		return stdout.String(), err
 	}
 	exitCode := func(err error) int {
-		var exit *exitError
-		if errors.As(err, &exit) {
-			return exit.code
+		if code, ok := command.Status(err); ok {
+			return code
 		}
 		require.NoError(t, err)
 		return 0
 	}
 
 	out, err := cmd("migrate", "status")
-	require.Equal(t, exitMigrationsPending, exitCode(err), "%v", err)
+	require.Equal(t, ExitPending, exitCode(err), "%v", err)
 	require.ErrorContains(t, err, fmt.Sprintf("%d migrations pending: run idemreg migrate", all))
 	require.Regexp(t, `^MIGRATION +VARIANT +STATE +APPLIED AT\n`, out)
 	require.Equal(t, all, strings.Count(out, " pending "), out)
@@ -76,7 +84,7 @@ func TestMigrateListsWhatItApplied(t *testing.T) {
 	var last string
 	require.NoError(t, conn.QueryRow(t.Context(), `DELETE FROM idemreg_schema_migrations WHERE name = (SELECT max(name) FROM idemreg_schema_migrations) RETURNING name`).Scan(&last))
 	out, err = cmd("migrate", "status")
-	require.Equal(t, exitMigrationsPending, exitCode(err))
+	require.Equal(t, ExitPending, exitCode(err))
 	require.ErrorContains(t, err, "1 migration pending")
 	require.Regexp(t, `(?m)^`+last+` +base +pending +-$`, out)
 	require.Contains(t, out, fmt.Sprintf("schema at version %d, 1 migration pending", all-1))

@@ -1,7 +1,9 @@
-package main
+package rotatecmd
 
 import (
 	"bytes"
+	"flag"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -9,10 +11,21 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
 	"github.com/idemreg/idemreg/storage/pebble"
 	"github.com/idemreg/idemreg/storage/postgres"
 	"github.com/idemreg/idemreg/storage/postgres/pgtest"
 )
+
+// rotate runs rotate-claim-key with args, as the command line gives them.
+func rotate(t *testing.T, args []string, stdout, stderr io.Writer) error {
+	t.Helper()
+	fs := flag.NewFlagSet("rotate-claim-key", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	exec := Command(fs)
+	require.NoError(t, cmdline.Parse(fs, args))
+	return exec(t.Context(), stdout, stderr)
+}
 
 // TestRotateClaimKey: rotate-claim-key adds generation 2 on the database
 // and on a data directory, prints generations and times and never a key.
@@ -25,7 +38,7 @@ func TestRotateClaimKey(t *testing.T) {
 	require.NoError(t, err)
 
 	var out, errOut bytes.Buffer
-	require.NoError(t, run(t.Context(), []string{"rotate-claim-key", "--database-url", db, "--grace", "90m"}, &out, &errOut))
+	require.NoError(t, rotate(t, []string{"--database-url", db, "--grace", "90m"}, &out, &errOut))
 	require.Contains(t, out.String(), "claim key generation 2 added")
 	require.Contains(t, out.String(), "generation 1 accepted until")
 	after, err := s.ClaimKeyRing(t.Context())
@@ -42,14 +55,14 @@ func TestRotateClaimKey(t *testing.T) {
 	require.NoError(t, err)
 	_, err = p.ClaimKeyRing(t.Context())
 	require.NoError(t, err)
-	err = run(t.Context(), []string{"rotate-claim-key", "--data-dir", dir}, &out, &errOut)
+	err = rotate(t, []string{"--data-dir", dir}, &out, &errOut)
 	require.ErrorIs(t, err, pebble.ErrLocked, "a running serve holds the directory")
 	require.NoError(t, p.Close())
 	out.Reset()
-	require.NoError(t, run(t.Context(), []string{"rotate-claim-key", "--data-dir", dir}, &out, &errOut))
+	require.NoError(t, rotate(t, []string{"--data-dir", dir}, &out, &errOut))
 	require.Contains(t, out.String(), "claim key generation 2 added")
 
-	require.Error(t, run(t.Context(), []string{"rotate-claim-key", "--data-dir", t.TempDir() + "/missing"}, &out, &errOut))
+	require.ErrorContains(t, rotate(t, []string{"--data-dir", t.TempDir() + "/missing"}, &out, &errOut), "no embedded store in --data-dir")
 }
 
 // TestRotateClaimKeyRefusesShortWindows: an activation sooner than the
@@ -87,7 +100,7 @@ func TestRotateClaimKeyRefusesShortWindows(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var out, errOut bytes.Buffer
-			err := run(t.Context(), append([]string{"rotate-claim-key", "--database-url", db}, tc.args...), &out, &errOut)
+			err := rotate(t, append([]string{"--database-url", db}, tc.args...), &out, &errOut)
 			require.Error(t, err)
 			for _, w := range tc.want {
 				require.Contains(t, err.Error(), w)
@@ -97,10 +110,10 @@ func TestRotateClaimKeyRefusesShortWindows(t *testing.T) {
 	}
 
 	var out, errOut bytes.Buffer
-	require.NoError(t, run(t.Context(), []string{"rotate-claim-key", "--database-url", db, "--activate-after", "1s", "--grace", "1s", "--allow-short-rotation"}, &out, &errOut))
+	require.NoError(t, rotate(t, []string{"--database-url", db, "--activate-after", "1s", "--grace", "1s", "--allow-short-rotation"}, &out, &errOut))
 	require.Equal(t, 2, generations())
-	require.NoError(t, run(t.Context(), []string{"rotate-claim-key", "--database-url", db}, &out, &errOut), "the defaults pass")
+	require.NoError(t, rotate(t, []string{"--database-url", db}, &out, &errOut), "the defaults pass")
 	require.Equal(t, 3, generations())
-	require.NoError(t, run(t.Context(), []string{"rotate-claim-key", "--database-url", db, "--config", longLease, "--grace", "3h"}, &out, &errOut))
+	require.NoError(t, rotate(t, []string{"--database-url", db, "--config", longLease, "--grace", "3h"}, &out, &errOut))
 	require.Equal(t, 4, generations())
 }

@@ -1,4 +1,7 @@
-package main
+// Package sweepcmd is idemreg sweep, one pass of the retention sweeper over
+// a store, for a cron job: what it prints, and the exit status that tells
+// a pass that finished from one --max-duration stopped and one that failed.
+package sweepcmd
 
 import (
 	"context"
@@ -6,9 +9,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
 	"time"
 
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/command"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/retention"
 	"github.com/idemreg/idemreg/storage"
 	"github.com/idemreg/idemreg/storage/pebble"
@@ -16,39 +20,33 @@ import (
 
 // Exit statuses of sweep; any other failure exits 2 like every command.
 const (
-	exitSweepFailed     = 1 // the store could not be swept (unreachable, errors, cancelled)
-	exitSweepMaxReached = 3 // --max-duration ran out; expired records may be left
+	ExitFailed     = 1 // the store could not be swept (unreachable, errors, cancelled)
+	ExitMaxReached = 3 // --max-duration ran out; expired records may be left
 )
 
-const pingTimeout = 10 * time.Second
-
-// sweepCommand binds the flags of sweep, one pass of the sweeper: for a
+// Command binds the flags of sweep, one pass of the sweeper: for a
 // cron job. It exits 0 when the pass finished (nothing expired was left at
 // its last batch), 3 when --max-duration ran out first, 1 when the store
 // failed, and prints what it did on stdout.
-func sweepCommand(fs *flag.FlagSet) func(context.Context, io.Writer, io.Writer) error {
-	cfg := defaultConfig()
-	cfg.bindSweep(fs)
+func Command(fs *flag.FlagSet) command.Run {
+	cfg := config.Default()
+	cfg.BindSweep(fs)
 	return func(ctx context.Context, stdout, stderr io.Writer) error { return sweep(ctx, &cfg, stdout, stderr) }
 }
 
-func sweep(ctx context.Context, cfg *config, stdout, stderr io.Writer) error {
+func sweep(ctx context.Context, cfg *config.Config, stdout, stderr io.Writer) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	if cfg.DatabaseURL == "" {
-		// pebble.Open would create an empty store: a mistyped directory
-		// must not pass for a swept one.
-		if st, err := os.Stat(cfg.DataDir); err != nil || !st.IsDir() {
-			return fmt.Errorf("no embedded store in --data-dir %s (give --database-url for PostgreSQL or CockroachDB)", cfg.DataDir)
-		}
+	if err := cfg.ExistingStore(); err != nil {
+		return err
 	}
-	logger := cfg.logger(stderr)
+	logger := cfg.Logger(stderr)
 	failed := func(format string, args ...any) error {
-		return &exitError{code: exitSweepFailed, err: fmt.Errorf(format, args...)}
+		return command.Exit(ExitFailed, fmt.Errorf(format, args...))
 	}
 
-	store, err := openStore(ctx, cfg, logger, nil)
+	store, err := cfg.OpenStore(ctx, logger, nil)
 	if errors.Is(err, pebble.ErrLocked) {
 		return failed("%w: a running idemreg serve holds it, and sweeps it itself with --sweep-interval", err)
 	}
@@ -60,19 +58,19 @@ func sweep(ctx context.Context, cfg *config, stdout, stderr io.Writer) error {
 	if !ok {
 		return failed("the store %T cannot sweep", store)
 	}
-	pctx, cancel := context.WithTimeout(ctx, pingTimeout)
+	pctx, cancel := context.WithTimeout(ctx, config.PingTimeout)
 	err = store.Ping(pctx)
 	cancel()
 	if err != nil {
 		return failed("the store does not answer: %w", err)
 	}
-	if ttl, err := rowLevelTTL(ctx, store); err != nil {
+	if ttl, err := config.RowLevelTTL(ctx, store); err != nil {
 		return failed("%w", err)
 	} else if ttl {
 		return failed("this database deletes expired records with CockroachDB's row-level TTL (idemreg migrate --cockroach-ttl), and has no expires_at index to sweep by")
 	}
 
-	sweeper, err := retention.New(sw, cfg.sweeper(logger))
+	sweeper, err := retention.New(sw, cfg.Sweeper(logger))
 	if err != nil {
 		return err
 	}
@@ -85,7 +83,7 @@ func sweep(ctx context.Context, cfg *config, stdout, stderr io.Writer) error {
 	case err == nil:
 		return nil
 	case errors.Is(err, retention.ErrMaxDuration):
-		return &exitError{code: exitSweepMaxReached, err: fmt.Errorf("sweep did not finish: --max-duration %v ran out with expired records left; run it more often or longer", cfg.Sweep.MaxDuration)}
+		return command.Exit(ExitMaxReached, fmt.Errorf("sweep did not finish: --max-duration %v ran out with expired records left; run it more often or longer", cfg.Sweep.MaxDuration))
 	default:
 		return failed("sweep did not finish: %w", err)
 	}

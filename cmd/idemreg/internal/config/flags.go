@@ -1,4 +1,4 @@
-package main
+package config
 
 import (
 	"flag"
@@ -12,13 +12,13 @@ import (
 	"github.com/idemreg/idemreg/server/policy"
 )
 
-// serveFlags declares each flag of serve once (cmdline.Flag): its group in
+// ServeFlags declares each flag of serve once (cmdline.Flag): its group in
 // -h, the groups and flags in the order an operator meets them, its help,
-// and the field it sets, whose value in defaultConfig is its default. Its
+// and the field it sets, whose value in Default is its default. Its
 // environment variable is named after it (cmdline.EnvName). The server's
 // flags are named after the fields they set (MaxInFlight is
 // --max-in-flight), so that its errors name them (named).
-func (c *config) serveFlags() []cmdline.Flag {
+func (c *Config) ServeFlags() []cmdline.Flag {
 	s, l, b, r, h := &c.Server, &c.Server.Limits, &c.Server.Bounds, &c.Server.Readiness, &c.HTTP
 	return slices.Concat(
 		cmdline.Group("Listeners and TLS",
@@ -36,7 +36,7 @@ func (c *config) serveFlags() []cmdline.Flag {
 			cmdline.Duration(&c.ConfigPoll, "config-poll", "how often --config is read for a change on disk (a ConfigMap update, an edit); 0: only SIGHUP reloads it"),
 			cmdline.Bool(&c.AllowUnauthenticated, "allow-unauthenticated", "serve an address that is not loopback without identities in --config: every caller may use every consumer"),
 			cmdline.String(&c.DescriptorSet, "descriptor-set", "binary FileDescriptorSet (buf build -o FILE.binpb, protoc --include_imports --descriptor_set_out=FILE) of the services' response types: a resolution's response of one of them must decode as it, and may be given as JSON (the google.protobuf types are known without it); read at start")),
-		cmdline.Group("Store", append(c.storeFlags(),
+		cmdline.Group("Store", append(c.StoreFlags(),
 			cmdline.Int64(&c.DataDirReserve, "data-dir-reserve", "free bytes the embedded store keeps on its file system: below it Claims that would start an attempt are refused (RESOURCE_EXHAUSTED, CAPACITY_EXHAUSTED), below half of it results over 64 KiB too; 0: 256 MiB or a quarter of the file system, whichever is less; negative: none"),
 			cmdline.Int(&c.SQLBatchSize, "sql-batch-size", "SQL store: how many queued Claims and Completes are sent as one batch without waiting for a slot (--sql-batch-slots); 1 sends each unary call alone"),
 			cmdline.Duration(&c.SQLBatchWindow, "sql-batch-window", "SQL store: longest a queued Claim or Complete waits for a statement slot before its batch is sent anyway"),
@@ -93,7 +93,7 @@ func (c *config) serveFlags() []cmdline.Flag {
 			cmdline.Duration(&s.DrainDelay, "drain-delay", "on SIGTERM, keep serving this long after health turns NOT_SERVING, for load balancers to notice"),
 			cmdline.Duration(&s.ShutdownTimeout, "shutdown-timeout", "on SIGTERM, longest wait for calls in flight before connections are cut")),
 		cmdline.Group("Telemetry and logs", slices.Concat([]cmdline.Flag{
-			cmdline.String(&c.MetricsListen, "metrics-listen", "serve Prometheus metrics on http://ADDR/metrics (off when empty)")}, c.logFlags(), []cmdline.Flag{
+			cmdline.String(&c.MetricsListen, "metrics-listen", "serve Prometheus metrics on http://ADDR/metrics (off when empty)")}, c.LogFlags(), []cmdline.Flag{
 			cmdline.OffAtZero(&s.RefusalLogRate, strconv.Atoi, "refusal-log-rate", "access log lines written a second for each identity and refusal code (UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT); the others are counted in idemreg_access_log_sampled_out_total (0: every line)"),
 			cmdline.OffAtZero(&s.ParkedCountInterval, policy.ParseDuration, "parked-count-interval", "how often the parked records of every consumer are counted in the store (from its index of parked records) for the idemreg_parked_records gauge; 0 turns the gauge off")})...),
 		cmdline.Group("Operator console",
@@ -118,29 +118,29 @@ func (c *config) serveFlags() []cmdline.Flag {
 	)
 }
 
-// storeFlags and logFlags are the flags serve, sweep and rotate-claim-key
+// StoreFlags and LogFlags are the flags serve, sweep and rotate-claim-key
 // share: the store and the logs.
-func (c *config) storeFlags() []cmdline.Flag {
+func (c *Config) StoreFlags() []cmdline.Flag {
 	return []cmdline.Flag{
 		cmdline.String(&c.DatabaseURL, "database-url", "PostgreSQL or CockroachDB URL (postgres://...); empty uses the embedded store in --data-dir"),
 		cmdline.String(&c.DataDir, "data-dir", "directory of the embedded store, used when --database-url is empty"),
 	}
 }
 
-func (c *config) logFlags() []cmdline.Flag {
+func (c *Config) LogFlags() []cmdline.Flag {
 	return []cmdline.Flag{
 		cmdline.Text(&c.LogLevel, "log-level", "log level: debug, info, warn, error"),
 		cmdline.String(&c.LogFormat, "log-format", "log format: json or text"),
 	}
 }
 
-// bindServe registers the flags of serve.
-func (c *config) bindServe(fs *flag.FlagSet) { cmdline.Bind(fs, c.serveFlags()...) }
+// BindServe registers the flags of serve.
+func (c *Config) BindServe(fs *flag.FlagSet) { cmdline.Bind(fs, c.ServeFlags()...) }
 
-// bindSweep registers the flags of sweep: serve's sweeper's under the
+// BindSweep registers the flags of sweep: serve's sweeper's under the
 // names of a command that does nothing else.
-func (c *config) bindSweep(fs *flag.FlagSet) {
-	cmdline.Bind(fs, slices.Concat(c.storeFlags(), c.logFlags(), []cmdline.Flag{
+func (c *Config) BindSweep(fs *flag.FlagSet) {
+	cmdline.Bind(fs, slices.Concat(c.StoreFlags(), c.LogFlags(), []cmdline.Flag{
 		cmdline.Int(&c.Sweep.BatchSize, "batch-size", "most records one batch deletes"),
 		cmdline.Duration(&c.Sweep.BatchTimeout, "batch-timeout", "timeout of one batch; after a timeout the batch size halves"),
 		cmdline.OffAtZero(&c.Sweep.Pause, policy.ParseDuration, "pause", "mean pause between batches, jittered by ±50%, to leave the store to live traffic; 0: none"),
