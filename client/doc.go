@@ -45,3 +45,25 @@
 // refuse keyed streaming calls, and a unary interceptor without them logs
 // once per service which streaming methods go unguarded.
 package client
+
+// The path of a call, file by file (for readers of the code; users need
+// only the documentation above):
+//
+//   - once.go: the entry points Once and OnceBatch (the Consumer in
+//     consumer.go, the interceptors in interceptor.go and
+//     server_interceptor.go start the same way);
+//   - claim.go: the Claim, repeated under one request id when its answer
+//     was lost, and repeated while it waits for another holder; OnceBatch's
+//     rounds of BatchClaims and its duplicate ids;
+//   - coalesce.go: how each Claim and Complete goes out, decided in one
+//     place (route: alone, or through the queue that shares a Batch RPC),
+//     and the batch RPCs (Batch, BatchClaim, BatchComplete);
+//   - lifecycle.go: what follows an acquired claim: the heartbeat that
+//     extends it, the work, and its outcome recorded (Complete of a result
+//     or a final failure, Release after a retryable failure or a panic, or
+//     of a claim its caller gave up on);
+//   - backoff.go: the one backoff every repeat and wait sleeps through.
+//
+// client.go is the typed client (one method per RPC), options.go the
+// options, errors.go and answers.go the typed errors and the interceptors'
+// statuses.
