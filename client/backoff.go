@@ -39,21 +39,11 @@ type backoff struct {
 
 func newBackoff(b Backoff) *backoff { return &backoff{delay: b.Initial, max: b.Max} }
 
-// wait sleeps before the next attempt and reports whether it may be made.
-// The sleep is the current delay spread by ±20% (so that callers that
-// failed together do not come back together), raised to floor when that is
-// longer (the registry's RetryInfo: it knows better when it can take the
-// call) and then lowered to ceiling when that is positive and shorter (the
-// holder's lease: from its end the key can be taken over; or what is left
-// of a bounded wait). It returns false, without sleeping on, as soon as ctx
-// ends: no sleep runs past the caller's deadline or cancellation. The next
-// delay doubles, up to the schedule's Max.
+// wait sleeps before the next attempt (next's delay) and reports whether
+// it may be made: it returns false, without sleeping on, as soon as ctx
+// ends, so that no sleep runs past the caller's deadline or cancellation.
 func (b *backoff) wait(ctx context.Context, floor, ceiling time.Duration) bool {
-	d := max(jitter(b.delay), floor)
-	if ceiling > 0 {
-		d = min(d, ceiling)
-	}
-	b.delay = min(2*b.delay, b.max)
+	d := b.next(floor, ceiling)
 	if ctx.Err() != nil {
 		return false
 	}
@@ -65,6 +55,22 @@ func (b *backoff) wait(ctx context.Context, floor, ceiling time.Duration) bool {
 	case <-t.C:
 		return true
 	}
+}
+
+// next is the sleep before the next attempt: the current delay spread by
+// ±20% (so that callers that failed together do not come back together),
+// raised to floor when that is longer (the registry's RetryInfo: it knows
+// better when it can take the call) and then lowered to ceiling when that
+// is positive and shorter (the holder's lease: from its end the key can be
+// taken over; or what is left of a bounded wait). The delay after it
+// doubles, up to the schedule's Max.
+func (b *backoff) next(floor, ceiling time.Duration) time.Duration {
+	d := max(jitter(b.delay), floor)
+	if ceiling > 0 {
+		d = min(d, ceiling)
+	}
+	b.delay = min(2*b.delay, b.max)
+	return d
 }
 
 // retryInfo is the RetryInfo of an *UnavailableError in err: the least a
