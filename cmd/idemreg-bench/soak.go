@@ -38,8 +38,12 @@ type soakConfig struct {
 	Workers                  int
 	JSON                     string
 	DatabaseURL              string `json:"-"`
-	ServerBinary             string
-	ServerFlags              []string
+	// Vacuum: when the database's autovacuum is off, VACUUM the
+	// registry's tables before each sample instead (Vacuumed says whether
+	// the run did).
+	Vacuum, Vacuumed bool
+	ServerBinary     string
+	ServerFlags      []string
 	// Flat is the most a figure may change over the fitted part of the run,
 	// as a fraction of its fitted start; P99 the most the last window's p99
 	// may exceed the first's, as a fraction.
@@ -93,6 +97,7 @@ func parseSoak(args []string, stderr io.Writer) (soakConfig, error) {
 	fs.StringVar(&cfg.DatabaseURL, "database-url", cfg.DatabaseURL, "PostgreSQL for the idemreg target (migrated: idemreg migrate)")
 	fs.StringVar(&cfg.ServerBinary, "server-binary", "", "the idemreg binary to start (empty: go build ./cmd/idemreg of this module)")
 	fs.StringVar(&serverFlags, "server-flags", "", "extra flags for the server, space-separated")
+	fs.BoolVar(&cfg.Vacuum, "soak-vacuum", true, "idemreg target: when the database's autovacuum is off, VACUUM the registry's tables before each sample, as autovacuum's one-minute naptime would (else the sweeper's deletes leave dead rows whose space nothing reclaims)")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
@@ -170,6 +175,18 @@ func soakCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		probe.dataDir = filepath.Join(srv.dir, "data")
 	} else {
 		probe.databaseURL = cfg.DatabaseURL
+		off, err := autovacuumOff(ctx, cfg.DatabaseURL)
+		if err != nil {
+			return err
+		}
+		probe.vacuum = off && cfg.Vacuum
+		cfg.Vacuumed = probe.vacuum
+		switch {
+		case probe.vacuum:
+			fmt.Fprintln(stdout, "soak: the database has autovacuum off: the soak runs VACUUM idemreg_records, idemreg_members before each sample in its place")
+		case off:
+			fmt.Fprintln(stdout, "soak: the database has autovacuum off and --soak-vacuum=false: nothing reclaims the space of swept rows")
+		}
 	}
 	defer probe.close()
 

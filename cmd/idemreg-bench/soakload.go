@@ -42,7 +42,8 @@ const (
 	soakConsumer   = "bench.soak"
 	soakBatchKeys  = 8
 	soakWaitHold   = 100 * time.Millisecond
-	soakOpTimeout  = 15 * time.Second
+	soakOpTimeout  = 30 * time.Second
+	soakWaitFor    = 5 * time.Second
 	soakRecentKeys = 1024
 )
 
@@ -83,16 +84,26 @@ type soakStats struct {
 	FirstUnexpected string
 	// Behind counts the operations due while every worker was busy: not
 	// sent, so the rate fell short by them.
-	Behind                        int
-	WaitersWoken, WaitersNotWoken int
-	lat                           []time.Duration
+	Behind int
+	// Expired counts replays and collisions of keys whose retention had
+	// run out by the time they were answered: any answer is right for
+	// those, so none is judged.
+	Expired int
+	// WaitersWoken counts waiting Claims answered COMPLETED;
+	// WaitersNotWoken those still IN_PROGRESS although the Complete had
+	// returned a second or more before their wait ended (a missed wake);
+	// WaitsOutlasted those whose wait ended before the Complete returned
+	// (a slow Complete, not a missed wake).
+	WaitersWoken, WaitersNotWoken, WaitsOutlasted int
+	lat                                           []time.Duration
 }
 
 func newSoakStats() *soakStats {
 	return &soakStats{Ops: map[string]int{}, Errors: map[string]int{}}
 }
 
-// soakKey is a key completed at done.
+// soakKey is a key whose Complete was sent at done: its retention ends
+// after done + retention, not before.
 type soakKey struct {
 	key  string
 	done time.Time
@@ -272,10 +283,10 @@ func (l *soakLoad) unexpected(format string, args ...any) {
 
 func (l *soakLoad) key() string { return l.prefix + strconv.FormatInt(l.seq.Add(1), 36) }
 
-func (l *soakLoad) remember(key string) {
+func (l *soakLoad) remember(key string, sent time.Time) {
 	l.recentMu.Lock()
 	defer l.recentMu.Unlock()
-	k := soakKey{key, time.Now()}
+	k := soakKey{key, sent}
 	if len(l.recent) < soakRecentKeys {
 		l.recent = append(l.recent, k)
 		return
@@ -285,23 +296,39 @@ func (l *soakLoad) remember(key string) {
 }
 
 // recentKey is a key completed within half its retention, so that it is
-// still there to replay, or "" when there is none.
-func (l *soakLoad) recentKey() string {
+// most likely still there to replay, or none (key "").
+func (l *soakLoad) recentKey() soakKey {
 	l.recentMu.Lock()
 	defer l.recentMu.Unlock()
 	if len(l.recent) == 0 {
-		return ""
+		return soakKey{}
 	}
 	fresh := time.Now().Add(-l.cfg.Retention / 2)
 	if k := l.recent[rand.IntN(len(l.recent))]; k.done.After(fresh) {
-		return k.key
+		return k
 	}
 	// The newest: the one before the next to be replaced.
 	k := l.recent[(l.recentNext+len(l.recent)-1)%len(l.recent)]
 	if k.done.After(fresh) {
-		return k.key
+		return k
 	}
-	return ""
+	return soakKey{}
+}
+
+// live says whether k's retention surely had not run out by now: an
+// answer given before now must then show it completed.
+func (l *soakLoad) live(k soakKey) bool { return time.Now().Before(k.done.Add(l.cfg.Retention)) }
+
+// expired counts an answer about a key whose retention may have run out,
+// and completes the key when the answer acquired it, so that no lease is
+// left to run out.
+func (l *soakLoad) expired(ctx context.Context, key string, res *idemregv1.ClaimResponse) {
+	l.mu.Lock()
+	l.cur.Expired++
+	l.mu.Unlock()
+	if res.GetOutcome() == idemregv1.Outcome_OUTCOME_ACQUIRED {
+		l.complete(ctx, "an expired key's Complete", key, res)
+	}
 }
 
 func (l *soakLoad) claimRequest(key string, fingerprint []byte, wait time.Duration) *idemregv1.ClaimRequest {
@@ -345,40 +372,54 @@ func (l *soakLoad) newKey(ctx context.Context) {
 		l.unexpected("new key's Claim answered %s", res.GetOutcome())
 		return
 	}
+	sent := time.Now()
 	if l.complete(ctx, "new key's Complete", key, res) {
-		l.remember(key)
+		l.remember(key, sent)
 	}
 }
 
 func (l *soakLoad) replay(ctx context.Context) {
-	key := l.recentKey()
-	if key == "" {
+	k := l.recentKey()
+	if k.key == "" {
 		l.newKey(ctx)
 		return
 	}
-	res, ok := l.claim(ctx, "replay's Claim", key, soakFingerprint, 0, codes.OK)
-	if !ok {
+	t0 := time.Now()
+	res, err := l.rpc.Claim(ctx, l.claimRequest(k.key, soakFingerprint, 0))
+	d := time.Since(t0)
+	if !l.live(k) {
+		l.call("replay's Claim", d, err, status.Code(err), true)
+		l.expired(ctx, k.key, res)
 		return
 	}
-	switch res.GetOutcome() {
-	case idemregv1.Outcome_OUTCOME_COMPLETED:
-	case idemregv1.Outcome_OUTCOME_ACQUIRED:
-		// Expired and swept: the retention is shorter than the ring of
-		// recent keys lasts. Give the key its result again.
-		l.unexpected("replay's Claim answered ACQUIRED: the key was gone")
-		l.complete(ctx, "replay's Complete", key, res)
-	default:
-		l.unexpected("replay's Claim answered %s", res.GetOutcome())
+	if !l.call("replay's Claim", d, err, codes.OK, true) {
+		return
+	}
+	if o := res.GetOutcome(); o != idemregv1.Outcome_OUTCOME_COMPLETED {
+		l.unexpected("replay's Claim of a live completed key answered %s", o)
+		if o == idemregv1.Outcome_OUTCOME_ACQUIRED {
+			l.complete(ctx, "replay's Complete", k.key, res)
+		}
 	}
 }
 
 func (l *soakLoad) collide(ctx context.Context) {
-	key := l.recentKey()
-	if key == "" {
+	k := l.recentKey()
+	if k.key == "" {
 		l.newKey(ctx)
 		return
 	}
-	l.claim(ctx, "collision's Claim", key, soakOtherFingerprint, 0, codes.FailedPrecondition)
+	t0 := time.Now()
+	res, err := l.rpc.Claim(ctx, l.claimRequest(k.key, soakOtherFingerprint, 0))
+	d := time.Since(t0)
+	if !l.live(k) {
+		l.call("collision's Claim", d, err, status.Code(err), true)
+		l.expired(ctx, k.key, res)
+		return
+	}
+	if !l.call("collision's Claim", d, err, codes.FailedPrecondition, true) && res.GetOutcome() == idemregv1.Outcome_OUTCOME_ACQUIRED {
+		l.complete(ctx, "collision's Complete", k.key, res)
+	}
 }
 
 func (l *soakLoad) wait(ctx context.Context) {
@@ -391,29 +432,57 @@ func (l *soakLoad) wait(ctx context.Context) {
 		l.unexpected("held key's Claim answered %s", res.GetOutcome())
 		return
 	}
-	woken := make(chan idemregv1.Outcome, 1)
+	type answer struct {
+		res            *idemregv1.ClaimResponse
+		sent, answered time.Time
+	}
+	woken := make(chan answer, 1)
 	go func() {
-		w, ok := l.claim(ctx, "waiting Claim", key, soakFingerprint, 5*time.Second, codes.OK)
+		sent := time.Now()
+		w, ok := l.claim(ctx, "waiting Claim", key, soakFingerprint, soakWaitFor, codes.OK)
 		if !ok {
 			w = nil
 		}
-		woken <- w.GetOutcome()
+		woken <- answer{w, sent, time.Now()}
 	}()
 	time.Sleep(soakWaitHold)
-	if l.complete(ctx, "held key's Complete", key, res) {
-		l.remember(key)
+	sent := time.Now()
+	completed := l.complete(ctx, "held key's Complete", key, res)
+	returned := time.Now()
+	if completed {
+		l.remember(key, sent)
 	}
-	outcome := <-woken
+	a := <-woken
+	if completed && !a.answered.Before(sent.Add(l.cfg.Retention)) {
+		// Answered after the key's retention may have run out.
+		l.expired(ctx, key, a.res)
+		return
+	}
 	l.mu.Lock()
-	if outcome == idemregv1.Outcome_OUTCOME_COMPLETED {
+	defer l.mu.Unlock()
+	switch outcome := a.res.GetOutcome(); {
+	case outcome == idemregv1.Outcome_OUTCOME_COMPLETED:
 		l.cur.WaitersWoken++
-	} else {
+	case outcome != idemregv1.Outcome_OUTCOME_IN_PROGRESS:
+		// An error, counted as such, or an answer no wait should give.
+		if outcome != idemregv1.Outcome_OUTCOME_UNSPECIFIED {
+			l.cur.Unexpected++
+			l.cur.FirstUnexpected = cmpOr(l.cur.FirstUnexpected, fmt.Sprintf("waiting Claim answered %s", outcome))
+		}
+	case completed && returned.Before(a.sent.Add(soakWaitFor-time.Second)):
 		l.cur.WaitersNotWoken++
+		l.cur.Unexpected++
+		l.cur.FirstUnexpected = cmpOr(l.cur.FirstUnexpected, "waiting Claim not woken: IN_PROGRESS after its wait, though the Complete had returned before it ended")
+	default:
+		l.cur.WaitsOutlasted++
 	}
-	l.mu.Unlock()
-	if outcome != idemregv1.Outcome_OUTCOME_COMPLETED && outcome != idemregv1.Outcome_OUTCOME_UNSPECIFIED {
-		l.unexpected("waiting Claim answered %s, not woken by the Complete", outcome)
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
 	}
+	return b
 }
 
 func (l *soakLoad) batch(ctx context.Context) {
@@ -443,9 +512,11 @@ func (l *soakLoad) batch(ctx context.Context) {
 		completed = append(completed, keys[i])
 	}
 	nCompletes := len(completes)
+	var replays []soakKey
 	for range 2 {
-		if k := l.recentKey(); k != "" {
-			completes = append(completes, &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: l.claimRequest(k, soakFingerprint, 0)}})
+		if k := l.recentKey(); k.key != "" {
+			replays = append(replays, k)
+			completes = append(completes, &idemregv1.BatchItem{Item: &idemregv1.BatchItem_Claim{Claim: l.claimRequest(k.key, soakFingerprint, 0)}})
 		}
 	}
 	if len(completes) == 0 {
@@ -457,13 +528,17 @@ func (l *soakLoad) batch(ctx context.Context) {
 		return
 	}
 	for i, r := range res.GetResults() {
+		if i >= nCompletes && !l.live(replays[i-nCompletes]) {
+			l.expired(ctx, replays[i-nCompletes].key, r.GetClaim())
+			continue
+		}
 		if e := r.GetError(); e != nil {
 			l.item("Batch's item", codes.Code(e.GetCode()), codes.OK, e.GetMessage())
 			continue
 		}
 		switch {
 		case i < nCompletes:
-			l.remember(completed[i])
+			l.remember(completed[i], t0)
 		case r.GetClaim().GetOutcome() != idemregv1.Outcome_OUTCOME_COMPLETED:
 			l.unexpected("Batch's replay answered %s", r.GetClaim().GetOutcome())
 		}
