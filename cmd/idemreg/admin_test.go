@@ -19,7 +19,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 
-	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server"
 	"github.com/idemreg/idemreg/server/access"
@@ -327,33 +326,4 @@ func TestParkedGaugeOnMetrics(t *testing.T) {
 		return -1
 	}
 	require.Eventually(t, func() bool { return parked() == 2 }, 10*time.Second, 10*time.Millisecond)
-}
-
-// TestParkedCountFlag: --parked-count-interval (IDEMREG_PARKED_COUNT_INTERVAL)
-// reaches the server's Config, 0 turning the gauge off.
-func TestParkedCountFlag(t *testing.T) {
-	for _, tc := range []struct {
-		name string
-		args []string
-		env  string
-		want time.Duration
-	}{
-		{"default", nil, "", server.DefaultParkedCountInterval},
-		{"flag", []string{"--parked-count-interval", "5m"}, "", 5 * time.Minute},
-		{"environment", nil, "30s", 30 * time.Second},
-		{"the flag wins", []string{"--parked-count-interval", "2m"}, "30s", 2 * time.Minute},
-		{"off", []string{"--parked-count-interval", "0"}, "", -1},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			if tc.env != "" {
-				t.Setenv("IDEMREG_PARKED_COUNT_INTERVAL", tc.env)
-			}
-			cfg := config.Default()
-			fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-			cfg.BindServe(fs)
-			require.NoError(t, parse(fs, tc.args))
-			require.NoError(t, cfg.Validate())
-			require.Equal(t, tc.want, cfg.Server.ParkedCountInterval)
-		})
-	}
 }

@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"flag"
 	"io"
 	"net/http"
 	"net/http/cookiejar"
@@ -21,43 +20,20 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 
-	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/console"
 	"github.com/idemreg/idemreg/internal/servetest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 )
 
-// TestConsoleListenLoopbackOnly: the console speaks plaintext HTTP, so
-// --console-listen takes a loopback address unless --console-allow-remote
-// says otherwise.
+// TestConsoleListenLoopbackOnly: serve refuses a console on an address
+// that is not loopback, before it listens on anything, unless
+// --console-allow-remote says otherwise (each address's verdict is
+// config's TestListenersLoopbackOnly).
 func TestConsoleListenLoopbackOnly(t *testing.T) {
-	cases := []struct {
-		name    string
-		args    []string
-		refused bool
-	}{
-		{"loopback", []string{"--console-listen", "127.0.0.1:7351"}, false},
-		{"IPv6 loopback", []string{"--console-listen", "[::1]:7351"}, false},
-		{"every interface", []string{"--console-listen", ":7351"}, true},
-		{"another interface", []string{"--console-listen", "10.0.0.1:7351"}, true},
-		{"remote allowed explicitly", []string{"--console-listen", "0.0.0.0:7351", "--console-allow-remote"}, false},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			cfg := config.Default()
-			fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-			cfg.BindServe(fs)
-			require.NoError(t, parse(fs, tc.args))
-			err := cfg.Validate()
-			if !tc.refused {
-				require.NoError(t, err)
-				return
-			}
-			require.ErrorContains(t, err, "--console-listen "+tc.args[1]+" is not a loopback address")
-			require.ErrorContains(t, runBriefly(t, "serve", tc.args...), "--console-allow-remote")
-		})
-	}
+	err := runBriefly(t, "serve", "--console-listen", "10.0.0.1:7351")
+	require.ErrorContains(t, err, "--console-listen 10.0.0.1:7351 is not a loopback address")
+	require.ErrorContains(t, err, "--console-allow-remote")
 }
 
 // TestServeConsoleRefuses: serve does not start a console nobody could
@@ -74,56 +50,6 @@ func TestServeConsoleRefuses(t *testing.T) {
 	// A proxy without its secret: refused at start, on loopback too.
 	err = runBriefly(t, "serve", "--console-listen", servetest.FreeAddr(t), "--config", certOnly, "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=svc", "--sweep-interval", "0")
 	require.ErrorContains(t, err, "--console-proxy-header needs --console-proxy-secret-file")
-}
-
-// TestConsoleProxyFlags: proxy sign-in is off unless --console-proxy-header
-// names the header, needs a user mapping and the proxy's secret (on
-// loopback too, where port-forwards arrive), and believes the header from
-// the proxy's addresses alone when --console-proxy-from names them.
-func TestConsoleProxyFlags(t *testing.T) {
-	dir := t.TempDir()
-	secret := proxySecretFile(t, dir)
-	short := filepath.Join(dir, "short")
-	require.NoError(t, os.WriteFile(short, []byte("0123456789abcdef0123456789abcde\n"), 0o600))
-	header := func(h, users string, more ...string) []string {
-		return append([]string{"--console-proxy-header", h, "--console-proxy-user", users, "--console-proxy-secret-file", secret}, more...)
-	}
-	cases := []struct {
-		name string
-		args []string
-		err  string
-	}{
-		{"off", []string{"--console-listen", "127.0.0.1:7351"}, ""},
-		{"loopback sidecar", append([]string{"--console-listen", "127.0.0.1:7351"}, header("X-Forwarded-Email", "*@example.com=oncall")...), ""},
-		{"loopback without the secret", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*@example.com=oncall"}, "--console-proxy-header needs --console-proxy-secret-file"},
-		{"secret too short", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=x", "--console-proxy-secret-file", short}, "holds 31 bytes: the proxy's secret must have at least 32"},
-		{"secret file missing", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-user", "*=x", "--console-proxy-secret-file", filepath.Join(dir, "missing")}, "--console-proxy-secret-file: open"},
-		{"remote with the proxy's addresses", append([]string{"--console-listen", "0.0.0.0:7351", "--console-allow-remote"}, header("X-Auth-Request-User", "alice=oncall", "--console-proxy-from", "10.0.0.0/8, 192.168.1.7")...), ""},
-		{"remote, the secret alone", append([]string{"--console-listen", "0.0.0.0:7351", "--console-allow-remote"}, header("X-Forwarded-Email", "*=oncall")...), ""},
-		{"no mapping", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-header", "X-Forwarded-Email", "--console-proxy-secret-file", secret}, "--console-proxy-user: no USER=IDENTITY entry"},
-		{"bad mapping", append([]string{"--console-listen", "127.0.0.1:7351"}, header("X-Forwarded-Email", "alice")...), `"alice" is not USER=IDENTITY`},
-		{"bad address", append([]string{"--console-listen", "127.0.0.1:7351"}, header("X-Forwarded-Email", "*=x", "--console-proxy-from", "proxy.local")...), "neither a CIDR nor an address"},
-		{"authorization", append([]string{"--console-listen", "127.0.0.1:7351"}, header("authorization", "*=x")...), "is not a header a proxy names its user in"},
-		{"the secret's header", append([]string{"--console-listen", "127.0.0.1:7351"}, header("x-idemreg-proxy-secret", "*=x")...), "is not a header a proxy names its user in"},
-		{"no console", header("X-Forwarded-Email", "*=x"), "--console-proxy-header needs --console-listen"},
-		{"mapping without header", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-user", "*=x"}, "need --console-proxy-header"},
-		{"secret without header", []string{"--console-listen", "127.0.0.1:7351", "--console-proxy-secret-file", secret}, "need --console-proxy-header"},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			cfg := config.Default()
-			fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-			cfg.BindServe(fs)
-			require.NoError(t, parse(fs, tc.args))
-			err := cfg.Validate()
-			if tc.err == "" {
-				require.NoError(t, err)
-				return
-			}
-			require.ErrorContains(t, err, tc.err)
-			require.NotContains(t, err.Error(), testProxySecret, "the secret is never quoted")
-		})
-	}
 }
 
 // testProxySecret is the secret of the tests' proxy.

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"flag"
 	"io"
 	"net/http"
 	"path/filepath"
@@ -14,7 +13,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
 	"github.com/idemreg/idemreg/internal/servetest"
 )
 
@@ -101,51 +99,15 @@ func TestPprofCmdlineRedacted(t *testing.T) {
 		"postgres://u:xxxxx@127.0.0.1:1/db?sslmode=disable&password=xxxxx", "--sweep-interval", "0"}, args)
 }
 
-// TestPprofListenLoopbackOnly: pprof has no authentication, so
-// --pprof-listen takes a loopback address unless --pprof-allow-remote says
-// otherwise.
+// TestPprofListenLoopbackOnly: pprof has no authentication, so serve
+// refuses --pprof-listen on an address that is not loopback, from a flag or
+// the environment, before it listens on anything, unless
+// --pprof-allow-remote says otherwise (each address's verdict is config's
+// TestListenersLoopbackOnly).
 func TestPprofListenLoopbackOnly(t *testing.T) {
-	cases := []struct {
-		name    string
-		args    []string
-		refused bool
-	}{
-		{"loopback", []string{"--pprof-listen", "127.0.0.1:6060"}, false},
-		{"localhost", []string{"--pprof-listen", "localhost:6060"}, false},
-		{"IPv6 loopback", []string{"--pprof-listen", "[::1]:6060"}, false},
-		{"every interface", []string{"--pprof-listen", ":6060"}, true},
-		{"0.0.0.0", []string{"--pprof-listen", "0.0.0.0:6060"}, true},
-		{"another interface", []string{"--pprof-listen", "10.0.0.1:6060"}, true},
-		{"a name", []string{"--pprof-listen", "idemreg:6060"}, true},
-		{"remote allowed explicitly", []string{"--pprof-listen", "0.0.0.0:6060", "--pprof-allow-remote"}, false},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			cfg := config.Default()
-			fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-			cfg.BindServe(fs)
-			require.NoError(t, parse(fs, tc.args))
-			err := cfg.Validate()
-			if !tc.refused {
-				require.NoError(t, err)
-				return
-			}
-			require.ErrorContains(t, err, "--pprof-listen "+tc.args[1]+" is not a loopback address")
-			require.ErrorContains(t, err, "--pprof-allow-remote")
-			// serve stops there, before it listens on anything.
-			require.ErrorContains(t, runBriefly(t, "serve", tc.args...), "--pprof-allow-remote")
-		})
-	}
-	t.Run("from the environment", func(t *testing.T) {
-		t.Setenv("IDEMREG_PPROF_LISTEN", "0.0.0.0:6060")
-		require.ErrorContains(t, runBriefly(t, "serve"), "--pprof-allow-remote")
-		t.Setenv("IDEMREG_PPROF_ALLOW_REMOTE", "true")
-		cfg := config.Default()
-		fs := flag.NewFlagSet("idemreg serve", flag.ContinueOnError)
-		cfg.BindServe(fs)
-		require.NoError(t, parse(fs, nil))
-		require.NoError(t, cfg.Validate())
-	})
+	require.ErrorContains(t, runBriefly(t, "serve", "--pprof-listen", "0.0.0.0:6060"), "--pprof-listen 0.0.0.0:6060 is not a loopback address")
+	t.Setenv("IDEMREG_PPROF_LISTEN", "0.0.0.0:6060")
+	require.ErrorContains(t, runBriefly(t, "serve"), "--pprof-allow-remote")
 }
 
 // runBriefly runs a command in its own data directory for at most two
