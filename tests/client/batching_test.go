@@ -15,7 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 // heldConn is a connection to reg whose first RPC is held (after the
@@ -28,7 +28,7 @@ type heldConn struct {
 	obs     *observer
 }
 
-func newHeldConn(t *testing.T, reg *registrytest.Registry) (*grpc.ClientConn, *heldConn) {
+func newHeldConn(t *testing.T, reg *inprocess.Registry) (*grpc.ClientConn, *heldConn) {
 	t.Helper()
 	h := &heldConn{first: make(chan struct{}), release: make(chan struct{}), obs: newObserver()}
 	conn, err := grpc.NewClient(reg.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -52,7 +52,7 @@ func newHeldConn(t *testing.T, reg *registrytest.Registry) (*grpc.ClientConn, *h
 // flight go out together, each answered as its own call would have been;
 // a lone call is a plain unary RPC.
 func TestBatchingSharesRPCs(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	conn, h := newHeldConn(t, reg)
 	c := client.New(conn, client.WithBatching(client.Batching{MaxInFlight: 1}))
 	key := func(k string) client.Key { return client.Key{Consumer: inbox, Kind: client.KindMessage, Key: k} }
@@ -111,7 +111,7 @@ func TestBatchingSharesRPCs(t *testing.T) {
 // TestBatchingIsolatesCallers: one caller's cancellation, deadline or bad
 // input never fails another's item in the same RPC.
 func TestBatchingIsolatesCallers(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	conn, h := newHeldConn(t, reg)
 	c := client.New(conn, client.WithBatching(client.Batching{MaxInFlight: 1}))
 	key := func(k string) client.Key { return client.Key{Consumer: inbox, Kind: client.KindMessage, Key: k} }
@@ -160,7 +160,7 @@ func TestBatchingIsolatesCallers(t *testing.T) {
 
 // TestWithoutBatching: every call its own RPC.
 func TestWithoutBatching(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	conn, h := newHeldConn(t, reg)
 	close(h.release)
 	c := client.New(conn, client.WithoutBatching())

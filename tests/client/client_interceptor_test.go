@@ -19,21 +19,21 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 // callerEnv is a caller whose connection to a real downstream goes through
 // UnaryClientInterceptor backed by a real registry.
 type callerEnv struct {
-	reg  *registrytest.Registry
+	reg  *inprocess.Registry
 	down *downstream
 	conn *grpc.ClientConn
 	obs  *observer
 }
 
-func newCaller(t *testing.T, regOpts []registrytest.Option, opts ...client.InterceptorOption) *callerEnv {
+func newCaller(t *testing.T, regOpts []inprocess.Option, opts ...client.InterceptorOption) *callerEnv {
 	t.Helper()
-	reg := registrytest.Start(t, regOpts...)
+	reg := inprocess.Start(t, regOpts...)
 	c, obs := observedClient(t, reg)
 	addr, down := startDownstream(t)
 	conn := dial(t, addr, grpc.WithUnaryInterceptor(client.UnaryClientInterceptor(c, opts...)))
@@ -355,7 +355,7 @@ func TestClientInterceptorKeys(t *testing.T) {
 }
 
 func TestClientInterceptorHoldsLongCalls(t *testing.T) {
-	e := newCaller(t, []registrytest.Option{shortLeases()}, client.WithLease(60*time.Millisecond))
+	e := newCaller(t, []inprocess.Option{shortLeases()}, client.WithLease(60*time.Millisecond))
 	key := callKey("payment:op-1")
 	entered, proceed := make(chan struct{}), make(chan struct{})
 	e.down.setRespond(func(_ context.Context, _ int64, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
@@ -423,7 +423,7 @@ func TestClientInterceptorRace(t *testing.T) {
 // TestClientInterceptorDeadlineDuringClaim: a call whose deadline hits
 // while its Claim is in flight does not leave the key claimed for a lease.
 func TestClientInterceptorDeadlineDuringClaim(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, sent, open := gatedClient(t, reg)
 	defer open()
 	time.AfterFunc(hangGuard, open) // see TestOnceDeadlineDuringClaim

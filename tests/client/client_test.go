@@ -12,14 +12,14 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 var opKey = client.Key{Consumer: "billing.payment-worker", Kind: client.KindOperation, Key: "charge:op-1"}
 
 func TestClientLifecycle(t *testing.T) {
-	clock := &registrytest.Clock{}
-	reg := registrytest.Start(t, registrytest.WithClock(clock.Now), registrytest.WithClientOptions(client.WithHolder("pod-a")))
+	clock := &inprocess.Clock{}
+	reg := inprocess.Start(t, inprocess.WithClock(clock.Now), inprocess.WithClientOptions(client.WithHolder("pod-a")))
 	c, ctx := reg.Client, t.Context()
 
 	first, err := c.Claim(ctx, client.ClaimParams{Key: opKey, Fingerprint: []byte("fp-1"), Lease: 10 * time.Second, Retention: time.Hour})
@@ -79,7 +79,7 @@ func TestClientLifecycle(t *testing.T) {
 }
 
 func TestMessageResult(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, ctx := reg.Client, t.Context()
 	cl, err := c.Claim(ctx, client.ClaimParams{Key: opKey})
 	require.NoError(t, err)
@@ -97,8 +97,8 @@ func TestMessageResult(t *testing.T) {
 }
 
 func TestTypedErrors(t *testing.T) {
-	clock := &registrytest.Clock{}
-	reg := registrytest.Start(t, registrytest.WithClock(clock.Now))
+	clock := &inprocess.Clock{}
+	reg := inprocess.Start(t, inprocess.WithClock(clock.Now))
 	c, ctx := reg.Client, t.Context()
 	msgKey := client.Key{Consumer: "orders.inbox", Kind: client.KindMessage, Key: "msg-1"}
 
@@ -190,7 +190,7 @@ func TestTypedErrors(t *testing.T) {
 
 func TestUnavailableErrors(t *testing.T) {
 	t.Run("store down: RetryInfo from the registry", func(t *testing.T) {
-		reg := registrytest.Start(t)
+		reg := inprocess.Start(t)
 		require.NoError(t, reg.StopStore())
 		_, err := reg.Client.Claim(t.Context(), client.ClaimParams{Key: opKey})
 		require.ErrorIs(t, err, client.ErrUnavailable)
@@ -203,7 +203,7 @@ func TestUnavailableErrors(t *testing.T) {
 		require.Equal(t, codes.Unavailable, status.Code(err))
 	})
 	t.Run("registry down: no reason, no delay", func(t *testing.T) {
-		reg := registrytest.Start(t)
+		reg := inprocess.Start(t)
 		require.NoError(t, reg.Stop())
 		_, err := reg.Client.Claim(t.Context(), client.ClaimParams{Key: opKey})
 		var ue *client.UnavailableError

@@ -16,8 +16,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 // batchLog records the items of every Batch a client sends, and every
@@ -70,7 +70,7 @@ func loggedClient(t *testing.T, addr string) (*client.Client, *batchLog) {
 // message goes in the Batch of the next message's Claim, and the last one
 // goes alone on Close.
 func TestConsumerCompleteRidesWithNextClaim(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, log := loggedClient(t, reg.Addr)
 	// No linger runs out within the test: only the next Claim or Close sends.
 	cons := c.Consumer("orders.pipelined", client.WithLinger(time.Hour))
@@ -137,7 +137,7 @@ func chanOf(d *client.Done) <-chan error {
 // A held Complete goes alone when no Claim comes within the linger, and at
 // once when its Done is waited on.
 func TestConsumerLingerAndWait(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, log := loggedClient(t, reg.Addr)
 	ok := func(context.Context, client.Attempt) ([]byte, error) { return nil, nil }
 
@@ -160,8 +160,8 @@ func TestConsumerLingerAndWait(t *testing.T) {
 // A held Complete whose claim was taken over gets LEASE_LOST on its Done,
 // and the Claim in the same Batch is answered as if it had gone alone.
 func TestConsumerItemErrorsAreTheirOwn(t *testing.T) {
-	clock := &registrytest.Clock{}
-	reg := registrytest.Start(t, registrytest.WithClock(clock.Now))
+	clock := &inprocess.Clock{}
+	reg := inprocess.Start(t, inprocess.WithClock(clock.Now))
 	c, log := loggedClient(t, reg.Addr)
 	cons := c.Consumer("orders.lost", client.WithLinger(time.Hour), client.WithLease(10*time.Second))
 
@@ -188,7 +188,7 @@ func TestConsumerItemErrorsAreTheirOwn(t *testing.T) {
 
 // A Claim the registry refuses does not fail the Complete it carried.
 func TestConsumerRefusedClaimKeepsItsComplete(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, log := loggedClient(t, reg.Addr)
 	cons := c.Consumer("orders.refused", client.WithLinger(time.Hour))
 	ok := func(context.Context, client.Attempt) ([]byte, error) { return []byte("ok"), nil }
@@ -207,7 +207,7 @@ func TestConsumerRefusedClaimKeepsItsComplete(t *testing.T) {
 // A Final error is stored (Done nil: ack), a retryable one releases the
 // message at once (Done carries it: redeliver), as with Once.
 func TestConsumerFailures(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, _ := loggedClient(t, reg.Addr)
 	cons := c.Consumer("orders.failures", client.WithLinger(time.Hour))
 	defer func() { require.NoError(t, cons.Close(t.Context())) }()
@@ -247,7 +247,7 @@ func TestConsumerFailures(t *testing.T) {
 // Workers of one consumer share its held Completes: every message runs
 // once, every Done resolves, and every outcome is stored.
 func TestConsumerWorkersRace(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, log := loggedClient(t, reg.Addr)
 	cons := c.Consumer("orders.workers")
 	const workers, perWorker = 8, 40
@@ -298,7 +298,7 @@ func TestConsumerWorkersRace(t *testing.T) {
 // is remembered after one try: the Consumer then makes Once's calls, and
 // every message is still handled once and completed.
 func TestConsumerRegistryWithoutBatch(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	l := &batchLog{calls: map[string]int{}}
 	conn, err := grpc.NewClient(reg.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithChainUnaryInterceptor(l.interceptor,
@@ -335,7 +335,7 @@ func TestConsumerRegistryWithoutBatch(t *testing.T) {
 // the registry is back (within its bookkeeping timeout), and the Claim
 // that carried it fails on its own, without waiting for those repeats.
 func TestConsumerCompleteOutlivesAnOutage(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	var down atomic.Bool
 	conn, err := grpc.NewClient(reg.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
@@ -373,7 +373,7 @@ func TestConsumerCompleteOutlivesAnOutage(t *testing.T) {
 // worker that gives up while queued returns at once and its Claim is never
 // sent, and the others' Claims are answered once the Batch is.
 func TestConsumerQueuedClaims(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	l := &batchLog{calls: map[string]int{}}
 	gate, sent := make(chan struct{}), make(chan struct{}, 10)
 	var gated atomic.Bool

@@ -16,8 +16,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 // hangGuard ends a wait that would otherwise hang until the test binary's
@@ -38,10 +38,10 @@ func recv[T any](t *testing.T, ch <-chan T) T {
 
 // shortLeases lets tests claim leases of a few tens of milliseconds, so
 // heartbeats and real lease expiry happen within a fast test.
-func shortLeases() registrytest.Option {
-	l := registrytest.DefaultLimits()
+func shortLeases() inprocess.Option {
+	l := inprocess.DefaultLimits()
 	l.MinLease = 10 * time.Millisecond
-	return registrytest.WithLimits(l)
+	return inprocess.WithLimits(l)
 }
 
 // observer watches the calls a client makes to the registry: how many
@@ -59,7 +59,7 @@ type observer struct {
 }
 
 // observedClient is a client of reg whose registry calls the observer sees.
-func observedClient(t *testing.T, reg *registrytest.Registry, opts ...client.ClientOption) (*client.Client, *observer) {
+func observedClient(t *testing.T, reg *inprocess.Registry, opts ...client.ClientOption) (*client.Client, *observer) {
 	t.Helper()
 	o := newObserver()
 	conn, err := grpc.NewClient(reg.Addr,
@@ -181,7 +181,7 @@ func eventually(t *testing.T, cond func() bool, what string) {
 // gatedClient is a client of reg whose first Claim reaches the registry but
 // whose answer is held back until open is called: a Claim in flight when
 // the caller's deadline hits.
-func gatedClient(t *testing.T, reg *registrytest.Registry) (c *client.Client, sent <-chan struct{}, open func()) {
+func gatedClient(t *testing.T, reg *inprocess.Registry) (c *client.Client, sent <-chan struct{}, open func()) {
 	t.Helper()
 	sentc, gate := make(chan struct{}), make(chan struct{})
 	var once sync.Once
@@ -208,7 +208,7 @@ func gatedClient(t *testing.T, reg *registrytest.Registry) (c *client.Client, se
 // lossyClient is a client of reg whose first `lose` Claims reach the
 // registry and take effect, but whose replies are lost: the caller sees
 // UNAVAILABLE. It returns the request ids of every Claim it sent.
-func lossyClient(t *testing.T, reg *registrytest.Registry, lose int32) (*client.Client, func() []string) {
+func lossyClient(t *testing.T, reg *inprocess.Registry, lose int32) (*client.Client, func() []string) {
 	t.Helper()
 	var (
 		mu  sync.Mutex

@@ -26,13 +26,13 @@ import (
 
 	"github.com/idemreg/idemreg/client"
 	"github.com/idemreg/idemreg/client/idemhttp"
-	"github.com/idemreg/idemreg/client/registrytest"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 // httpService is an HTTP API whose handler runs behind the middleware, on
 // a real registry.
 type httpService struct {
-	reg  *registrytest.Registry
+	reg  *inprocess.Registry
 	srv  *httptest.Server
 	runs atomic.Int64
 }
@@ -52,10 +52,10 @@ func oneCallerKey(key string) client.Key {
 }
 
 // newHTTPService serves h behind the middleware; h's runs are counted.
-func newHTTPService(t *testing.T, reg *registrytest.Registry, scope idemhttp.Scope, h http.HandlerFunc, opts ...idemhttp.Option) *httpService {
+func newHTTPService(t *testing.T, reg *inprocess.Registry, scope idemhttp.Scope, h http.HandlerFunc, opts ...idemhttp.Option) *httpService {
 	t.Helper()
 	if reg == nil {
-		reg = registrytest.Start(t)
+		reg = inprocess.Start(t)
 	}
 	s := &httpService{reg: reg}
 	counted := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -383,7 +383,7 @@ func TestHTTPDuplicateWaitsForTheFirst(t *testing.T) {
 // As in Once: the handler gets the fencing token, and its lease is
 // extended while it runs, so a slow handler keeps its key.
 func TestHTTPHeartbeatAndToken(t *testing.T) {
-	reg := registrytest.Start(t, shortLeases())
+	reg := inprocess.Start(t, shortLeases())
 	h, entered, release := blockingHTTP()
 	t.Cleanup(release)
 	s := newHTTPService(t, reg, oneCaller, h, idemhttp.WithOnceOptions(client.WithLease(60*time.Millisecond), client.WithInProgressWait(0)))
@@ -510,7 +510,7 @@ func TestHTTPEmptyScopeRefused(t *testing.T) {
 
 // A scope is a choice: the zero Scope does not build a middleware.
 func TestHTTPScopeRequired(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	require.PanicsWithValue(t,
 		"idemhttp.Middleware: no key scope: pass idemhttp.ScopeBy(the authenticated caller) or, knowing that every caller then shares one key space, idemhttp.Unscoped()",
 		func() { idemhttp.Middleware(reg.Client, idemhttp.Scope{}) })
@@ -530,7 +530,7 @@ func TestHTTPScopeRequired(t *testing.T) {
 // it) keeps replaying under Unscoped, whose registry key is the key as
 // sent, and another payload is still 422.
 func TestHTTPUnscopedRecordsFromBefore(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	req, err := http.NewRequest(http.MethodPost, "/charges", nil)
 	require.NoError(t, err)
 	fp := idemhttp.DefaultFingerprint(req, []byte(`{"amount":5}`))
@@ -641,7 +641,7 @@ func TestHTTPBounds(t *testing.T) {
 // A registry that cannot be reached: 503 with Retry-After, and the
 // handler does not run.
 func TestHTTPRegistryUnavailable(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	s := newHTTPService(t, reg, oneCaller, created)
 	require.NoError(t, reg.Stop())
 	a := s.send(t, http.MethodPost, "/x", "", `"k"`)
@@ -724,8 +724,8 @@ func TestHTTPRacingDuplicates(t *testing.T) {
 // and the takeover runs with a larger token.
 func TestHTTPLeaseLostCancelsTheRequest(t *testing.T) {
 	var offset atomic.Int64 // the registry's clock, ahead of the real one
-	reg := registrytest.Start(t, shortLeases(),
-		registrytest.WithClock(func() time.Time { return time.Now().Add(time.Duration(offset.Load())) }))
+	reg := inprocess.Start(t, shortLeases(),
+		inprocess.WithClock(func() time.Time { return time.Now().Add(time.Duration(offset.Load())) }))
 	type run struct {
 		a     client.Attempt
 		cause error

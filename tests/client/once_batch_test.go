@@ -12,7 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 func msgs(ids ...string) []client.BatchMessage {
@@ -27,7 +27,7 @@ func msgs(ids ...string) []client.BatchMessage {
 // and recorded in one BatchComplete; each message's result is what Once
 // would have given it, and the registry's state afterwards proves it.
 func TestOnceBatch(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, obs := observedClient(t, reg)
 	ctx := t.Context()
 	// Earlier deliveries: one applied, one refused for good, one at work.
@@ -127,7 +127,7 @@ func TestOnceBatch(t *testing.T) {
 // holder is working on is claimed again after the acquired ones are done,
 // and gets the holder's outcome as soon as it is stored.
 func TestOnceBatchWaitsInProgress(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, obs := observedClient(t, reg)
 	release, done := blocking(t, reg.Client, "busy", client.WithLease(time.Minute))
 	batch := []client.BatchMessage{{ID: "free"}, {ID: "busy"}}
@@ -164,7 +164,7 @@ func TestOnceBatchWaitsInProgress(t *testing.T) {
 // the messages before it are recorded, it and those after it are released
 // unrun, and the panic goes on.
 func TestOnceBatchPanic(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, ctx := reg.Client, t.Context()
 	batch := msgs("p-1", "p-2", "p-3")
 	var ran []string
@@ -194,7 +194,7 @@ func TestOnceBatchPanic(t *testing.T) {
 // TestOnceBatchSplits: a batch above the registry's item limit goes in
 // calls of at most MaxBatchItems, and every message is handled once.
 func TestOnceBatchSplits(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, obs := observedClient(t, reg)
 	const n = 2*client.MaxBatchItems + 1
 	batch := make([]client.BatchMessage, n)
@@ -219,7 +219,7 @@ func TestOnceBatchSplits(t *testing.T) {
 // TestOnceBatchKeepsWaitingClaims: a message waiting its turn behind a
 // slow one keeps its claim: its lease is extended from its acquisition.
 func TestOnceBatchKeepsWaitingClaims(t *testing.T) {
-	reg := registrytest.Start(t, shortLeases())
+	reg := inprocess.Start(t, shortLeases())
 	c, ctx := reg.Client, t.Context()
 	const lease = 100 * time.Millisecond
 	batch := msgs("slow", "next")
@@ -245,7 +245,7 @@ func TestOnceBatchKeepsWaitingClaims(t *testing.T) {
 // TestBatchClaimTypedErrors: BatchClaim's per-item errors are the typed
 // errors Claim returns.
 func TestBatchClaimTypedErrors(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, ctx := reg.Client, t.Context()
 	_, err := c.Claim(ctx, client.ClaimParams{Key: msgKey, Fingerprint: []byte("a")})
 	require.NoError(t, err)
@@ -276,7 +276,7 @@ func TestBatchClaimTypedErrors(t *testing.T) {
 // TestOnceBatchContextEnds: once the caller's context ends, the messages
 // not yet run are released unrun, so a redelivery runs them at once.
 func TestOnceBatchContextEnds(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c := reg.Client
 	ctx, cancel := context.WithCancel(t.Context())
 	batch := msgs("c-1", "c-2")

@@ -15,8 +15,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 const inbox = "ledger.payments-inbox"
@@ -24,7 +24,7 @@ const inbox = "ledger.payments-inbox"
 var msgKey = client.Key{Consumer: inbox, Kind: client.KindMessage, Key: "msg-1"}
 
 func TestOnceRunsAndReplays(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, ctx := reg.Client, t.Context()
 	var runs atomic.Int64
 	var seen client.Attempt
@@ -66,7 +66,7 @@ func TestOnceRunsAndReplays(t *testing.T) {
 // token the first Claim acquired, and runs the work once, at attempt 1,
 // instead of finding the key in progress under a lease nobody holds.
 func TestOnceLostClaimReply(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, sent := lossyClient(t, reg, 2)
 	var runs atomic.Int64
 	var seen client.Attempt
@@ -97,7 +97,7 @@ func TestOnceLostClaimReply(t *testing.T) {
 // lost one gets its token only if it won; the other never gets a token it
 // did not win. Exactly one runs the work.
 func TestClaimRequestIDIsNotShared(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	for round := range 10 {
 		lossy, _ := lossyClient(t, reg, 1)
 		plain := reg.Client
@@ -122,7 +122,7 @@ func TestClaimRequestIDIsNotShared(t *testing.T) {
 }
 
 func TestOnceOptions(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, ctx := reg.Client, t.Context()
 	ok := func(context.Context, client.Attempt) ([]byte, error) { return nil, nil }
 
@@ -139,7 +139,7 @@ func TestOnceOptions(t *testing.T) {
 }
 
 func TestOnceFinalFailureIsReplayed(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, ctx := reg.Client, t.Context()
 	var runs atomic.Int64
 
@@ -178,7 +178,7 @@ func TestOnceFinalFailureIsReplayed(t *testing.T) {
 }
 
 func TestOnceRetryableErrorReleases(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, ctx := reg.Client, t.Context()
 	dbDown := errors.New("ledger database unavailable")
 	var attempts []client.Attempt
@@ -205,7 +205,7 @@ func TestOnceRetryableErrorReleases(t *testing.T) {
 }
 
 func TestOncePanicReleases(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, ctx := reg.Client, t.Context()
 	func() {
 		defer func() { require.Equal(t, "boom", recover()) }()
@@ -241,7 +241,7 @@ func blocking(t *testing.T, c *client.Client, id string, opts ...client.OnceOpti
 }
 
 func TestOnceInProgress(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c := reg.Client
 	release, done := blocking(t, c, "msg-1", client.WithLease(10*time.Second))
 
@@ -263,7 +263,7 @@ func TestOnceInProgress(t *testing.T) {
 }
 
 func TestOnceWaitsForTheHolder(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	release, done := blocking(t, reg.Client, "msg-1")
 	waiter, obs := observedClient(t, reg)
 
@@ -290,7 +290,7 @@ func TestOnceWaitsForTheHolder(t *testing.T) {
 }
 
 func TestOnceWaitEndsWithTheContext(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	release, done := blocking(t, reg.Client, "msg-1")
 	defer func() { close(release); <-done }()
 	ctx, cancel := context.WithCancel(t.Context())
@@ -303,8 +303,8 @@ func TestOnceWaitEndsWithTheContext(t *testing.T) {
 
 func TestOnceTakesOverACrashedHolder(t *testing.T) {
 	t.Run("store clock moved past the lease", func(t *testing.T) {
-		clock := &registrytest.Clock{}
-		reg := registrytest.Start(t, registrytest.WithClock(clock.Now))
+		clock := &inprocess.Clock{}
+		reg := inprocess.Start(t, inprocess.WithClock(clock.Now))
 		c, ctx := reg.Client, t.Context()
 		// A holder that claimed and died.
 		crashed, err := c.Claim(ctx, client.ClaimParams{Key: msgKey, Lease: 30 * time.Second})
@@ -323,7 +323,7 @@ func TestOnceTakesOverACrashedHolder(t *testing.T) {
 	})
 
 	t.Run("waiting duplicate takes over when the lease runs out", func(t *testing.T) {
-		reg := registrytest.Start(t, shortLeases())
+		reg := inprocess.Start(t, shortLeases())
 		c, ctx := reg.Client, t.Context()
 		_, err := c.Claim(ctx, client.ClaimParams{Key: msgKey, Lease: 50 * time.Millisecond})
 		require.NoError(t, err)
@@ -337,7 +337,7 @@ func TestOnceTakesOverACrashedHolder(t *testing.T) {
 }
 
 func TestOnceExtendsTheLease(t *testing.T) {
-	reg := registrytest.Start(t, shortLeases())
+	reg := inprocess.Start(t, shortLeases())
 	c, ctx := reg.Client, t.Context()
 	const lease = 100 * time.Millisecond
 
@@ -367,7 +367,7 @@ func TestOnceExtendsTheLease(t *testing.T) {
 }
 
 // currentToken returns the record's current token, as an operator sees it.
-func currentToken(t *testing.T, reg *registrytest.Registry, k client.Key) int64 {
+func currentToken(t *testing.T, reg *inprocess.Registry, k client.Key) int64 {
 	res, err := idemregv1.NewAdminServiceClient(reg.Conn).InspectRecord(t.Context(),
 		&idemregv1.InspectRecordRequest{Consumer: k.Consumer, Kind: idemregv1.Kind(k.Kind), Key: k.Key})
 	require.NoError(t, err)
@@ -375,8 +375,8 @@ func currentToken(t *testing.T, reg *registrytest.Registry, k client.Key) int64 
 }
 
 func TestOnceLeaseLostCancelsTheHandler(t *testing.T) {
-	clock := &registrytest.Clock{}
-	reg := registrytest.Start(t, shortLeases(), registrytest.WithClock(clock.Now))
+	clock := &inprocess.Clock{}
+	reg := inprocess.Start(t, shortLeases(), inprocess.WithClock(clock.Now))
 	c, ctx := reg.Client, t.Context()
 
 	started := make(chan client.Attempt)
@@ -406,7 +406,7 @@ func TestOnceLeaseLostCancelsTheHandler(t *testing.T) {
 }
 
 func TestOnceRegistryDown(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	require.NoError(t, reg.Stop())
 	res, err := reg.Client.Once(t.Context(), inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) {
 		t.Error("ran without the registry")
@@ -418,7 +418,7 @@ func TestOnceRegistryDown(t *testing.T) {
 }
 
 func TestOnceOutcomeNotRecorded(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	res, err := reg.Client.Once(t.Context(), inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) {
 		require.NoError(t, reg.StopStore()) // the registry's database goes down mid-handler
 		return []byte("applied"), nil
@@ -432,7 +432,7 @@ func TestOnceOutcomeNotRecorded(t *testing.T) {
 // exactly once; every other delivery gets the replayed outcome (when it
 // waits) or ErrInProgress (when it does not).
 func TestOnceRace(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	const n = 32
 	for _, wait := range []bool{true, false} {
 		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
@@ -482,7 +482,7 @@ func TestOnceRace(t *testing.T) {
 // once, and the claim it never learned of is released instead of blocking
 // the key for a whole lease.
 func TestOnceDeadlineDuringClaim(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, sent, open := gatedClient(t, reg)
 	defer open()
 	// Should the caller wait for the answer (the bug this guards against),
@@ -505,7 +505,7 @@ func TestOnceDeadlineDuringClaim(t *testing.T) {
 }
 
 func TestOnceZeroLeaseTakesTheDefault(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	res, err := reg.Client.Once(t.Context(), inbox, "msg-1", func(context.Context, client.Attempt) ([]byte, error) { return nil, nil },
 		client.WithLease(0), client.WithBookkeepingTimeout(0))
 	require.NoError(t, err)
@@ -517,10 +517,10 @@ func TestOnceZeroLeaseTakesTheDefault(t *testing.T) {
 // context is cancelled with that cause; the next attempt has a total of
 // its own.
 func TestOnceLeaseTotalCancelsTheHandler(t *testing.T) {
-	clock := &registrytest.Clock{}
-	l := registrytest.DefaultLimits()
+	clock := &inprocess.Clock{}
+	l := inprocess.DefaultLimits()
 	l.MinLease, l.DefaultLease, l.MaxLease, l.MaxLeaseTotal = 10*time.Millisecond, 100*time.Millisecond, time.Second, time.Second
-	reg := registrytest.Start(t, registrytest.WithLimits(l), registrytest.WithClock(clock.Now))
+	reg := inprocess.Start(t, inprocess.WithLimits(l), inprocess.WithClock(clock.Now))
 	c, ctx := reg.Client, t.Context()
 
 	started := make(chan client.Attempt)

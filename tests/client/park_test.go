@@ -10,7 +10,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 // parkKey claims k with c and parks it with reason, as a holder that sent
@@ -28,7 +28,7 @@ func parkKey(t *testing.T, c *client.Client, k client.Key, reason string) client
 }
 
 func TestParkTypedClient(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c := reg.Client
 	k := client.Key{Consumer: inbox, Kind: client.KindOperation, Key: "op-1"}
 	cl := parkKey(t, c, k, "sent, no answer")
@@ -49,7 +49,7 @@ func TestParkTypedClient(t *testing.T) {
 }
 
 func TestOnceParked(t *testing.T) {
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c := reg.Client
 	parkKey(t, c, client.Key{Consumer: inbox, Kind: client.KindMessage, Key: "msg-1"}, "outcome unknown")
 

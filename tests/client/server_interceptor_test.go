@@ -19,13 +19,13 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 // serviceEnv is a service whose RPCs go through UnaryServerInterceptor,
 // called over a plain connection.
 type serviceEnv struct {
-	reg  *registrytest.Registry
+	reg  *inprocess.Registry
 	down *downstream
 	conn *grpc.ClientConn
 	obs  *observer
@@ -44,7 +44,7 @@ func recoverPanics(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next g
 
 func newService(t *testing.T, opts ...client.InterceptorOption) *serviceEnv {
 	t.Helper()
-	reg := registrytest.Start(t)
+	reg := inprocess.Start(t)
 	c, obs := observedClient(t, reg)
 	addr, down := startDownstream(t, grpc.ChainUnaryInterceptor(recoverPanics, client.UnaryServerInterceptor(c, opts...)),
 		grpc.ChainStreamInterceptor())

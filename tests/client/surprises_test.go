@@ -26,12 +26,12 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/idemreg/idemreg/client"
-	"github.com/idemreg/idemreg/client/registrytest"
+	"github.com/idemreg/idemreg/tests/internal/inprocess"
 )
 
 func TestKeyedStreamsAreRefused(t *testing.T) {
 	t.Run("server side", func(t *testing.T) {
-		reg := registrytest.Start(t)
+		reg := inprocess.Start(t)
 		c, obs := observedClient(t, reg)
 		addr, down := startDownstream(t,
 			grpc.ChainUnaryInterceptor(client.UnaryServerInterceptor(c)),
@@ -60,7 +60,7 @@ func TestKeyedStreamsAreRefused(t *testing.T) {
 		require.Empty(t, obs.allMetadata(), "a stream never reaches the registry")
 	})
 	t.Run("client side", func(t *testing.T) {
-		reg := registrytest.Start(t)
+		reg := inprocess.Start(t)
 		c, _ := observedClient(t, reg)
 		addr, down := startDownstream(t)
 		conn := dial(t, addr, grpc.WithUnaryInterceptor(client.UnaryClientInterceptor(c)),
@@ -76,7 +76,7 @@ func TestKeyedStreamsAreRefused(t *testing.T) {
 	})
 	t.Run("a unary interceptor alone says which streams go unguarded", func(t *testing.T) {
 		var logs syncBuffer
-		reg := registrytest.Start(t)
+		reg := inprocess.Start(t)
 		c, _ := observedClient(t, reg, client.WithLogger(slog.New(slog.NewJSONHandler(&logs, nil))))
 		srv := grpc.NewServer(grpc.ChainUnaryInterceptor(client.UnaryServerInterceptor(c)))
 		grpc_health_v1.RegisterHealthServer(srv, health.NewServer())
@@ -211,7 +211,7 @@ func TestInProgressRetryInfoIsAnEstimate(t *testing.T) {
 // and the call never runs again.
 func TestUnreadableStoredResult(t *testing.T) {
 	const req = "10 EUR"
-	store := func(t *testing.T, reg *registrytest.Registry, k client.Key) {
+	store := func(t *testing.T, reg *inprocess.Registry, k client.Key) {
 		fp, err := client.DefaultFingerprint(chargeMethod, wrapperspb.String(req))
 		require.NoError(t, err)
 		cl, err := reg.Client.Claim(t.Context(), client.ClaimParams{Key: k, Fingerprint: fp, Lease: time.Minute})
