@@ -48,11 +48,14 @@
 FROM --platform=$BUILDPLATFORM golang:1.26.8@sha256:9d2f36f06329b2a141b9db99ffa32765cf695ee57b813ca29e245e8670bcbfff AS build
 WORKDIR /src
 COPY go.mod go.sum ./
-# The API's and the client's modules, which go.mod replaces with ./proto
-# and ./client.
+# The API's and the client's modules. go.mod requires them at the release's
+# version, which the module proxy may not serve yet and the repository's
+# go.work (not in this context) serves from the checkout: this copy of
+# go.mod takes them from ./proto and ./client instead.
 COPY proto/go.mod proto/go.sum proto/
 COPY client/go.mod client/go.sum client/
 RUN --mount=type=cache,target=/go/pkg/mod \
+    go mod edit -replace=github.com/idemreg/idemreg/proto=./proto -replace=github.com/idemreg/idemreg/client=./client && \
     go mod download
 COPY . .
 ARG TARGETOS TARGETARCH

@@ -1,8 +1,12 @@
 # The developers' entry point. `make test` is the README's test command.
-BUF := go tool -modfile=proto/tools/go.mod buf
+# buf and its plugins come from their own module (proto/tools), outside the
+# workspace (go.work), hence GOWORK=off, which buf's plugins inherit.
+BUF := GOWORK=off go tool -modfile=proto/tools/go.mod buf
 # Every Go module but the buf tools' (docs/design.md, Modules); .ci/test
 # vets and tests each on its own go.mod.
 GO_MODULES := $(shell git ls-files -- '*go.mod' ':!proto/tools' | xargs -n1 dirname)
+# The modules outside the workspace (go.work): go runs there with GOWORK=off.
+STANDALONE := deploy/validate internal/release
 
 # What `idemreg version` prints, stamped by make build (-ldflags -X). The
 # Dockerfile has no .git, so it passes all three from its build arguments
@@ -12,7 +16,7 @@ REVISION ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 REVISION_TIME ?= $(shell git log -1 --format=%cI 2>/dev/null || echo unknown)
 LDFLAGS := -s -w -X main.version=$(VERSION) -X main.revision=$(REVISION) -X main.revisionTime=$(REVISION_TIME)
 
-.PHONY: run test adversarial generate lint breaking bench build image
+.PHONY: run test adversarial generate lint tidy breaking bench build image
 
 run: build ## build the binary that ships (make build) and serve on the embedded store
 	./bin/idemreg serve
@@ -38,7 +42,7 @@ adversarial: ## the adversarial suite against a real serve (docs/testing.md, "Ad
 generate: ## regenerate Go code from proto/ and examples/proto/, the reason constants from ErrorReason, and the TypeScript and Python clients' code
 	$(BUF) generate --template proto/buf.gen.yaml
 	cd proto/idemreg/v1 && go test -count=1 -run '^TestReasonConstants$$' . -args -update
-	cd examples && go tool -modfile=../proto/tools/go.mod buf generate
+	cd examples && GOWORK=off go tool -modfile=../proto/tools/go.mod buf generate
 	cd clients/typescript && npm ci --no-audit --no-fund
 	$(BUF) generate --template clients/typescript/buf.gen.yaml
 	$(BUF) generate --template clients/python/buf.gen.yaml
@@ -46,9 +50,17 @@ generate: ## regenerate Go code from proto/ and examples/proto/, the reason cons
 
 lint:
 	$(BUF) lint
-	cd examples && go tool -modfile=../proto/tools/go.mod buf lint
-	for m in $(GO_MODULES); do (cd $$m && go vet ./...) || exit 1; done
+	cd examples && GOWORK=off go tool -modfile=../proto/tools/go.mod buf lint
+	for m in $(GO_MODULES); do \
+		case " $(STANDALONE) " in *" $$m "*) w=off;; *) w=;; esac; \
+		(cd $$m && GOWORK=$$w go vet ./...) || exit 1; \
+	done
 	cd tests && go vet -tags 'linearizability chaos' ./...
+
+# go mod tidy cannot resolve our modules' own versions before they are on the
+# module proxy; .ci/tidy -w tidies a module with them taken from this checkout.
+tidy: ## go mod tidy in every Go module, each seen alone
+	for m in $(GO_MODULES); do .ci/tidy -w $$m || exit 1; done
 
 breaking: ## compare the API with main (.ci/breaking says against which commit)
 	.ci/breaking

@@ -8,8 +8,8 @@ require (
 	github.com/cockroachdb/cockroach-go/v2 v2.4.2
 	github.com/cockroachdb/pebble/v2 v2.1.7
 	github.com/grpc-ecosystem/go-grpc-middleware/v2 v2.3.4
-	github.com/idemreg/idemreg/client v0.0.0-00010101000000-000000000000
-	github.com/idemreg/idemreg/proto v0.0.0-00010101000000-000000000000
+	github.com/idemreg/idemreg/client v0.1.0
+	github.com/idemreg/idemreg/proto v0.1.0
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/redis/go-redis/v9 v9.23.0
@@ -24,8 +24,8 @@ require (
 	go.opentelemetry.io/otel/trace v1.47.0
 	go.opentelemetry.io/proto/otlp v1.11.1
 	go.yaml.in/yaml/v3 v3.0.6
-	golang.org/x/net v0.60.0
-	golang.org/x/sys v0.48.0
+	golang.org/x/net v0.62.0
+	golang.org/x/sys v0.49.0
 	golang.org/x/time v0.16.0
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20261110000943-09e21b237f2c
 	google.golang.org/grpc v1.85.0
@@ -82,16 +82,7 @@ require (
 	go.opentelemetry.io/otel/sdk/log v1.47.0 // indirect
 	go.uber.org/atomic v1.12.0 // indirect
 	golang.org/x/exp v0.0.0-20260908205506-85c1c2202aba // indirect
-	golang.org/x/sync v0.23.0 // indirect
-	golang.org/x/text v0.42.0 // indirect
+	golang.org/x/sync v0.24.0 // indirect
+	golang.org/x/text v0.43.0 // indirect
 	google.golang.org/genproto/googleapis/api v0.0.0-20261110000943-09e21b237f2c // indirect
-)
-
-// The generated API and the client are modules of their own (proto/go.mod,
-// client/go.mod), so that a service importing them takes none of the
-// registry's requirements. Until they are published, this checkout
-// provides them. (The registry needs the client for its tests only.)
-replace (
-	github.com/idemreg/idemreg/client => ./client
-	github.com/idemreg/idemreg/proto => ./proto
 )

@@ -5,15 +5,14 @@ go 1.26.8
 require (
 	github.com/Shopify/toxiproxy/v2 v2.12.0
 	github.com/anishathalye/porcupine v1.3.1
-	github.com/idemreg/idemreg v0.0.0-00010101000000-000000000000
-	github.com/idemreg/idemreg/client v0.0.0-00010101000000-000000000000
-	github.com/idemreg/idemreg/client/registrytest v0.0.0-00010101000000-000000000000
-	github.com/idemreg/idemreg/proto v0.0.0-00010101000000-000000000000
+	github.com/idemreg/idemreg v0.1.0
+	github.com/idemreg/idemreg/client v0.1.0
+	github.com/idemreg/idemreg/proto v0.1.0
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/nats-io/nats.go v1.55.0
 	github.com/rs/zerolog v1.33.0
 	github.com/stretchr/testify v1.12.1
-	golang.org/x/net v0.60.0
+	golang.org/x/net v0.62.0
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20261110000943-09e21b237f2c
 	google.golang.org/grpc v1.85.0
 	google.golang.org/protobuf v1.36.12
@@ -66,18 +65,11 @@ require (
 	go.opentelemetry.io/otel/metric v1.47.0 // indirect
 	go.opentelemetry.io/otel/trace v1.47.0 // indirect
 	go.yaml.in/yaml/v3 v3.0.6 // indirect
-	golang.org/x/crypto v0.57.0 // indirect
+	golang.org/x/crypto v0.58.0 // indirect
 	golang.org/x/exp v0.0.0-20260908205506-85c1c2202aba // indirect
-	golang.org/x/sync v0.23.0 // indirect
-	golang.org/x/sys v0.48.0 // indirect
-	golang.org/x/text v0.42.0 // indirect
+	golang.org/x/sync v0.24.0 // indirect
+	golang.org/x/sys v0.49.0 // indirect
+	golang.org/x/text v0.43.0 // indirect
 	golang.org/x/time v0.16.0 // indirect
 	gopkg.in/tomb.v1 v1.0.0-20141024135613-dd632973f1e7 // indirect
-)
-
-replace (
-	github.com/idemreg/idemreg => ../
-	github.com/idemreg/idemreg/client => ../client
-	github.com/idemreg/idemreg/client/registrytest => ../client/registrytest
-	github.com/idemreg/idemreg/proto => ../proto
 )
