@@ -96,8 +96,9 @@ type decision struct {
 	release bool
 }
 
-// runHeld is the one lifecycle of claimed work, shared by Once, OnceBatch
-// and both interceptors: work runs while the lease is extended every half
+// runHeld is the one lifecycle of claimed work, shared by Once, the
+// Consumer and both interceptors (OnceBatch holds its claims the same way,
+// one after the other, in runBatch): work runs while the lease is extended every half
 // lease; should the registry report the claim lost (or its total lease
 // spent), work's context is cancelled with that error as cause, since from
 // then on its effect may race another holder's. If work panics the key is
