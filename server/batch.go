@@ -107,7 +107,7 @@ func (s *Service) admitClaim(ctx context.Context, method string, i int, req *ide
 	if named[p.Key] > 1 {
 		wait = 0
 	}
-	if err := s.memory.refuse(); err != nil {
+	if err := s.admission.RefuseClaim(); err != nil {
 		return batchItem{}, s.toStatus(ctx, method, p.Key, err)
 	}
 	// Each item's quota on its own, before the store: a refused item is

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"runtime/debug"
+	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
@@ -39,7 +40,7 @@ import (
 //     request by consumer prefix, at least one consumer under it, and the
 //     handler shows only those), or PERMISSION_DENIED — before the handler
 //     has read anything;
-//  7. calls per identity (bounds.go): an identity with MaxCallsPerIdentity
+//  7. calls per identity (server/internal/admission): an identity with MaxCallsPerIdentity
 //     calls in progress gets RESOURCE_EXHAUSTED, TOO_MANY_CALLS;
 //  8. rate limit: the identity's token bucket, then the consumer's, or
 //     RESOURCE_EXHAUSTED with QuotaFailure and RetryInfo; each item of a
@@ -61,7 +62,7 @@ func (s *Server) unaryInterceptors() []grpc.UnaryServerInterceptor {
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), protected),
 		refuseMalformed,
 		selector.UnaryServerInterceptor(s.authorize, protected),
-		selector.UnaryServerInterceptor(s.identityCalls.intercept, protected),
+		selector.UnaryServerInterceptor(s.admission.CallsPerIdentity, protected),
 		s.rateLimit,
 	}
 }
@@ -79,7 +80,7 @@ func (s *Server) streamInterceptors() []grpc.StreamServerInterceptor {
 		}, protected),
 		// What is left is public: bounded in number, since no credential
 		// stands behind it.
-		s.public.intercept,
+		s.admission.PublicStream,
 	}
 }
 
@@ -114,4 +115,34 @@ func chainStream(interceptors ...grpc.StreamServerInterceptor) grpc.StreamServer
 		}
 		return next(srv, ss)
 	}
+}
+
+// Defaults of the request budget.
+const (
+	// DefaultRequestTimeout is the budget of a request that carries no
+	// deadline: every call is one or a few store round trips, so a call
+	// still running after it is stuck behind something.
+	DefaultRequestTimeout = 5 * time.Second
+	// DefaultMaxRequestTimeout caps the deadline a request may carry, so
+	// that a caller cannot hold a store connection or an in-flight slot for
+	// minutes. It stays below the default keepalive MaxConnectionAgeGrace
+	// (this plus 5 s), so a connection being recycled lets its last calls
+	// finish.
+	DefaultMaxRequestTimeout = 30 * time.Second
+)
+
+// deadline gives a request without a deadline the server's budget and
+// clamps one that is further away than the maximum. Store calls take the
+// request's context, so they are bounded by the same deadline.
+func (s *Server) deadline(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
+	budget := s.cfg.RequestTimeout
+	if d, ok := ctx.Deadline(); ok {
+		if time.Until(d) <= s.cfg.MaxRequestTimeout {
+			return next(ctx, req)
+		}
+		budget = s.cfg.MaxRequestTimeout
+	}
+	ctx, cancel := context.WithTimeout(ctx, budget)
+	defer cancel()
+	return next(ctx, req)
 }

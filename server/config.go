@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -18,6 +19,7 @@ import (
 	"github.com/idemreg/idemreg/server/configfile"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/replicas"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/server/resulttype"
 )
@@ -384,4 +386,53 @@ func (c Config) Validate() error {
 	c.Replica.validate(bad)
 	errs = append(errs, c.Bounds.Validate(), c.Readiness.Validate())
 	return errors.Join(errs...)
+}
+
+// Replicas sharing a store find each other through it: each heartbeats a
+// row with its ID and the address its peers reach it on, when the store
+// keeps a membership (storage.Membership; both backends do, the embedded
+// one trivially); server/internal/replicas keeps this replica's place
+// among them. docs/operations.md, "Replicas", says how to set the address
+// up.
+
+// Defaults of Replica.
+const (
+	DefaultHeartbeat = replicas.DefaultHeartbeat
+	DefaultLiveFor   = replicas.DefaultLiveFor
+)
+
+// Replica is this replica's place in the membership.
+type Replica struct {
+	// ID names this replica in the membership; empty: a new one for each
+	// run of the process (the host name and random bytes).
+	ID string
+	// AdvertiseAddress is host:port, where the other replicas reach this
+	// one's gRPC listener. Empty: the listener's address, unless its host
+	// is unspecified (0.0.0.0, ::), when the host name replaces it. In
+	// Kubernetes, give the pod's IP (the downward API's status.podIP) and
+	// the port.
+	AdvertiseAddress string
+	// HeartbeatInterval is how often the replica writes its heartbeat and reads
+	// its peers (DefaultHeartbeat); MemberLiveFor is how old a heartbeat may be,
+	// by the store's clock, for its replica to count as live
+	// (DefaultLiveFor), more than HeartbeatInterval.
+	HeartbeatInterval, MemberLiveFor time.Duration
+}
+
+func (r Replica) validate(bad func(field string, value any, problem string)) {
+	if r.HeartbeatInterval < 0 {
+		bad("Replica.HeartbeatInterval", r.HeartbeatInterval, "must not be negative")
+	}
+	if r.MemberLiveFor < 0 {
+		bad("Replica.MemberLiveFor", r.MemberLiveFor, "must not be negative")
+	}
+	beat, live := cmp.Or(r.HeartbeatInterval, DefaultHeartbeat), cmp.Or(r.MemberLiveFor, DefaultLiveFor)
+	if r.HeartbeatInterval >= 0 && r.MemberLiveFor >= 0 && live <= beat {
+		bad("Replica.MemberLiveFor", live, fmt.Sprintf("must be more than the heartbeat interval (%v)", beat))
+	}
+	if a := r.AdvertiseAddress; a != "" {
+		if _, _, err := net.SplitHostPort(a); err != nil {
+			bad("Replica.AdvertiseAddress", a, "must be host:port")
+		}
+	}
 }

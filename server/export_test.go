@@ -10,27 +10,6 @@ import (
 	"github.com/idemreg/idemreg/storage"
 )
 
-// RefreshQuotas runs one refresh of srv's quota usage now, as its loop
-// does every QuotaRefresh.
-func RefreshQuotas(ctx context.Context, srv *Server) error { return srv.svc.quotas.Refresh(ctx) }
-
-// QuotaRefreshes reports srv's quota refreshes so far, done and failed,
-// and whether its refresh loop runs.
-func QuotaRefreshes(srv *Server) (done, failed int64, running bool) {
-	return srv.svc.quotas.Stats()
-}
-
-// QuotaUsage is what srv knows of consumer's usage; ok is false when it
-// does not follow the consumer.
-func QuotaUsage(srv *Server, consumer string) (records, bytes int64, ok bool) {
-	return srv.svc.quotas.Usage(consumer)
-}
-
-// WithoutQuotaWake keeps srv's refresh loop from counting a consumer as
-// soon as it is first seen, so that a test's counts come from its own
-// RefreshQuotas calls alone. Call it before Serve.
-func WithoutQuotaWake(srv *Server) { srv.svc.quotas.WithoutWake() }
-
 // CountParkedNow counts srv's parked records for its gauge now, as its
 // loop does every ParkedCountInterval.
 func CountParkedNow(ctx context.Context, srv *Server) error { return srv.parked.count(ctx) }

@@ -12,6 +12,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/admission"
 	"github.com/idemreg/idemreg/server/internal/reason"
 	"github.com/idemreg/idemreg/storage"
 )
@@ -37,10 +38,10 @@ func (s *Server) ServeHealth(lis net.Listener) error {
 	// The same codec as the main listener, so that a malformed check is
 	// INVALID_ARGUMENT there too (codec.go).
 	carried := newCarriedUnary(refuseMalformed)
-	opts := append(s.cfg.Bounds.serverOptions(newPendingCalls(s.cfg.Bounds.MaxPendingCalls/2, s.metrics)),
+	opts := append(s.admission.ServerOptions(admission.ListenerHealth),
 		grpc.ForceServerCodecV2(newRequestCodec()),
 		grpc.UnaryInterceptor(carried.unary),
-		grpc.StreamInterceptor(carried.streams(s.public.intercept)),
+		grpc.StreamInterceptor(carried.streams(s.admission.PublicStream)),
 		// A health request is a service name.
 		grpc.MaxRecvMsgSize(healthMaxRecvMsgSize),
 		// After serverOptions' MaxConcurrentStreams, which it replaces.
@@ -49,7 +50,7 @@ func (s *Server) ServeHealth(lis net.Listener) error {
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))
 	g := grpc.NewServer(opts...)
 	healthpb.RegisterHealthServer(decodingRegistrar{Server: g, carried: carried}, s.health)
-	lis = s.limitConnections("health", limitSources(lis, min(s.cfg.Bounds.MaxHealthConnectionsPerSource, s.cfg.Bounds.MaxConnections)))
+	lis = s.admission.Listen(admission.ListenerHealth, lis)
 	go func() { <-s.done; g.Stop() }()
 	if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return err

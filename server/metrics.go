@@ -10,6 +10,9 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc/codes"
 
+	"github.com/idemreg/idemreg/server/internal/admission"
+	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/replicas"
 	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/internal/waiting"
 )
@@ -39,18 +42,21 @@ const (
 	// counters of each refusal.
 	MetricLogSampled    = "idemreg.access_log.sampled_out"
 	MetricAdminActions  = "idemreg.admin.actions"
-	MetricBoundRefused  = "idemreg.bounds.refused"
-	MetricConnections   = "idemreg.connections"
+	MetricBoundRefused  = admission.MetricBoundRefused
+	MetricConnections   = admission.MetricConnections
 	MetricBatchSize     = storechain.MetricBatchSize
 	MetricWaits         = "idemreg.waits"
 	MetricWaitDuration  = "idemreg.wait.duration"
 	MetricWaitsRefused  = "idemreg.waits.refused"
 	MetricParkedRecords = "idemreg.parked_records"
-	MetricPeerWakes     = "idemreg.peer.wakes"
+	// MetricQuotaRefreshes counts the counts of the quotas' usage, by
+	// result (ok, failed: server/internal/quota).
+	MetricQuotaRefreshes = quota.MetricRefreshes
+	MetricPeerWakes      = replicas.MetricPeerWakes
 	// MetricPeerWakesReceived counts the Wakes this replica was sent, by
 	// result (server/internal/peers: woken, stale, replayed,
 	// other_replica, unsealed).
-	MetricPeerWakesReceived = "idemreg.peer.wakes.received"
+	MetricPeerWakesReceived = replicas.MetricPeerWakesReceived
 	// MetricRefusalsSlowed counts the refusals of callers over their
 	// budget (refusals.go), by whose budget (by: identity, source) and
 	// result (held, or full: answered at once, the held slots taken);
@@ -85,16 +91,17 @@ const (
 
 // metrics are the instruments of the request path; the store chain's
 // (claims by outcome, store durations and errors, in flight, overload,
-// batch sizes) are server/internal/storechain's, in the same scope.
+// batch sizes) are server/internal/storechain's, the bounds' (refusals,
+// connections) server/internal/admission's, the peers' wakes
+// server/internal/replicas', all in the same scope.
 type metrics struct {
-	rateLimited, denied, adminActions, boundRefused metric.Int64Counter
-	waits, waitsRefused, logSampled                 metric.Int64Counter
-	peerWakes, peerWakesReceived, refusalsSlowed    metric.Int64Counter
-	refusalsHeld                                    metric.Int64UpDownCounter
-	waitDuration                                    metric.Float64Histogram
-	connections                                     metric.Int64ObservableUpDownCounter
-	parkedRecords                                   metric.Int64ObservableGauge
-	meter                                           metric.Meter
+	rateLimited, denied, adminActions metric.Int64Counter
+	waits, waitsRefused, logSampled   metric.Int64Counter
+	refusalsSlowed                    metric.Int64Counter
+	refusalsHeld                      metric.Int64UpDownCounter
+	waitDuration                      metric.Float64Histogram
+	parkedRecords                     metric.Int64ObservableGauge
+	meter                             metric.Meter
 }
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
@@ -114,9 +121,6 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	counter(&out.adminActions, MetricAdminActions, "{call}", "AdminService calls, by action and result (ok or the error reason).")
 	counter(&out.waits, MetricWaits, "{claim}", "Claims that waited for a key in progress, by how they ended (ended: completed, acquired, parked, elapsed, canceled, full, drained, error).")
 	counter(&out.waitsRefused, MetricWaitsRefused, "{claim}", "Claims with a wait answered at once, key in progress, because the replica had --max-waiters waiting (bound=server) or the caller's identity had its share of them (bound=identity, with identity).")
-	counter(&out.peerWakes, MetricPeerWakes, "{key}", "Keys whose end this replica told another replica with a Claim waiting for it, by result (sent, failed, dropped, not_live); all but sent leave the waiters to their re-check.")
-	counter(&out.peerWakesReceived, MetricPeerWakesReceived, "{call}", "Wake calls of other replicas received, by result: woken, or refused as stale (sealed outside the freshness window), replayed (a sequence already taken), unsealed; other_replica wakes nothing. A refused Wake wakes nothing.")
-	counter(&out.boundRefused, MetricBoundRefused, "{call}", "Calls refused by a bound of server.Bounds, by bound: public_streams or pending_calls (TOO_MANY_STREAMS), or identity_calls (TOO_MANY_CALLS).")
 	counter(&out.refusalsSlowed, MetricRefusalsSlowed, "{call}", "Refusals of callers over their budget (--refusal-rate), by whose budget (by: identity, source) and result: held (answered after --refusal-delay) or full (the held slots taken: answered at once).")
 	var err error
 	out.refusalsHeld, err = m.Int64UpDownCounter(MetricRefusalsHeld, metric.WithUnit("{call}"),
@@ -125,9 +129,6 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	out.waitDuration, err = m.Float64Histogram(MetricWaitDuration, metric.WithUnit("s"),
 		metric.WithDescription("How long Claims waited for a key in progress, by how they ended."),
 		metric.WithExplicitBucketBoundaries(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-	errs = append(errs, err)
-	out.connections, err = m.Int64ObservableUpDownCounter(MetricConnections, metric.WithUnit("{connection}"),
-		metric.WithDescription("Connections open, by listener (grpc, health); each is bounded by MaxConnections."))
 	errs = append(errs, err)
 	out.parkedRecords, err = m.Int64ObservableGauge(MetricParkedRecords, metric.WithUnit("{record}"),
 		metric.WithDescription("Live parked records per consumer, as the store counted them at the last count (every ParkedCountInterval); the same on every replica of one database."))
@@ -150,9 +151,6 @@ func (m *metrics) zero(ctx context.Context, ids []string) {
 	}
 	for _, c := range []codes.Code{codes.Unauthenticated, codes.PermissionDenied} {
 		m.denied.Add(ctx, 0, codeAttr(c))
-	}
-	for _, b := range []string{"public_streams", "pending_calls", "identity_calls"} {
-		m.boundRefused.Add(ctx, 0, attrs(attribute.String("bound", b)))
 	}
 	for _, e := range []string{WaitCompleted, WaitAcquired, WaitParked, WaitElapsed, WaitCanceled, WaitFull, WaitDrained, WaitError} {
 		m.waits.Add(ctx, 0, attrs(attribute.String("ended", e)))

@@ -56,7 +56,7 @@ func TestQuotaConsumersPerIdentity(t *testing.T) {
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			ctx := t.Context()
-			c, srv := serveQuota(t, b.open(t, &storagetest.Clock{}), server.Config{File: quotaFile(t, tenantQuotaDoc), QuotaRefresh: time.Hour})
+			c := serveQuota(t, b.open(t, &storagetest.Clock{}), server.Config{File: quotaFile(t, tenantQuotaDoc), QuotaRefresh: time.Hour})
 			flood, calm := bearer(ctx, "flood-token"), bearer(ctx, "calm-token")
 
 			// The flood: one new key for each of more consumers than one
@@ -79,14 +79,14 @@ func TestQuotaConsumersPerIdentity(t *testing.T) {
 			t.Logf("flood: %d invented consumers, %d acquired a key, %d refused", invented, acquired, refused)
 
 			// Another team's new consumer is followed and held to its
-			// quota.
-			for _, k := range []string{"k1", "k2", "k3"} {
-				_, err := c.Claim(calm, quotaClaim("calm.new", k))
-				require.NoError(t, err, k)
-			}
-			require.NoError(t, server.RefreshQuotas(ctx, srv))
-			admitted := 0
-			for i := range 20 {
+			// quota. (Counts of the flood's consumers may still run: one
+			// that reads a Claim in flight counts it twice until the next,
+			// which errs toward refusing, so the test asks for at most the
+			// quota, at least its first key.)
+			_, err := c.Claim(calm, quotaClaim("calm.new", "k0"))
+			require.NoError(t, err)
+			admitted := 1
+			for i := range 22 {
 				_, err := c.Claim(calm, quotaClaim("calm.new", fmt.Sprintf("more-%d", i)))
 				if err == nil {
 					admitted++
@@ -94,7 +94,7 @@ func TestQuotaConsumersPerIdentity(t *testing.T) {
 				}
 				requireQuotaExceeded(t, err, "calm.new")
 			}
-			require.Zero(t, admitted, "another identity's consumer past its quota")
+			require.LessOrEqual(t, admitted, 3, "another identity's consumer held to its quota")
 			require.Equal(t, server.DefaultMaxQuotaConsumersPerIdentity, acquired, "the identity's followed consumers get their keys")
 			require.Equal(t, invented-acquired, refused, "beyond them, a consumer with a quota is refused, not admitted unchecked")
 		})
@@ -111,17 +111,15 @@ func TestQuotaOvershootConcurrentBatches(t *testing.T) {
 	const doc = "consumers:\n  - {name: quota.flood, max_records: 100, max_bytes: 8388608}\n"
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
-			ctx := t.Context()
 			// Counts of consumers seen first run as they would in
 			// production, racing the batches. An item refused at the
 			// quota costs a Lookup, one after the other in its batch,
 			// which under the race detector takes more than the default
 			// budget of a request.
-			c, srv := serveCounting(t, b.open(t, &storagetest.Clock{}), server.Config{File: quotaFile(t, doc), QuotaRefresh: time.Hour, RequestTimeout: server.DefaultMaxRequestTimeout})
+			store := b.open(t, &storagetest.Clock{})
+			c, _ := serveCounting(t, store, server.Config{File: quotaFile(t, doc), QuotaRefresh: time.Hour, RequestTimeout: server.DefaultMaxRequestTimeout})
 			acquired := raceNewKeys(t, []idemregv1.RegistryServiceClient{c}, "quota.flood", 16)
-			require.NoError(t, server.RefreshQuotas(ctx, srv))
-			records, bytes, ok := server.QuotaUsage(srv, "quota.flood")
-			require.True(t, ok)
+			records, bytes := storedUsage(t, store, "quota.flood")
 			t.Logf("one replica, 16 concurrent batches × 500 new keys, max_records 100: %d acquired, %d records (%d bytes) stored", acquired, records, bytes)
 			require.EqualValues(t, acquired, records)
 			require.LessOrEqual(t, records, int64(100), "one replica stores no more than the quota")
@@ -143,17 +141,17 @@ func TestQuotaOvershootAcrossReplicas(t *testing.T) {
 	db := pgtest.NewDatabase(t)
 	var clients []idemregv1.RegistryServiceClient
 	var servers []*server.Server
+	var stores []storage.Store
 	for range 2 {
 		s, err := postgres.Open(ctx, db)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = s.Close() })
 		c, srv := serveCounting(t, s, server.Config{File: quotaFile(t, doc), QuotaRefresh: time.Hour, RequestTimeout: server.DefaultMaxRequestTimeout})
-		clients, servers = append(clients, c), append(servers, srv)
+		clients, servers, stores = append(clients, c), append(servers, srv), append(stores, s)
 	}
 	seeReplicas(t, 2, servers...)
 	acquired := raceNewKeys(t, clients, "quota.flood", 16)
-	require.NoError(t, server.RefreshQuotas(ctx, servers[0]))
-	records, bytes, _ := server.QuotaUsage(servers[0], "quota.flood")
+	records, bytes := storedUsage(t, stores[0], "quota.flood")
 	t.Logf("two replicas, 16 concurrent batches × 500 new keys, max_records 100: %d acquired, %d records (%d bytes) stored", acquired, records, bytes)
 	require.EqualValues(t, acquired, records)
 	require.LessOrEqual(t, records, int64(100+100/2), "the replicas together store at most one share over the quota")
@@ -161,6 +159,17 @@ func TestQuotaOvershootAcrossReplicas(t *testing.T) {
 		_, err := c.Claim(ctx, quotaClaim("quota.flood", "after"))
 		requireStatus(t, err, codes.ResourceExhausted, idemregv1.ReasonQuotaExceeded)
 	}
+}
+
+// storedUsage is consumer's live records and their bytes, as the store
+// counts them (the count every replica's quota reads).
+func storedUsage(t *testing.T, store storage.Store, consumer string) (records, bytes int64) {
+	t.Helper()
+	counter, ok := store.(storage.UsageCounter)
+	require.True(t, ok, "%T counts usage", store)
+	usage, err := counter.ConsumerUsage(t.Context(), []string{consumer})
+	require.NoError(t, err)
+	return usage[consumer].Records, usage[consumer].Bytes
 }
 
 // serveCounting serves store with cfg as serve does, the counts of
@@ -227,17 +236,16 @@ func statusReason(err error) string {
 	return ""
 }
 
-// TestQuotaForgetsIdleConsumers: an identity's share of followed
-// consumers is its own (another identity still follows its consumers when
-// it is full), a consumer beyond it is refused new keys while its live
-// keys still work, and a consumer none of whose Claims a replica admitted
-// for QuotaIdleRefreshes refreshes is forgotten at the next, making room;
-// seen again, it is counted afresh.
-func TestQuotaForgetsIdleConsumers(t *testing.T) {
+// TestQuotaIdentityShare: an identity's share of followed consumers is
+// its own (another identity still follows its consumers when it is full),
+// and a consumer beyond it is refused new keys, the answer naming the
+// identity and its bound. (That an idle consumer is forgotten, making
+// room, is quota's TestForgetsIdleConsumers.)
+func TestQuotaIdentityShare(t *testing.T) {
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			ctx := t.Context()
-			c, srv := serveQuota(t, b.open(t, &storagetest.Clock{}), server.Config{
+			c := serveQuota(t, b.open(t, &storagetest.Clock{}), server.Config{
 				File: quotaFile(t, tenantQuotaDoc), QuotaRefresh: time.Hour, MaxQuotaConsumersPerIdentity: 2})
 			flood, calm := bearer(ctx, "flood-token"), bearer(ctx, "calm-token")
 			for _, consumer := range []string{"flood.c0", "flood.c1"} {
@@ -250,38 +258,14 @@ func TestQuotaForgetsIdleConsumers(t *testing.T) {
 			info := detail[*errdetails.ErrorInfo](t, err)
 			require.Equal(t, "flood", info.GetMetadata()["identity"])
 			require.Equal(t, "2", info.GetMetadata()["max_consumers"])
-			_, _, followed := server.QuotaUsage(srv, "flood.c2")
-			require.False(t, followed)
 
 			// Another identity's share is its own.
 			for _, consumer := range []string{"calm.c0", "calm.c1"} {
 				_, err := c.Claim(calm, quotaClaim(consumer, "k"))
 				require.NoError(t, err)
 			}
-
-			// Idle for QuotaIdleRefreshes refreshes: still followed.
-			for range server.QuotaIdleRefreshes {
-				require.NoError(t, server.RefreshQuotas(ctx, srv))
-			}
-			_, _, followed = server.QuotaUsage(srv, "flood.c0")
-			require.True(t, followed)
-			// A Claim admitted keeps its consumer followed: it is not
-			// idle.
-			_, err = c.Claim(flood, quotaClaim("flood.c1", "busy"))
-			require.NoError(t, err)
-			require.NoError(t, server.RefreshQuotas(ctx, srv))
-			_, _, followed = server.QuotaUsage(srv, "flood.c0")
-			require.False(t, followed, "idle for QuotaIdleRefreshes refreshes: forgotten")
-			_, _, followed = server.QuotaUsage(srv, "flood.c1")
-			require.True(t, followed, "Claimed meanwhile: still followed")
-
-			// Room for one more of flood's consumers, counted afresh.
-			_, err = c.Claim(flood, quotaClaim("flood.c2", "k"))
-			require.NoError(t, err)
-			_, err = c.Claim(flood, quotaClaim("flood.c0", "k2"))
-			requireQuotaExceeded(t, err, "flood.c0")
 			_, err = c.Claim(flood, quotaClaim("flood.c0", "k"))
-			require.NoError(t, err, "a consumer not followed still has its live keys")
+			require.NoError(t, err, "the identity's followed consumers keep their keys")
 		})
 	}
 }

@@ -45,30 +45,43 @@ consumers:
   - {prefix: quota.p., max_records: 1}
 `
 
-// quotaConfig, with serveQuota, refreshes only when a test asks
-// (RefreshQuotas), so that every count a test checks is the store's after
-// the calls before it.
+// quotaConfig counts usage every hour: in a test, only when a consumer is
+// first seen (the quota mechanics, refreshes included, are
+// server/internal/quota's tests; these are the answers a caller gets).
 func quotaConfig(t *testing.T) server.Config {
 	return server.Config{File: quotaFile(t, quotaDoc), QuotaRefresh: time.Hour}
 }
 
-// serveQuota is servertest.Serve with a server that counts usage only
-// when the test calls RefreshQuotas.
-func serveQuota(t *testing.T, store storage.Store, cfg server.Config) (idemregv1.RegistryServiceClient, *server.Server) {
+// quotaServer is a served registry whose metrics the test reads.
+type quotaServer struct {
+	idemregv1.RegistryServiceClient
+	srv    *server.Server
+	reader *sdkmetric.ManualReader
+}
+
+// serveQuota serves store with cfg, its metrics read by hand.
+func serveQuota(t *testing.T, store storage.Store, cfg server.Config) *quotaServer {
 	t.Helper()
-	srv, err := server.New(store, cfg)
-	require.NoError(t, err)
-	server.WithoutQuotaWake(srv)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, lis) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
-	return idemregv1.NewRegistryServiceClient(servertest.Dial(t, lis.Addr().String())), srv
+	reader := sdkmetric.NewManualReader()
+	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	addr, srv := servertest.Serve(t, store, cfg)
+	return &quotaServer{RegistryServiceClient: idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr)), srv: srv, reader: reader}
+}
+
+// counts are the server's counts of the quotas' usage so far
+// (idemreg.quota.refreshes), done and failed.
+func (q *quotaServer) counts(t *testing.T) (done, failed int64) {
+	sums := collectSums(t, q.reader)
+	return sums[server.MetricQuotaRefreshes+" result=ok"], sums[server.MetricQuotaRefreshes+" result=failed"]
+}
+
+// waitCounted waits for the server's count of the consumers it saw first
+// since it had done done counts: after it, until another consumer is seen
+// first, the usage changes only by the server's own Claims, which a test
+// can then predict.
+func (q *quotaServer) waitCounted(t *testing.T, done int64) {
+	t.Helper()
+	require.Eventually(t, func() bool { n, _ := q.counts(t); return n > done }, time.Minute, time.Millisecond)
 }
 
 func quotaClaim(consumer, key string) *idemregv1.ClaimRequest {
@@ -105,23 +118,20 @@ func requireQuotaExceeded(t *testing.T, err error, consumer string) *errdetails.
 // counted, a 4th new key is refused with QUOTA_EXCEEDED, alone or in a
 // batch, while Claims of its keys (replay, in progress, takeover) and
 // Complete, Release and Extend keep working, other consumers are not
-// affected, and a prefix's quota is each consumer's own. Once its records
-// expire, new keys are admitted again.
+// affected, and a prefix's quota is each consumer's own. (That expired
+// records leave the count at the next refresh is quota's
+// TestExpiredRecordsLeaveAtRefresh.)
 func TestQuotaRecords(t *testing.T) {
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			ctx := t.Context()
-			clock := &storagetest.Clock{}
-			c, srv := serveQuota(t, b.open(t, clock), quotaConfig(t))
+			c := serveQuota(t, b.open(t, &storagetest.Clock{}), quotaConfig(t))
 
-			var held []*idemregv1.ClaimResponse
-			for _, k := range []string{"k1", "k2", "k3"} {
+			held := []*idemregv1.ClaimResponse{requireAcquired(t, c, "quota.a", "k1")}
+			c.waitCounted(t, 0)
+			for _, k := range []string{"k2", "k3"} {
 				held = append(held, requireAcquired(t, c, "quota.a", k))
 			}
-			require.NoError(t, server.RefreshQuotas(ctx, srv))
-			records, _, ok := server.QuotaUsage(srv, "quota.a")
-			require.True(t, ok)
-			require.EqualValues(t, 3, records)
 
 			_, err := c.Claim(ctx, quotaClaim("quota.a", "k4"))
 			v := requireQuotaExceeded(t, err, "quota.a")
@@ -154,7 +164,6 @@ func TestQuotaRecords(t *testing.T) {
 			}
 			requireAcquired(t, c, "quota.p.x", "k1")
 			requireAcquired(t, c, "quota.p.y", "k1")
-			require.NoError(t, server.RefreshQuotas(ctx, srv))
 			_, err = c.Claim(ctx, quotaClaim("quota.p.x", "k2"))
 			requireQuotaExceeded(t, err, "quota.p.x")
 
@@ -173,11 +182,6 @@ func TestQuotaRecords(t *testing.T) {
 			require.Equal(t, idemregv1.Outcome_OUTCOME_ACQUIRED, res.GetOutcome())
 			_, err = claimResult(batch.GetResults()[3])
 			requireQuotaExceeded(t, err, "quota.p.y")
-
-			// Expired records do not count.
-			clock.Advance(server.DefaultMaxRetention + time.Hour)
-			require.NoError(t, server.RefreshQuotas(ctx, srv))
-			requireAcquired(t, c, "quota.a", "k4")
 		})
 	}
 }
@@ -185,29 +189,21 @@ func TestQuotaRecords(t *testing.T) {
 // TestQuotaBytes: max_bytes counts what storage.RecordBytes names. A
 // Complete may store a result past the quota (the bytes are checked at
 // Claim time only); the next new key is then refused, replays still work.
-// What this replica adds between refreshes agrees with the store's count.
+// (That what this replica adds agrees with the store's count is quota's
+// TestBytes.)
 func TestQuotaBytes(t *testing.T) {
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
 			ctx := t.Context()
-			c, srv := serveQuota(t, b.open(t, &storagetest.Clock{}), quotaConfig(t))
+			c := serveQuota(t, b.open(t, &storagetest.Clock{}), quotaConfig(t))
 
 			first := requireAcquired(t, c, "quota.bytes", "b1")
-			require.NoError(t, server.RefreshQuotas(ctx, srv))
-			claimBytes := int64(len("quota.bytes") + len("b1") + len("fp") + len("h"))
-			_, bytes, _ := server.QuotaUsage(srv, "quota.bytes")
-			require.Equal(t, claimBytes, bytes)
-
+			c.waitCounted(t, 0)
 			requireAcquired(t, c, "quota.bytes", "b2") // 34 bytes of 100
 			result := response(strings.Repeat("r", 80))
 			_, err := c.Complete(ctx, &idemregv1.CompleteRequest{Consumer: "quota.bytes", Kind: idemregv1.Kind_KIND_OPERATION, Key: "b1",
 				Token: first.GetToken(), ClaimSecret: first.GetClaimSecret(), Result: result})
 			require.NoError(t, err, "a Complete is never refused for the quota")
-			_, added, _ := server.QuotaUsage(srv, "quota.bytes")
-			require.NoError(t, server.RefreshQuotas(ctx, srv))
-			_, counted, _ := server.QuotaUsage(srv, "quota.bytes")
-			require.Equal(t, counted, added, "what the replica added is what the store counts")
-			require.Greater(t, counted, int64(100))
 
 			_, err = c.Claim(ctx, quotaClaim("quota.bytes", "b3"))
 			v := requireQuotaExceeded(t, err, "quota.bytes")
@@ -219,37 +215,31 @@ func TestQuotaBytes(t *testing.T) {
 	}
 }
 
-// TestQuotaAcrossReplicas: the count is the database's. A replica learns
-// of the records another replica created at its next refresh, so until
-// then it admits new keys past the quota (the quota's softness); after it,
-// both refuse.
+// TestQuotaAcrossReplicas: two replicas of one database, which find each
+// other through the membership, share a quota: each admits half of what
+// it had left at its last count, and says so in its refusal. (How the
+// counts of several replicas meet is quota's TestCountAcrossReplicas.)
 func TestQuotaAcrossReplicas(t *testing.T) {
 	ctx := t.Context()
 	db := pgtest.NewDatabase(t)
-	replica := func() (idemregv1.RegistryServiceClient, *server.Server) {
+	replica := func() *quotaServer {
 		s, err := postgres.Open(ctx, db)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = s.Close() })
 		return serveQuota(t, s, quotaConfig(t))
 	}
-	a, srvA := replica()
-	b, srvB := replica()
-	seeReplicas(t, 2, srvA, srvB)
+	a, b := replica(), replica()
+	seeReplicas(t, 2, a.srv, b.srv)
 	// Each of the two live replicas admits half of what the quota (3) had
-	// left at its last count (none yet): A two new keys, not three.
+	// left at its last count (one record, its own): A two new keys, not
+	// three.
 	requireAcquired(t, a, "quota.a", "k1")
+	a.waitCounted(t, 0)
 	requireAcquired(t, a, "quota.a", "k2")
 	_, err := a.Claim(ctx, quotaClaim("quota.a", "k3"))
 	requireQuotaExceeded(t, err, "quota.a")
 	require.Contains(t, status.Convert(err).Message(), "its share (1/2")
 	requireAcquired(t, b, "quota.a", "k3") // b has not counted yet
-	require.NoError(t, server.RefreshQuotas(ctx, srvB))
-	require.NoError(t, server.RefreshQuotas(ctx, srvA))
-	for _, c := range []idemregv1.RegistryServiceClient{a, b} {
-		_, err := c.Claim(ctx, quotaClaim("quota.a", "k4"))
-		v := requireQuotaExceeded(t, err, "quota.a")
-		require.Contains(t, v.GetDescription(), "3 known")
-	}
 }
 
 // seeReplicas waits until each of srvs counts n live replicas, which is
@@ -266,43 +256,13 @@ func seeReplicas(t *testing.T, n int, srvs ...*server.Server) {
 	}, 10*time.Second, 5*time.Millisecond)
 }
 
-// TestQuotaRefreshFailureKeepsUsage: when the store cannot count, the
-// refresh fails and is logged, and every consumer keeps the usage last
-// known.
-func TestQuotaRefreshFailureKeepsUsage(t *testing.T) {
-	for _, b := range backends {
-		t.Run(b.name, func(t *testing.T) {
-			ctx := t.Context()
-			var logs syncBuffer
-			cfg := quotaConfig(t)
-			cfg.Logger = jsonLogger(&logs)
-			store := b.open(t, &storagetest.Clock{})
-			c, srv := serveQuota(t, store, cfg)
-			for _, k := range []string{"k1", "k2", "k3"} {
-				requireAcquired(t, c, "quota.a", k)
-			}
-			require.NoError(t, server.RefreshQuotas(ctx, srv))
-			_, failedBefore, _ := server.QuotaRefreshes(srv)
-
-			require.NoError(t, store.Close()) // the store fails from now on
-			err := server.RefreshQuotas(ctx, srv)
-			require.ErrorIs(t, err, storage.ErrUnavailable)
-			_, failed, _ := server.QuotaRefreshes(srv)
-			require.Equal(t, failedBefore+1, failed)
-			records, _, ok := server.QuotaUsage(srv, "quota.a")
-			require.True(t, ok)
-			require.EqualValues(t, 3, records, "the usage last known stays")
-			lines := logs.lines(t, "quota refresh failed; consumers keep the usage last known")
-			require.NotEmpty(t, lines)
-			require.EqualValues(t, 1, lines[len(lines)-1]["consumers"])
-		})
-	}
-}
-
 // TestQuotaRefreshLoop: the server refreshes on its own every
-// QuotaRefresh, and its loop stops with Serve: no goroutine is left.
+// QuotaRefresh (idemreg.quota.refreshes counts them), and its loop stops
+// with Serve: no goroutine is left.
 func TestQuotaRefreshLoop(t *testing.T) {
-	srv, err := server.New(memStore(t), server.Config{File: quotaFile(t, quotaDoc), QuotaRefresh: time.Millisecond})
+	reader := sdkmetric.NewManualReader()
+	srv, err := server.New(memStore(t), server.Config{File: quotaFile(t, quotaDoc), QuotaRefresh: time.Millisecond,
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
 	require.NoError(t, err)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -313,34 +273,27 @@ func TestQuotaRefreshLoop(t *testing.T) {
 	requireAcquired(t, c, "quota.a", "k1")
 	// Wait on the refresh counter, not on a duration.
 	require.Eventually(t, func() bool {
-		records, _, _ := server.QuotaUsage(srv, "quota.a")
-		n, _, running := server.QuotaRefreshes(srv)
-		return running && n >= 2 && records == 1
+		return collectSums(t, reader)[server.MetricQuotaRefreshes+" result=ok"] >= 3
 	}, time.Minute, time.Millisecond)
 
 	cancel()
 	require.NoError(t, <-done)
-	_, _, running := server.QuotaRefreshes(srv)
-	require.False(t, running, "the refresh loop ended before Serve returned")
 	var stacks strings.Builder
 	require.NoError(t, pprof.Lookup("goroutine").WriteTo(&stacks, 1))
-	require.NotContains(t, stacks.String(), "(*quotas).run")
+	require.NotContains(t, stacks.String(), "quota.(*Quotas).Run", "the refresh loop ended before Serve returned")
 }
 
 // TestQuotaCountedWhenFirstSeen: a consumer Claiming for the first time on
 // a replica is counted at once, not at the next QuotaRefresh (here an
-// hour away).
+// hour away); a consumer without a quota is not.
 func TestQuotaCountedWhenFirstSeen(t *testing.T) {
-	addr, srv := servertest.Serve(t, memStore(t), quotaConfig(t))
-	c := idemregv1.NewRegistryServiceClient(servertest.Dial(t, addr))
+	c := serveQuota(t, memStore(t), quotaConfig(t))
+	requireAcquired(t, c, "quota.other", "k1")
 	requireAcquired(t, c, "quota.a", "k1")
-	require.Eventually(t, func() bool {
-		n, _, _ := server.QuotaRefreshes(srv)
-		return n >= 1
-	}, time.Minute, time.Millisecond)
-	records, _, ok := server.QuotaUsage(srv, "quota.a")
-	require.True(t, ok)
-	require.EqualValues(t, 1, records)
+	c.waitCounted(t, 0)
+	done, failed := c.counts(t)
+	require.EqualValues(t, 1, done, "one count, of quota.a")
+	require.Zero(t, failed)
 }
 
 // TestQuotaCost: Claims of consumers under their quota, or without one,
@@ -351,7 +304,7 @@ func TestQuotaCost(t *testing.T) {
 	reader := sdkmetric.NewManualReader()
 	cfg := quotaConfig(t)
 	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	c, _ := serveQuota(t, memStore(t), cfg)
+	c := serveQuota(t, memStore(t), cfg)
 	ops := func() map[string]uint64 {
 		var rm metricdata.ResourceMetrics
 		require.NoError(t, reader.Collect(t.Context(), &rm))
@@ -368,7 +321,10 @@ func TestQuotaCost(t *testing.T) {
 		}
 		return out
 	}
-	for _, k := range []string{"k1", "k2", "k3"} {
+	requireAcquired(t, c, "quota.a", "k1")
+	c.waitCounted(t, 0) // the count of quota.a, seen first, is not a Claim's
+	requireAcquired(t, c, "quota.other", "k1")
+	for _, k := range []string{"k2", "k3"} {
 		requireAcquired(t, c, "quota.a", k)
 		requireAcquired(t, c, "quota.other", k)
 	}
@@ -383,8 +339,9 @@ func TestQuotaCost(t *testing.T) {
 }
 
 // TestQuotaReload: a reload that removes a consumer's quota lifts it at
-// once, and the next refresh stops following the consumer; one that adds
-// a quota applies from the consumer's next Claim.
+// once; one that adds a quota applies from the consumer's next Claim.
+// (That the next refresh stops following the first, and counts the
+// second, is quota's TestPolicyChange.)
 func TestQuotaReload(t *testing.T) {
 	ctx := t.Context()
 	path := filepath.Join(t.TempDir(), "idemreg.yaml")
@@ -396,11 +353,11 @@ func TestQuotaReload(t *testing.T) {
 	write("consumers:\n  - {name: quota.r, max_records: 1}\n")
 	src, err := configfile.Open(path, server.DefaultLimits().Policy())
 	require.NoError(t, err)
-	c, srv := serveQuota(t, memStore(t), server.Config{File: src, QuotaRefresh: time.Hour})
+	c := serveQuota(t, memStore(t), server.Config{File: src, QuotaRefresh: time.Hour})
 
 	requireAcquired(t, c, "quota.r", "k1")
+	c.waitCounted(t, 0)
 	requireAcquired(t, c, "quota.s", "k1")
-	require.NoError(t, server.RefreshQuotas(ctx, srv))
 	_, err = c.Claim(ctx, quotaClaim("quota.r", "k2"))
 	requireQuotaExceeded(t, err, "quota.r")
 
@@ -408,12 +365,9 @@ func TestQuotaReload(t *testing.T) {
 	_, err = src.Reload()
 	require.NoError(t, err)
 	requireAcquired(t, c, "quota.r", "k2")
-	require.NoError(t, server.RefreshQuotas(ctx, srv))
-	_, _, followed := server.QuotaUsage(srv, "quota.r")
-	require.False(t, followed, "a consumer without a quota is not counted")
-	_, err = c.Claim(ctx, quotaClaim("quota.s", "k2")) // now seen with a quota
-	require.NoError(t, err, "counted as empty until its first count")
-	require.NoError(t, server.RefreshQuotas(ctx, srv))
+	done, _ := c.counts(t)
+	requireAcquired(t, c, "quota.s", "k2") // now seen with a quota: counted as empty until its first count
+	c.waitCounted(t, done)
 	_, err = c.Claim(ctx, quotaClaim("quota.s", "k3"))
 	v := requireQuotaExceeded(t, err, "quota.s")
 	require.Contains(t, v.GetDescription(), "2 known")

@@ -50,12 +50,11 @@ func (s *Server) rateLimit(ctx context.Context, req any, info *grpc.UnaryServerI
 // consumer's, or answers RATE_LIMITED.
 func (s *Server) allow(ctx context.Context, consumer string) error {
 	set := s.accessFor(ctx)
-	replicas := s.replicas()
 	name := ""
 	if id, ok := IdentityFrom(ctx); ok {
 		name = id.Name
 		if l, limited := set.IdentityRateLimit(name); limited && id != access.Anonymous {
-			l = l.Share(replicas)
+			l = s.replicas.Share(l)
 			if ok, wait := s.limiter.Allow("identity:"+name, l); !ok {
 				s.metrics.rateLimited.Add(ctx, 1, identityAttr(name))
 				return rateLimited("identity "+quote(reason.Echo(name))+" is over its rate limit of "+l.String(),
@@ -67,23 +66,13 @@ func (s *Server) allow(ctx context.Context, consumer string) error {
 	if !limited {
 		return nil
 	}
-	l = l.Share(replicas)
+	l = s.replicas.Share(l)
 	if ok, wait := s.limiter.Allow("consumer:"+consumer, l); !ok {
 		s.metrics.rateLimited.Add(ctx, 1, identityAttr(name))
 		return rateLimited("consumer "+quote(reason.Echo(consumer))+" is over its rate limit of "+l.String(),
 			"consumer:"+reason.Echo(consumer), l, wait, map[string]string{"consumer": consumer})
 	}
 	return nil
-}
-
-// replicas is the number of live replicas sharing the config file's
-// limits, this one included, as the membership last read them: 1 before
-// Serve, on a store that keeps no membership, and on the embedded store.
-func (s *Server) replicas() int {
-	if m := s.members.Load(); m != nil {
-		return m.Count()
-	}
-	return 1
 }
 
 func rateLimited(msg, subject string, l access.Limit, wait time.Duration, meta map[string]string) error {

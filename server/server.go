@@ -1,19 +1,16 @@
 package server
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc/filters"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -27,8 +24,8 @@ import (
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
 	"github.com/idemreg/idemreg/server/configfile"
-	"github.com/idemreg/idemreg/server/internal/membership"
-	"github.com/idemreg/idemreg/server/internal/peers"
+	"github.com/idemreg/idemreg/server/internal/admission"
+	"github.com/idemreg/idemreg/server/internal/replicas"
 	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
@@ -54,25 +51,22 @@ type Server struct {
 	done chan struct{}
 	// serving is the last status set; only Serve's health loop touches it.
 	serving healthpb.HealthCheckResponse_ServingStatus
-	// public bounds the streams that need no credentials, on both
-	// listeners together.
-	public *publicStreams
-	// identityCalls bounds the calls in progress of each identity.
-	identityCalls *identityCalls
+	// admission bounds connections, held calls, public streams and each
+	// identity's calls, and refuses Claims near the memory limit
+	// (server/internal/admission).
+	admission *admission.Admission
 	// refusals holds the refusals of callers over their budget; nil
 	// holds none.
 	refusals *refusalLimiter
-	// listeners are the bounded listeners, by name, once serving: read by
-	// the connections gauge.
-	listeners sync.Map // "grpc", "health" → *limitListener
 	// parked is the last count of parked records, for the gauge.
 	parked *parkedCounts
 	// outcomes counts the service's store calls for readiness; window
 	// (health loop only) keeps the last intervals' counts.
 	outcomes *callOutcomes
 	window   *readinessWindow
-	// members is the membership, set by Serve (replicas.go).
-	members atomic.Pointer[membership.Members]
+	// replicas is this replica among those sharing the store, and its
+	// share of their limits (server/internal/replicas).
+	replicas *replicas.Replicas
 }
 
 // New builds a Server on store.
@@ -81,7 +75,6 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("server: %w", err)
 	}
 	cfg.setDefaults()
-	cfg.Replica.ID = cmp.Or(cfg.Replica.ID, membership.NewID())
 	if cfg.File == nil {
 		static := &configfile.Config{Access: cfg.Access, Policy: cfg.Policy}
 		if static.Access == nil {
@@ -100,35 +93,51 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	b := cfg.Bounds
+	adm, err := admission.New(admission.Config{
+		MaxHeaderListSize: b.MaxHeaderListSize, MaxConcurrentStreams: b.MaxConcurrentStreams, ConnectionTimeout: b.ConnectionTimeout,
+		MaxConnections: b.MaxConnections, MaxHealthConnectionsPerSource: b.MaxHealthConnectionsPerSource,
+		MaxPublicStreams: b.MaxPublicStreams, MaxCallsPerIdentity: b.MaxCallsPerIdentity, MaxPendingCalls: b.MaxPendingCalls,
+		Tenant: tenant, Meter: m.meter, Logger: cfg.Logger,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("server: %w", err)
+	}
 	outcomes := &callOutcomes{}
 	chain, err := storechain.New(store, storechain.Config{MaxInFlight: cfg.MaxInFlight, PerIdentity: cfg.MaxInFlightPerIdentity,
-		Meter: m.meter, Identity: waitShare, Outcome: outcomes.record, Tracer: cfg.TracerProvider.Tracer(MeterName)})
+		Meter: m.meter, Identity: tenant, Outcome: outcomes.record, Tracer: cfg.TracerProvider.Tracer(MeterName)})
 	if err != nil {
 		return nil, err
 	}
 	svc, err := newService(chain, cfg.Limits, func() *policy.Set { return cfg.File.Current().Policy }, cfg.Logger, m, serviceBounds{
 		maxWaiters: cfg.MaxWaiters, maxWaitersPerIdentity: cfg.MaxWaitersPerIdentity, recheck: cfg.WaitRecheck,
 		maxQuotaConsumersPerIdentity: cfg.MaxQuotaConsumersPerIdentity,
-		claimKeyRefresh:              cfg.ClaimKeyRefresh, now: cfg.Now,
+		claimKeyRefresh:              cfg.ClaimKeyRefresh, now: cfg.Now, admission: adm,
 	})
 	if err != nil {
 		return nil, err
 	}
+	reps, err := replicas.New(replicas.Config{ID: cfg.Replica.ID, AdvertiseAddress: cfg.Replica.AdvertiseAddress,
+		Heartbeat: cfg.Replica.HeartbeatInterval, LiveFor: cfg.Replica.MemberLiveFor,
+		Store: store, Keys: svc.claimKeys(), TLS: cfg.TLS, Meter: m.meter, Logger: cfg.Logger})
+	if err != nil {
+		return nil, fmt.Errorf("server: %w", err)
+	}
+	// The config file's rate limits and quotas are the replicas': each
+	// takes its share from the live members (docs/operations.md, "Limits
+	// across replicas"), and tells them of the keys their Claims wait on.
+	svc.shareWith(reps)
 	s := &Server{
 		cfg: cfg, store: store, svc: svc, metrics: m, limiter: access.NewLimiter(nil), done: make(chan struct{}),
-		accessLog:     accessLogger{logger: cfg.Logger, m: m},
-		public:        newPublicStreams(cfg.Bounds.MaxPublicStreams, m),
-		identityCalls: &identityCalls{max: int64(cfg.Bounds.MaxCallsPerIdentity), m: m},
-		refusals:      newRefusalLimiter(cfg.RefusalRate, cfg.RefusalDelay, m),
-		outcomes:      outcomes,
-		window:        newReadinessWindow(cfg.Readiness),
+		accessLog: accessLogger{logger: cfg.Logger, m: m},
+		admission: adm,
+		replicas:  reps,
+		refusals:  newRefusalLimiter(cfg.RefusalRate, cfg.RefusalDelay, m),
+		outcomes:  outcomes,
+		window:    newReadinessWindow(cfg.Readiness),
 		// The backend counts: the gauge's count is not a request's store call.
 		parked: newParkedCounts(store, cfg.Logger),
 	}
-	// The config file's rate limits and quotas are the service's: each
-	// replica takes its share from the live members (docs/operations.md,
-	// "Limits across replicas").
-	svc.quotas.ShareWith(s.replicas)
 	if cfg.RefusalLogRate > 0 {
 		s.accessLog.refusals = newRefusalSampler(cfg.RefusalLogRate)
 	}
@@ -137,15 +146,6 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 		ids = set.Identities()
 	}
 	m.zero(context.Background(), ids)
-	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
-		s.listeners.Range(func(name, l any) bool {
-			obs.ObserveInt64(m.connections, l.(*limitListener).open(), metric.WithAttributes(attribute.String("listener", name.(string))))
-			return true
-		})
-		return nil
-	}, m.connections); err != nil {
-		return nil, fmt.Errorf("server: metrics: %w", err)
-	}
 	if _, err := m.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
 		s.parked.observe(obs, m.parkedRecords)
 		return nil
@@ -176,7 +176,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	if cfg.StaticWindow > 0 {
 		opts = append(opts, grpc.StaticStreamWindowSize(int32(cfg.StaticWindow)), grpc.StaticConnWindowSize(int32(cfg.StaticWindow)))
 	}
-	opts = append(opts, cfg.Bounds.serverOptions(newPendingCalls(cfg.Bounds.MaxPendingCalls-cfg.Bounds.MaxPendingCalls/2, m))...)
+	opts = append(opts, adm.ServerOptions(admission.ListenerGRPC)...)
 	creds := insecure.NewCredentials()
 	if cfg.TLS != nil {
 		creds = credentials.NewTLS(cfg.TLS)
@@ -192,10 +192,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	}
 	h.SetServingStatus(LivenessService, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(r, h)
-	peers.Register(r, peers.NewReceiver(cfg.Replica.ID, peerKeys{svc.secrets}, svc.waiters.Notify,
-		peers.WithCount(func(result string) {
-			m.peerWakesReceived.Add(context.Background(), 1, attrs(attribute.String("result", result)))
-		})))
+	reps.Register(r, svc.wake)
 	if !cfg.DisableReflection {
 		registerReflection(r)
 	}
@@ -233,6 +230,11 @@ func (s describedServices) GetServiceInfo() map[string]grpc.ServiceInfo {
 // change made after Waiting counted a Claim is one it waits for.
 func (s *Server) Waiting() int { return s.svc.waiting() }
 
+// Members returns the replicas sharing the store as this one last read
+// them (this one among them once it has heartbeat), nil before Serve or
+// when the store keeps no membership.
+func (s *Server) Members() []storage.Member { return s.replicas.Members() }
+
 // GRPCServer returns the underlying server, to register more services.
 func (s *Server) GRPCServer() *grpc.Server { return s.grpc }
 
@@ -255,14 +257,12 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	go s.watchHealth(ctx)
 	loops.Go(func() { s.svc.run(ctx, s.cfg.QuotaRefresh) })
 	loops.Go(func() { s.parked.run(ctx, s.cfg.ParkedCountInterval) })
-	loops.Go(func() { s.svc.memory.run(ctx) })
-	if m := s.newMembers(lis.Addr()); m != nil {
-		s.members.Store(m)
-		s.link(ctx, m)
-		loops.Go(func() { m.Run(ctx) })
+	loops.Go(func() { s.admission.Run(ctx) })
+	if beat := s.replicas.Join(ctx, lis.Addr()); beat != nil {
+		loops.Go(beat)
 	}
 
-	lis = s.limitConnections("grpc", lis)
+	lis = s.admission.Listen(admission.ListenerGRPC, lis)
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(lis) }()
 	var failed <-chan struct{}
@@ -307,12 +307,4 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 		return errors.Join(storeErr, err)
 	}
 	return storeErr
-}
-
-// limitConnections bounds the connections of a listener and shows their
-// number in the connections gauge.
-func (s *Server) limitConnections(name string, lis net.Listener) net.Listener {
-	l := limitConnections(lis, s.cfg.Bounds.MaxConnections)
-	s.listeners.Store(name, l)
-	return l
 }

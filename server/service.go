@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/metric/noop"
@@ -14,8 +13,10 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
+	"github.com/idemreg/idemreg/server/internal/admission"
 	"github.com/idemreg/idemreg/server/internal/claimsecret"
 	"github.com/idemreg/idemreg/server/internal/quota"
+	"github.com/idemreg/idemreg/server/internal/replicas"
 	"github.com/idemreg/idemreg/server/internal/storechain"
 	"github.com/idemreg/idemreg/server/internal/waiting"
 	"github.com/idemreg/idemreg/server/policy"
@@ -38,11 +39,14 @@ type Service struct {
 	recheck  time.Duration // DefaultWaitRecheck
 	// quotas follow the usage of the consumers with a quota (quota.go).
 	quotas *quota.Quotas
-	// memory refuses Claims while the heap is near its limit (memory.go).
-	memory  *memoryGuard
-	metrics *metrics
-	// replicas are this replica's peers, set by Serve (peers.go).
-	replicas atomic.Pointer[replicaLink]
+	// admission refuses Claims while the heap is near its limit
+	// (server/internal/admission); nil refuses none.
+	admission *admission.Admission
+	metrics   *metrics
+	// replicas are the replicas sharing the store (shareWith): told when
+	// an attempt their Claims wait on ends, and dividing the quotas; nil
+	// is a replica alone.
+	replicas *replicas.Replicas
 }
 
 // NewService returns the registry service on store, wrapped in the chain
@@ -78,6 +82,8 @@ type serviceBounds struct {
 	// grace are compared with (time.Now).
 	claimKeyRefresh time.Duration
 	now             func() time.Time
+	// admission refuses Claims near the memory limit; nil refuses none.
+	admission *admission.Admission
 }
 
 // waitersPerIdentity is the share of maxWaiters each identity may hold.
@@ -115,9 +121,12 @@ func newService(store *storechain.Chain, limits Limits, policies func() *policy.
 	maxWaiters := cmp.Or(b.maxWaiters, DefaultMaxWaiters)
 	s := &Service{store: store, limits: limits, policies: policies, secrets: secrets,
 		waiters: waiting.NewHub(maxWaiters, b.waitersPerIdentity(maxWaiters)), recheck: cmp.Or(b.recheck, DefaultWaitRecheck),
-		metrics: m, statuses: statuses{logger: logger}, memory: &memoryGuard{logger: logger}}
+		metrics: m, statuses: statuses{logger: logger}, admission: b.admission}
 	s.quotas = quota.New(store.UsageCounter(), func(c string) policy.Policy { return s.policies().For(c) },
 		cmp.Or(b.maxQuotaConsumersPerIdentity, DefaultMaxQuotaConsumersPerIdentity), logger)
+	if err := s.quotas.Instrument(m.meter); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 
@@ -145,7 +154,7 @@ func (s *Service) Claim(ctx context.Context, req *idemregv1.ClaimRequest) (*idem
 	if err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
-	if err := s.memory.refuse(); err != nil {
+	if err := s.admission.RefuseClaim(); err != nil {
 		return nil, s.toStatus(ctx, "Claim", p.Key, err)
 	}
 	r, err := s.quotas.Admit(ctx, s.store, identityName(ctx), s.policyFor(ctx, p.Consumer), p)
@@ -292,6 +301,29 @@ func (s *Service) fenced(ctx context.Context, method string, k storage.Key, toke
 		return nil, s.toStatus(ctx, method, k, err)
 	}
 	return rec, nil
+}
+
+// shareWith makes the service one of r's replicas: each takes its share
+// of the consumers' quotas from the live members, and tells the others
+// when an attempt their Claims wait on ends. Call it before serving.
+func (s *Service) shareWith(r *replicas.Replicas) {
+	s.replicas = r
+	s.quotas.ShareWith(r.Count)
+}
+
+// claimKeys are the claim keys: the claim secrets' and the peers'
+// messages'.
+func (s *Service) claimKeys() *claimsecret.Secrets { return s.secrets }
+
+// wake wakes this replica's Claims waiting on k.
+func (s *Service) wake(k storage.Key) { s.waiters.Notify(k) }
+
+// ended wakes the waiters on k: this replica's at once, and those of the
+// replicas that marked the record (waiters, from the answer of the call
+// that ended the attempt), without waiting for them.
+func (s *Service) ended(k storage.Key, waiters []string) {
+	s.waiters.Notify(k)
+	s.replicas.Tell(k, waiters)
 }
 
 // run runs the service's loops (the quotas' refresh every quotaRefresh)

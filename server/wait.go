@@ -33,10 +33,11 @@ const (
 	DefaultWaitRecheck = 100 * time.Millisecond
 )
 
-// waitShare is the name whose share of the waiters the request of ctx
-// takes: its identity's, none (empty) for the anonymous caller of an open
+// tenant is the identity whose shares the request of ctx takes (of the
+// waiters, of the store's slots in flight, of the calls in progress):
+// its identity's name, none (empty) for the anonymous caller of an open
 // server, which is every caller and not a tenant.
-func waitShare(ctx context.Context) string {
+func tenant(ctx context.Context) string {
 	if id, ok := IdentityFrom(ctx); ok && id != nil && id != access.Anonymous {
 		return id.Name
 	}
@@ -80,8 +81,8 @@ func (s *Service) decide(p storage.ClaimParams, r *quota.Reservation) func(conte
 
 // waitingClaim is a Claim of p that may wait up to wait.
 func (s *Service) waitingClaim(ctx context.Context, p storage.ClaimParams, wait time.Duration, r *quota.Reservation) waiting.Claim {
-	return waiting.Claim{Key: p.Key, Share: waitShare(ctx), End: waitEnd(ctx, wait), Recheck: s.recheck,
-		Decide: s.decide(p, r), Lookup: s.store.Lookup, Mark: s.markFor(p.Key)}
+	return waiting.Claim{Key: p.Key, Share: tenant(ctx), End: waitEnd(ctx, wait), Recheck: s.recheck,
+		Decide: s.decide(p, r), Lookup: s.store.Lookup, Mark: s.replicas.MarkFor(p.Key)}
 }
 
 // waited records how a wait that began at start went.

@@ -60,6 +60,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
@@ -511,6 +514,32 @@ const minRefreshTimeout = 5 * time.Second
 // record (storage.Store's Lookup).
 type Lookuper interface {
 	Lookup(ctx context.Context, k storage.Key) (storage.Record, error)
+}
+
+// MetricRefreshes counts this replica's counts of the usage of the
+// consumers it follows (every refresh interval, and when a consumer is
+// first seen), by result: ok, or failed (the usage last known kept).
+const MetricRefreshes = "idemreg.quota.refreshes"
+
+// Instrument reports the refreshes on meter (MetricRefreshes), read from
+// Stats when the meter is collected: nothing on the hot path.
+func (q *Quotas) Instrument(meter metric.Meter) error {
+	c, err := meter.Int64ObservableCounter(MetricRefreshes, metric.WithUnit("{count}"),
+		metric.WithDescription("Counts of the usage of the consumers with a quota that this replica follows (every --quota-refresh, and when a consumer is first seen), by result: ok, or failed (the usage last known kept)."))
+	if err != nil {
+		return fmt.Errorf("quota: metrics: %w", err)
+	}
+	ok := metric.WithAttributeSet(attribute.NewSet(attribute.String("result", "ok")))
+	failed := metric.WithAttributeSet(attribute.NewSet(attribute.String("result", "failed")))
+	if _, err := meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		done, fails, _ := q.Stats()
+		o.ObserveInt64(c, done, ok)
+		o.ObserveInt64(c, fails, failed)
+		return nil
+	}, c); err != nil {
+		return fmt.Errorf("quota: metrics: %w", err)
+	}
+	return nil
 }
 
 // Stats reports the refreshes so far, done and failed, and whether the

@@ -1,10 +1,9 @@
-package server
+package admission
 
 import (
 	"context"
 	"sync"
 
-	"go.opentelemetry.io/otel/attribute"
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/tap"
 
@@ -23,14 +22,13 @@ import (
 // exists) and gives it back when its first message has arrived whole or
 // the call ends, whichever is first.
 type pendingCalls struct {
-	// slots is the listener's share of Bounds.MaxPendingCalls.
+	// slots is the listener's share of MaxPendingCalls.
 	slots   chan struct{}
 	refused func(ctx context.Context)
 }
 
-func newPendingCalls(n int, m *metrics) *pendingCalls {
-	refused := attrs(attribute.String("bound", "pending_calls"))
-	return &pendingCalls{slots: make(chan struct{}, n), refused: func(ctx context.Context) { m.boundRefused.Add(ctx, 1, refused) }}
+func newPendingCalls(n int, refused func(context.Context)) *pendingCalls {
+	return &pendingCalls{slots: make(chan struct{}, n), refused: refused}
 }
 
 type callPendingKey struct{}
@@ -44,7 +42,7 @@ func (p *pendingCalls) tap(ctx context.Context, _ *tap.Info) (context.Context, e
 	default:
 		p.refused(ctx)
 		return nil, reason.Status(idemregv1.ErrorReason_ERROR_REASON_TOO_MANY_STREAMS,
-			"too many calls are waiting for their request message; retry later", nil, reason.RetryInfo(unavailableRetryAfter))
+			"too many calls are waiting for their request message; retry later", nil, reason.RetryInfo(streamsRetryAfter))
 	}
 	release := sync.OnceFunc(func() { <-p.slots })
 	// The transport cancels the call's context when the call ends, however
