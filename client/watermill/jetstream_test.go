@@ -264,9 +264,18 @@ func (s *subscribers) stopAll() {
 	s.procs = nil
 	s.mu.Unlock()
 	for _, cmd := range procs {
-		if cmd.ProcessState == nil {
-			_ = cmd.Process.Signal(syscall.SIGTERM)
-			_ = cmd.Wait()
+		if cmd.ProcessState != nil {
+			continue
+		}
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		exited := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(exited) }()
+		select {
+		case <-exited:
+		case <-time.After(15 * time.Second):
+			s.t.Errorf("subscriber %d did not stop within 15 s of SIGTERM; killed", cmd.Process.Pid)
+			_ = cmd.Process.Kill()
+			<-exited
 		}
 	}
 }
@@ -381,7 +390,10 @@ func subscribe() error {
 	}
 	d := idemwm.New(c, os.Getenv(envConsumer),
 		idemwm.WithKey(idemwm.KeyFromMetadata("key")),
-		idemwm.WithConsumerOptions(client.WithLease(time.Second)),
+		// Short, so that a killed holder's key is taken over soon; long
+		// enough that a live holder's run of a few milliseconds never
+		// outlasts it on a loaded machine.
+		idemwm.WithConsumerOptions(client.WithLease(2*time.Second)),
 		idemwm.WithInProgressDelay(100*time.Millisecond))
 	defer d.Close(context.WithoutCancel(ctx))
 
