@@ -1031,6 +1031,487 @@ func (x *CountParkedResponse) GetParked() map[string]int64 {
 	return nil
 }
 
+type BeginBackupRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BeginBackupRequest) Reset() {
+	*x = BeginBackupRequest{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BeginBackupRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BeginBackupRequest) ProtoMessage() {}
+
+func (x *BeginBackupRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BeginBackupRequest.ProtoReflect.Descriptor instead.
+func (*BeginBackupRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{13}
+}
+
+type BeginBackupResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Names the backup in ReadBackup and EndBackup.
+	BackupId      string          `protobuf:"bytes,1,opt,name=backup_id,json=backupId" json:"backup_id,omitempty"`
+	Manifest      *BackupManifest `protobuf:"bytes,2,opt,name=manifest" json:"manifest,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BeginBackupResponse) Reset() {
+	*x = BeginBackupResponse{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BeginBackupResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BeginBackupResponse) ProtoMessage() {}
+
+func (x *BeginBackupResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BeginBackupResponse.ProtoReflect.Descriptor instead.
+func (*BeginBackupResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *BeginBackupResponse) GetBackupId() string {
+	if x != nil {
+		return x.BackupId
+	}
+	return ""
+}
+
+func (x *BeginBackupResponse) GetManifest() *BackupManifest {
+	if x != nil {
+		return x.Manifest
+	}
+	return nil
+}
+
+// BackupManifest describes a backup; `idemreg backup` writes it as
+// MANIFEST.json beside the backup's files (docs/operations/runbooks.md).
+type BackupManifest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The version of the backup's layout (1).
+	Format int32 `protobuf:"varint,1,opt,name=format" json:"format,omitempty"`
+	// The store's own layout version.
+	LayoutVersion int32 `protobuf:"varint,2,opt,name=layout_version,json=layoutVersion" json:"layout_version,omitempty"`
+	// The store's clock when the copy was taken.
+	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=created_at,json=createdAt" json:"created_at,omitempty"`
+	// The records in the copy, and how many of them are completed.
+	Records          int64 `protobuf:"varint,4,opt,name=records" json:"records,omitempty"`
+	CompletedRecords int64 `protobuf:"varint,5,opt,name=completed_records,json=completedRecords" json:"completed_records,omitempty"`
+	// The size of the files together.
+	Bytes int64 `protobuf:"varint,6,opt,name=bytes" json:"bytes,omitempty"`
+	// The newest completion in the copy (unset and 0 when none).
+	NewestCompletedAt    *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=newest_completed_at,json=newestCompletedAt" json:"newest_completed_at,omitempty"`
+	NewestCompletedToken int64                  `protobuf:"varint,8,opt,name=newest_completed_token,json=newestCompletedToken" json:"newest_completed_token,omitempty"`
+	// The greatest token the copy knows of: a restore issues only tokens
+	// above it.
+	TokenHighWater int64         `protobuf:"varint,9,opt,name=token_high_water,json=tokenHighWater" json:"token_high_water,omitempty"`
+	Files          []*BackupFile `protobuf:"bytes,10,rep,name=files" json:"files,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *BackupManifest) Reset() {
+	*x = BackupManifest{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BackupManifest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BackupManifest) ProtoMessage() {}
+
+func (x *BackupManifest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BackupManifest.ProtoReflect.Descriptor instead.
+func (*BackupManifest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *BackupManifest) GetFormat() int32 {
+	if x != nil {
+		return x.Format
+	}
+	return 0
+}
+
+func (x *BackupManifest) GetLayoutVersion() int32 {
+	if x != nil {
+		return x.LayoutVersion
+	}
+	return 0
+}
+
+func (x *BackupManifest) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+func (x *BackupManifest) GetRecords() int64 {
+	if x != nil {
+		return x.Records
+	}
+	return 0
+}
+
+func (x *BackupManifest) GetCompletedRecords() int64 {
+	if x != nil {
+		return x.CompletedRecords
+	}
+	return 0
+}
+
+func (x *BackupManifest) GetBytes() int64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *BackupManifest) GetNewestCompletedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.NewestCompletedAt
+	}
+	return nil
+}
+
+func (x *BackupManifest) GetNewestCompletedToken() int64 {
+	if x != nil {
+		return x.NewestCompletedToken
+	}
+	return 0
+}
+
+func (x *BackupManifest) GetTokenHighWater() int64 {
+	if x != nil {
+		return x.TokenHighWater
+	}
+	return 0
+}
+
+func (x *BackupManifest) GetFiles() []*BackupFile {
+	if x != nil {
+		return x.Files
+	}
+	return nil
+}
+
+type BackupFile struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The file's path in the backup, forward slashes.
+	Name string `protobuf:"bytes,1,opt,name=name" json:"name,omitempty"`
+	Size int64  `protobuf:"varint,2,opt,name=size" json:"size,omitempty"`
+	// Its SHA-256, lowercase hex.
+	Sha256        string `protobuf:"bytes,3,opt,name=sha256" json:"sha256,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BackupFile) Reset() {
+	*x = BackupFile{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BackupFile) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BackupFile) ProtoMessage() {}
+
+func (x *BackupFile) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BackupFile.ProtoReflect.Descriptor instead.
+func (*BackupFile) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *BackupFile) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *BackupFile) GetSize() int64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *BackupFile) GetSha256() string {
+	if x != nil {
+		return x.Sha256
+	}
+	return ""
+}
+
+type ReadBackupRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	BackupId string                 `protobuf:"bytes,1,opt,name=backup_id,json=backupId" json:"backup_id,omitempty"`
+	// A file the manifest names.
+	Name   string `protobuf:"bytes,2,opt,name=name" json:"name,omitempty"`
+	Offset int64  `protobuf:"varint,3,opt,name=offset" json:"offset,omitempty"`
+	// At most this many bytes: 1-4194304 less the answer's overhead; 1 MiB
+	// when 0.
+	MaxBytes      int32 `protobuf:"varint,4,opt,name=max_bytes,json=maxBytes" json:"max_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReadBackupRequest) Reset() {
+	*x = ReadBackupRequest{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReadBackupRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReadBackupRequest) ProtoMessage() {}
+
+func (x *ReadBackupRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReadBackupRequest.ProtoReflect.Descriptor instead.
+func (*ReadBackupRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *ReadBackupRequest) GetBackupId() string {
+	if x != nil {
+		return x.BackupId
+	}
+	return ""
+}
+
+func (x *ReadBackupRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ReadBackupRequest) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *ReadBackupRequest) GetMaxBytes() int32 {
+	if x != nil {
+		return x.MaxBytes
+	}
+	return 0
+}
+
+type ReadBackupResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Data  []byte                 `protobuf:"bytes,1,opt,name=data" json:"data,omitempty"`
+	// Set when data ends at the file's end.
+	Eof           bool `protobuf:"varint,2,opt,name=eof" json:"eof,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReadBackupResponse) Reset() {
+	*x = ReadBackupResponse{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReadBackupResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReadBackupResponse) ProtoMessage() {}
+
+func (x *ReadBackupResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReadBackupResponse.ProtoReflect.Descriptor instead.
+func (*ReadBackupResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *ReadBackupResponse) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *ReadBackupResponse) GetEof() bool {
+	if x != nil {
+		return x.Eof
+	}
+	return false
+}
+
+type EndBackupRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	BackupId      string                 `protobuf:"bytes,1,opt,name=backup_id,json=backupId" json:"backup_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EndBackupRequest) Reset() {
+	*x = EndBackupRequest{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EndBackupRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EndBackupRequest) ProtoMessage() {}
+
+func (x *EndBackupRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EndBackupRequest.ProtoReflect.Descriptor instead.
+func (*EndBackupRequest) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *EndBackupRequest) GetBackupId() string {
+	if x != nil {
+		return x.BackupId
+	}
+	return ""
+}
+
+type EndBackupResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EndBackupResponse) Reset() {
+	*x = EndBackupResponse{}
+	mi := &file_idemreg_v1_admin_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EndBackupResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EndBackupResponse) ProtoMessage() {}
+
+func (x *EndBackupResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idemreg_v1_admin_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EndBackupResponse.ProtoReflect.Descriptor instead.
+func (*EndBackupResponse) Descriptor() ([]byte, []int) {
+	return file_idemreg_v1_admin_proto_rawDescGZIP(), []int{20}
+}
+
 var File_idemreg_v1_admin_proto protoreflect.FileDescriptor
 
 const file_idemreg_v1_admin_proto_rawDesc = "" +
@@ -1108,20 +1589,57 @@ const file_idemreg_v1_admin_proto_rawDesc = "" +
 	"\x06parked\x18\x01 \x03(\v2+.idemreg.v1.CountParkedResponse.ParkedEntryR\x06parked\x1a9\n" +
 	"\vParkedEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01*\xa9\x01\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\x14\n" +
+	"\x12BeginBackupRequest\"j\n" +
+	"\x13BeginBackupResponse\x12\x1b\n" +
+	"\tbackup_id\x18\x01 \x01(\tR\bbackupId\x126\n" +
+	"\bmanifest\x18\x02 \x01(\v2\x1a.idemreg.v1.BackupManifestR\bmanifest\"\xc1\x03\n" +
+	"\x0eBackupManifest\x12\x16\n" +
+	"\x06format\x18\x01 \x01(\x05R\x06format\x12%\n" +
+	"\x0elayout_version\x18\x02 \x01(\x05R\rlayoutVersion\x129\n" +
+	"\n" +
+	"created_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x18\n" +
+	"\arecords\x18\x04 \x01(\x03R\arecords\x12+\n" +
+	"\x11completed_records\x18\x05 \x01(\x03R\x10completedRecords\x12\x14\n" +
+	"\x05bytes\x18\x06 \x01(\x03R\x05bytes\x12J\n" +
+	"\x13newest_completed_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\x11newestCompletedAt\x124\n" +
+	"\x16newest_completed_token\x18\b \x01(\x03R\x14newestCompletedToken\x12(\n" +
+	"\x10token_high_water\x18\t \x01(\x03R\x0etokenHighWater\x12,\n" +
+	"\x05files\x18\n" +
+	" \x03(\v2\x16.idemreg.v1.BackupFileR\x05files\"L\n" +
+	"\n" +
+	"BackupFile\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
+	"\x04size\x18\x02 \x01(\x03R\x04size\x12\x16\n" +
+	"\x06sha256\x18\x03 \x01(\tR\x06sha256\"y\n" +
+	"\x11ReadBackupRequest\x12\x1b\n" +
+	"\tbackup_id\x18\x01 \x01(\tR\bbackupId\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x16\n" +
+	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x1b\n" +
+	"\tmax_bytes\x18\x04 \x01(\x05R\bmaxBytes\":\n" +
+	"\x12ReadBackupResponse\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x10\n" +
+	"\x03eof\x18\x02 \x01(\bR\x03eof\"/\n" +
+	"\x10EndBackupRequest\x12\x1b\n" +
+	"\tbackup_id\x18\x01 \x01(\tR\bbackupId\"\x13\n" +
+	"\x11EndBackupResponse*\xa9\x01\n" +
 	"\n" +
 	"AttemptEnd\x12\x1b\n" +
 	"\x17ATTEMPT_END_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16ATTEMPT_END_TAKEN_OVER\x10\x01\x12\x1b\n" +
 	"\x17ATTEMPT_END_INVALIDATED\x10\x02\x12\"\n" +
 	"\x1eATTEMPT_END_RESOLVED_COMPLETED\x10\x03\x12!\n" +
-	"\x1dATTEMPT_END_RESOLVED_RELEASED\x10\x042\xb9\x03\n" +
+	"\x1dATTEMPT_END_RESOLVED_RELEASED\x10\x042\xa0\x05\n" +
 	"\fAdminService\x12T\n" +
 	"\rInspectRecord\x12 .idemreg.v1.InspectRecordRequest\x1a!.idemreg.v1.InspectRecordResponse\x12]\n" +
 	"\x10InvalidateRecord\x12#.idemreg.v1.InvalidateRecordRequest\x1a$.idemreg.v1.InvalidateRecordResponse\x12N\n" +
 	"\vListRecords\x12\x1e.idemreg.v1.ListRecordsRequest\x1a\x1f.idemreg.v1.ListRecordsResponse\x12T\n" +
 	"\rResolveRecord\x12 .idemreg.v1.ResolveRecordRequest\x1a!.idemreg.v1.ResolveRecordResponse\x12N\n" +
-	"\vCountParked\x12\x1e.idemreg.v1.CountParkedRequest\x1a\x1f.idemreg.v1.CountParkedResponseB>Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1\x92\x03\x04\b\x02 \x03b\beditionsp\xe8\a"
+	"\vCountParked\x12\x1e.idemreg.v1.CountParkedRequest\x1a\x1f.idemreg.v1.CountParkedResponse\x12N\n" +
+	"\vBeginBackup\x12\x1e.idemreg.v1.BeginBackupRequest\x1a\x1f.idemreg.v1.BeginBackupResponse\x12K\n" +
+	"\n" +
+	"ReadBackup\x12\x1d.idemreg.v1.ReadBackupRequest\x1a\x1e.idemreg.v1.ReadBackupResponse\x12H\n" +
+	"\tEndBackup\x12\x1c.idemreg.v1.EndBackupRequest\x1a\x1d.idemreg.v1.EndBackupResponseB>Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1\x92\x03\x04\b\x02 \x03b\beditionsp\xe8\a"
 
 var (
 	file_idemreg_v1_admin_proto_rawDescOnce sync.Once
@@ -1136,7 +1654,7 @@ func file_idemreg_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_idemreg_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_idemreg_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_idemreg_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_idemreg_v1_admin_proto_goTypes = []any{
 	(AttemptEnd)(0),                  // 0: idemreg.v1.AttemptEnd
 	(*Attempt)(nil),                  // 1: idemreg.v1.Attempt
@@ -1152,50 +1670,68 @@ var file_idemreg_v1_admin_proto_goTypes = []any{
 	(*ResolveRecordResponse)(nil),    // 11: idemreg.v1.ResolveRecordResponse
 	(*CountParkedRequest)(nil),       // 12: idemreg.v1.CountParkedRequest
 	(*CountParkedResponse)(nil),      // 13: idemreg.v1.CountParkedResponse
-	nil,                              // 14: idemreg.v1.CountParkedResponse.ParkedEntry
-	(*timestamppb.Timestamp)(nil),    // 15: google.protobuf.Timestamp
-	(Kind)(0),                        // 16: idemreg.v1.Kind
-	(*Record)(nil),                   // 17: idemreg.v1.Record
-	(State)(0),                       // 18: idemreg.v1.State
-	(*durationpb.Duration)(nil),      // 19: google.protobuf.Duration
-	(*Result)(nil),                   // 20: idemreg.v1.Result
+	(*BeginBackupRequest)(nil),       // 14: idemreg.v1.BeginBackupRequest
+	(*BeginBackupResponse)(nil),      // 15: idemreg.v1.BeginBackupResponse
+	(*BackupManifest)(nil),           // 16: idemreg.v1.BackupManifest
+	(*BackupFile)(nil),               // 17: idemreg.v1.BackupFile
+	(*ReadBackupRequest)(nil),        // 18: idemreg.v1.ReadBackupRequest
+	(*ReadBackupResponse)(nil),       // 19: idemreg.v1.ReadBackupResponse
+	(*EndBackupRequest)(nil),         // 20: idemreg.v1.EndBackupRequest
+	(*EndBackupResponse)(nil),        // 21: idemreg.v1.EndBackupResponse
+	nil,                              // 22: idemreg.v1.CountParkedResponse.ParkedEntry
+	(*timestamppb.Timestamp)(nil),    // 23: google.protobuf.Timestamp
+	(Kind)(0),                        // 24: idemreg.v1.Kind
+	(*Record)(nil),                   // 25: idemreg.v1.Record
+	(State)(0),                       // 26: idemreg.v1.State
+	(*durationpb.Duration)(nil),      // 27: google.protobuf.Duration
+	(*Result)(nil),                   // 28: idemreg.v1.Result
 }
 var file_idemreg_v1_admin_proto_depIdxs = []int32{
-	15, // 0: idemreg.v1.Attempt.acquired_at:type_name -> google.protobuf.Timestamp
-	15, // 1: idemreg.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
+	23, // 0: idemreg.v1.Attempt.acquired_at:type_name -> google.protobuf.Timestamp
+	23, // 1: idemreg.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
 	0,  // 2: idemreg.v1.Attempt.end:type_name -> idemreg.v1.AttemptEnd
-	16, // 3: idemreg.v1.InspectRecordRequest.kind:type_name -> idemreg.v1.Kind
-	17, // 4: idemreg.v1.InspectRecordResponse.record:type_name -> idemreg.v1.Record
-	15, // 5: idemreg.v1.InspectRecordResponse.store_time:type_name -> google.protobuf.Timestamp
+	24, // 3: idemreg.v1.InspectRecordRequest.kind:type_name -> idemreg.v1.Kind
+	25, // 4: idemreg.v1.InspectRecordResponse.record:type_name -> idemreg.v1.Record
+	23, // 5: idemreg.v1.InspectRecordResponse.store_time:type_name -> google.protobuf.Timestamp
 	1,  // 6: idemreg.v1.InspectRecordResponse.history:type_name -> idemreg.v1.Attempt
-	16, // 7: idemreg.v1.InvalidateRecordRequest.kind:type_name -> idemreg.v1.Kind
-	17, // 8: idemreg.v1.InvalidateRecordResponse.record:type_name -> idemreg.v1.Record
-	18, // 9: idemreg.v1.ListRecordsRequest.state:type_name -> idemreg.v1.State
-	19, // 10: idemreg.v1.ListRecordsRequest.older_than:type_name -> google.protobuf.Duration
-	17, // 11: idemreg.v1.ListedRecord.record:type_name -> idemreg.v1.Record
+	24, // 7: idemreg.v1.InvalidateRecordRequest.kind:type_name -> idemreg.v1.Kind
+	25, // 8: idemreg.v1.InvalidateRecordResponse.record:type_name -> idemreg.v1.Record
+	26, // 9: idemreg.v1.ListRecordsRequest.state:type_name -> idemreg.v1.State
+	27, // 10: idemreg.v1.ListRecordsRequest.older_than:type_name -> google.protobuf.Duration
+	25, // 11: idemreg.v1.ListedRecord.record:type_name -> idemreg.v1.Record
 	1,  // 12: idemreg.v1.ListedRecord.history:type_name -> idemreg.v1.Attempt
 	7,  // 13: idemreg.v1.ListRecordsResponse.records:type_name -> idemreg.v1.ListedRecord
-	15, // 14: idemreg.v1.ListRecordsResponse.store_time:type_name -> google.protobuf.Timestamp
-	16, // 15: idemreg.v1.ResolveRecordRequest.kind:type_name -> idemreg.v1.Kind
-	20, // 16: idemreg.v1.ResolveRecordRequest.result:type_name -> idemreg.v1.Result
+	23, // 14: idemreg.v1.ListRecordsResponse.store_time:type_name -> google.protobuf.Timestamp
+	24, // 15: idemreg.v1.ResolveRecordRequest.kind:type_name -> idemreg.v1.Kind
+	28, // 16: idemreg.v1.ResolveRecordRequest.result:type_name -> idemreg.v1.Result
 	10, // 17: idemreg.v1.ResolveRecordRequest.response_json:type_name -> idemreg.v1.JsonResponse
-	17, // 18: idemreg.v1.ResolveRecordResponse.record:type_name -> idemreg.v1.Record
-	14, // 19: idemreg.v1.CountParkedResponse.parked:type_name -> idemreg.v1.CountParkedResponse.ParkedEntry
-	2,  // 20: idemreg.v1.AdminService.InspectRecord:input_type -> idemreg.v1.InspectRecordRequest
-	4,  // 21: idemreg.v1.AdminService.InvalidateRecord:input_type -> idemreg.v1.InvalidateRecordRequest
-	6,  // 22: idemreg.v1.AdminService.ListRecords:input_type -> idemreg.v1.ListRecordsRequest
-	9,  // 23: idemreg.v1.AdminService.ResolveRecord:input_type -> idemreg.v1.ResolveRecordRequest
-	12, // 24: idemreg.v1.AdminService.CountParked:input_type -> idemreg.v1.CountParkedRequest
-	3,  // 25: idemreg.v1.AdminService.InspectRecord:output_type -> idemreg.v1.InspectRecordResponse
-	5,  // 26: idemreg.v1.AdminService.InvalidateRecord:output_type -> idemreg.v1.InvalidateRecordResponse
-	8,  // 27: idemreg.v1.AdminService.ListRecords:output_type -> idemreg.v1.ListRecordsResponse
-	11, // 28: idemreg.v1.AdminService.ResolveRecord:output_type -> idemreg.v1.ResolveRecordResponse
-	13, // 29: idemreg.v1.AdminService.CountParked:output_type -> idemreg.v1.CountParkedResponse
-	25, // [25:30] is the sub-list for method output_type
-	20, // [20:25] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	25, // 18: idemreg.v1.ResolveRecordResponse.record:type_name -> idemreg.v1.Record
+	22, // 19: idemreg.v1.CountParkedResponse.parked:type_name -> idemreg.v1.CountParkedResponse.ParkedEntry
+	16, // 20: idemreg.v1.BeginBackupResponse.manifest:type_name -> idemreg.v1.BackupManifest
+	23, // 21: idemreg.v1.BackupManifest.created_at:type_name -> google.protobuf.Timestamp
+	23, // 22: idemreg.v1.BackupManifest.newest_completed_at:type_name -> google.protobuf.Timestamp
+	17, // 23: idemreg.v1.BackupManifest.files:type_name -> idemreg.v1.BackupFile
+	2,  // 24: idemreg.v1.AdminService.InspectRecord:input_type -> idemreg.v1.InspectRecordRequest
+	4,  // 25: idemreg.v1.AdminService.InvalidateRecord:input_type -> idemreg.v1.InvalidateRecordRequest
+	6,  // 26: idemreg.v1.AdminService.ListRecords:input_type -> idemreg.v1.ListRecordsRequest
+	9,  // 27: idemreg.v1.AdminService.ResolveRecord:input_type -> idemreg.v1.ResolveRecordRequest
+	12, // 28: idemreg.v1.AdminService.CountParked:input_type -> idemreg.v1.CountParkedRequest
+	14, // 29: idemreg.v1.AdminService.BeginBackup:input_type -> idemreg.v1.BeginBackupRequest
+	18, // 30: idemreg.v1.AdminService.ReadBackup:input_type -> idemreg.v1.ReadBackupRequest
+	20, // 31: idemreg.v1.AdminService.EndBackup:input_type -> idemreg.v1.EndBackupRequest
+	3,  // 32: idemreg.v1.AdminService.InspectRecord:output_type -> idemreg.v1.InspectRecordResponse
+	5,  // 33: idemreg.v1.AdminService.InvalidateRecord:output_type -> idemreg.v1.InvalidateRecordResponse
+	8,  // 34: idemreg.v1.AdminService.ListRecords:output_type -> idemreg.v1.ListRecordsResponse
+	11, // 35: idemreg.v1.AdminService.ResolveRecord:output_type -> idemreg.v1.ResolveRecordResponse
+	13, // 36: idemreg.v1.AdminService.CountParked:output_type -> idemreg.v1.CountParkedResponse
+	15, // 37: idemreg.v1.AdminService.BeginBackup:output_type -> idemreg.v1.BeginBackupResponse
+	19, // 38: idemreg.v1.AdminService.ReadBackup:output_type -> idemreg.v1.ReadBackupResponse
+	21, // 39: idemreg.v1.AdminService.EndBackup:output_type -> idemreg.v1.EndBackupResponse
+	32, // [32:40] is the sub-list for method output_type
+	24, // [24:32] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_idemreg_v1_admin_proto_init() }
@@ -1215,7 +1751,7 @@ func file_idemreg_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idemreg_v1_admin_proto_rawDesc), len(file_idemreg_v1_admin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   14,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

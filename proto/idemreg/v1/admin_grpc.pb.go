@@ -29,6 +29,9 @@ const (
 	AdminService_ListRecords_FullMethodName      = "/idemreg.v1.AdminService/ListRecords"
 	AdminService_ResolveRecord_FullMethodName    = "/idemreg.v1.AdminService/ResolveRecord"
 	AdminService_CountParked_FullMethodName      = "/idemreg.v1.AdminService/CountParked"
+	AdminService_BeginBackup_FullMethodName      = "/idemreg.v1.AdminService/BeginBackup"
+	AdminService_ReadBackup_FullMethodName       = "/idemreg.v1.AdminService/ReadBackup"
+	AdminService_EndBackup_FullMethodName        = "/idemreg.v1.AdminService/EndBackup"
 )
 
 // AdminServiceClient is the client API for AdminService service.
@@ -78,6 +81,27 @@ type AdminServiceClient interface {
 	// whose name starts with consumer_prefix. Errors: INVALID_ARGUMENT,
 	// STORE_UNAVAILABLE.
 	CountParked(ctx context.Context, in *CountParkedRequest, opts ...grpc.CallOption) (*CountParkedResponse, error)
+	// BeginBackup takes a consistent copy of the embedded store while it
+	// serves (a checkpoint in the data directory) and describes it: its
+	// files with their sizes and SHA-256, the records it holds, the newest
+	// completion, the token high-water mark. Every call acknowledged before
+	// BeginBackup was received is in it. The copy is read with ReadBackup
+	// and removed by EndBackup, or when unread for BackupIdle; `idemreg
+	// backup` does all three. Only an identity that may administer every
+	// consumer may back up. Errors: PERMISSION_DENIED (an admin grant on
+	// fewer than all consumers), FAILED_PRECONDITION with reason
+	// BACKUP_UNSUPPORTED (a store that is backed up with its own tools:
+	// PostgreSQL's pg_dump), RESOURCE_EXHAUSTED with reason TOO_MANY_CALLS
+	// (as many backups in progress as the server allows), STORE_UNAVAILABLE.
+	BeginBackup(ctx context.Context, in *BeginBackupRequest, opts ...grpc.CallOption) (*BeginBackupResponse, error)
+	// ReadBackup reads a part of one file of a backup BeginBackup began.
+	// Errors: INVALID_ARGUMENT (a file the manifest does not name, a
+	// negative offset), NOT_FOUND (no such backup in progress: ended, or
+	// idle too long), PERMISSION_DENIED, STORE_UNAVAILABLE.
+	ReadBackup(ctx context.Context, in *ReadBackupRequest, opts ...grpc.CallOption) (*ReadBackupResponse, error)
+	// EndBackup removes a backup's copy. Errors: NOT_FOUND,
+	// PERMISSION_DENIED.
+	EndBackup(ctx context.Context, in *EndBackupRequest, opts ...grpc.CallOption) (*EndBackupResponse, error)
 }
 
 type adminServiceClient struct {
@@ -138,6 +162,36 @@ func (c *adminServiceClient) CountParked(ctx context.Context, in *CountParkedReq
 	return out, nil
 }
 
+func (c *adminServiceClient) BeginBackup(ctx context.Context, in *BeginBackupRequest, opts ...grpc.CallOption) (*BeginBackupResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BeginBackupResponse)
+	err := c.cc.Invoke(ctx, AdminService_BeginBackup_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) ReadBackup(ctx context.Context, in *ReadBackupRequest, opts ...grpc.CallOption) (*ReadBackupResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReadBackupResponse)
+	err := c.cc.Invoke(ctx, AdminService_ReadBackup_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) EndBackup(ctx context.Context, in *EndBackupRequest, opts ...grpc.CallOption) (*EndBackupResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(EndBackupResponse)
+	err := c.cc.Invoke(ctx, AdminService_EndBackup_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServiceServer is the server API for AdminService service.
 // All implementations must embed UnimplementedAdminServiceServer
 // for forward compatibility.
@@ -185,6 +239,27 @@ type AdminServiceServer interface {
 	// whose name starts with consumer_prefix. Errors: INVALID_ARGUMENT,
 	// STORE_UNAVAILABLE.
 	CountParked(context.Context, *CountParkedRequest) (*CountParkedResponse, error)
+	// BeginBackup takes a consistent copy of the embedded store while it
+	// serves (a checkpoint in the data directory) and describes it: its
+	// files with their sizes and SHA-256, the records it holds, the newest
+	// completion, the token high-water mark. Every call acknowledged before
+	// BeginBackup was received is in it. The copy is read with ReadBackup
+	// and removed by EndBackup, or when unread for BackupIdle; `idemreg
+	// backup` does all three. Only an identity that may administer every
+	// consumer may back up. Errors: PERMISSION_DENIED (an admin grant on
+	// fewer than all consumers), FAILED_PRECONDITION with reason
+	// BACKUP_UNSUPPORTED (a store that is backed up with its own tools:
+	// PostgreSQL's pg_dump), RESOURCE_EXHAUSTED with reason TOO_MANY_CALLS
+	// (as many backups in progress as the server allows), STORE_UNAVAILABLE.
+	BeginBackup(context.Context, *BeginBackupRequest) (*BeginBackupResponse, error)
+	// ReadBackup reads a part of one file of a backup BeginBackup began.
+	// Errors: INVALID_ARGUMENT (a file the manifest does not name, a
+	// negative offset), NOT_FOUND (no such backup in progress: ended, or
+	// idle too long), PERMISSION_DENIED, STORE_UNAVAILABLE.
+	ReadBackup(context.Context, *ReadBackupRequest) (*ReadBackupResponse, error)
+	// EndBackup removes a backup's copy. Errors: NOT_FOUND,
+	// PERMISSION_DENIED.
+	EndBackup(context.Context, *EndBackupRequest) (*EndBackupResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
 
@@ -209,6 +284,15 @@ func (UnimplementedAdminServiceServer) ResolveRecord(context.Context, *ResolveRe
 }
 func (UnimplementedAdminServiceServer) CountParked(context.Context, *CountParkedRequest) (*CountParkedResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method CountParked not implemented")
+}
+func (UnimplementedAdminServiceServer) BeginBackup(context.Context, *BeginBackupRequest) (*BeginBackupResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method BeginBackup not implemented")
+}
+func (UnimplementedAdminServiceServer) ReadBackup(context.Context, *ReadBackupRequest) (*ReadBackupResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReadBackup not implemented")
+}
+func (UnimplementedAdminServiceServer) EndBackup(context.Context, *EndBackupRequest) (*EndBackupResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method EndBackup not implemented")
 }
 func (UnimplementedAdminServiceServer) mustEmbedUnimplementedAdminServiceServer() {}
 func (UnimplementedAdminServiceServer) testEmbeddedByValue()                      {}
@@ -321,6 +405,60 @@ func _AdminService_CountParked_Handler(srv interface{}, ctx context.Context, dec
 	return interceptor(ctx, in, info, handler)
 }
 
+func _AdminService_BeginBackup_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BeginBackupRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).BeginBackup(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_BeginBackup_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).BeginBackup(ctx, req.(*BeginBackupRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_ReadBackup_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReadBackupRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ReadBackup(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ReadBackup_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ReadBackup(ctx, req.(*ReadBackupRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_EndBackup_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(EndBackupRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).EndBackup(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_EndBackup_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).EndBackup(ctx, req.(*EndBackupRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // AdminService_ServiceDesc is the grpc.ServiceDesc for AdminService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -347,6 +485,18 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CountParked",
 			Handler:    _AdminService_CountParked_Handler,
+		},
+		{
+			MethodName: "BeginBackup",
+			Handler:    _AdminService_BeginBackup_Handler,
+		},
+		{
+			MethodName: "ReadBackup",
+			Handler:    _AdminService_ReadBackup_Handler,
+		},
+		{
+			MethodName: "EndBackup",
+			Handler:    _AdminService_EndBackup_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

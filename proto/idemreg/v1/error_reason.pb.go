@@ -130,6 +130,11 @@ const (
 	// refuses more), "file_descriptors" (the process is at its limit).
 	// RetryInfo: retrying at once does not help.
 	ErrorReason_ERROR_REASON_CAPACITY_EXHAUSTED ErrorReason = 21
+	// "BACKUP_UNSUPPORTED", code FAILED_PRECONDITION: AdminService's backup
+	// of a store that is backed up with its own tools (PostgreSQL: pg_dump or
+	// point-in-time recovery, docs/operations/runbooks.md). Metadata: store,
+	// the store's kind ("postgres").
+	ErrorReason_ERROR_REASON_BACKUP_UNSUPPORTED ErrorReason = 22
 )
 
 // Enum value maps for ErrorReason.
@@ -157,6 +162,7 @@ var (
 		19: "ERROR_REASON_TOO_MANY_STREAMS",
 		20: "ERROR_REASON_CLAIM_SECRET_INVALID",
 		21: "ERROR_REASON_CAPACITY_EXHAUSTED",
+		22: "ERROR_REASON_BACKUP_UNSUPPORTED",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED":          0,
@@ -181,6 +187,7 @@ var (
 		"ERROR_REASON_TOO_MANY_STREAMS":     19,
 		"ERROR_REASON_CLAIM_SECRET_INVALID": 20,
 		"ERROR_REASON_CAPACITY_EXHAUSTED":   21,
+		"ERROR_REASON_BACKUP_UNSUPPORTED":   22,
 	}
 )
 
@@ -216,7 +223,7 @@ var File_idemreg_v1_error_reason_proto protoreflect.FileDescriptor
 const file_idemreg_v1_error_reason_proto_rawDesc = "" +
 	"\n" +
 	"\x1didemreg/v1/error_reason.proto\x12\n" +
-	"idemreg.v1*\xe7\x05\n" +
+	"idemreg.v1*\x8c\x06\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12%\n" +
 	"!ERROR_REASON_FINGERPRINT_MISMATCH\x10\x01\x12\x1b\n" +
@@ -240,7 +247,8 @@ const file_idemreg_v1_error_reason_proto_rawDesc = "" +
 	"\x1bERROR_REASON_TOO_MANY_CALLS\x10\x12\x12!\n" +
 	"\x1dERROR_REASON_TOO_MANY_STREAMS\x10\x13\x12%\n" +
 	"!ERROR_REASON_CLAIM_SECRET_INVALID\x10\x14\x12#\n" +
-	"\x1fERROR_REASON_CAPACITY_EXHAUSTED\x10\x15B7Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1b\beditionsp\xe8\a"
+	"\x1fERROR_REASON_CAPACITY_EXHAUSTED\x10\x15\x12#\n" +
+	"\x1fERROR_REASON_BACKUP_UNSUPPORTED\x10\x16B7Z5github.com/idemreg/idemreg/proto/idemreg/v1;idemregv1b\beditionsp\xe8\a"
 
 var (
 	file_idemreg_v1_error_reason_proto_rawDescOnce sync.Once

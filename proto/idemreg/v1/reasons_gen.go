@@ -26,6 +26,7 @@ const (
 	ReasonTooManyStreams      = "TOO_MANY_STREAMS"     // ERROR_REASON_TOO_MANY_STREAMS
 	ReasonClaimSecretInvalid  = "CLAIM_SECRET_INVALID" // ERROR_REASON_CLAIM_SECRET_INVALID
 	ReasonCapacityExhausted   = "CAPACITY_EXHAUSTED"   // ERROR_REASON_CAPACITY_EXHAUSTED
+	ReasonBackupUnsupported   = "BACKUP_UNSUPPORTED"   // ERROR_REASON_BACKUP_UNSUPPORTED
 )
 
 // Reasons lists every reason above, in the enum's order.
@@ -51,4 +52,5 @@ var Reasons = []string{
 	ReasonTooManyStreams,
 	ReasonClaimSecretInvalid,
 	ReasonCapacityExhausted,
+	ReasonBackupUnsupported,
 }

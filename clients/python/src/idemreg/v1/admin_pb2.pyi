@@ -123,3 +123,57 @@ class CountParkedResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
     parked: _containers.ScalarMap[str, int]
     def __init__(self, *, parked: _Mapping[str, int] | None = ...) -> None: ...
+
+class BeginBackupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+    def __init__(self) -> None: ...
+
+class BeginBackupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+    backup_id: str
+    manifest: BackupManifest
+    def __init__(self, *, backup_id: str | None = ..., manifest: BackupManifest | None = ...) -> None: ...
+
+class BackupManifest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+    format: int
+    layout_version: int
+    created_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp
+    records: int
+    completed_records: int
+    bytes: int
+    newest_completed_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp
+    newest_completed_token: int
+    token_high_water: int
+    files: _containers.RepeatedCompositeFieldContainer[BackupFile]
+    def __init__(self, *, format: int | None = ..., layout_version: int | None = ..., created_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., records: int | None = ..., completed_records: int | None = ..., bytes: int | None = ..., newest_completed_at: google_dot_protobuf_dot_timestamp__pb2.Timestamp | None = ..., newest_completed_token: int | None = ..., token_high_water: int | None = ..., files: _Iterable[BackupFile] | None = ...) -> None: ...
+
+class BackupFile(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+    name: str
+    size: int
+    sha256: str
+    def __init__(self, *, name: str | None = ..., size: int | None = ..., sha256: str | None = ...) -> None: ...
+
+class ReadBackupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+    backup_id: str
+    name: str
+    offset: int
+    max_bytes: int
+    def __init__(self, *, backup_id: str | None = ..., name: str | None = ..., offset: int | None = ..., max_bytes: int | None = ...) -> None: ...
+
+class ReadBackupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+    data: bytes
+    eof: bool
+    def __init__(self, *, data: bytes | None = ..., eof: bool | None = ...) -> None: ...
+
+class EndBackupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+    backup_id: str
+    def __init__(self, *, backup_id: str | None = ...) -> None: ...
+
+class EndBackupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+    def __init__(self) -> None: ...

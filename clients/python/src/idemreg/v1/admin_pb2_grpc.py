@@ -37,3 +37,18 @@ class AdminServiceStub:
             request_serializer=idemreg_dot_v1_dot_admin__pb2.CountParkedRequest.SerializeToString,
             response_deserializer=idemreg_dot_v1_dot_admin__pb2.CountParkedResponse.FromString,
         )
+        self.BeginBackup = channel.unary_unary(
+            '/idemreg.v1.AdminService/BeginBackup',
+            request_serializer=idemreg_dot_v1_dot_admin__pb2.BeginBackupRequest.SerializeToString,
+            response_deserializer=idemreg_dot_v1_dot_admin__pb2.BeginBackupResponse.FromString,
+        )
+        self.ReadBackup = channel.unary_unary(
+            '/idemreg.v1.AdminService/ReadBackup',
+            request_serializer=idemreg_dot_v1_dot_admin__pb2.ReadBackupRequest.SerializeToString,
+            response_deserializer=idemreg_dot_v1_dot_admin__pb2.ReadBackupResponse.FromString,
+        )
+        self.EndBackup = channel.unary_unary(
+            '/idemreg.v1.AdminService/EndBackup',
+            request_serializer=idemreg_dot_v1_dot_admin__pb2.EndBackupRequest.SerializeToString,
+            response_deserializer=idemreg_dot_v1_dot_admin__pb2.EndBackupResponse.FromString,
+        )

@@ -21,7 +21,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file idemreg/v1/admin.proto.
  */
 export const file_idemreg_v1_admin: GenFile = /*@__PURE__*/
-  fileDesc("ChZpZGVtcmVnL3YxL2FkbWluLnByb3RvEgppZGVtcmVnLnYxIuABCgdBdHRlbXB0Eg8KB2F0dGVtcHQYASABKAMSDQoFdG9rZW4YAiABKAMSDgoGaG9sZGVyGAMgASgJEi8KC2FjcXVpcmVkX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIsCghlbmRlZF9hdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASIwoDZW5kGAYgASgOMhYuaWRlbXJlZy52MS5BdHRlbXB0RW5kEhMKC3BhcmtfcmVhc29uGAcgASgJEgwKBG5vdGUYCCABKAkiVQoUSW5zcGVjdFJlY29yZFJlcXVlc3QSEAoIY29uc3VtZXIYASABKAkSHgoEa2luZBgCIAEoDjIQLmlkZW1yZWcudjEuS2luZBILCgNrZXkYAyABKAkinwEKFUluc3BlY3RSZWNvcmRSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZBIuCgpzdG9yZV90aW1lGAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIMCgRsaXZlGAMgASgIEiQKB2hpc3RvcnkYBCADKAsyEy5pZGVtcmVnLnYxLkF0dGVtcHQidwoXSW52YWxpZGF0ZVJlY29yZFJlcXVlc3QSEAoIY29uc3VtZXIYASABKAkSHgoEa2luZBgCIAEoDjIQLmlkZW1yZWcudjEuS2luZBILCgNrZXkYAyABKAkSDQoFdG9rZW4YBCABKAMSDgoGcmVhc29uGAUgASgJIj4KGEludmFsaWRhdGVSZWNvcmRSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZCLMAQoSTGlzdFJlY29yZHNSZXF1ZXN0EhAKCGNvbnN1bWVyGAEgASgJEhcKD2NvbnN1bWVyX3ByZWZpeBgCIAEoCBIgCgVzdGF0ZRgDIAEoDjIRLmlkZW1yZWcudjEuU3RhdGUSEwoLbWluX2F0dGVtcHQYBCABKAMSLQoKb2xkZXJfdGhhbhgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIRCglwYWdlX3NpemUYBiABKAUSEgoKcGFnZV90b2tlbhgHIAEoCSJYCgxMaXN0ZWRSZWNvcmQSIgoGcmVjb3JkGAEgASgLMhIuaWRlbXJlZy52MS5SZWNvcmQSJAoHaGlzdG9yeRgCIAMoCzITLmlkZW1yZWcudjEuQXR0ZW1wdCKJAQoTTGlzdFJlY29yZHNSZXNwb25zZRIpCgdyZWNvcmRzGAEgAygLMhguaWRlbXJlZy52MS5MaXN0ZWRSZWNvcmQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEi4KCnN0b3JlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIu4BChRSZXNvbHZlUmVjb3JkUmVxdWVzdBIQCghjb25zdW1lchgBIAEoCRIeCgRraW5kGAIgASgOMhAuaWRlbXJlZy52MS5LaW5kEgsKA2tleRgDIAEoCRINCgV0b2tlbhgEIAEoAxIOCgZyZWFzb24YBSABKAkSJAoGcmVzdWx0GAYgASgLMhIuaWRlbXJlZy52MS5SZXN1bHRIABIRCgdyZWxlYXNlGAcgASgISAASMQoNcmVzcG9uc2VfanNvbhgIIAEoCzIYLmlkZW1yZWcudjEuSnNvblJlc3BvbnNlSABCDAoKcmVzb2x1dGlvbiIqCgxKc29uUmVzcG9uc2USDAoEdHlwZRgBIAEoCRIMCgRqc29uGAIgASgJIlUKFVJlc29sdmVSZWNvcmRSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZBIYChByZXNwb25zZV9jaGVja2VkGAIgASgIIi0KEkNvdW50UGFya2VkUmVxdWVzdBIXCg9jb25zdW1lcl9wcmVmaXgYASABKAkigQEKE0NvdW50UGFya2VkUmVzcG9uc2USOwoGcGFya2VkGAEgAygLMisuaWRlbXJlZy52MS5Db3VudFBhcmtlZFJlc3BvbnNlLlBhcmtlZEVudHJ5Gi0KC1BhcmtlZEVudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoAzoCOAEqqQEKCkF0dGVtcHRFbmQSGwoXQVRURU1QVF9FTkRfVU5TUEVDSUZJRUQQABIaChZBVFRFTVBUX0VORF9UQUtFTl9PVkVSEAESGwoXQVRURU1QVF9FTkRfSU5WQUxJREFURUQQAhIiCh5BVFRFTVBUX0VORF9SRVNPTFZFRF9DT01QTEVURUQQAxIhCh1BVFRFTVBUX0VORF9SRVNPTFZFRF9SRUxFQVNFRBAEMrkDCgxBZG1pblNlcnZpY2USVAoNSW5zcGVjdFJlY29yZBIgLmlkZW1yZWcudjEuSW5zcGVjdFJlY29yZFJlcXVlc3QaIS5pZGVtcmVnLnYxLkluc3BlY3RSZWNvcmRSZXNwb25zZRJdChBJbnZhbGlkYXRlUmVjb3JkEiMuaWRlbXJlZy52MS5JbnZhbGlkYXRlUmVjb3JkUmVxdWVzdBokLmlkZW1yZWcudjEuSW52YWxpZGF0ZVJlY29yZFJlc3BvbnNlEk4KC0xpc3RSZWNvcmRzEh4uaWRlbXJlZy52MS5MaXN0UmVjb3Jkc1JlcXVlc3QaHy5pZGVtcmVnLnYxLkxpc3RSZWNvcmRzUmVzcG9uc2USVAoNUmVzb2x2ZVJlY29yZBIgLmlkZW1yZWcudjEuUmVzb2x2ZVJlY29yZFJlcXVlc3QaIS5pZGVtcmVnLnYxLlJlc29sdmVSZWNvcmRSZXNwb25zZRJOCgtDb3VudFBhcmtlZBIeLmlkZW1yZWcudjEuQ291bnRQYXJrZWRSZXF1ZXN0Gh8uaWRlbXJlZy52MS5Db3VudFBhcmtlZFJlc3BvbnNlQj5aNWdpdGh1Yi5jb20vaWRlbXJlZy9pZGVtcmVnL3Byb3RvL2lkZW1yZWcvdjE7aWRlbXJlZ3YxkgMECAIgA2IIZWRpdGlvbnNw6Ac", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_idemreg_v1_registry]);
+  fileDesc("ChZpZGVtcmVnL3YxL2FkbWluLnByb3RvEgppZGVtcmVnLnYxIuABCgdBdHRlbXB0Eg8KB2F0dGVtcHQYASABKAMSDQoFdG9rZW4YAiABKAMSDgoGaG9sZGVyGAMgASgJEi8KC2FjcXVpcmVkX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIsCghlbmRlZF9hdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASIwoDZW5kGAYgASgOMhYuaWRlbXJlZy52MS5BdHRlbXB0RW5kEhMKC3BhcmtfcmVhc29uGAcgASgJEgwKBG5vdGUYCCABKAkiVQoUSW5zcGVjdFJlY29yZFJlcXVlc3QSEAoIY29uc3VtZXIYASABKAkSHgoEa2luZBgCIAEoDjIQLmlkZW1yZWcudjEuS2luZBILCgNrZXkYAyABKAkinwEKFUluc3BlY3RSZWNvcmRSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZBIuCgpzdG9yZV90aW1lGAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIMCgRsaXZlGAMgASgIEiQKB2hpc3RvcnkYBCADKAsyEy5pZGVtcmVnLnYxLkF0dGVtcHQidwoXSW52YWxpZGF0ZVJlY29yZFJlcXVlc3QSEAoIY29uc3VtZXIYASABKAkSHgoEa2luZBgCIAEoDjIQLmlkZW1yZWcudjEuS2luZBILCgNrZXkYAyABKAkSDQoFdG9rZW4YBCABKAMSDgoGcmVhc29uGAUgASgJIj4KGEludmFsaWRhdGVSZWNvcmRSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZCLMAQoSTGlzdFJlY29yZHNSZXF1ZXN0EhAKCGNvbnN1bWVyGAEgASgJEhcKD2NvbnN1bWVyX3ByZWZpeBgCIAEoCBIgCgVzdGF0ZRgDIAEoDjIRLmlkZW1yZWcudjEuU3RhdGUSEwoLbWluX2F0dGVtcHQYBCABKAMSLQoKb2xkZXJfdGhhbhgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIRCglwYWdlX3NpemUYBiABKAUSEgoKcGFnZV90b2tlbhgHIAEoCSJYCgxMaXN0ZWRSZWNvcmQSIgoGcmVjb3JkGAEgASgLMhIuaWRlbXJlZy52MS5SZWNvcmQSJAoHaGlzdG9yeRgCIAMoCzITLmlkZW1yZWcudjEuQXR0ZW1wdCKJAQoTTGlzdFJlY29yZHNSZXNwb25zZRIpCgdyZWNvcmRzGAEgAygLMhguaWRlbXJlZy52MS5MaXN0ZWRSZWNvcmQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEi4KCnN0b3JlX3RpbWUYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIu4BChRSZXNvbHZlUmVjb3JkUmVxdWVzdBIQCghjb25zdW1lchgBIAEoCRIeCgRraW5kGAIgASgOMhAuaWRlbXJlZy52MS5LaW5kEgsKA2tleRgDIAEoCRINCgV0b2tlbhgEIAEoAxIOCgZyZWFzb24YBSABKAkSJAoGcmVzdWx0GAYgASgLMhIuaWRlbXJlZy52MS5SZXN1bHRIABIRCgdyZWxlYXNlGAcgASgISAASMQoNcmVzcG9uc2VfanNvbhgIIAEoCzIYLmlkZW1yZWcudjEuSnNvblJlc3BvbnNlSABCDAoKcmVzb2x1dGlvbiIqCgxKc29uUmVzcG9uc2USDAoEdHlwZRgBIAEoCRIMCgRqc29uGAIgASgJIlUKFVJlc29sdmVSZWNvcmRSZXNwb25zZRIiCgZyZWNvcmQYASABKAsyEi5pZGVtcmVnLnYxLlJlY29yZBIYChByZXNwb25zZV9jaGVja2VkGAIgASgIIi0KEkNvdW50UGFya2VkUmVxdWVzdBIXCg9jb25zdW1lcl9wcmVmaXgYASABKAkigQEKE0NvdW50UGFya2VkUmVzcG9uc2USOwoGcGFya2VkGAEgAygLMisuaWRlbXJlZy52MS5Db3VudFBhcmtlZFJlc3BvbnNlLlBhcmtlZEVudHJ5Gi0KC1BhcmtlZEVudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoAzoCOAEiFAoSQmVnaW5CYWNrdXBSZXF1ZXN0IlYKE0JlZ2luQmFja3VwUmVzcG9uc2USEQoJYmFja3VwX2lkGAEgASgJEiwKCG1hbmlmZXN0GAIgASgLMhouaWRlbXJlZy52MS5CYWNrdXBNYW5pZmVzdCK9AgoOQmFja3VwTWFuaWZlc3QSDgoGZm9ybWF0GAEgASgFEhYKDmxheW91dF92ZXJzaW9uGAIgASgFEi4KCmNyZWF0ZWRfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB3JlY29yZHMYBCABKAMSGQoRY29tcGxldGVkX3JlY29yZHMYBSABKAMSDQoFYnl0ZXMYBiABKAMSNwoTbmV3ZXN0X2NvbXBsZXRlZF9hdBgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASHgoWbmV3ZXN0X2NvbXBsZXRlZF90b2tlbhgIIAEoAxIYChB0b2tlbl9oaWdoX3dhdGVyGAkgASgDEiUKBWZpbGVzGAogAygLMhYuaWRlbXJlZy52MS5CYWNrdXBGaWxlIjgKCkJhY2t1cEZpbGUSDAoEbmFtZRgBIAEoCRIMCgRzaXplGAIgASgDEg4KBnNoYTI1NhgDIAEoCSJXChFSZWFkQmFja3VwUmVxdWVzdBIRCgliYWNrdXBfaWQYASABKAkSDAoEbmFtZRgCIAEoCRIOCgZvZmZzZXQYAyABKAMSEQoJbWF4X2J5dGVzGAQgASgFIi8KElJlYWRCYWNrdXBSZXNwb25zZRIMCgRkYXRhGAEgASgMEgsKA2VvZhgCIAEoCCIlChBFbmRCYWNrdXBSZXF1ZXN0EhEKCWJhY2t1cF9pZBgBIAEoCSITChFFbmRCYWNrdXBSZXNwb25zZSqpAQoKQXR0ZW1wdEVuZBIbChdBVFRFTVBUX0VORF9VTlNQRUNJRklFRBAAEhoKFkFUVEVNUFRfRU5EX1RBS0VOX09WRVIQARIbChdBVFRFTVBUX0VORF9JTlZBTElEQVRFRBACEiIKHkFUVEVNUFRfRU5EX1JFU09MVkVEX0NPTVBMRVRFRBADEiEKHUFUVEVNUFRfRU5EX1JFU09MVkVEX1JFTEVBU0VEEAQyoAUKDEFkbWluU2VydmljZRJUCg1JbnNwZWN0UmVjb3JkEiAuaWRlbXJlZy52MS5JbnNwZWN0UmVjb3JkUmVxdWVzdBohLmlkZW1yZWcudjEuSW5zcGVjdFJlY29yZFJlc3BvbnNlEl0KEEludmFsaWRhdGVSZWNvcmQSIy5pZGVtcmVnLnYxLkludmFsaWRhdGVSZWNvcmRSZXF1ZXN0GiQuaWRlbXJlZy52MS5JbnZhbGlkYXRlUmVjb3JkUmVzcG9uc2USTgoLTGlzdFJlY29yZHMSHi5pZGVtcmVnLnYxLkxpc3RSZWNvcmRzUmVxdWVzdBofLmlkZW1yZWcudjEuTGlzdFJlY29yZHNSZXNwb25zZRJUCg1SZXNvbHZlUmVjb3JkEiAuaWRlbXJlZy52MS5SZXNvbHZlUmVjb3JkUmVxdWVzdBohLmlkZW1yZWcudjEuUmVzb2x2ZVJlY29yZFJlc3BvbnNlEk4KC0NvdW50UGFya2VkEh4uaWRlbXJlZy52MS5Db3VudFBhcmtlZFJlcXVlc3QaHy5pZGVtcmVnLnYxLkNvdW50UGFya2VkUmVzcG9uc2USTgoLQmVnaW5CYWNrdXASHi5pZGVtcmVnLnYxLkJlZ2luQmFja3VwUmVxdWVzdBofLmlkZW1yZWcudjEuQmVnaW5CYWNrdXBSZXNwb25zZRJLCgpSZWFkQmFja3VwEh0uaWRlbXJlZy52MS5SZWFkQmFja3VwUmVxdWVzdBoeLmlkZW1yZWcudjEuUmVhZEJhY2t1cFJlc3BvbnNlEkgKCUVuZEJhY2t1cBIcLmlkZW1yZWcudjEuRW5kQmFja3VwUmVxdWVzdBodLmlkZW1yZWcudjEuRW5kQmFja3VwUmVzcG9uc2VCPlo1Z2l0aHViLmNvbS9pZGVtcmVnL2lkZW1yZWcvcHJvdG8vaWRlbXJlZy92MTtpZGVtcmVndjGSAwQIAiADYghlZGl0aW9uc3DoBw", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_idemreg_v1_registry]);
 
 /**
  * Attempt is an earlier acquisition of a record: who held which token and
@@ -518,6 +518,245 @@ export const CountParkedResponseSchema: GenMessage<CountParkedResponse> = /*@__P
   messageDesc(file_idemreg_v1_admin, 12);
 
 /**
+ * @generated from message idemreg.v1.BeginBackupRequest
+ */
+export type BeginBackupRequest = Message<"idemreg.v1.BeginBackupRequest"> & {
+};
+
+/**
+ * Describes the message idemreg.v1.BeginBackupRequest.
+ * Use `create(BeginBackupRequestSchema)` to create a new message.
+ */
+export const BeginBackupRequestSchema: GenMessage<BeginBackupRequest> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_admin, 13);
+
+/**
+ * @generated from message idemreg.v1.BeginBackupResponse
+ */
+export type BeginBackupResponse = Message<"idemreg.v1.BeginBackupResponse"> & {
+  /**
+   * Names the backup in ReadBackup and EndBackup.
+   *
+   * @generated from field: string backup_id = 1;
+   */
+  backupId: string;
+
+  /**
+   * @generated from field: idemreg.v1.BackupManifest manifest = 2;
+   */
+  manifest?: BackupManifest | undefined;
+};
+
+/**
+ * Describes the message idemreg.v1.BeginBackupResponse.
+ * Use `create(BeginBackupResponseSchema)` to create a new message.
+ */
+export const BeginBackupResponseSchema: GenMessage<BeginBackupResponse> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_admin, 14);
+
+/**
+ * BackupManifest describes a backup; `idemreg backup` writes it as
+ * MANIFEST.json beside the backup's files (docs/operations/runbooks.md).
+ *
+ * @generated from message idemreg.v1.BackupManifest
+ */
+export type BackupManifest = Message<"idemreg.v1.BackupManifest"> & {
+  /**
+   * The version of the backup's layout (1).
+   *
+   * @generated from field: int32 format = 1;
+   */
+  format: number;
+
+  /**
+   * The store's own layout version.
+   *
+   * @generated from field: int32 layout_version = 2;
+   */
+  layoutVersion: number;
+
+  /**
+   * The store's clock when the copy was taken.
+   *
+   * @generated from field: google.protobuf.Timestamp created_at = 3;
+   */
+  createdAt?: Timestamp | undefined;
+
+  /**
+   * The records in the copy, and how many of them are completed.
+   *
+   * @generated from field: int64 records = 4;
+   */
+  records: bigint;
+
+  /**
+   * @generated from field: int64 completed_records = 5;
+   */
+  completedRecords: bigint;
+
+  /**
+   * The size of the files together.
+   *
+   * @generated from field: int64 bytes = 6;
+   */
+  bytes: bigint;
+
+  /**
+   * The newest completion in the copy (unset and 0 when none).
+   *
+   * @generated from field: google.protobuf.Timestamp newest_completed_at = 7;
+   */
+  newestCompletedAt?: Timestamp | undefined;
+
+  /**
+   * @generated from field: int64 newest_completed_token = 8;
+   */
+  newestCompletedToken: bigint;
+
+  /**
+   * The greatest token the copy knows of: a restore issues only tokens
+   * above it.
+   *
+   * @generated from field: int64 token_high_water = 9;
+   */
+  tokenHighWater: bigint;
+
+  /**
+   * @generated from field: repeated idemreg.v1.BackupFile files = 10;
+   */
+  files: BackupFile[];
+};
+
+/**
+ * Describes the message idemreg.v1.BackupManifest.
+ * Use `create(BackupManifestSchema)` to create a new message.
+ */
+export const BackupManifestSchema: GenMessage<BackupManifest> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_admin, 15);
+
+/**
+ * @generated from message idemreg.v1.BackupFile
+ */
+export type BackupFile = Message<"idemreg.v1.BackupFile"> & {
+  /**
+   * The file's path in the backup, forward slashes.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * @generated from field: int64 size = 2;
+   */
+  size: bigint;
+
+  /**
+   * Its SHA-256, lowercase hex.
+   *
+   * @generated from field: string sha256 = 3;
+   */
+  sha256: string;
+};
+
+/**
+ * Describes the message idemreg.v1.BackupFile.
+ * Use `create(BackupFileSchema)` to create a new message.
+ */
+export const BackupFileSchema: GenMessage<BackupFile> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_admin, 16);
+
+/**
+ * @generated from message idemreg.v1.ReadBackupRequest
+ */
+export type ReadBackupRequest = Message<"idemreg.v1.ReadBackupRequest"> & {
+  /**
+   * @generated from field: string backup_id = 1;
+   */
+  backupId: string;
+
+  /**
+   * A file the manifest names.
+   *
+   * @generated from field: string name = 2;
+   */
+  name: string;
+
+  /**
+   * @generated from field: int64 offset = 3;
+   */
+  offset: bigint;
+
+  /**
+   * At most this many bytes: 1-4194304 less the answer's overhead; 1 MiB
+   * when 0.
+   *
+   * @generated from field: int32 max_bytes = 4;
+   */
+  maxBytes: number;
+};
+
+/**
+ * Describes the message idemreg.v1.ReadBackupRequest.
+ * Use `create(ReadBackupRequestSchema)` to create a new message.
+ */
+export const ReadBackupRequestSchema: GenMessage<ReadBackupRequest> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_admin, 17);
+
+/**
+ * @generated from message idemreg.v1.ReadBackupResponse
+ */
+export type ReadBackupResponse = Message<"idemreg.v1.ReadBackupResponse"> & {
+  /**
+   * @generated from field: bytes data = 1;
+   */
+  data: Uint8Array;
+
+  /**
+   * Set when data ends at the file's end.
+   *
+   * @generated from field: bool eof = 2;
+   */
+  eof: boolean;
+};
+
+/**
+ * Describes the message idemreg.v1.ReadBackupResponse.
+ * Use `create(ReadBackupResponseSchema)` to create a new message.
+ */
+export const ReadBackupResponseSchema: GenMessage<ReadBackupResponse> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_admin, 18);
+
+/**
+ * @generated from message idemreg.v1.EndBackupRequest
+ */
+export type EndBackupRequest = Message<"idemreg.v1.EndBackupRequest"> & {
+  /**
+   * @generated from field: string backup_id = 1;
+   */
+  backupId: string;
+};
+
+/**
+ * Describes the message idemreg.v1.EndBackupRequest.
+ * Use `create(EndBackupRequestSchema)` to create a new message.
+ */
+export const EndBackupRequestSchema: GenMessage<EndBackupRequest> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_admin, 19);
+
+/**
+ * @generated from message idemreg.v1.EndBackupResponse
+ */
+export type EndBackupResponse = Message<"idemreg.v1.EndBackupResponse"> & {
+};
+
+/**
+ * Describes the message idemreg.v1.EndBackupResponse.
+ * Use `create(EndBackupResponseSchema)` to create a new message.
+ */
+export const EndBackupResponseSchema: GenMessage<EndBackupResponse> = /*@__PURE__*/
+  messageDesc(file_idemreg_v1_admin, 20);
+
+/**
  * AttemptEnd says how an earlier attempt on a record ended.
  *
  * @generated from enum idemreg.v1.AttemptEnd
@@ -649,6 +888,51 @@ export const AdminService: GenService<{
     methodKind: "unary";
     input: typeof CountParkedRequestSchema;
     output: typeof CountParkedResponseSchema;
+  },
+  /**
+   * BeginBackup takes a consistent copy of the embedded store while it
+   * serves (a checkpoint in the data directory) and describes it: its
+   * files with their sizes and SHA-256, the records it holds, the newest
+   * completion, the token high-water mark. Every call acknowledged before
+   * BeginBackup was received is in it. The copy is read with ReadBackup
+   * and removed by EndBackup, or when unread for BackupIdle; `idemreg
+   * backup` does all three. Only an identity that may administer every
+   * consumer may back up. Errors: PERMISSION_DENIED (an admin grant on
+   * fewer than all consumers), FAILED_PRECONDITION with reason
+   * BACKUP_UNSUPPORTED (a store that is backed up with its own tools:
+   * PostgreSQL's pg_dump), RESOURCE_EXHAUSTED with reason TOO_MANY_CALLS
+   * (as many backups in progress as the server allows), STORE_UNAVAILABLE.
+   *
+   * @generated from rpc idemreg.v1.AdminService.BeginBackup
+   */
+  beginBackup: {
+    methodKind: "unary";
+    input: typeof BeginBackupRequestSchema;
+    output: typeof BeginBackupResponseSchema;
+  },
+  /**
+   * ReadBackup reads a part of one file of a backup BeginBackup began.
+   * Errors: INVALID_ARGUMENT (a file the manifest does not name, a
+   * negative offset), NOT_FOUND (no such backup in progress: ended, or
+   * idle too long), PERMISSION_DENIED, STORE_UNAVAILABLE.
+   *
+   * @generated from rpc idemreg.v1.AdminService.ReadBackup
+   */
+  readBackup: {
+    methodKind: "unary";
+    input: typeof ReadBackupRequestSchema;
+    output: typeof ReadBackupResponseSchema;
+  },
+  /**
+   * EndBackup removes a backup's copy. Errors: NOT_FOUND,
+   * PERMISSION_DENIED.
+   *
+   * @generated from rpc idemreg.v1.AdminService.EndBackup
+   */
+  endBackup: {
+    methodKind: "unary";
+    input: typeof EndBackupRequestSchema;
+    output: typeof EndBackupResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_idemreg_v1_admin, 0);
