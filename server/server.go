@@ -185,7 +185,7 @@ func New(store storage.Store, cfg Config) (*Server, error) {
 	g := grpc.NewServer(opts...)
 	r := decodingRegistrar{Server: g, carried: carried}
 	idemregv1.RegisterRegistryServiceServer(r, svc)
-	idemregv1.RegisterAdminServiceServer(r, newAdminService(svc, cfg.ResultTypes))
+	idemregv1.RegisterAdminServiceServer(r, withBackups(newAdminService(svc, cfg.ResultTypes), store))
 	h := health.NewServer()
 	for _, name := range healthServices {
 		h.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)
