@@ -35,7 +35,9 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	call := func(ctx context.Context) (context.Context, context.CancelFunc) { return context.WithTimeout(ctx, time.Minute) }
+	call := func(ctx context.Context) (context.Context, context.CancelFunc) {
+		return context.WithTimeout(ctx, time.Minute)
+	}
 	m, err := backupcmd.Run(context.Background(), idemregv1.NewAdminServiceClient(cc), call, *to, os.Stdout)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
