@@ -93,8 +93,8 @@ func WithConsumerOptions(opts ...client.ConsumerOption) Option {
 // whose first run is in progress elsewhere (default
 // DefaultInProgressDelay); zero or less nacks at once, for a subscriber
 // that delays redeliveries on its own (watermill-nats' NakDelay, say).
-func WithInProgressDelay(max time.Duration) Option {
-	return func(d *Deduplicator) { d.inProgressDelay = max }
+func WithInProgressDelay(limit time.Duration) Option {
+	return func(d *Deduplicator) { d.inProgressDelay = limit }
 }
 
 // WithLogger receives the middleware's logs (default: none): final
