@@ -7,6 +7,8 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/idemreg/idemreg/client/registrytest"
 )
 
 // A service's module that imports registrytest takes its go.mod's
@@ -33,6 +35,11 @@ func TestModuleTakesOnlyTheClient(t *testing.T) {
 		case compareVersions(v, cl.require[path]) > 0:
 			t.Errorf("requires %s %s, above the client's %s", path, v, cl.require[path])
 		}
+	}
+	// Our modules are released together: the binary Binary installs is
+	// the release of the client this module requires.
+	if v := own.require["github.com/idemreg/idemreg/client"]; v != registrytest.Version {
+		t.Errorf("requires the client %s, but Version (the idemreg binary installed) is %s", v, registrytest.Version)
 	}
 	if g := own.require["google.golang.org/grpc"]; g == "" || g != cl.require["google.golang.org/grpc"] {
 		t.Errorf("gRPC %q: want the client's floor %s", g, cl.require["google.golang.org/grpc"])
