@@ -36,33 +36,9 @@ func buildProxy(repo, out, version string, released []string) ([]served, error) 
 	if err != nil {
 		return nil, err
 	}
-	var mods []served
-	for _, f := range files {
-		if path.Base(f) != "go.mod" {
-			continue
-		}
-		data, err := os.ReadFile(filepath.Join(repo, filepath.FromSlash(f)))
-		if err != nil {
-			return nil, err
-		}
-		mf, err := modfile.Parse(f, data, nil)
-		if err != nil {
-			return nil, err
-		}
-		if mf.Module == nil {
-			return nil, fmt.Errorf("%s: no module line", f)
-		}
-		mods = append(mods, served{Version: module.Version{Path: mf.Module.Mod.Path}, Dir: path.Dir(f), gomod: data, file: mf})
-	}
-	sort.Slice(mods, func(i, j int) bool { return mods[i].Dir < mods[j].Dir })
-	var root string
-	for _, m := range mods {
-		if m.Dir == "." {
-			root = m.Path
-		}
-	}
-	if root == "" {
-		return nil, errors.New("no go.mod at the repository's root")
+	mods, root, err := readModules(repo, files)
+	if err != nil {
+		return nil, err
 	}
 	ours := func(p string) bool { return p == root || strings.HasPrefix(p, root+"/") }
 
@@ -127,6 +103,40 @@ func buildProxy(repo, out, version string, released []string) ([]served, error) 
 		}
 	}
 	return mods, nil
+}
+
+// readModules reads every go.mod of the tree, sorted by directory, and
+// names the root module's path.
+func readModules(repo string, files []string) ([]served, string, error) {
+	var mods []served
+	for _, f := range files {
+		if path.Base(f) != "go.mod" {
+			continue
+		}
+		data, err := os.ReadFile(filepath.Join(repo, filepath.FromSlash(f)))
+		if err != nil {
+			return nil, "", err
+		}
+		mf, err := modfile.Parse(f, data, nil)
+		if err != nil {
+			return nil, "", err
+		}
+		if mf.Module == nil {
+			return nil, "", fmt.Errorf("%s: no module line", f)
+		}
+		mods = append(mods, served{Version: module.Version{Path: mf.Module.Mod.Path}, Dir: path.Dir(f), gomod: data, file: mf})
+	}
+	sort.Slice(mods, func(i, j int) bool { return mods[i].Dir < mods[j].Dir })
+	var root string
+	for _, m := range mods {
+		if m.Dir == "." {
+			root = m.Path
+		}
+	}
+	if root == "" {
+		return nil, "", errors.New("no go.mod at the repository's root")
+	}
+	return mods, root, nil
 }
 
 func writeModule(repo, out string, m *served, files []string, info []byte) error {
