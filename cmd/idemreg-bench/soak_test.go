@@ -86,8 +86,10 @@ func TestSoak(t *testing.T) {
 				// seconds' keys, not the run's.
 				last := rep.Samples[len(rep.Samples)-1]
 				require.Less(t, last.Records, int64(created)/2, "records left of %d created", created)
+				require.Equal(t, int64(-1), last.StoreDiskBytes)
 			} else {
 				require.Equal(t, int64(-1), rep.Samples[0].Records)
+				require.Positive(t, rep.Samples[0].StoreDiskBytes)
 			}
 			require.Len(t, rep.Targets, 7)
 			missed := 0

@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -64,18 +65,22 @@ type soakSample struct {
 	// idemreg_* tables' with their indexes and TOAST (PostgreSQL);
 	// Records their live records (PostgreSQL only, else -1).
 	StoreBytes, Records int64
-	Calls               int
-	CallsPerS           float64
-	Ops                 map[string]int
-	Errors              map[string]int `json:",omitempty"`
-	Unexpected          int
-	FirstUnexpected     string `json:",omitempty"`
-	Behind              int
-	Expired             int
-	WaitersWoken        int
-	WaitersNotWoken     int
-	WaitsOutlasted      int
-	P50Ms, P99Ms        float64
+	// StoreDiskBytes is the data directory's blocks on disk (embedded,
+	// else -1): more than its size while pebble's WAL files are
+	// preallocated.
+	StoreDiskBytes  int64
+	Calls           int
+	CallsPerS       float64
+	Ops             map[string]int
+	Errors          map[string]int `json:",omitempty"`
+	Unexpected      int
+	FirstUnexpected string `json:",omitempty"`
+	Behind          int
+	Expired         int
+	WaitersWoken    int
+	WaitersNotWoken int
+	WaitsOutlasted  int
+	P50Ms, P99Ms    float64
 	// ServerCPU is the server's CPU time over the window, in cores; Load1
 	// the machine's 1-minute load average at its end.
 	ServerCPU, Load1 float64
@@ -84,7 +89,7 @@ type soakSample struct {
 }
 
 func (p *soakProbe) sample(ctx context.Context) (soakSample, error) {
-	s := soakSample{Goroutines: -1, FDs: -1, StoreBytes: -1, Records: -1}
+	s := soakSample{Goroutines: -1, FDs: -1, StoreBytes: -1, Records: -1, StoreDiskBytes: -1}
 	rss, err := procStatusBytes(p.pid, "VmRSS:")
 	if err != nil {
 		return s, fmt.Errorf("the server (pid %d) is gone: %w", p.pid, err)
@@ -151,7 +156,7 @@ func (p *soakProbe) goroutines(ctx context.Context) (int, error) {
 
 func (p *soakProbe) store(ctx context.Context, s *soakSample) error {
 	if p.dataDir != "" {
-		var total int64
+		var total, disk int64
 		err := filepath.WalkDir(p.dataDir, func(_ string, d fs.DirEntry, err error) error {
 			if err != nil {
 				// A file compacted away between the listing and its stat.
@@ -162,11 +167,14 @@ func (p *soakProbe) store(ctx context.Context, s *soakSample) error {
 			}
 			if info, err := d.Info(); err == nil && !d.IsDir() {
 				total += info.Size()
+				if st, ok := info.Sys().(*syscall.Stat_t); ok {
+					disk += st.Blocks * 512
+				}
 			}
 			return nil
 		})
 		if err == nil {
-			s.StoreBytes = total
+			s.StoreBytes, s.StoreDiskBytes = total, disk
 		}
 		return err
 	}
@@ -220,14 +228,17 @@ func quantile(sorted []time.Duration, q float64) time.Duration {
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 func printSoakHeader(w io.Writer) {
-	fmt.Fprintf(w, "%8s %8s %6s %5s %10s %8s %7s %7s %8s %8s %5s %5s  %s\n",
-		"elapsed", "rss_MiB", "gorout", "fds", "store_MiB", "records", "calls", "calls/s", "p50_ms", "p99_ms", "cpu", "load1", "errors (unexpected codes), unexpected answers, behind, expired, waiters woken/not/outlasted")
+	fmt.Fprintf(w, "%8s %8s %6s %5s %10s %9s %8s %7s %7s %8s %8s %5s %5s  %s\n",
+		"elapsed", "rss_MiB", "gorout", "fds", "store_MiB", "disk_MiB", "records", "calls", "calls/s", "p50_ms", "p99_ms", "cpu", "load1", "errors (unexpected codes), unexpected answers, behind, expired, waiters woken/not/outlasted")
 }
 
 func printSoakSample(w io.Writer, s soakSample) {
-	records := "-"
+	records, disk := "-", "-"
 	if s.Records >= 0 {
 		records = strconv.FormatInt(s.Records, 10)
+	}
+	if s.StoreDiskBytes >= 0 {
+		disk = strconv.FormatFloat(float64(s.StoreDiskBytes)/(1<<20), 'f', 2, 64)
 	}
 	errs := "none"
 	if len(s.Errors) > 0 {
@@ -238,8 +249,8 @@ func printSoakSample(w io.Writer, s soakSample) {
 		slices.Sort(parts)
 		errs = strings.Join(parts, ",")
 	}
-	fmt.Fprintf(w, "%8s %8.1f %6d %5d %10.2f %8s %7d %7.1f %8.2f %8.2f %5.2f %5.2f  %s, %d, %d, %d, %d/%d/%d\n",
-		(time.Duration(s.ElapsedS) * time.Second).String(), float64(s.RSSBytes)/(1<<20), s.Goroutines, s.FDs, float64(s.StoreBytes)/(1<<20), records,
+	fmt.Fprintf(w, "%8s %8.1f %6d %5d %10.2f %9s %8s %7d %7.1f %8.2f %8.2f %5.2f %5.2f  %s, %d, %d, %d, %d/%d/%d\n",
+		(time.Duration(s.ElapsedS) * time.Second).String(), float64(s.RSSBytes)/(1<<20), s.Goroutines, s.FDs, float64(s.StoreBytes)/(1<<20), disk, records,
 		s.Calls, s.CallsPerS, s.P50Ms, s.P99Ms, s.ServerCPU, s.Load1, errs, s.Unexpected, s.Behind, s.Expired, s.WaitersWoken, s.WaitersNotWoken, s.WaitsOutlasted)
 	if s.FirstUnexpected != "" {
 		fmt.Fprintf(w, "         first unexpected: %s\n", s.FirstUnexpected)
@@ -302,6 +313,7 @@ func soakSummarize(cfg soakConfig, samples []soakSample) soakReport {
 		{"goroutines", func(s soakSample) float64 { return float64(s.Goroutines) }, true},
 		{"fds", func(s soakSample) float64 { return float64(s.FDs) }, true},
 		{"store_bytes", func(s soakSample) float64 { return float64(s.StoreBytes) }, true},
+		{"store_disk_bytes", func(s soakSample) float64 { return float64(s.StoreDiskBytes) }, false},
 		{"records", func(s soakSample) float64 { return float64(s.Records) }, false},
 		{"p99_ms", func(s soakSample) float64 { return s.P99Ms }, false},
 	}
