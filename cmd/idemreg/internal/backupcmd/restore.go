@@ -36,7 +36,8 @@ func Restore(fs *flag.FlagSet) command.Run {
 			return errors.New("--from and --data-dir are required")
 		}
 		o.Stdin = os.Stdin
-		o.Logger = slog.New(slog.NewTextHandler(stderr, nil))
+		// pebble says much as it opens the copy; only what goes wrong matters here.
+		o.Logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 		res, err := RunRestore(ctx, o)
 		if err != nil {
 			return command.Exit(1, err)
