@@ -1,7 +1,8 @@
 # The developers' entry point. `make test` is the README's test command.
 # buf and its plugins come from their own module (proto/tools), outside the
-# workspace (go.work), hence GOWORK=off, which buf's plugins inherit.
-BUF := GOWORK=off go tool -modfile=proto/tools/go.mod buf
+# workspace (go.work), hence GOWORK=off, which buf's plugins inherit;
+# .ci/buf builds buf once per proto/tools/go.sum into a cache directory.
+BUF := .ci/buf
 # Every Go module but the buf tools' (docs/design.md, Modules); .ci/test
 # vets and tests each on its own go.mod.
 GO_MODULES := $(shell git ls-files -- '*go.mod' ':!proto/tools' | xargs -n1 dirname)
@@ -42,7 +43,7 @@ adversarial: ## the adversarial suite against a real serve (docs/testing.md, "Ad
 generate: ## regenerate Go code from proto/ and examples/proto/, the reason constants from ErrorReason, and the TypeScript and Python clients' code
 	$(BUF) generate --template proto/buf.gen.yaml
 	cd proto/idemreg/v1 && go test -count=1 -run '^TestReasonConstants$$' . -args -update
-	cd examples && GOWORK=off go tool -modfile=../proto/tools/go.mod buf generate
+	cd examples && ../.ci/buf generate
 	cd clients/typescript && npm ci --no-audit --no-fund
 	$(BUF) generate --template clients/typescript/buf.gen.yaml
 	$(BUF) generate --template clients/python/buf.gen.yaml
@@ -50,7 +51,7 @@ generate: ## regenerate Go code from proto/ and examples/proto/, the reason cons
 
 lint:
 	$(BUF) lint
-	cd examples && GOWORK=off go tool -modfile=../proto/tools/go.mod buf lint
+	cd examples && ../.ci/buf lint
 	for m in $(GO_MODULES); do \
 		case " $(STANDALONE) " in *" $$m "*) w=off;; *) w=;; esac; \
 		(cd $$m && GOWORK=$$w go vet ./...) || exit 1; \
