@@ -42,6 +42,18 @@ var exampleOrder = []string{
 	"idemreg.v1.AdminService/InspectRecord",
 	"idemreg.v1.AdminService/ResolveRecord",
 	"idemreg.v1.AdminService/InvalidateRecord",
+	"idemreg.v1.AdminService/BeginBackup",
+	"idemreg.v1.AdminService/ReadBackup",
+	"idemreg.v1.AdminService/EndBackup",
+}
+
+// notSent are the examples only decoded, not sent: the backup calls need
+// a store on disk and a backup in progress, and are exercised against
+// real servers by server's TestBackupRPCs and backupcmd's tests.
+var notSent = map[string]bool{
+	"idemreg.v1.AdminService/BeginBackup": true,
+	"idemreg.v1.AdminService/ReadBackup":  true,
+	"idemreg.v1.AdminService/EndBackup":   true,
 }
 
 // TestOpenAPIExamples sends every example request of the OpenAPI
@@ -84,6 +96,9 @@ func TestOpenAPIExamples(t *testing.T) {
 		method := methodOf(t, name)
 		decodeStrict(t, name+" request", ex.Request, method.Input())
 		decodeStrict(t, name+" response", ex.Response, method.Output())
+		if notSent[name] {
+			continue
+		}
 
 		var req any
 		require.NoError(t, json.Unmarshal(ex.Request, &req))
