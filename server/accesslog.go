@@ -111,7 +111,7 @@ func (accessLogger) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.C
 func (accessLogger) HandleConn(context.Context, stats.ConnStats) {}
 
 // unary notes the request's consumer for the call's line, and sets the
-// call's attributes on its span when the span is recording (tracing.go).
+// call's attributes on its span when the span is recording (below).
 func (a accessLogger) unary(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
 	cl, _ := ctx.Value(callLogKey{}).(*callLog)
 	if cl != nil {

@@ -169,7 +169,7 @@ type Config struct {
 	// within a rotation's activation delay.
 	Now func() time.Time
 	// Replica places this replica among those sharing the store
-	// (replicas.go): its ID, the address its peers reach it on, its
+	// (server/internal/replicas): its ID, the address its peers reach it on, its
 	// heartbeat. Zero fields take the defaults.
 	Replica Replica
 	// ResultTypes are the message types whose responses ResolveRecord

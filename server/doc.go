@@ -67,7 +67,8 @@
 //   - batch.go: BatchClaim, BatchComplete and Batch, the same per item,
 //     every item that passed decided in one store call;
 //   - admin.go: the AdminService (and ListRecords' validation, its page
-//     tokens in server/internal/pagetoken);
+//     tokens in server/internal/pagetoken); backup.go: its backup RPCs, a
+//     copy of the embedded store's files taken from the backend itself;
 //   - status.go: every error of the store, the context or the server's own
 //     refusals becomes one status with its reason and details, by the one
 //     classification of server/internal/reason (which also bounds what a

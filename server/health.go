@@ -44,7 +44,7 @@ func (s *Server) ServeHealth(lis net.Listener) error {
 		grpc.StreamInterceptor(carried.streams(s.admission.PublicStream)),
 		// A health request is a service name.
 		grpc.MaxRecvMsgSize(healthMaxRecvMsgSize),
-		// After serverOptions' MaxConcurrentStreams, which it replaces.
+		// After ServerOptions' MaxConcurrentStreams, which it replaces.
 		grpc.MaxConcurrentStreams(HealthMaxConcurrentStreams),
 		grpc.KeepaliveParams(s.cfg.Keepalive),
 		grpc.KeepaliveEnforcementPolicy(keepaliveEnforcement))

@@ -301,13 +301,10 @@ func TestQuotaCountedWhenFirstSeen(t *testing.T) {
 // Lookup per Claim, and a refused one makes no Claim. The replica counts
 // its own new keys between refreshes, so it needs none to refuse here.
 func TestQuotaCost(t *testing.T) {
-	reader := sdkmetric.NewManualReader()
-	cfg := quotaConfig(t)
-	cfg.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	c := serveQuota(t, memStore(t), cfg)
+	c := serveQuota(t, memStore(t), quotaConfig(t))
 	ops := func() map[string]uint64 {
 		var rm metricdata.ResourceMetrics
-		require.NoError(t, reader.Collect(t.Context(), &rm))
+		require.NoError(t, c.reader.Collect(t.Context(), &rm))
 		out := map[string]uint64{}
 		for _, sm := range rm.ScopeMetrics {
 			for _, m := range sm.Metrics {

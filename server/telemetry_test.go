@@ -66,6 +66,8 @@ func TestCountersStartAtZero(t *testing.T) {
 		server.MetricBoundRefused + " bound=identity_calls",
 		server.MetricWaits + " ended=" + server.WaitElapsed,
 		server.MetricWaitsRefused + " bound=server",
+		server.MetricQuotaRefreshes + " result=ok",
+		server.MetricQuotaRefreshes + " result=failed",
 	} {
 		v, ok := got[series]
 		require.True(t, ok, "series %q missing; got %v", series, got)

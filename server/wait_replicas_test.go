@@ -17,7 +17,7 @@ import (
 )
 
 // Waits across replicas told by the replica that ends the attempt
-// (server/peers.go). Every replica here re-checks only every
+// (server/internal/replicas). Every replica here re-checks only every
 // slowRecheck, longer than the waits (crossWait), and the holder's lease
 // (10s) outlasts them too: a waiter that answers anything but
 // OUTCOME_IN_PROGRESS was woken by being told.

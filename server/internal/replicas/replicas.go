@@ -126,11 +126,10 @@ func New(cfg Config) (*Replicas, error) {
 // ID is this replica's ID in the membership.
 func (r *Replicas) ID() string { return r.cfg.ID }
 
-// Join enters the membership as the replica serving on lis and starts
-// telling peers, until ctx ends; the membership's heartbeat is run, the
-// loop to run until ctx ends (it leaves the membership when it returns).
-// It returns nil, and the replica stays alone, when the store keeps no
-// membership.
+// Join makes this replica, serving on lis, a member, and links it to its
+// peers until ctx ends. It returns the membership's heartbeat loop, for
+// the caller to run until ctx ends (the replica leaves when it returns),
+// or nil, the replica alone, when the store keeps no membership.
 func (r *Replicas) Join(ctx context.Context, lis net.Addr) (run func()) {
 	ms, ok := r.cfg.Store.(storage.Membership)
 	if !ok {
