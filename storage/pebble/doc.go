@@ -24,6 +24,8 @@
 //	0x00 "format"             layout version (2)
 //	0x00 "token-floor"        greatest token of any record the sweeper deleted
 //	0x00 "claim-key"          the claim key (storage.ClaimKeys)
+//	0x00 "restore-floor"      the greatest token issued before a restore
+//	                          (restore.go); absent if never restored
 //	0x01 consumer 0x00 0x01 kind key
 //	                          a record; 0x00 in the consumer is written
 //	                          0x00 0xFF, so the key is unambiguous and sorts
@@ -65,6 +67,21 @@
 // the floor to DecideClaim as the expired record's token, so tokens keep
 // increasing across deletions and restarts whatever the wall clock does. It
 // costs nothing on the hot path.
+//
+// A restore from a backup (Restore) persists a restore floor: the greatest
+// of the backup's token high-water mark, the greatest token of the
+// directory it replaces, and the restore's clock. The store's clock never
+// reads below it, so every token issued after the restore, by any decision,
+// exceeds every token issued before it on either timeline; a token the lost
+// timeline issued ahead of the restore's clock, in a directory the restore
+// did not replace, is the one case left to the clock.
+//
+// # Backups
+//
+// BeginBackup takes a pebble checkpoint in a directory inside the data
+// directory (checkpoint.go): hard links to the sstables and a copy of the
+// WAL, consistent at one point of the WAL, so every call acknowledged
+// before it is in it. Open removes checkpoints a stopped process left.
 //
 // # The directory lock
 //
