@@ -29,6 +29,7 @@ import (
 	"syscall"
 
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/admincli"
+	"github.com/idemreg/idemreg/cmd/idemreg/internal/backupcmd"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/cmdline"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/command"
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/config"
@@ -50,6 +51,10 @@ Usage:
                             add a claim key generation; the old one stays accepted for --grace
   idemreg sweep   [flags]   delete expired records once and exit (for a cron job):
                             0 finished, 1 failed, 3 stopped by --max-duration
+  idemreg backup  --to DIR|-
+                            copy a serving embedded store into a directory or a tar stream
+  idemreg restore --from DIR|- --data-dir D
+                            install a backup as a data directory, refusing an incomplete one
   idemreg health  [flags]   check a server's --health-listen (exit 0 when SERVING)
   idemreg new-token         print a new bearer token and its hash for --config
   idemreg admin   CMD       list, inspect, resolve or invalidate records on a running
@@ -72,6 +77,8 @@ var commands = map[string]struct {
 	"migrate status":   {migratecmd.Status, "List the migrations --database-url has applied and those pending; change\nnothing. Exit 0 when none is pending, " + strconv.Itoa(migratecmd.ExitPending) + " when some are (for an init\ncontainer or a deploy check), 2 when the database cannot be read."},
 	"rotate-claim-key": {rotatecmd.Command, "Add a claim key generation; the old one stays accepted for --grace."},
 	"sweep":            {sweepcmd.Command, "Delete expired records once and exit: 0 finished, 1 failed, 3 stopped by --max-duration."},
+	"backup":           {backupcmd.Backup, "Copy a serving embedded store into a directory or a tar stream (--to -): every\nfile checked against the server's manifest, BACKUP-COMPLETE written last."},
+	"restore":          {backupcmd.Restore, "Install a backup as --data-dir, refusing an incomplete one, a non-empty\ndirectory without --force, and a directory a serve holds."},
 	"health":           {healthcmd.Command, "Check a server's --health-listen: exit 0 when SERVING."},
 	"new-token":        {newTokenCommand, "Print a new bearer token, for the client, and its hash, for token_hashes in\n--config. It takes no flags."},
 	"version":          {versioncmd.Command(stamp()), "Print the module version, VCS revision and Go version."},
