@@ -12,7 +12,9 @@ STANDALONE := deploy/validate internal/release
 # What `idemreg version` prints, stamped by make build (-ldflags -X). The
 # Dockerfile has no .git, so it passes all three from its build arguments
 # (make image sets them from this checkout).
-VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+# --match: the registry's own tags (v0.1.0), not the other modules'
+# (client/v0.1.0, proto/v0.1.0, ...), which name the same commits.
+VERSION ?= $(shell git describe --tags --match 'v[0-9]*' --always --dirty 2>/dev/null || echo dev)
 REVISION ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 REVISION_TIME ?= $(shell git log -1 --format=%cI 2>/dev/null || echo unknown)
 LDFLAGS := -s -w -X main.version=$(VERSION) -X main.revision=$(REVISION) -X main.revisionTime=$(REVISION_TIME)
