@@ -39,6 +39,7 @@ import (
 	"github.com/idemreg/idemreg/cmd/idemreg/internal/command"
 	idemregv1 "github.com/idemreg/idemreg/proto/idemreg/v1"
 	"github.com/idemreg/idemreg/server/access"
+	"github.com/idemreg/idemreg/server/policy"
 	"github.com/idemreg/idemreg/storage"
 )
 
@@ -64,7 +65,7 @@ func (c *conn) bind(fs *flag.FlagSet) {
 	fs.StringVar(&c.cert, "tls-cert", "", "PEM client certificate, for an identity of its subject (with --tls-key)")
 	fs.StringVar(&c.key, "tls-key", "", "PEM key of --tls-cert")
 	fs.StringVar(&c.serverName, "server-name", "", "name to verify the server's certificate against (default: --addr's host)")
-	fs.DurationVar(&c.timeout, "timeout", time.Minute, "give up on one call to the server after this long (the backup as a whole takes as long as it takes)")
+	policy.DurationVar(fs, &c.timeout, "timeout", time.Minute, "give up on one call to the server after this long (the backup as a whole takes as long as it takes)")
 }
 
 // Dial connects to addr as admin's commands do: TLS with tlsCA, or

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -294,17 +295,19 @@ func TestRestoreRefusesHalfMadeBackups(t *testing.T) {
 			var stderr bytes.Buffer
 			cmd.Stderr = &stderr
 			require.NoError(t, cmd.Start())
-			// Kill once a part is written, well before the end.
-			require.Eventually(t, func() bool {
+			// Kill once a part is written, well before the end. stderr is
+			// read only after Wait: the process writes it until then.
+			wrote := assert.Eventually(t, func() bool {
 				if to == "-" {
 					st, err := f.Stat()
 					return err == nil && st.Size() > 4096
 				}
 				entries, _ := os.ReadDir(out)
 				return len(entries) >= 2
-			}, 30*time.Second, 5*time.Millisecond, "the backup wrote nothing: %s", stderr.String())
+			}, 30*time.Second, 5*time.Millisecond)
 			require.NoError(t, cmd.Process.Kill())
 			_ = cmd.Wait()
+			require.True(t, wrote, "the backup wrote nothing: %s", stderr.String())
 
 			o := backupcmd.RestoreOptions{From: out, DataDir: target, Force: true}
 			if to == "-" {
